@@ -1,0 +1,39 @@
+"""The one module that owns moe-aot's environment variables and default paths.
+
+MOE_AOT_DB         SQLAlchemy URL of the kernel database (default: SQLite in <repo>/cache/).
+MOE_AOT_CACHE_DIR  folder of the default SQLite database and of unpacked kernel libraries.
+MOE_AOT_CUDA_HOME  CUDA toolkit root that holds lib64/libcudart_static.a (default: CUDA_HOME,
+                   then /usr/local/cuda); only the compiler needs it, to link kernel libraries.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+_PACKAGE_DIR = Path(__file__).resolve().parent
+REPO_ROOT = _PACKAGE_DIR.parent
+
+
+def cache_dir() -> Path:
+    raw = os.environ.get("MOE_AOT_CACHE_DIR")
+    return Path(raw).expanduser().resolve() if raw else REPO_ROOT / "cache"
+
+
+def default_db_url() -> str:
+    url = os.environ.get("MOE_AOT_DB")
+    if url:
+        return url
+    return f"sqlite:///{cache_dir() / 'moe_aot.sqlite'}"
+
+
+def cuda_home() -> Path:
+    for var in ("MOE_AOT_CUDA_HOME", "CUDA_HOME", "CUDA_PATH"):
+        if os.environ.get(var):
+            return Path(os.environ[var])
+    return Path("/usr/local/cuda")
+
+
+def templates_dir() -> Path:
+    """Kernel templates: the repo's templates/ in a checkout, moe_aot/_templates when installed."""
+    installed = _PACKAGE_DIR / "_templates"
+    return installed if installed.is_dir() else REPO_ROOT / "templates"

@@ -1,0 +1,187 @@
+"""Compile one CuTe DSL kernel object on a CPU-only machine into a loadable artifact.
+
+An artifact is everything the runtime needs and nothing of the DSL: a self-contained shared
+library (the DSL's exported host launcher with its embedded fatbin, linked against the DSL's tiny
+static runtime and CUDA's static cudart, so it needs only libcuda.so.1), the cubin and PTX for
+inspection, and metadata: the host ABI (entry points, one C struct per tensor argument), the
+compile-time assumptions the runtime must check before launching (static modes, divisibility,
+alignment) and the toolchain fingerprint.
+
+This module imports `cutlass` lazily, inside the functions that need it, so that importing the
+package never pulls in the DSL.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import json
+import re
+import shlex
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from . import env
+
+# Baseline x86-64: the DSL's default host target is the build CPU (AVX-512 code can SIGILL elsewhere).
+HOST_TARGET_X86_64 = "llvm -mtriple=x86_64-unknown-linux-gnu -mcpu=x86-64"
+ARTIFACT_FORMAT = 1
+
+
+class KernelCompileError(RuntimeError):
+    """The DSL or the linker refused a kernel; the message carries the tool's own words."""
+
+
+@dataclass
+class Artifact:
+    name: str
+    library: bytes
+    cubin: bytes
+    ptx: str
+    meta: dict = field(default_factory=dict)
+
+    def write_dir(self, path) -> Path:
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        (path / f"lib{self.name}.so").write_bytes(self.library)
+        (path / f"{self.name}.cubin").write_bytes(self.cubin)
+        (path / f"{self.name}.ptx").write_text(self.ptx)
+        # Metadata last: its presence marks a complete artifact folder.
+        tmp = path / "meta.json.tmp"
+        tmp.write_text(json.dumps(self.meta, indent=1, sort_keys=True))
+        tmp.replace(path / "meta.json")
+        return path
+
+
+_runtime_loaded = False
+
+
+def _load_dsl_runtime() -> Path:
+    """export_to_c JIT-links the host module, which needs the DSL's _cuda* wrappers in-process."""
+    global _runtime_loaded
+    from cutlass.cute.runtime import find_runtime_libraries
+
+    libs = find_runtime_libraries(enable_tvm_ffi=False)
+    if not _runtime_loaded:
+        for lib in libs:
+            ctypes.CDLL(lib, mode=ctypes.RTLD_GLOBAL)
+        _runtime_loaded = True
+    return Path(libs[0]).parent
+
+
+def toolchain_fingerprint(arch: str, host_target: str = HOST_TARGET_X86_64) -> dict:
+    import cutlass
+    from cutlass.base_dsl.version_info import CUDA_VERSION
+
+    return {
+        "dsl": f"nvidia-cutlass-dsl=={cutlass.__version__}",
+        "cuda_flavour": f"cu{CUDA_VERSION.major}.{CUDA_VERSION.minor}",
+        "arch": arch,
+        "host_target": host_target,
+        "artifact_format": ARTIFACT_FORMAT,
+    }
+
+
+def _sym(value):
+    """A static int, or None for a dynamic (symbolic) mode."""
+    return value if isinstance(value, int) else None
+
+
+def _tensor_abi(name: str, fake) -> dict:
+    shape, stride = tuple(fake.shape), tuple(fake.stride)
+    dyn_shape = [i for i, d in enumerate(fake.dynamic_shapes_mask) if d]
+    dyn_stride = [i for i, d in enumerate(fake.dynamic_strides_mask) if d]
+    widths = {getattr(shape[i], "width", 32) for i in dyn_shape}
+    return {
+        "name": name,
+        "kind": "tensor",
+        "dtype": str(fake.element_type),
+        "rank": len(shape),
+        "static_shape": [_sym(s) for s in shape],
+        "static_stride": [_sym(s) for s in stride],
+        "dynamic_shape_modes": dyn_shape,
+        "dynamic_stride_modes": dyn_stride,
+        "shape_divisibility": [getattr(s, "divisibility", 1) if _sym(s) is None else None for s in shape],
+        "stride_divisibility": [getattr(s, "divisibility", 1) if _sym(s) is None else None for s in stride],
+        "shape_c_type": "int64" if widths == {64} else "int32",
+        "stride_c_type": "int32" if getattr(fake, "_use_32bit_stride", False) else "int64",
+        "assumed_align": int(fake._assumed_align or 1),
+    }
+
+
+def _link(obj: Path, out: Path, runtime_dir: Path) -> None:
+    static_rt = runtime_dir / "libcuda_dialect_runtime_static.a"
+    cudart = env.cuda_home() / "lib64" / "libcudart_static.a"
+    for needed in (static_rt, cudart):
+        if not needed.exists():
+            raise KernelCompileError(
+                f"cannot link the kernel library: {needed} is missing "
+                "(set MOE_AOT_CUDA_HOME to a CUDA 13 toolkit that has lib64/libcudart_static.a)")
+    # -Bsymbolic: the library's _cuda* calls bind to its own copies even beside other CUDA users.
+    cmd = ["gcc", "-shared", "-fPIC", "-o", str(out), str(obj), str(static_rt), str(cudart),
+           "-ldl", "-lrt", "-lpthread", "-Wl,--exclude-libs,ALL", "-Wl,-Bsymbolic", "-s"]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise KernelCompileError(f"linking {out.name} failed: {proc.stderr.strip()[-2000:]}")
+
+
+def compile_kernel(kernel_obj, arch: str, name: str, host_target: str = HOST_TARGET_X86_64) -> Artifact:
+    """Compile `kernel_obj` (a template instance with `fake_arguments()` and a @cute.jit
+    `__call__`) for `arch` and return its artifact. `name` becomes the C symbol prefix."""
+    if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+        raise ValueError(f"artifact name {name!r} must be a C identifier")
+    import cutlass.cute as cute
+
+    runtime_dir = _load_dsl_runtime()
+    named = list(kernel_obj.fake_arguments())
+    fakes = [f for _, f in named]
+    with tempfile.TemporaryDirectory(prefix="moe_aot_build_") as tmp:
+        tmp = Path(tmp)
+        (tmp / "dump").mkdir()
+        opts = (f"--gpu-arch {arch} --keep-cubin --keep-ptx --dump-dir {tmp / 'dump'} "
+                f"--host-target {shlex.quote(host_target)}")
+        t0 = time.perf_counter()
+        try:
+            compiled = cute.compile(kernel_obj, *fakes, options=opts)
+        except Exception as exc:  # the DSL raises many types; keep its message
+            raise KernelCompileError(f"{type(exc).__name__}: {exc}") from exc
+        t_compile = time.perf_counter() - t0
+        cubin, ptx = compiled.__cubin__, compiled.__ptx__
+        if not isinstance(cubin, bytes) or not isinstance(ptx, str):
+            raise KernelCompileError("the DSL kept no cubin/PTX (keep options ignored)")
+        t0 = time.perf_counter()
+        compiled.export_to_c(str(tmp), name, name)
+        obj = tmp / f"{name}.o"
+        lib_path = tmp / f"lib{name}.so"
+        _link(obj, lib_path, runtime_dir)
+        t_link = time.perf_counter() - t0
+        library = lib_path.read_bytes()
+
+    args = []
+    for arg_name, fake in named:
+        if hasattr(fake, "dynamic_shapes_mask"):
+            args.append(_tensor_abi(arg_name, fake))
+        else:
+            args.append({"name": arg_name, "kind": "stream"})
+    if args[-1]["kind"] != "stream" or any(a["kind"] == "stream" for a in args[:-1]):
+        raise KernelCompileError("a kernel must take tensors and one final stream argument")
+
+    fn = compiled.function_name
+    meta = {
+        "name": name,
+        "host_abi": {
+            "init": f"_mlir_{name}_cuda_init",
+            "load_to_device": f"_mlir_{name}_cuda_load_to_device",
+            "run": f"_mlir_{name}__mlir_ciface_{fn}",
+        },
+        "kernels": sorted(compiled.kernel_info.keys()),
+        "args": args,
+        "toolchain": toolchain_fingerprint(arch, host_target),
+        "ptx_isa": (re.search(r"\.version\s+([\d.]+)", ptx) or [None, None])[1],
+        "sizes": {"library": len(library), "cubin": len(cubin), "ptx": len(ptx)},
+        "sha256": {"library": hashlib.sha256(library).hexdigest(), "cubin": hashlib.sha256(cubin).hexdigest()},
+        "timing_s": {"compile": round(t_compile, 3), "export_and_link": round(t_link, 3)},
+    }
+    return Artifact(name=name, library=library, cubin=cubin, ptx=ptx, meta=meta)

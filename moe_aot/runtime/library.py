@@ -1,0 +1,155 @@
+"""Load one compiled kernel library and launch it on torch tensors, without the DSL.
+
+The library is the DSL's exported host launcher linked into a self-contained .so. Its entry
+points use MLIR's packed calling convention: `void fn(void** args)`, one pointer per argument and
+a last slot pointing to an int32 CUDA error code. A tensor argument is the C struct
+`{T* data; int32|int64 dynamic_shape[k]; int64 dynamic_stride[m];}` holding only the modes that
+were dynamic at compile time; everything else was baked into the machine code, so `check_tensor`
+verifies those assumptions before every launch: violating them would be undefined behaviour.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+
+_C_TYPES = {"int32": ctypes.c_int32, "int64": ctypes.c_int64}
+_DTYPES = {
+    "BFloat16": torch.bfloat16, "Float16": torch.float16, "Float32": torch.float32,
+    "Int32": torch.int32, "Int64": torch.int64, "Uint8": torch.uint8, "Int8": torch.int8,
+}
+
+
+class KernelArgumentError(ValueError):
+    """A tensor does not satisfy what the kernel was compiled for."""
+
+
+class KernelLaunchError(RuntimeError):
+    """The CUDA runtime refused to load or launch a kernel."""
+
+
+def _struct_type(arg: dict):
+    fields = [("data", ctypes.c_void_p)]
+    if arg["dynamic_shape_modes"]:
+        fields.append(("shape", _C_TYPES[arg["shape_c_type"]] * len(arg["dynamic_shape_modes"])))
+    if arg["dynamic_stride_modes"]:
+        fields.append(("stride", _C_TYPES[arg["stride_c_type"]] * len(arg["dynamic_stride_modes"])))
+    return type(f"Arg_{arg['name']}", (ctypes.Structure,), {"_fields_": fields})
+
+
+def check_tensor(arg: dict, t: torch.Tensor, kernel: str = "") -> None:
+    """Raise KernelArgumentError unless `t` matches the compiled contract of `arg`."""
+    where = f"{kernel}: argument '{arg['name']}'"
+    if not isinstance(t, torch.Tensor):
+        raise KernelArgumentError(f"{where} must be a torch.Tensor, got {type(t).__name__}")
+    want = _DTYPES.get(arg["dtype"])
+    if t.dtype != want:
+        raise KernelArgumentError(f"{where} must have dtype {want}, got {t.dtype}")
+    if not t.is_cuda:
+        raise KernelArgumentError(f"{where} must be a CUDA tensor, got device {t.device}")
+    if t.dim() != arg["rank"]:
+        raise KernelArgumentError(f"{where} must have {arg['rank']} dimensions, got shape {tuple(t.shape)}")
+    for i, (size, stat) in enumerate(zip(t.shape, arg["static_shape"])):
+        if stat is not None and size != stat:
+            raise KernelArgumentError(
+                f"{where} must have size {stat} in dimension {i} (shape {tuple(arg['static_shape'])}, "
+                f"None = any), got shape {tuple(t.shape)}")
+        div = arg["shape_divisibility"][i]
+        if stat is None and div and size % div:
+            raise KernelArgumentError(f"{where}: dimension {i} ({size}) must be a multiple of {div}")
+    for i, (st, stat) in enumerate(zip(t.stride(), arg["static_stride"])):
+        if t.shape[i] == 1 and stat is not None:
+            continue  # the stride of a size-1 mode is never used
+        if stat is not None and st != stat:
+            raise KernelArgumentError(
+                f"{where} must be contiguous in the compiled layout (strides {tuple(arg['static_stride'])}), "
+                f"got strides {tuple(t.stride())}")
+        div = arg["stride_divisibility"][i]
+        if stat is None and div and st % div:
+            raise KernelArgumentError(f"{where}: stride {i} ({st}) must be a multiple of {div}")
+    if t.data_ptr() % arg["assumed_align"]:
+        raise KernelArgumentError(f"{where} must be {arg['assumed_align']}-byte aligned (data_ptr {t.data_ptr():#x})")
+
+
+class KernelLibrary:
+    """One kernel library loaded into this process and onto the current CUDA device."""
+
+    def __init__(self, so_path: os.PathLike, meta: dict, device: int | None = None):
+        self.meta = meta
+        self.name = meta["name"]
+        self._lib = ctypes.CDLL(str(so_path), mode=ctypes.RTLD_LOCAL)
+        abi = meta["host_abi"]
+        self._handle = ctypes.c_void_p(0)
+        self._handle_ptr = ctypes.c_void_p(ctypes.addressof(self._handle))
+        ret = ctypes.c_int32(-1)
+        getattr(self._lib, abi["init"])((ctypes.c_void_p * 2)(ctypes.addressof(self._handle_ptr),
+                                                                ctypes.addressof(ret)))
+        if ret.value != 0:
+            raise KernelLaunchError(f"{self.name}: loading the kernel module failed (cudaError {ret.value})")
+        dev = ctypes.c_int32(torch.cuda.current_device() if device is None else device)
+        getattr(self._lib, abi["load_to_device"])((ctypes.c_void_p * 3)(
+            ctypes.addressof(self._handle_ptr), ctypes.addressof(dev), ctypes.addressof(ret)))
+        if ret.value != 0:
+            raise KernelLaunchError(f"{self.name}: loading onto device {dev.value} failed (cudaError {ret.value}); "
+                                    "a cubin runs only on the exact arch it was built for")
+        self._run = getattr(self._lib, abi["run"])
+        self._tensor_args = [a for a in meta["args"] if a["kind"] == "tensor"]
+        # Argument structs are built once and refilled per call: fewer Python steps per launch.
+        self._structs = [_struct_type(a)() for a in self._tensor_args]
+        self._stream = ctypes.c_void_p(0)
+        self._ret = ctypes.c_int32(0)
+        ptrs = [ctypes.addressof(s) for s in self._structs]
+        ptrs += [ctypes.addressof(self._stream), ctypes.addressof(self._ret)]
+        self._packed = (ctypes.c_void_p * len(ptrs))(*ptrs)
+        self._nargs = ctypes.c_int32(len(ptrs))
+
+    @classmethod
+    def from_dir(cls, path, device: int | None = None) -> "KernelLibrary":
+        path = Path(path)
+        meta = json.loads((path / "meta.json").read_text())
+        return cls(path / f"lib{meta['name']}.so", meta, device)
+
+    @classmethod
+    def from_bytes(cls, library: bytes, meta: dict, device: int | None = None,
+                   unpack_dir: os.PathLike | None = None) -> "KernelLibrary":
+        """dlopen needs a file: write the blob (after checking its hash) to a private file."""
+        digest = hashlib.sha256(library).hexdigest()
+        if digest != meta["sha256"]["library"]:
+            raise KernelLaunchError(f"{meta['name']}: stored library is corrupt (sha256 mismatch)")
+        folder = Path(unpack_dir) if unpack_dir else Path(tempfile.gettempdir()) / f"moe_aot_{os.getuid()}"
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / f"lib{meta['name']}_{digest[:16]}.so"
+        if not path.exists() or hashlib.sha256(path.read_bytes()).hexdigest() != digest:
+            fd, tmp = tempfile.mkstemp(dir=folder, suffix=".so.tmp")
+            with os.fdopen(fd, "wb") as f:
+                f.write(library)
+            os.replace(tmp, path)
+        return cls(path, meta, device)
+
+    @property
+    def arg_names(self) -> list[str]:
+        return [a["name"] for a in self._tensor_args]
+
+    def __call__(self, *tensors: torch.Tensor, stream: int | None = None, check: bool = True) -> None:
+        if len(tensors) != len(self._tensor_args):
+            raise KernelArgumentError(
+                f"{self.name} takes {len(self._tensor_args)} tensors ({', '.join(self.arg_names)}), got {len(tensors)}")
+        for arg, t, s in zip(self._tensor_args, tensors, self._structs):
+            if check:
+                check_tensor(arg, t, self.name)
+            s.data = t.data_ptr()
+            shape, stride = t.shape, t.stride()
+            for j, m in enumerate(arg["dynamic_shape_modes"]):
+                s.shape[j] = shape[m]
+            for j, m in enumerate(arg["dynamic_stride_modes"]):
+                s.stride[j] = stride[m]
+        self._stream.value = torch.cuda.current_stream().cuda_stream if stream is None else stream
+        self._ret.value = 0
+        self._run(self._packed, self._nargs)
+        if self._ret.value != 0:
+            raise KernelLaunchError(f"{self.name}: launch failed (cudaError {self._ret.value})")
