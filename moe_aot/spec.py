@@ -1,0 +1,160 @@
+"""Spec front-end: what MoE layer to build, in which precision, for which GPU.
+
+Everything a user types arrives here first and is rejected here, with one sentence that names the
+field and what is allowed, before any compiler or kernel sees it.
+"""
+from __future__ import annotations
+
+import json
+import tomllib
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+ACTIVATIONS = ("swiglu", "geglu")
+PRECISIONS = ("bf16", "fp8", "fp8-block128", "mxfp8", "nvfp4")
+SUPPORTED_PRECISIONS = {"sm_90a": ("bf16",), "sm_100a": ("bf16",), "sm_121a": ("bf16",)}
+TARGETS = {
+    "sm_90a": "Hopper: H100 / H200",
+    "sm_100a": "Blackwell datacenter: B200 / GB200",
+    "sm_121a": "Blackwell desktop: DGX Spark (GB10)",
+}
+SIZE_MULTIPLE = 64  # hidden/intermediate: 16-byte aligned rows and whole 64-wide K tiles
+MAX_EXPERTS = 1024
+MAX_TOP_K = 32
+
+# Public models' MoE layers (full expert set on one GPU); sources: each model's config.json.
+PRESETS = {
+    "qwen3-30b-a3b": dict(experts=128, top_k=8, hidden=2048, intermediate=768, activation="swiglu"),
+    "qwen3-235b-a22b": dict(experts=128, top_k=8, hidden=4096, intermediate=1536, activation="swiglu"),
+    "gpt-oss-120b": dict(experts=128, top_k=4, hidden=2880, intermediate=2880, activation="swiglu"),
+    "deepseek-v3": dict(experts=256, top_k=8, hidden=7168, intermediate=2048, activation="swiglu"),
+    "mixtral-8x7b": dict(experts=8, top_k=2, hidden=4096, intermediate=14336, activation="swiglu"),
+}
+BENCH_TOKENS = (1, 16, 64, 256, 1024, 4096, 16384)
+
+
+class SpecError(ValueError):
+    """Bad user input; the message is one sentence naming the field and what is allowed."""
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    experts: int
+    top_k: int
+    hidden: int
+    intermediate: int
+    activation: str = "swiglu"
+    precision: str = "bf16"
+    target: str = "sm_90a"
+    model: str | None = None  # preset name, informational only (not part of the key)
+
+    def __post_init__(self):
+        _validate(self)
+
+    @property
+    def workload_key(self) -> str:
+        """Database key of the layer's math: shape, activation, precision (target is separate)."""
+        return (f"e{self.experts}_k{self.top_k}_h{self.hidden}_i{self.intermediate}"
+                f"_{self.activation}_{self.precision}")
+
+    @property
+    def shape_tag(self) -> str:
+        return f"e{self.experts}k{self.top_k}h{self.hidden}i{self.intermediate}"
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.pop("model")
+        return d
+
+    def label(self) -> str:
+        return self.model or self.workload_key
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _validate(s: LayerSpec) -> None:
+    for name in ("experts", "top_k", "hidden", "intermediate"):
+        v = getattr(s, name)
+        if not _is_int(v) or v <= 0:
+            raise SpecError(f"{name} must be a positive integer, got {v!r}")
+    if s.experts > MAX_EXPERTS:
+        raise SpecError(f"experts must be at most {MAX_EXPERTS}, got {s.experts}")
+    if s.top_k > s.experts:
+        raise SpecError(f"top_k ({s.top_k}) must not exceed experts ({s.experts})")
+    if s.top_k > MAX_TOP_K:
+        raise SpecError(f"top_k must be at most {MAX_TOP_K}, got {s.top_k}")
+    for name in ("hidden", "intermediate"):
+        v = getattr(s, name)
+        if v % SIZE_MULTIPLE:
+            raise SpecError(f"{name} must be a multiple of {SIZE_MULTIPLE} (aligned rows and whole K tiles), "
+                            f"got {v}; the nearest allowed values are {v - v % SIZE_MULTIPLE or SIZE_MULTIPLE} "
+                            f"and {v - v % SIZE_MULTIPLE + SIZE_MULTIPLE}")
+    if s.activation not in ACTIVATIONS:
+        raise SpecError(f"activation must be one of {', '.join(ACTIVATIONS)}, got {s.activation!r}")
+    if s.target not in TARGETS:
+        raise SpecError(f"target must be one of {', '.join(TARGETS)}, got {s.target!r}")
+    if s.precision not in PRECISIONS:
+        raise SpecError(f"precision must be one of {', '.join(PRECISIONS)}, got {s.precision!r}")
+    if s.precision not in SUPPORTED_PRECISIONS[s.target]:
+        raise SpecError(f"precision {s.precision!r} is not yet supported for {s.target}; "
+                        f"supported: {', '.join(SUPPORTED_PRECISIONS[s.target])}")
+
+
+_FIELDS = {"experts", "top_k", "hidden", "intermediate", "activation", "precision", "target", "model"}
+
+
+def make_spec(model: str | None = None, **fields) -> LayerSpec:
+    """A spec from a preset name, explicit fields, or a preset with fields overriding it."""
+    unknown = set(fields) - _FIELDS
+    if unknown:
+        raise SpecError(f"unknown field(s) {', '.join(sorted(unknown))}; allowed: {', '.join(sorted(_FIELDS))}")
+    fields = {k: v for k, v in fields.items() if v is not None}
+    base: dict = {}
+    if model is not None:
+        if model not in PRESETS:
+            raise SpecError(f"model must be one of {', '.join(PRESETS)}, got {model!r}")
+        base = dict(PRESETS[model], model=model)
+    merged = {**base, **fields}
+    missing = [f for f in ("experts", "top_k", "hidden", "intermediate") if f not in merged]
+    if missing:
+        raise SpecError(f"missing {', '.join(missing)}: give a --model preset ({', '.join(PRESETS)}) "
+                        "or every layer size")
+    if isinstance(merged.get("activation"), str):
+        merged["activation"] = merged["activation"].lower()
+    if isinstance(merged.get("precision"), str):
+        merged["precision"] = merged["precision"].lower()
+    return LayerSpec(**merged)
+
+
+def load_specs(path: str | Path, default_target: str | None = None) -> list[LayerSpec]:
+    """Layers from a TOML or JSON file: a list of tables under `layer` (or a top-level JSON list),
+    each a preset `model` and/or explicit fields."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise SpecError(f"cannot read spec file {path}: {exc.strerror}") from None
+    try:
+        data = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
+        raise SpecError(f"spec file {path} is not valid {'TOML' if path.suffix == '.toml' else 'JSON'}: {exc}") from None
+    layers = data if isinstance(data, list) else data.get("layer", data.get("layers")) if isinstance(data, dict) else None
+    if not isinstance(layers, list) or not layers:
+        raise SpecError(f"spec file {path} must list layers: [[layer]] tables in TOML or a JSON list / "
+                        "{\"layers\": [...]}")
+    specs = []
+    for i, entry in enumerate(layers):
+        if not isinstance(entry, dict):
+            raise SpecError(f"layer {i + 1} in {path} must be a table of fields, got {type(entry).__name__}")
+        entry = dict(entry)
+        if default_target and "target" not in entry:
+            entry["target"] = default_target
+        try:
+            specs.append(make_spec(**entry))
+        except SpecError as exc:
+            raise SpecError(f"layer {i + 1} in {path}: {exc}") from None
+        except TypeError as exc:
+            raise SpecError(f"layer {i + 1} in {path}: {exc}") from None
+    return specs
