@@ -1,0 +1,336 @@
+"""Device-side MoE routing and the top-k combine, as CuTe DSL kernels.
+
+`MoeRouting` turns `topk_ids` into per-expert counts, tile-padded offsets, the expert-sorted
+permutation and the tile -> expert map, on the GPU with no host synchronisation.
+`MoeCombine` sums the K expert outputs of each token (already scaled by the routing weights).
+"""
+
+from __future__ import annotations
+
+import math
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32
+from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
+
+_WARP = 32
+# Shared memory a CTA may use everywhere we target (sm_121 has 99 KiB, sm_90 227 KiB).
+_SMEM_BUDGET = 96 * 1024
+
+
+class MoeRouting:
+    """Counting sort of (token, k) pairs by expert, padded per expert to `tile_m` rows.
+
+    Arguments of `__call__` (all int32, contiguous):
+      topk_ids        [M, K]  expert id of each pair; pair p = m*K + k.
+      expert_counts   [E]     pairs routed to each expert.
+      expert_offsets  [E+1]   offsets[0] = 0, offsets[e+1] = offsets[e] + roundup(counts[e], tile_m).
+      sorted_ids      [R]     rows [offsets[e], offsets[e]+counts[e]) hold expert e's pair indices
+                              in ascending p; every other row is -1.
+      tile_expert     [T]     e for tiles in [offsets[e]/tile_m, offsets[e+1]/tile_m), then -1.
+    The caller sizes T = ceil((M*K + min(E, M*K)*(tile_m-1)) / tile_m) and R = T*tile_m; every
+    entry of every output is written on every call, so buffers can be reused by CUDA graphs.
+    Ids outside [0, E) are dropped: counted nowhere and placed nowhere.
+
+    Design: one CTA. Warp w owns a contiguous run of pairs. Pass 1 builds a per-warp histogram in
+    shared memory; a column scan over warps gives each warp its first row per expert; warp 0 scans
+    the padded counts into offsets. Pass 2 re-reads the pairs in the same order and ranks equal
+    experts inside each 32-pair step with match.any + popc, so the result is deterministic and
+    stable with no global atomics.
+
+    Constraints:
+      - 1 <= num_experts and 32 * (num_experts + 1) * 4 bytes of shared memory fit (E <= 512).
+      - top_k >= 1; tile_m a power of two in [1, 1024].
+      - num_threads a multiple of 32 in [32, 1024]; unroll in [1, 16].
+      - int32 tensors, contiguous; alignment 4 bytes (all accesses are scalar).
+      - M * K and R must fit in int32.
+    """
+
+    def __init__(self, num_experts: int, top_k: int, tile_m: int,
+                 num_threads: int = 1024, unroll: int = 8):
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.tile_m = tile_m
+        self.num_threads = num_threads
+        self.unroll = unroll
+        self.num_warps = num_threads // _WARP
+        # Padding the per-warp rows by one word keeps the column scan free of bank conflicts.
+        self.hist_stride = num_experts + 1
+
+    @cute.jit
+    def __call__(self, topk_ids: cute.Tensor, expert_counts: cute.Tensor,
+                 expert_offsets: cute.Tensor, sorted_ids: cute.Tensor,
+                 tile_expert: cute.Tensor, stream: cuda.CUstream):
+        num_pairs = cute.size(topk_ids)
+        flat_ids = cute.make_tensor(topk_ids.iterator, cute.make_layout(num_pairs))
+        self.kernel(flat_ids, expert_counts, expert_offsets, sorted_ids, tile_expert).launch(
+            grid=[1, 1, 1], block=[self.num_threads, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, ids: cute.Tensor, g_counts: cute.Tensor, g_offsets: cute.Tensor,
+               g_sorted: cute.Tensor, g_tile_expert: cute.Tensor):
+        E = self.num_experts
+        NW = self.num_warps
+        NT = self.num_threads
+        U = self.unroll
+        TM = self.tile_m
+        tid, _, _ = cute.arch.thread_idx()
+        warp = tid // _WARP
+        lane = tid % _WARP
+
+        smem = cutlass.utils.SmemAllocator()
+        s_hist = smem.allocate_tensor(
+            Int32, cute.make_layout((NW, E), stride=(self.hist_stride, 1)), 16)
+        s_count = smem.allocate_tensor(Int32, cute.make_layout(E), 16)
+        s_off = smem.allocate_tensor(Int32, cute.make_layout(E + 1), 16)
+
+        n = cute.size(ids)
+        # Warp w owns 32-pair steps [w*per_warp, (w+1)*per_warp); per_warp is a multiple of U.
+        steps = (n + _WARP - 1) // _WARP
+        per_warp = ((steps + NW - 1) // NW + U - 1) // U * U
+        first_step = warp * per_warp
+
+        for i in range(tid, NW * self.hist_stride, NT):
+            s_hist.iterator[i] = Int32(0)
+        cute.arch.sync_threads()
+
+        # Pass 1: per-warp histogram (shared atomics, rows private to a warp).
+        for s0 in range(first_step, first_step + per_warp, U):
+            keys = []
+            for j in cutlass.range_constexpr(U):
+                p = (s0 + j) * _WARP + lane
+                key = Int32(E)  # invalid or past-the-end pairs get key E
+                if p < n:
+                    v = ids[p]
+                    if v >= 0:
+                        if v < E:
+                            key = v
+                keys.append(key)
+            for j in cutlass.range_constexpr(U):
+                if keys[j] < E:
+                    cute.arch.atomic_add(s_hist.iterator + (warp * self.hist_stride + keys[j]),
+                                         Int32(1))
+        cute.arch.sync_threads()
+
+        # Column scan: lane l holds warp l's count of expert e; keep the exclusive prefix.
+        for e in range(warp, E, NW):
+            v = Int32(0)
+            if lane < NW:
+                v = s_hist[lane, e]
+            incl = v
+            for d in cutlass.range_constexpr(5):
+                up = cute.arch.shuffle_sync_up(incl, 1 << d)
+                if lane >= (1 << d):
+                    incl = incl + up
+            if lane < NW:
+                s_hist[lane, e] = incl - v
+            total = cute.arch.shuffle_sync(incl, _WARP - 1)
+            if lane == 0:
+                s_count[e] = total
+                g_counts[e] = total
+        cute.arch.sync_threads()
+
+        # Offsets: warp 0, each lane scans a static run of experts.
+        if warp == 0:
+            per_lane = (E + _WARP - 1) // _WARP
+            local = Int32(0)
+            for i in cutlass.range_constexpr(per_lane):
+                e = lane * per_lane + i
+                if e < E:
+                    local = local + (s_count[e] + (TM - 1)) // TM * TM
+            incl = local
+            for d in cutlass.range_constexpr(5):
+                up = cute.arch.shuffle_sync_up(incl, 1 << d)
+                if lane >= (1 << d):
+                    incl = incl + up
+            run = incl - local
+            for i in cutlass.range_constexpr(per_lane):
+                e = lane * per_lane + i
+                if e < E:
+                    s_off[e] = run
+                    g_offsets[e] = run
+                    run = run + (s_count[e] + (TM - 1)) // TM * TM
+            total = cute.arch.shuffle_sync(incl, _WARP - 1)
+            if lane == 0:
+                s_off[E] = total
+                g_offsets[E] = total
+        cute.arch.sync_threads()
+
+        end = s_off[E]
+        # Tile -> expert: largest e with offsets[e] <= row (binary search over offsets).
+        num_tiles = cute.size(g_tile_expert)
+        for t in range(tid, num_tiles, NT):
+            row = t * TM
+            owner = Int32(-1)
+            if row < end:
+                lo = Int32(0)
+                hi = Int32(E)
+                for _ in cutlass.range_constexpr(max(1, math.ceil(math.log2(E + 1)))):
+                    mid = (lo + hi + 1) // 2
+                    if s_off[mid] <= row:
+                        lo = mid
+                    else:
+                        hi = mid - 1
+                owner = lo
+            g_tile_expert[t] = owner
+
+        # Padding rows inside each expert's last tile, then everything past offsets[E].
+        for i in range(tid, E * TM, NT):
+            e = i // TM
+            row = s_off[e] + s_count[e] + i % TM
+            if row < s_off[e + 1]:
+                g_sorted[row] = Int32(-1)
+        num_rows = cute.size(g_sorted)
+        for row in range(end + tid, num_rows, NT):
+            g_sorted[row] = Int32(-1)
+
+        # Pass 2: stable scatter. Same traversal as pass 1; equal experts within one 32-pair
+        # step are ranked by lane, and the step's leader advances the warp's running base.
+        lt = cute.arch.lanemask_lt()
+        for s0 in range(first_step, first_step + per_warp, U):
+            keys = []
+            for j in cutlass.range_constexpr(U):
+                p = (s0 + j) * _WARP + lane
+                key = Int32(E)  # invalid or past-the-end pairs get key E
+                if p < n:
+                    v = ids[p]
+                    if v >= 0:
+                        if v < E:
+                            key = v
+                keys.append(key)
+            for j in cutlass.range_constexpr(U):
+                key = keys[j]
+                peers = cute.arch.match_sync(0xFFFFFFFF, key)
+                before = peers & lt
+                rank = Int32(cute.arch.popc(before))
+                base = Int32(0)
+                if key < E:
+                    base = s_hist[warp, key]
+                cute.arch.sync_warp()
+                if key < E:
+                    if before == 0:
+                        s_hist[warp, key] = base + Int32(cute.arch.popc(peers))
+                    g_sorted[s_off[key] + base + rank] = (s0 + j) * _WARP + lane
+                cute.arch.sync_warp()
+
+    def can_implement(self) -> tuple[bool, str]:
+        E, K, TM = self.num_experts, self.top_k, self.tile_m
+        if not isinstance(E, int) or E < 1:
+            return False, f"num_experts must be a positive int, got {E!r}"
+        if not isinstance(K, int) or K < 1:
+            return False, f"top_k must be a positive int, got {K!r}"
+        if not isinstance(TM, int) or TM < 1 or TM > 1024 or TM & (TM - 1):
+            return False, f"tile_m must be a power of two in [1, 1024], got {TM!r}"
+        nt = self.num_threads
+        if not isinstance(nt, int) or nt % _WARP or not _WARP <= nt <= 1024:
+            return False, f"num_threads must be a multiple of 32 in [32, 1024], got {nt!r}"
+        if not isinstance(self.unroll, int) or not 1 <= self.unroll <= 16:
+            return False, f"unroll must be in [1, 16], got {self.unroll!r}"
+        if 4 * (self.num_warps * self.hist_stride + 2 * E + 1) + 64 > _SMEM_BUDGET:
+            return False, (f"num_experts={E} needs more than {_SMEM_BUDGET} bytes of shared memory "
+                           "for the per-warp histogram (E <= 512 fits)")
+        return True, ""
+
+    def fake_arguments(self):
+        """(name, fake) pairs for cute.compile; M, R and T are dynamic, int32 aligned to 4 bytes."""
+        m = cute.sym_int32(symbol="M")
+        r = cute.sym_int32(symbol="R", divisibility=self.tile_m)
+        t = cute.sym_int32(symbol="T")
+        i32 = cutlass.Int32
+        return [
+            ("topk_ids", make_fake_compact_tensor(i32, (m, self.top_k), stride_order=(1, 0),
+                                                  assumed_align=4)),
+            ("expert_counts", make_fake_compact_tensor(i32, (self.num_experts,), assumed_align=4)),
+            ("expert_offsets", make_fake_compact_tensor(i32, (self.num_experts + 1,),
+                                                        assumed_align=4)),
+            ("sorted_ids", make_fake_compact_tensor(i32, (r,), assumed_align=4)),
+            ("tile_expert", make_fake_compact_tensor(i32, (t,), assumed_align=4)),
+            ("stream", make_fake_stream()),
+        ]
+
+
+class MoeCombine:
+    """out[m, :] = sum over k = 0..K-1 (in that order) of y[m*K + k, :] for pairs whose expert id
+    is in [0, E); fp32 accumulation, bf16 result; a token with no valid pair gets zeros.
+
+    Arguments of `__call__`: y [M*K, H] bf16 (already scaled by the routing weights),
+    topk_ids [M, K] int32, out [M, H] bf16; all row-major contiguous.
+
+    One thread owns 8 consecutive columns (one 16-byte vector) of one token; grid x walks tokens
+    so M is not limited by the 65535 grid-y bound.
+
+    Constraints:
+      - hidden % 8 == 0 (16-byte vectors); y and out 16-byte aligned; topk_ids 4-byte aligned.
+      - top_k >= 1, num_experts >= 1; num_threads a multiple of 32 in [32, 1024].
+      - M * K * hidden must fit in int32 indexing (M*K*H < 2**31).
+    """
+
+    VEC = 8
+
+    def __init__(self, num_experts: int, hidden: int, top_k: int, num_threads: int = 128):
+        self.num_experts = num_experts
+        self.hidden = hidden
+        self.top_k = top_k
+        self.num_threads = num_threads
+
+    @cute.jit
+    def __call__(self, y: cute.Tensor, topk_ids: cute.Tensor, out: cute.Tensor,
+                 stream: cuda.CUstream):
+        num_tokens = cute.size(out, mode=[0])
+        vecs = self.hidden // self.VEC
+        self.kernel(y, topk_ids, out).launch(
+            grid=[num_tokens, (vecs + self.num_threads - 1) // self.num_threads, 1],
+            block=[self.num_threads, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, y: cute.Tensor, ids: cute.Tensor, out: cute.Tensor):
+        K = self.top_k
+        tid, _, _ = cute.arch.thread_idx()
+        m, by, _ = cute.arch.block_idx()
+        v = by * self.num_threads + tid
+        if v < self.hidden // self.VEC:
+            # All K loads are issued before the first add (one 16-byte vector per pair, predicated
+            # on the id being valid), so a thread waits for memory once, not K times.
+            parts = []
+            for k in cutlass.range_constexpr(K):
+                part = cute.make_rmem_tensor(cute.make_layout((1, self.VEC)), y.element_type)
+                part.fill(0.0)
+                e = ids[m, k]
+                if e >= 0 and e < self.num_experts:
+                    part.store(cute.local_tile(y, (1, self.VEC), (m * K + k, v)).load())
+                parts.append(part)
+            acc = parts[0].load().to(Float32)
+            for k in cutlass.range_constexpr(1, K):
+                acc = acc + parts[k].load().to(Float32)
+            dst = cute.local_tile(out, (1, self.VEC), (m, v))
+            dst.store(acc.to(out.element_type))
+
+    def can_implement(self) -> tuple[bool, str]:
+        E, H, K = self.num_experts, self.hidden, self.top_k
+        if not isinstance(E, int) or E < 1:
+            return False, f"num_experts must be a positive int, got {E!r}"
+        if not isinstance(K, int) or K < 1:
+            return False, f"top_k must be a positive int, got {K!r}"
+        if not isinstance(H, int) or H < self.VEC or H % self.VEC:
+            return False, f"hidden must be a positive multiple of {self.VEC}, got {H!r}"
+        nt = self.num_threads
+        if not isinstance(nt, int) or nt % _WARP or not _WARP <= nt <= 1024:
+            return False, f"num_threads must be a multiple of 32 in [32, 1024], got {nt!r}"
+        return True, ""
+
+    def fake_arguments(self):
+        """(name, fake) pairs for cute.compile; M and M*K dynamic; y/out 16-byte aligned,
+        topk_ids 4-byte aligned."""
+        m = cute.sym_int32(symbol="M")
+        mk = cute.sym_int32(symbol="MK", divisibility=self.top_k)
+        return [
+            ("y", make_fake_compact_tensor(cutlass.BFloat16, (mk, self.hidden), stride_order=(1, 0),
+                                           assumed_align=16)),
+            ("topk_ids", make_fake_compact_tensor(cutlass.Int32, (m, self.top_k),
+                                                  stride_order=(1, 0), assumed_align=4)),
+            ("out", make_fake_compact_tensor(cutlass.BFloat16, (m, self.hidden),
+                                             stride_order=(1, 0), assumed_align=16)),
+            ("stream", make_fake_stream()),
+        ]
