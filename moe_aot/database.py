@@ -1,0 +1,493 @@
+"""The kernel database: workloads, compiled artifacts, tuning records and best picks.
+
+SQLite in cache/ by default (env.default_db_url()); any SQLAlchemy URL works, so a team can
+share one PostgreSQL server. Keys fail closed: a different schema version, a corrupt file or a
+library whose sha256 no longer matches raises DatabaseError instead of handing out a kernel.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import sqlite3
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Callable
+from urllib.parse import quote
+
+from sqlalchemy import (Column, DateTime, Float, ForeignKey, Index, Integer, LargeBinary,
+                        MetaData, String, Table, Text, create_engine, event, exc,
+                        inspect, select)
+from sqlalchemy.engine import Connection, make_url
+
+from . import env
+
+SCHEMA_VERSION = 1
+ARTIFACT_STATUSES = ("ok", "failed")
+RECORD_STATUSES = ("ok", "compile_error", "resource_error", "wrong_result", "launch_error")
+_BUSY_TIMEOUT_S = 30
+_RETRIES = 3  # unique-key races between concurrent writers on server databases
+
+
+class DatabaseError(RuntimeError):
+    """A storage failure, phrased as one sentence a user can act on."""
+
+
+# Table names carry a prefix because optuna's RDB storage may live in the same database.
+_md = MetaData()
+_version_t = Table("moe_aot_schema_version", _md,
+                   Column("id", Integer, primary_key=True, autoincrement=False),
+                   Column("version", Integer, nullable=False))
+_workloads_t = Table("moe_aot_workloads", _md,
+                     Column("key", String(255), primary_key=True),
+                     Column("spec", Text, nullable=False),
+                     Column("created_at", DateTime(timezone=True), nullable=False))
+_artifacts_t = Table("moe_aot_artifacts", _md,
+                     Column("name", String(255), primary_key=True),
+                     Column("toolchain", String(255), primary_key=True),
+                     Column("workload", String(255), ForeignKey("moe_aot_workloads.key"),
+                            nullable=False, index=True),
+                     Column("role", String(64), nullable=False),
+                     Column("target", String(64), nullable=False),
+                     Column("status", String(16), nullable=False),
+                     Column("library", LargeBinary, nullable=True),
+                     Column("cubin", LargeBinary, nullable=True),
+                     Column("library_size", Integer, nullable=False),
+                     Column("sha256", String(64), nullable=True),
+                     Column("cubin_sha256", String(64), nullable=True),
+                     Column("meta", Text, nullable=False),
+                     Column("error", Text, nullable=True),
+                     Column("compile_s", Float, nullable=True),
+                     Column("created_at", DateTime(timezone=True), nullable=False))
+_records_t = Table("moe_aot_records", _md,
+                   Column("id", Integer, primary_key=True, autoincrement=True),
+                   Column("workload", String(255), ForeignKey("moe_aot_workloads.key"),
+                          nullable=False),
+                   Column("target", String(64), nullable=False),
+                   Column("toolchain", String(255), nullable=False),
+                   Column("gpu", String(255), nullable=False),
+                   Column("driver", String(64), nullable=False),
+                   Column("tokens", Integer, nullable=False),
+                   Column("variant", String(255), nullable=False),
+                   Column("status", String(32), nullable=False),
+                   Column("median_us", Float, nullable=True),
+                   Column("stats", Text, nullable=False),
+                   Column("rel_err", Float, nullable=True),
+                   Column("error", Text, nullable=True),
+                   Column("created_at", DateTime(timezone=True), nullable=False),
+                   Index("ix_moe_aot_records_lookup", "workload", "target", "gpu", "tokens"))
+_best_t = Table("moe_aot_best", _md,
+                Column("workload", String(255), ForeignKey("moe_aot_workloads.key"),
+                       primary_key=True),
+                Column("target", String(64), primary_key=True),
+                Column("gpu", String(255), primary_key=True),
+                Column("toolchain", String(255), primary_key=True),
+                Column("tokens", Integer, primary_key=True, autoincrement=False),
+                Column("variant", String(255), nullable=False),
+                Column("median_us", Float, nullable=False),
+                Column("record_id", Integer, ForeignKey("moe_aot_records.id"), nullable=True),
+                Column("updated_at", DateTime(timezone=True), nullable=False))
+
+
+@dataclass(frozen=True)
+class ArtifactRow:
+    name: str
+    workload: str
+    role: str
+    target: str
+    toolchain: str
+    status: str
+    library: bytes | None
+    cubin: bytes | None
+    meta: dict
+    error: str | None
+    compile_s: float | None
+    sha256: str | None
+    created_at: datetime
+
+
+@dataclass(frozen=True)
+class ArtifactSummary:
+    name: str
+    workload: str
+    role: str
+    target: str
+    toolchain: str
+    status: str
+    library_size: int
+    compile_s: float | None
+    error: str | None  # first line only
+    created_at: datetime
+
+
+@dataclass(frozen=True)
+class RecordRow:
+    id: int
+    workload: str
+    target: str
+    toolchain: str
+    gpu: str
+    driver: str
+    tokens: int
+    variant: str
+    status: str
+    median_us: float | None
+    stats: dict
+    rel_err: float | None
+    error: str | None
+    created_at: datetime
+
+
+@dataclass(frozen=True)
+class BestRow:
+    workload: str
+    target: str
+    gpu: str
+    toolchain: str
+    tokens: int
+    variant: str
+    median_us: float
+    record_id: int | None
+    updated_at: datetime
+
+
+def _now() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+def _utc(value: datetime) -> datetime:
+    # SQLite hands back naive datetimes; everything stored here was UTC.
+    return value.replace(tzinfo=timezone.utc) if value.tzinfo is None else value
+
+
+def _dumps(obj: dict | None) -> str:
+    return json.dumps(obj or {}, sort_keys=True, separators=(",", ":"))
+
+
+def _sha(blob: bytes | None) -> str | None:
+    return None if blob is None else hashlib.sha256(blob).hexdigest()
+
+
+def _first_line(text: str | None) -> str | None:
+    return None if text is None else (text.strip().splitlines() or [""])[0]
+
+
+class Database:
+    """One open kernel database; see the module docstring."""
+
+    def __init__(self, url: str | None = None, readonly: bool = False):
+        self.url = url if url is not None else env.default_db_url()
+        self.readonly = readonly
+        self._engine = None
+        self._where = f"the kernel database at {self.url!r}"
+        try:
+            parsed = make_url(self.url)
+            self._where = f"the kernel database at {parsed.render_as_string(hide_password=True)}"
+            self._sqlite = parsed.get_backend_name() == "sqlite"
+            self._path = self._sqlite_path(parsed) if self._sqlite else None
+            if self._path is not None:
+                self._where = f"the kernel database {self._path}"
+            self._engine = self._make_engine(parsed)
+        except exc.ArgumentError as e:  # includes NoSuchModuleError: unknown dialect/driver
+            raise DatabaseError(f"cannot use database URL {self.url!r}: {_first_line(str(e))}; "
+                                "use sqlite:///<file> or a SQLAlchemy URL such as "
+                                "postgresql://user@host/db (set MOE_AOT_DB)") from None
+        except ImportError as e:
+            raise DatabaseError(f"cannot open {self._where}: its database driver is not "
+                                f"installed ({e}); pip install it") from None
+        try:
+            if self._sqlite and self._path is not None:
+                self._run("check the file", self._quick_check)
+            self._run("check the schema", self._ensure_schema, write=not readonly)
+        except BaseException:
+            self._engine.dispose()
+            raise
+
+    # -- connection plumbing -----------------------------------------------------------------
+
+    def _sqlite_path(self, parsed) -> Path | None:
+        db = parsed.database or ""
+        if db in ("", ":memory:") or parsed.query.get("uri") in ("true", "1"):
+            return None
+        path = Path(db).expanduser().resolve()
+        if self.readonly and not path.is_file():
+            raise DatabaseError(f"no kernel database at {path}; run `moe-aot compile ...` first")
+        if not self.readonly:
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise DatabaseError(f"cannot create the folder for {self._where}: {e}; "
+                                    "choose a writable location (MOE_AOT_DB or "
+                                    "MOE_AOT_CACHE_DIR)") from None
+        return path
+
+    def _make_engine(self, parsed):
+        if not self._sqlite:
+            return create_engine(parsed, pool_pre_ping=True)
+        kwargs: dict[str, Any] = {"connect_args": {"timeout": _BUSY_TIMEOUT_S}}
+        if self.readonly and self._path is not None:
+            ro_uri = f"file:{quote(str(self._path))}?mode=ro"
+            kwargs["creator"] = lambda: sqlite3.connect(
+                ro_uri, uri=True, timeout=_BUSY_TIMEOUT_S, check_same_thread=False)
+        engine = create_engine(parsed, **kwargs)
+        readonly = self.readonly
+
+        @event.listens_for(engine, "connect")
+        def _on_connect(dbapi_conn, _record):
+            # pysqlite's own implicit BEGIN would defeat BEGIN IMMEDIATE; we issue BEGIN below.
+            dbapi_conn.isolation_level = None
+            cur = dbapi_conn.cursor()
+            cur.execute(f"PRAGMA busy_timeout = {_BUSY_TIMEOUT_S * 1000}")
+            cur.execute("PRAGMA foreign_keys = ON")
+            if not readonly:
+                cur.execute("PRAGMA journal_mode = WAL")
+                # Safe against corruption in WAL mode; only the last commits may be lost on power
+                # failure, which for a rebuildable cache is worth the fsync per transaction saved.
+                cur.execute("PRAGMA synchronous = NORMAL")
+            cur.close()
+
+        @event.listens_for(engine, "begin")
+        def _on_begin(conn):
+            # Writers take the write lock up front so read-then-write (commit_best) cannot race
+            # and never fails half way with a lock upgrade; readers never block in WAL mode.
+            write = conn.get_execution_options().get("moe_aot_write", False)
+            conn.exec_driver_sql("BEGIN IMMEDIATE" if write else "BEGIN")
+
+        return engine
+
+    def _explain(self, action: str, error: BaseException) -> str:
+        orig = getattr(error, "orig", None) or error
+        msg = _first_line(str(orig)) or type(orig).__name__
+        low = msg.lower()
+        if "not a database" in low or "malformed" in low or "quick_check" in low:
+            return (f"{self._where} is corrupt or not a SQLite database ({msg}); move it aside "
+                    "and rebuild it with `moe-aot build`")
+        if "locked" in low or "busy" in low:
+            return (f"{self._where} stayed locked by another process for {_BUSY_TIMEOUT_S} s "
+                    f"while trying to {action}; retry once the other writer has finished")
+        if "readonly" in low or "read-only" in low:
+            return (f"cannot {action}: {self._where} is read-only; open it without "
+                    "readonly=True and check the file's permissions")
+        if "unable to open" in low:
+            return (f"cannot open {self._where} ({msg}); check that the path exists and is a "
+                    "readable file")
+        if "disk is full" in low or "disk i/o" in low:
+            return f"cannot {action} in {self._where} ({msg}); free disk space and retry"
+        return (f"cannot {action} in {self._where}: {msg}; check that the database is "
+                "reachable and was written by moe-aot")
+
+    def _run(self, action: str, fn: Callable[[Connection], Any], *, write: bool = False):
+        """Runs fn in one transaction, mapping every storage failure to DatabaseError."""
+        if self._engine is None:
+            raise DatabaseError(f"cannot {action}: {self._where} is closed; open a new Database")
+        if write and self.readonly:
+            raise DatabaseError(f"cannot {action}: {self._where} was opened read-only; open it "
+                                "with readonly=False to write")
+        for attempt in range(_RETRIES):
+            try:
+                with self._engine.connect() as conn:
+                    conn.execution_options(moe_aot_write=write)
+                    with conn.begin():
+                        return fn(conn)
+            except exc.IntegrityError as e:
+                # A concurrent writer inserted the same key first; the retry sees its row.
+                if attempt == _RETRIES - 1:
+                    raise DatabaseError(self._explain(action, e)) from None
+            except exc.SQLAlchemyError as e:
+                raise DatabaseError(self._explain(action, e)) from None
+            except sqlite3.Error as e:  # raised by our connect hook before SQLAlchemy wraps it
+                raise DatabaseError(self._explain(action, e)) from None
+
+    def _quick_check(self, conn: Connection) -> None:
+        rows = [r[0] for r in conn.exec_driver_sql("PRAGMA quick_check(1)")]
+        if rows != ["ok"]:
+            raise DatabaseError(f"{self._where} is corrupt (quick_check: {rows[0] if rows else '?'}"
+                                "); move it aside and rebuild it with `moe-aot build`")
+
+    def _ensure_schema(self, conn: Connection) -> None:
+        if inspect(conn).has_table(_version_t.name):
+            found = sorted({r[0] for r in conn.execute(select(_version_t.c.version))})
+            if found == [SCHEMA_VERSION]:
+                return
+            shown = ", ".join(map(str, found)) or "none"
+            raise DatabaseError(f"{self._where} has schema version {shown} but this moe-aot "
+                                f"uses schema version {SCHEMA_VERSION}; rebuild it with this "
+                                "version (`moe-aot build`) or use a matching moe-aot")
+        if self.readonly:
+            raise DatabaseError(f"{self._where} holds no moe-aot schema; run `moe-aot compile "
+                                "...` first")
+        _md.create_all(conn)
+        conn.execute(_version_t.insert().values(id=1, version=SCHEMA_VERSION))
+
+    def close(self) -> None:
+        if self._engine is not None:
+            self._engine.dispose()
+            self._engine = None
+
+    def __enter__(self) -> "Database":
+        return self
+
+    def __exit__(self, *_exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Database({self._where!r}, readonly={self.readonly})"
+
+    @staticmethod
+    def _require_workload(conn: Connection, workload: str, what: str) -> None:
+        if conn.execute(select(_workloads_t.c.key).where(_workloads_t.c.key == workload)).first() is None:
+            raise DatabaseError(f"cannot store {what}: workload {workload!r} is not in the "
+                                "database; put_workload() it first")
+
+    # -- workloads ---------------------------------------------------------------------------
+
+    def put_workload(self, key: str, spec: dict) -> None:
+        text = _dumps(spec)
+
+        def put(conn: Connection) -> None:
+            old = conn.execute(select(_workloads_t.c.spec).where(_workloads_t.c.key == key)).scalar()
+            if old is None:
+                conn.execute(_workloads_t.insert().values(key=key, spec=text, created_at=_now()))
+            elif old != text:
+                raise DatabaseError(f"workload {key!r} in {self._where} already has a different "
+                                    "spec; give the new layer its own key")
+        self._run(f"store workload {key!r}", put, write=True)
+
+    def workload(self, key: str) -> dict | None:
+        text = self._run("read a workload", lambda c: c.execute(
+            select(_workloads_t.c.spec).where(_workloads_t.c.key == key)).scalar())
+        return None if text is None else json.loads(text)
+
+    # -- artifacts ---------------------------------------------------------------------------
+
+    def put_artifact(self, *, name: str, workload: str, role: str, target: str, toolchain: str,
+                     status: str, library: bytes | None = None, cubin: bytes | None = None,
+                     meta: dict | None = None, error: str | None = None,
+                     compile_s: float | None = None) -> None:
+        if status not in ARTIFACT_STATUSES:
+            raise ValueError(f"artifact status must be one of {ARTIFACT_STATUSES}, not {status!r}")
+        if status == "ok" and library is None:
+            raise ValueError(f"artifact {name!r} has status 'ok' but no library")
+        if status == "failed" and (library is not None or cubin is not None or not error):
+            raise ValueError(f"failed artifact {name!r} needs the compiler's error and no blobs")
+        row = dict(name=name, toolchain=toolchain, workload=workload, role=role, target=target,
+                   status=status, library=library, cubin=cubin,
+                   library_size=len(library) if library is not None else 0,
+                   sha256=_sha(library), cubin_sha256=_sha(cubin), meta=_dumps(meta),
+                   error=error, compile_s=compile_s, created_at=_now())
+
+        def put(conn: Connection) -> None:
+            self._require_workload(conn, workload, f"artifact {name!r}")
+            t = _artifacts_t
+            conn.execute(t.delete().where(t.c.name == name, t.c.toolchain == toolchain))
+            conn.execute(t.insert().values(**row))
+        self._run(f"store artifact {name!r}", put, write=True)
+
+    def get_artifact(self, name: str, toolchain: str) -> ArtifactRow | None:
+        t = _artifacts_t
+        r = self._run(f"read artifact {name!r}", lambda c: c.execute(
+            select(t).where(t.c.name == name, t.c.toolchain == toolchain)).mappings().first())
+        if r is None:
+            return None
+        if _sha(r["library"]) != r["sha256"] or _sha(r["cubin"]) != r["cubin_sha256"]:
+            raise DatabaseError(f"artifact {name} (toolchain {toolchain}) in {self._where} is "
+                                "corrupt: its stored binary no longer matches its sha256; "
+                                "recompile it with `moe-aot compile ...` to replace it")
+        return ArtifactRow(name=r["name"], workload=r["workload"], role=r["role"],
+                           target=r["target"], toolchain=r["toolchain"], status=r["status"],
+                           library=r["library"], cubin=r["cubin"], meta=json.loads(r["meta"]),
+                           error=r["error"], compile_s=r["compile_s"], sha256=r["sha256"],
+                           created_at=_utc(r["created_at"]))
+
+    def has_artifact(self, name: str, toolchain: str, ok_only: bool = True) -> bool:
+        t = _artifacts_t
+        q = select(t.c.status).where(t.c.name == name, t.c.toolchain == toolchain)
+        status = self._run(f"look up artifact {name!r}", lambda c: c.execute(q).scalar())
+        return status is not None and (status == "ok" or not ok_only)
+
+    def list_artifacts(self, workload: str | None = None, target: str | None = None,
+                       status: str | None = None) -> list[ArtifactSummary]:
+        t = _artifacts_t
+        q = select(t.c.name, t.c.workload, t.c.role, t.c.target, t.c.toolchain, t.c.status,
+                   t.c.library_size, t.c.compile_s, t.c.error, t.c.created_at)
+        for col, value in ((t.c.workload, workload), (t.c.target, target), (t.c.status, status)):
+            if value is not None:
+                q = q.where(col == value)
+        rows = self._run("list artifacts", lambda c: c.execute(
+            q.order_by(t.c.name, t.c.toolchain)).mappings().all())
+        return [ArtifactSummary(**{**r, "error": _first_line(r["error"]),
+                                   "created_at": _utc(r["created_at"])}) for r in rows]
+
+    # -- tuning records ----------------------------------------------------------------------
+
+    def add_record(self, *, workload: str, target: str, toolchain: str, gpu: str, driver: str,
+                   tokens: int, variant: str, status: str, median_us: float | None = None,
+                   stats: dict | None = None, rel_err: float | None = None,
+                   error: str | None = None) -> int:
+        if status not in RECORD_STATUSES:
+            raise ValueError(f"record status must be one of {RECORD_STATUSES}, not {status!r}")
+        row = dict(workload=workload, target=target, toolchain=toolchain, gpu=gpu, driver=driver,
+                   tokens=int(tokens), variant=variant, status=status, median_us=median_us,
+                   stats=_dumps(stats), rel_err=rel_err, error=error, created_at=_now())
+
+        def add(conn: Connection) -> int:
+            self._require_workload(conn, workload, "a tuning record")
+            return conn.execute(_records_t.insert().values(**row)).inserted_primary_key[0]
+        return self._run("store a tuning record", add, write=True)
+
+    def records(self, workload: str | None = None, target: str | None = None,
+                gpu: str | None = None, tokens: int | None = None) -> list[RecordRow]:
+        t = _records_t
+        q = select(t)
+        for col, value in ((t.c.workload, workload), (t.c.target, target), (t.c.gpu, gpu),
+                           (t.c.tokens, tokens)):
+            if value is not None:
+                q = q.where(col == value)
+        rows = self._run("read tuning records", lambda c: c.execute(
+            q.order_by(t.c.id)).mappings().all())
+        return [RecordRow(**{**r, "stats": json.loads(r["stats"]),
+                             "created_at": _utc(r["created_at"])}) for r in rows]
+
+    # -- best picks --------------------------------------------------------------------------
+
+    def commit_best(self, *, workload: str, target: str, gpu: str, toolchain: str, tokens: int,
+                    variant: str, median_us: float, record_id: int | None = None,
+                    force: bool = False) -> bool:
+        if not (isinstance(median_us, (int, float)) and math.isfinite(median_us)
+                and median_us > 0):
+            raise ValueError(f"median_us must be a positive finite number, not {median_us!r}")
+        t = _best_t
+        key = (t.c.workload == workload, t.c.target == target, t.c.gpu == gpu,
+               t.c.toolchain == toolchain, t.c.tokens == int(tokens))
+        values = dict(variant=variant, median_us=float(median_us), record_id=record_id,
+                      updated_at=_now())
+
+        def commit(conn: Connection) -> bool:
+            self._require_workload(conn, workload, "a best pick")
+            # FOR UPDATE serialises server databases; SQLite already holds BEGIN IMMEDIATE.
+            current = conn.execute(select(t.c.median_us).where(*key).with_for_update()).scalar()
+            if current is None:
+                conn.execute(t.insert().values(workload=workload, target=target, gpu=gpu,
+                                               toolchain=toolchain, tokens=int(tokens), **values))
+                return True
+            if not force and median_us >= current:
+                return False
+            conn.execute(t.update().where(*key).values(**values))
+            return True
+        return self._run("commit a best pick", commit, write=True)
+
+    def all_best(self, workload: str | None = None, target: str | None = None,
+                 gpu: str | None = None, toolchain: str | None = None) -> list[BestRow]:
+        t = _best_t
+        q = select(t)
+        for col, value in ((t.c.workload, workload), (t.c.target, target), (t.c.gpu, gpu),
+                           (t.c.toolchain, toolchain)):
+            if value is not None:
+                q = q.where(col == value)
+        q = q.order_by(t.c.workload, t.c.target, t.c.gpu, t.c.toolchain, t.c.tokens)
+        rows = self._run("read best picks", lambda c: c.execute(q).mappings().all())
+        return [BestRow(**{**r, "updated_at": _utc(r["updated_at"])}) for r in rows]
+
+    def best(self, workload: str, target: str, gpu: str, toolchain: str) -> dict[int, BestRow]:
+        return {r.tokens: r for r in self.all_best(workload, target, gpu, toolchain)}
