@@ -1,4 +1,125 @@
-"""Compiler stage: (spec, variant, target) -> artifact. See kernel_build for one kernel."""
+"""Compiler stage: (spec, variant) -> kernel artifacts in the database, on any machine, no GPU.
+
+Jobs run in a pool of spawned processes (the DSL is not fork-safe and each compile is
+CPU-bound); every kernel that fails is recorded with the compiler's message and the batch goes on.
+Kernels already in the database under the same name and toolchain are not compiled again.
+"""
 from __future__ import annotations
 
+import os
+import time
+import traceback
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import dataclass
+from multiprocessing import get_context
+from typing import Callable, Iterable
+
 from .kernel_build import Artifact, KernelCompileError, compile_kernel  # noqa: F401
+from .spec import LayerSpec
+from .variants import KernelVariant, LayerVariant, can_implement
+
+
+def toolchain_key(target: str) -> str:
+    """The fingerprint string artifacts are keyed by (DSL version, CUDA flavour, arch, host)."""
+    from .kernel_build import toolchain_fingerprint
+
+    fp = toolchain_fingerprint(target)
+    return f"{fp['dsl']}|{fp['cuda_flavour']}|{fp['arch']}|x86-64|fmt{fp['artifact_format']}"
+
+
+def build_template(kv: KernelVariant):
+    """The template object for one kernel variant (imports the DSL)."""
+    kw = kv.kwargs()
+    if kv.role == "routing":
+        from moe_aot_templates.routing import MoeRouting
+        return MoeRouting(**kw)
+    if kv.role == "combine":
+        from moe_aot_templates.routing import MoeCombine
+        return MoeCombine(**kw)
+    if kv.role == "glu":
+        from moe_aot_templates.grouped_gemm import GroupedGluGemm
+        return GroupedGluGemm(**kw)
+    if kv.role == "down":
+        from moe_aot_templates.grouped_gemm import GroupedDownGemm
+        return GroupedDownGemm(**kw)
+    raise ValueError(f"unknown kernel role {kv.role!r}")
+
+
+@dataclass
+class JobResult:
+    kernel: KernelVariant
+    target: str
+    artifact: Artifact | None
+    error: str | None
+    seconds: float
+
+
+def _compile_job(kv: KernelVariant, target: str) -> JobResult:
+    t0 = time.perf_counter()
+    try:
+        art = compile_kernel(build_template(kv), target, kv.name)
+        return JobResult(kv, target, art, None, time.perf_counter() - t0)
+    except KernelCompileError as exc:
+        return JobResult(kv, target, None, str(exc), time.perf_counter() - t0)
+    except Exception as exc:  # a template bug is also this kernel's failure, not the batch's
+        tb = traceback.format_exc(limit=4)
+        return JobResult(kv, target, None, f"{type(exc).__name__}: {exc}\n{tb}", time.perf_counter() - t0)
+
+
+def kernels_for(specs_and_variants: Iterable[tuple[LayerSpec, LayerVariant]]) -> list[tuple[LayerSpec, KernelVariant]]:
+    """Distinct kernels needed by (spec, variant) pairs; variants that cannot serve their spec
+    raise ValueError with the reason."""
+    seen, out = set(), []
+    for spec, var in specs_and_variants:
+        ok, why = can_implement(spec, var)
+        if not ok:
+            raise ValueError(f"{var.name(spec)} cannot implement {spec.label()}: {why}")
+        for kv in var.kernels(spec):
+            key = (spec.target, kv.name)
+            if key not in seen:
+                seen.add(key)
+                out.append((spec, kv))
+    return out
+
+
+def compile_into(db, specs_and_variants, jobs: int | None = None,
+                 progress: Callable[[JobResult, int, int], None] | None = None,
+                 force: bool = False) -> list[JobResult]:
+    """Compile every kernel the pairs need into `db`; returns the results of the jobs that ran."""
+    needed = kernels_for(specs_and_variants)
+    tool = {}
+    todo = []
+    for spec, kv in needed:
+        if spec.target not in tool:
+            tool[spec.target] = toolchain_key(spec.target)
+        db.put_workload(spec.workload_key, spec.to_dict())
+        if force or not db.has_artifact(kv.name, tool[spec.target]):
+            todo.append((spec, kv))
+    results: list[JobResult] = []
+    if not todo:
+        return results
+    jobs = max(1, min(jobs or os.cpu_count() or 1, len(todo)))
+    owner = {kv.name: spec for spec, kv in todo}
+
+    def record(res: JobResult) -> None:
+        spec = owner[res.kernel.name]
+        common = dict(name=res.kernel.name, workload=spec.workload_key, role=res.kernel.role,
+                      target=res.target, toolchain=tool[res.target], compile_s=round(res.seconds, 3))
+        if res.artifact is not None:
+            db.put_artifact(status="ok", library=res.artifact.library, cubin=res.artifact.cubin,
+                            meta=res.artifact.meta, **common)
+        else:
+            db.put_artifact(status="failed", error=res.error, **common)
+        results.append(res)
+        if progress:
+            progress(res, len(results), len(todo))
+
+    if jobs == 1:
+        for spec, kv in todo:
+            record(_compile_job(kv, spec.target))
+        return results
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=get_context("spawn")) as pool:
+        futures = [pool.submit(_compile_job, kv, spec.target) for spec, kv in todo]
+        for fut in as_completed(futures):
+            record(fut.result())
+    return results

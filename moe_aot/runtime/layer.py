@@ -1,0 +1,191 @@
+"""The fused MoE layer at run time: pick the kernels for the token count, check the inputs,
+launch routing -> GEMM1+GLU -> GEMM2 -> combine on the caller's current stream.
+
+No host-device synchronisation anywhere: every size comes from tensor shapes, routing runs on the
+GPU into a preallocated workspace, so a whole forward can be captured in a CUDA graph.
+"""
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from ..spec import LayerSpec, make_spec
+from ..variants import INTERLEAVE, LayerVariant, bucket_for, default_variant
+from .library import KernelArgumentError, KernelLibrary
+from .reference import interleave_gate_up, max_tiles
+from .store import KernelStore
+
+
+def prepare_weights(w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor:
+    """Interleave gate and up weights ([E, I, H] each) once, at weight-load time, into the
+    [E, 2I, H] layout GEMM1 reads (blocks of INTERLEAVE rows alternate gate / up)."""
+    return interleave_gate_up(w_gate, w_up, INTERLEAVE)
+
+
+@dataclass
+class Workspace:
+    """Buffers for up to `max_tokens` tokens, reused by every call (and by CUDA graph replays)."""
+    counts: torch.Tensor
+    offsets: torch.Tensor
+    sorted_ids: torch.Tensor
+    tile_expert: torch.Tensor
+    h: torch.Tensor
+    y: torch.Tensor
+    max_tokens: int
+
+    @classmethod
+    def allocate(cls, spec: LayerSpec, max_tokens: int, device, min_tile_m: int = 64) -> "Workspace":
+        T = max_tiles(max_tokens, spec.top_k, spec.experts, min_tile_m)
+        R = T * min_tile_m
+        i32 = dict(dtype=torch.int32, device=device)
+        bf = dict(dtype=torch.bfloat16, device=device)
+        return cls(torch.empty(spec.experts, **i32), torch.empty(spec.experts + 1, **i32),
+                   torch.empty(R, **i32), torch.empty(T, **i32),
+                   torch.empty(R, spec.intermediate, **bf),
+                   torch.empty(max_tokens * spec.top_k, spec.hidden, **bf), max_tokens)
+
+
+class MoeLayer:
+    """Kernels of one layer shape, loaded from the database for the current GPU."""
+
+    def __init__(self, spec: LayerSpec, store: KernelStore | None = None, device=None,
+                 variants: dict[int, LayerVariant] | None = None):
+        self.spec = spec
+        self.device = torch.device("cuda", torch.cuda.current_device() if device is None else device)
+        self.store = store or KernelStore()
+        # Per token bucket: the tuned pick for this GPU if the database has one, else the default.
+        self.variants = variants or self.store.picks(spec, torch.cuda.get_device_name(self.device))
+        self._libs: dict[str, KernelLibrary] = {}
+        self._workspace: Workspace | None = None
+
+    # -- kernel selection ----------------------------------------------------------------------
+    def variant_for(self, tokens: int) -> LayerVariant:
+        if self.variants:
+            return self.variants[bucket_for(tokens, tuple(sorted(self.variants)))]
+        return default_variant(self.spec, tokens)
+
+    def _lib(self, kv) -> KernelLibrary:
+        lib = self._libs.get(kv.name)
+        if lib is None:
+            lib = self.store.load(kv.name, self.spec.target, self.device.index)
+            self._libs[kv.name] = lib
+        return lib
+
+    def kernels(self, tokens: int):
+        v = self.variant_for(tokens)
+        route, glu, down, comb = (self._lib(kv) for kv in v.kernels(self.spec))
+        return v, route, glu, down, comb
+
+    def workspace(self, tokens: int) -> Workspace:
+        ws = self._workspace
+        if ws is None or ws.max_tokens < tokens:
+            ws = Workspace.allocate(self.spec, max(tokens, 1), self.device)
+            self._workspace = ws
+        return ws
+
+    # -- checks --------------------------------------------------------------------------------
+    def check_inputs(self, x, w13, w2, topk_weights, topk_ids, out) -> None:
+        s = self.spec
+        M = x.shape[0] if isinstance(x, torch.Tensor) and x.dim() == 2 else None
+        expect = [
+            ("x", x, (M, s.hidden), torch.bfloat16),
+            ("w13", w13, (s.experts, 2 * s.intermediate, s.hidden), torch.bfloat16),
+            ("w2", w2, (s.experts, s.hidden, s.intermediate), torch.bfloat16),
+            ("topk_weights", topk_weights, (M, s.top_k), torch.float32),
+            ("topk_ids", topk_ids, (M, s.top_k), torch.int32),
+        ]
+        if out is not None:
+            expect.append(("out", out, (M, s.hidden), torch.bfloat16))
+        for name, t, shape, dtype in expect:
+            if not isinstance(t, torch.Tensor):
+                raise KernelArgumentError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+            if t.dim() != len(shape) or any(w is not None and a != w for a, w in zip(t.shape, shape)):
+                want = tuple("M" if w is None else w for w in shape)
+                raise KernelArgumentError(f"{name} must have shape {want} for {s.label()}, got {tuple(t.shape)}")
+            if t.dtype != dtype:
+                raise KernelArgumentError(f"{name} must be {dtype}, got {t.dtype}")
+            if t.device != self.device:
+                raise KernelArgumentError(f"{name} must be on {self.device}, got {t.device}")
+            if not t.is_contiguous():
+                raise KernelArgumentError(f"{name} must be contiguous (call .contiguous() first)")
+            if t.data_ptr() % 16:
+                raise KernelArgumentError(f"{name} must be 16-byte aligned (data_ptr {t.data_ptr():#x})")
+
+    # -- the layer -----------------------------------------------------------------------------
+    def forward(self, x, w13, w2, topk_weights, topk_ids, out=None, workspace: Workspace | None = None):
+        """out[m] = sum_k topk_weights[m,k] * FFN_{topk_ids[m,k]}(x[m]). Ids outside [0, experts)
+        contribute nothing (documented, tested). Returns `out` (allocated if None)."""
+        self.check_inputs(x, w13, w2, topk_weights, topk_ids, out)
+        M = x.shape[0]
+        if out is None:
+            out = torch.empty(M, self.spec.hidden, dtype=torch.bfloat16, device=self.device)
+        if M == 0:
+            return out
+        ws = workspace or self.workspace(M)
+        if ws.max_tokens < M:
+            raise KernelArgumentError(f"workspace holds {ws.max_tokens} tokens, x has {M}")
+        v, route, glu, down, comb = self.kernels(M)
+        T = max_tiles(M, self.spec.top_k, self.spec.experts, v.tile_m)
+        R = T * v.tile_m
+        sorted_ids, tile_expert = ws.sorted_ids[:R], ws.tile_expert[:T]
+        h, y = ws.h[:R], ws.y[: M * self.spec.top_k]
+        route(topk_ids, ws.counts, ws.offsets, sorted_ids, tile_expert)
+        glu(x, w13, sorted_ids, tile_expert, h)
+        down(h, w2, sorted_ids, tile_expert, topk_weights, y)
+        comb(y, topk_ids, out)
+        return out
+
+    __call__ = forward
+
+    def route(self, topk_ids, tile_m: int | None = None):
+        """Routing alone (for tests and tools): returns counts, offsets, sorted_ids, tile_expert."""
+        M = topk_ids.shape[0]
+        v = self.variant_for(M)
+        if tile_m is not None and tile_m != v.tile_m:
+            v = LayerVariant(tile_m, v.glu, v.down)
+        route = self._lib(v.kernels(self.spec)[0])
+        T = max_tiles(M, self.spec.top_k, self.spec.experts, v.tile_m)
+        dev = dict(dtype=torch.int32, device=self.device)
+        bufs = (torch.empty(self.spec.experts, **dev), torch.empty(self.spec.experts + 1, **dev),
+                torch.empty(T * v.tile_m, **dev), torch.empty(T, **dev))
+        route(topk_ids, *bufs)
+        return bufs
+
+
+_LAYERS: dict[tuple, MoeLayer] = {}
+
+
+def moe_forward(x, w13_prepared, w2, topk_weights, topk_ids, out=None, workspace=None,
+                activation: str = "swiglu", store: KernelStore | None = None):
+    """One call for the whole fused layer; the layer shape is read off the tensors."""
+    if not isinstance(w13_prepared, torch.Tensor) or w13_prepared.dim() != 3:
+        raise KernelArgumentError("w13_prepared must be a [experts, 2*intermediate, hidden] tensor "
+                                  "from prepare_weights()")
+    if not isinstance(topk_ids, torch.Tensor) or topk_ids.dim() != 2:
+        raise KernelArgumentError("topk_ids must be a [tokens, top_k] int32 tensor")
+    E, I2, H = w13_prepared.shape
+    key = (E, topk_ids.shape[1], H, I2 // 2, activation, x.device.index if x.is_cuda else None)
+    layer = _LAYERS.get(key)
+    if layer is None:
+        spec = make_spec(experts=E, top_k=topk_ids.shape[1], hidden=H, intermediate=I2 // 2,
+                         activation=activation, target=device_target(x.device))
+        layer = _LAYERS[key] = MoeLayer(spec, store=store, device=x.device.index)
+    return layer.forward(x, w13_prepared, w2, topk_weights, topk_ids, out, workspace)
+
+
+def device_target(device) -> str:
+    """The kernel target for a CUDA device; fails closed on GPUs we build nothing for."""
+    if not torch.cuda.is_available():
+        raise KernelArgumentError("moe-aot kernels need a CUDA GPU; none is visible")
+    major, minor = torch.cuda.get_device_capability(device)
+    targets = {(9, 0): "sm_90a", (10, 0): "sm_100a", (12, 1): "sm_121a"}
+    if (major, minor) not in targets:
+        raise KernelArgumentError(f"GPU compute capability {major}.{minor} has no moe-aot target "
+                                  f"(built for {', '.join(f'{a}.{b}' for a, b in targets)})")
+    return targets[(major, minor)]
+
+
+def _warn(msg: str) -> None:
+    warnings.warn(msg, RuntimeWarning, stacklevel=3)

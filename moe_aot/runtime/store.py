@@ -1,0 +1,95 @@
+"""Read-only access to the kernel database for the runtime: load a kernel library by name for
+this GPU, and the tuned picks per token bucket. Fails closed: an artifact built for another arch,
+an unknown artifact format or a CUDA flavour newer than the driver is a miss, never a launch."""
+from __future__ import annotations
+
+import ctypes
+import warnings
+
+from ..database import Database, DatabaseError
+from ..spec import LayerSpec
+from ..variants import LayerVariant
+from .library import KernelLibrary
+
+ARTIFACT_FORMATS = {1}
+
+
+class KernelMissingError(LookupError):
+    """No usable kernel for this name and GPU in the database."""
+
+
+def parse_toolchain(key: str) -> dict:
+    parts = key.split("|")
+    if len(parts) != 5 or not parts[1].startswith("cu") or not parts[4].startswith("fmt"):
+        raise ValueError(f"unrecognised toolchain key {key!r}")
+    major, minor = parts[1][2:].split(".")
+    return {"dsl": parts[0], "cuda": (int(major), int(minor)), "arch": parts[2], "host": parts[3],
+            "format": int(parts[4][3:])}
+
+
+def driver_cuda_version() -> tuple[int, int]:
+    v = ctypes.c_int(0)
+    lib = ctypes.CDLL("libcuda.so.1")
+    if lib.cuDriverGetVersion(ctypes.byref(v)) != 0:
+        raise RuntimeError("cuDriverGetVersion failed")
+    return v.value // 1000, (v.value % 1000) // 10
+
+
+def usable(toolchain: str, target: str, driver: tuple[int, int] | None) -> tuple[bool, str]:
+    try:
+        tc = parse_toolchain(toolchain)
+    except ValueError as exc:
+        return False, str(exc)
+    if tc["arch"] != target:
+        return False, f"built for {tc['arch']}, this GPU needs {target}"
+    if tc["format"] not in ARTIFACT_FORMATS:
+        return False, f"artifact format {tc['format']} is unknown to this runtime"
+    if tc["host"] != "x86-64":
+        return False, f"host code is for {tc['host']}"
+    if driver is not None and tc["cuda"][0] > driver[0]:
+        return False, f"built with CUDA {tc['cuda'][0]}, the driver supports CUDA {driver[0]}.{driver[1]}"
+    return True, "ok"
+
+
+class KernelStore:
+    def __init__(self, url: str | None = None, unpack_dir=None):
+        self.db = Database(url, readonly=True)
+        self.unpack_dir = unpack_dir
+        try:
+            self._driver = driver_cuda_version()
+        except (OSError, RuntimeError):
+            self._driver = None
+
+    def load(self, name: str, target: str, device: int | None = None) -> KernelLibrary:
+        rows = [a for a in self.db.list_artifacts() if a.name == name]
+        why = []
+        for a in sorted(rows, key=lambda a: a.created_at, reverse=True):
+            ok, reason = usable(a.toolchain, target, self._driver)
+            if a.status != "ok":
+                why.append(f"{a.toolchain}: compile failed")
+                continue
+            if not ok:
+                why.append(f"{a.toolchain}: {reason}")
+                continue
+            art = self.db.get_artifact(name, a.toolchain)
+            return KernelLibrary.from_bytes(art.library, art.meta, device, self.unpack_dir)
+        detail = "; ".join(why) if why else "not in the database"
+        raise KernelMissingError(f"kernel {name} for {target}: {detail}. Run `moe-aot compile` or "
+                                 f"`moe-aot build` for this model and target first.")
+
+    def picks(self, spec: LayerSpec, gpu: str) -> dict[int, LayerVariant]:
+        """Tuned picks per token bucket for this GPU, or {} (defaults) with a warning that says
+        what differed when the database holds picks for another GPU or toolchain only."""
+        try:
+            rows = self.db.all_best(workload=spec.workload_key, target=spec.target)
+        except DatabaseError:
+            raise
+        mine = [r for r in rows if r.gpu == gpu and usable(r.toolchain, spec.target, self._driver)[0]]
+        if not mine:
+            if rows:
+                others = sorted({f"{r.gpu} ({r.toolchain})" for r in rows})
+                warnings.warn(f"no tuned kernels for {gpu} in the database (it has picks for "
+                              f"{', '.join(others)}); using the default variants", RuntimeWarning, stacklevel=3)
+            return {}
+        newest = max(mine, key=lambda r: r.updated_at).toolchain
+        return {r.tokens: LayerVariant.parse(r.variant) for r in mine if r.toolchain == newest}

@@ -1,0 +1,76 @@
+"""Check stored kernels on the GPU against the fp32 PyTorch reference, stage by stage, on fresh
+random inputs with NaN-poisoned outputs. Used by `moe-aot verify`, the GPU tests and tools/."""
+from __future__ import annotations
+
+import torch
+
+from ..spec import LayerSpec
+from .layer import MoeLayer
+from .reference import glu_reference, max_tiles, moe_reference, rel_err, routing_reference
+from .store import KernelStore
+
+TOLERANCE = 1e-2
+
+
+def random_routing(tokens: int, spec: LayerSpec, device, skew: bool = False, generator=None):
+    """Distinct experts per token (as real routers give). With skew, a few experts take most
+    tokens and many get none."""
+    E, K = spec.experts, spec.top_k
+    scores = torch.rand(tokens, E, device=device, generator=generator)
+    if skew:
+        scores += torch.linspace(2.0, 0.0, E, device=device) ** 4
+    w, ids = torch.topk(scores, K, dim=1)
+    w = torch.softmax(w, dim=1).float()
+    return w.contiguous(), ids.to(torch.int32).contiguous()
+
+
+def random_weights(spec: LayerSpec, device, scale: float = 1.0):
+    H, I, E = spec.hidden, spec.intermediate, spec.experts
+    w13 = (torch.randn(E, 2 * I, H, device=device, dtype=torch.bfloat16) * (scale / H ** 0.5))
+    w2 = (torch.randn(E, H, I, device=device, dtype=torch.bfloat16) * (scale / I ** 0.5))
+    return w13, w2
+
+
+def check_stages(layer: MoeLayer, x, w13, w2, topk_weights, topk_ids) -> list[dict]:
+    """Routing (exact), GEMM1+GLU (rel err), whole layer (rel err) for one input set."""
+    spec, M = layer.spec, x.shape[0]
+    rows = []
+    v, route, glu, down, comb = layer.kernels(M)
+    T = max_tiles(M, spec.top_k, spec.experts, v.tile_m)
+    dev = dict(device=x.device, dtype=torch.int32)
+    bufs = [torch.full((spec.experts,), 0x7FFFFFFF, **dev), torch.full((spec.experts + 1,), 0x7FFFFFFF, **dev),
+            torch.full((T * v.tile_m,), 0x7FFFFFFF, **dev), torch.full((T,), 0x7FFFFFFF, **dev)]
+    route(topk_ids, *bufs)
+    ref = routing_reference(topk_ids, spec.experts, v.tile_m)
+    same = all(torch.equal(a, b) for a, b in zip(bufs, ref))
+    rows.append({"stage": "routing", "rel_err": 0.0 if same else 1.0, "ok": same, "variant": v.name(spec)})
+    counts, offsets, sorted_ids, tile_expert = ref  # GEMM1 is checked on exact routing
+    h = torch.full((T * v.tile_m, spec.intermediate), float("nan"), device=x.device, dtype=torch.bfloat16)
+    glu(x, w13, sorted_ids, tile_expert, h)
+    href = glu_reference(x, w13, topk_ids, spec.activation)
+    valid = sorted_ids >= 0
+    got = torch.zeros_like(href)
+    got[sorted_ids[valid].long()] = h[valid].float()
+    pad_ok = bool((h[~valid] == 0).all()) if (~valid).any() else True
+    e = rel_err(got, href)
+    rows.append({"stage": "glu", "rel_err": e, "ok": e <= TOLERANCE and pad_ok, "variant": v.name(spec)})
+    out = torch.full((M, spec.hidden), float("nan"), device=x.device, dtype=torch.bfloat16)
+    layer.forward(x, w13, w2, topk_weights, topk_ids, out=out)
+    e = rel_err(out, moe_reference(x, w13, w2, topk_weights, topk_ids, spec.activation))
+    rows.append({"stage": "layer", "rel_err": e, "ok": e <= TOLERANCE, "variant": v.name(spec)})
+    return rows
+
+
+def verify_layer(spec: LayerSpec, tokens, db_url: str | None = None, stages=None) -> list[dict]:
+    layer = MoeLayer(spec, KernelStore(db_url))
+    dev = layer.device
+    w13, w2 = random_weights(spec, dev)
+    out = []
+    for t in tokens:
+        for skew in (False, True):
+            x = torch.randn(t, spec.hidden, device=dev, dtype=torch.bfloat16)
+            tw, ids = random_routing(t, spec, dev, skew=skew)
+            for row in check_stages(layer, x, w13, w2, tw, ids):
+                row.update(tokens=t, skew=skew)
+                out.append(row)
+    return out
