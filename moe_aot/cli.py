@@ -122,8 +122,8 @@ def compile_cmd(models, spec_file, target, experts, top_k, hidden, intermediate,
 
     results = compile_into(db, pairs, jobs=jobs, progress=progress, force=force)
     failed = [r for r in results if r.artifact is None]
-    click.echo(f"{len(results) - len(failed)} compiled, {len(failed)} failed, "
-               f"{len(pairs) and len(results) == 0 and 'all already in the database' or ''} "
+    note = " (everything was already in the database)" if not results else ""
+    click.echo(f"{len(results) - len(failed)} compiled, {len(failed)} failed{note} "
                f"in {time.perf_counter() - t0:.1f}s", err=True)
     db.close()
     if failed:

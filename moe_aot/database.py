@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 import sqlite3
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -190,7 +191,8 @@ class Database:
                 self._where = f"the kernel database {self._path}"
             self._engine = self._make_engine(parsed)
         except exc.ArgumentError as e:  # includes NoSuchModuleError: unknown dialect/driver
-            raise DatabaseError(f"cannot use database URL {self.url!r}: {_first_line(str(e))}; "
+            shown = re.sub(r"//([^:/@]*):[^@/]*@", r"//\1:***@", self.url)
+            raise DatabaseError(f"cannot use database URL {shown!r}: {_first_line(str(e))}; "
                                 "use sqlite:///<file> or a SQLAlchemy URL such as "
                                 "postgresql://user@host/db (set MOE_AOT_DB)") from None
         except ImportError as e:
@@ -266,6 +268,9 @@ class Database:
         if "locked" in low or "busy" in low:
             return (f"{self._where} stayed locked by another process for {_BUSY_TIMEOUT_S} s "
                     f"while trying to {action}; retry once the other writer has finished")
+        if isinstance(error, exc.IntegrityError):
+            return (f"cannot {action} in {self._where}: {msg}; check that the workload and "
+                    "record_id it refers to exist")
         if "readonly" in low or "read-only" in low:
             return (f"cannot {action}: {self._where} is read-only; open it without "
                     "readonly=True and check the file's permissions")

@@ -19,7 +19,7 @@ TARGETS = {
     "sm_121a": "Blackwell desktop: DGX Spark (GB10)",
 }
 SIZE_MULTIPLE = 64  # hidden/intermediate: 16-byte aligned rows and whole 64-wide K tiles
-MAX_EXPERTS = 1024
+MAX_EXPERTS = 512  # the routing kernel keeps a per-warp histogram of E+1 words in shared memory
 MAX_TOP_K = 32
 
 # Public models' MoE layers (full expert set on one GPU); sources: each model's config.json.

@@ -113,8 +113,8 @@ def can_implement(spec: LayerSpec, variant: LayerVariant) -> tuple[bool, str]:
             return False, f"{role}: {t.mma} MMA is not available on {spec.target} (has {', '.join(lim['mma'])})"
         if t.tile_n not in (32, 64, 128, 256) or t.tile_k not in (32, 64, 128):
             return False, f"{role}: tile {t.tile_n}x{t.tile_k} not supported (n in 32..256, k in 32..128)"
-        if not 2 <= t.stages <= 8:
-            return False, f"{role}: stages {t.stages} outside 2..8"
+        if not 3 <= t.stages <= 8:
+            return False, f"{role}: stages {t.stages} outside 3..8"
         if n_dim % t.tile_n:
             return False, f"{role}: N={n_dim} is not a multiple of tile_n {t.tile_n}"
         if k_dim % t.tile_k:
@@ -131,7 +131,7 @@ def candidate_space(spec: LayerSpec) -> list[LayerVariant]:
     """Every variant the tuner may try for `spec`, already pruned by can_implement."""
     lim = TARGET_LIMITS[spec.target]
     tiles = [GemmTiles(n, k, s, mma) for n, k, s, mma in
-             itertools.product((64, 128, 256), (32, 64), (2, 3, 4, 5), lim["mma"])]
+             itertools.product((64, 128, 256), (32, 64), (3, 4, 5), lim["mma"])]
     out = []
     for m, g, d in itertools.product((64, 128), tiles, tiles):
         v = LayerVariant(m, g, d)
@@ -146,7 +146,7 @@ def default_variant(spec: LayerSpec, tokens: int) -> LayerVariant:
              [LayerVariant(128, GemmTiles(128, 64, 3), GemmTiles(128, 64, 3))])
     prefs += [LayerVariant(64, GemmTiles(64, 64, 3), GemmTiles(64, 64, 3)),
               LayerVariant(64, GemmTiles(32, 64, 3), GemmTiles(64, 64, 3)),
-              LayerVariant(64, GemmTiles(64, 32, 2), GemmTiles(64, 32, 2))]
+              LayerVariant(64, GemmTiles(64, 32, 3), GemmTiles(64, 32, 3))]
     for v in prefs:
         ok, _ = can_implement(spec, v)
         if ok:

@@ -310,3 +310,33 @@ def test_unreachable_path_is_a_database_error(tmp_path):
     (tmp_path / "adir.sqlite").mkdir()
     with pytest.raises(DatabaseError, match="adir.sqlite"):
         Database(_url(tmp_path / "adir.sqlite"))
+
+
+# Server databases (PostgreSQL for teams): set MOE_AOT_TEST_DB_URL to an empty scratch database.
+_SERVER_URL = os.environ.get("MOE_AOT_TEST_DB_URL")
+
+
+@pytest.mark.skipif(not _SERVER_URL, reason="MOE_AOT_TEST_DB_URL not set")
+def test_server_database_round_trip_and_concurrent_best():
+    from sqlalchemy import create_engine
+    engine = create_engine(_SERVER_URL)
+    dbmod._md.drop_all(engine)
+    engine.dispose()
+    with Database(_SERVER_URL) as d:
+        d.put_workload("w", SPEC)
+        d.put_workload("w", SPEC)
+        _ok(d, "v", library=b"\x00\xff" * 100)
+        _ok(d, "v", library=b"\x01" * 10)
+        assert d.get_artifact("v", TC).library == b"\x01" * 10
+        rid = _record(d, median_us=5.0, stats={"n": 3})
+        assert d.records()[0].stats == {"n": 3}
+        assert d.commit_best(workload="w", target="sm_90a", gpu="H200", toolchain=TC, tokens=16,
+                             variant="v", median_us=5.0, record_id=rid)
+    vals = {s: [float(x) for x in range(200 + s, 0, -3)] for s in (1, 2)}
+    _run_two(_commit_many, (_SERVER_URL, 1, vals[1]), (_SERVER_URL, 2, vals[2]))
+    _run_two(_write_many, (_SERVER_URL, "a", 50), (_SERVER_URL, "b", 50))
+    with Database(_SERVER_URL, readonly=True) as d:
+        best = d.best("w", "sm_90a", "H200", TC)
+        assert len(d.list_artifacts()) == 101 and len(d.records()) == 101
+    for i, t in enumerate([1, 16, 256]):
+        assert best[t].median_us == min(v for s in vals for j, v in enumerate(vals[s]) if j % 3 == i)

@@ -53,10 +53,15 @@ class MoeLayer:
     def __init__(self, spec: LayerSpec, store: KernelStore | None = None, device=None,
                  variants: dict[int, LayerVariant] | None = None):
         self.spec = spec
-        self.device = torch.device("cuda", torch.cuda.current_device() if device is None else device)
+        if isinstance(device, torch.device):
+            self.device = device
+        else:
+            self.device = torch.device("cuda", torch.cuda.current_device() if device is None else device)
         self.store = store or KernelStore()
         # Per token bucket: the tuned pick for this GPU if the database has one, else the default.
-        self.variants = variants or self.store.picks(spec, torch.cuda.get_device_name(self.device))
+        if variants is None:
+            variants = self.store.picks(spec, torch.cuda.get_device_name(self.device))
+        self.variants = variants
         self._libs: dict[str, KernelLibrary] = {}
         self._workspace: Workspace | None = None
 

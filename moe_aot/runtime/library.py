@@ -50,8 +50,6 @@ def check_tensor(arg: dict, t: torch.Tensor, kernel: str = "") -> None:
     want = _DTYPES.get(arg["dtype"])
     if t.dtype != want:
         raise KernelArgumentError(f"{where} must have dtype {want}, got {t.dtype}")
-    if not t.is_cuda:
-        raise KernelArgumentError(f"{where} must be a CUDA tensor, got device {t.device}")
     if t.dim() != arg["rank"]:
         raise KernelArgumentError(f"{where} must have {arg['rank']} dimensions, got shape {tuple(t.shape)}")
     for i, (size, stat) in enumerate(zip(t.shape, arg["static_shape"])):
@@ -74,6 +72,8 @@ def check_tensor(arg: dict, t: torch.Tensor, kernel: str = "") -> None:
             raise KernelArgumentError(f"{where}: stride {i} ({st}) must be a multiple of {div}")
     if t.data_ptr() % arg["assumed_align"]:
         raise KernelArgumentError(f"{where} must be {arg['assumed_align']}-byte aligned (data_ptr {t.data_ptr():#x})")
+    if not t.is_cuda:
+        raise KernelArgumentError(f"{where} must be a CUDA tensor, got device {t.device}")
 
 
 class KernelLibrary:

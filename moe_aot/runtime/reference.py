@@ -71,9 +71,10 @@ def glu_reference(x, w13, topk_ids, activation="swiglu", block=16):
     rows of invalid ids are zeros."""
     M, K = topk_ids.shape
     E = w13.shape[0]
-    gate, up = split_gate_up(w13.float(), block)
+    gate, up = split_gate_up(w13, block)  # per-expert fp32 below: whole-model copies can be tens of GB
     ids = topk_ids.reshape(-1).long()
     out = torch.zeros(M * K, gate.shape[1], dtype=torch.float32, device=x.device)
+    ids = ids.to(x.device)
     xs = x.float().repeat_interleave(K, dim=0)
     act = activation_fn(activation)
     for e in torch.unique(ids).tolist():
@@ -81,7 +82,7 @@ def glu_reference(x, w13, topk_ids, activation="swiglu", block=16):
             continue
         rows = (ids == e).nonzero().squeeze(1)
         a = xs[rows]
-        out[rows] = act(a @ gate[e].t()) * (a @ up[e].t())
+        out[rows] = act(a @ gate[e].float().t()) * (a @ up[e].float().t())
     return out
 
 
@@ -91,12 +92,11 @@ def moe_reference(x, w13, w2, topk_weights, topk_ids, activation="swiglu", block
     h = glu_reference(x, w13, topk_ids, activation, block)
     ids = topk_ids.reshape(-1).long()
     y = torch.zeros(M * K, w2.shape[1], dtype=torch.float32, device=x.device)
-    w2f = w2.float()
     for e in torch.unique(ids).tolist():
         if not 0 <= e < w2.shape[0]:
             continue
         rows = (ids == e).nonzero().squeeze(1)
-        y[rows] = h[rows] @ w2f[e].t()
+        y[rows] = h[rows] @ w2[e].float().t()
     y = y * topk_weights.reshape(-1, 1).float()
     return y.reshape(M, K, -1).sum(1)
 

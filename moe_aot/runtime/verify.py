@@ -12,13 +12,16 @@ from .store import KernelStore
 TOLERANCE = 1e-2
 
 
-def random_routing(tokens: int, spec: LayerSpec, device, skew: bool = False, generator=None):
+def random_routing(tokens: int, spec: LayerSpec, device, skew: bool = False, only_even: bool = False,
+                   generator=None):
     """Distinct experts per token (as real routers give). With skew, a few experts take most
-    tokens and many get none."""
+    tokens; with only_even, odd experts get no tokens at all (needs top_k <= experts / 2)."""
     E, K = spec.experts, spec.top_k
     scores = torch.rand(tokens, E, device=device, generator=generator)
     if skew:
         scores += torch.linspace(2.0, 0.0, E, device=device) ** 4
+    if only_even and 2 * K <= E:
+        scores[:, 1::2] = -1.0
     w, ids = torch.topk(scores, K, dim=1)
     w = torch.softmax(w, dim=1).float()
     return w.contiguous(), ids.to(torch.int32).contiguous()
@@ -67,10 +70,11 @@ def verify_layer(spec: LayerSpec, tokens, db_url: str | None = None, stages=None
     w13, w2 = random_weights(spec, dev)
     out = []
     for t in tokens:
-        for skew in (False, True):
+        for routing in ("uniform", "skewed", "half_experts_empty"):
             x = torch.randn(t, spec.hidden, device=dev, dtype=torch.bfloat16)
-            tw, ids = random_routing(t, spec, dev, skew=skew)
+            tw, ids = random_routing(t, spec, dev, skew=routing == "skewed",
+                                     only_even=routing == "half_experts_empty")
             for row in check_stages(layer, x, w13, w2, tw, ids):
-                row.update(tokens=t, skew=skew)
+                row.update(tokens=t, routing=routing)
                 out.append(row)
     return out

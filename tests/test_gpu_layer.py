@@ -1,0 +1,113 @@
+"""GPU tests: kernels compiled on a CPU machine, loaded by the runtime from the database (no DSL
+needed here), against the fp32 PyTorch reference. Skipped without a GPU or without compiled
+kernels (set MOE_AOT_DB; tools/gpu_run.py does the whole run)."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA GPU visible", allow_module_level=True)
+
+from moe_aot.runtime.layer import MoeLayer, moe_forward  # noqa: E402
+from moe_aot.runtime.library import KernelArgumentError  # noqa: E402
+from moe_aot.runtime.reference import moe_reference, rel_err  # noqa: E402
+from moe_aot.runtime.store import KernelStore  # noqa: E402
+from moe_aot.runtime.verify import TOLERANCE, check_stages, random_routing, random_weights  # noqa: E402
+from moe_aot.spec import PRESETS, make_spec  # noqa: E402
+
+MODELS = os.environ.get("MOE_AOT_TEST_MODELS", ",".join(PRESETS)).split(",")
+
+
+@pytest.fixture(scope="module")
+def store():
+    try:
+        return KernelStore()
+    except Exception as exc:  # no database: nothing was compiled for this machine
+        pytest.skip(f"no kernel database: {exc}")
+
+
+@pytest.fixture(scope="module", params=MODELS)
+def layer_and_weights(request, store):
+    spec = make_spec(request.param, target="sm_90a")
+    layer = MoeLayer(spec, store)
+    w13, w2 = random_weights(spec, layer.device)
+    return layer, w13, w2
+
+
+@pytest.mark.parametrize("tokens", [1, 16, 256, 4096])
+@pytest.mark.parametrize("routing", ["uniform", "skewed", "half_experts_empty"])
+def test_stages_match_reference(layer_and_weights, tokens, routing):
+    layer, w13, w2 = layer_and_weights
+    spec = layer.spec
+    x = torch.randn(tokens, spec.hidden, device=layer.device, dtype=torch.bfloat16)
+    tw, ids = random_routing(tokens, spec, layer.device, skew=routing == "skewed",
+                             only_even=routing == "half_experts_empty")
+    if routing == "half_experts_empty":
+        assert not (ids % 2).any()
+    for row in check_stages(layer, x, w13, w2, tw, ids):
+        assert row["ok"], f"{spec.label()} tokens={tokens} {routing}: {row}"
+
+
+def test_invalid_ids_are_dropped(store):
+    spec = make_spec(MODELS[0], target="sm_90a")
+    layer = MoeLayer(spec, store)
+    w13, w2 = random_weights(spec, layer.device)
+    x = torch.randn(64, spec.hidden, device=layer.device, dtype=torch.bfloat16)
+    tw, ids = random_routing(64, spec, layer.device)
+    ids[::3, 0] = spec.experts + 5
+    ids[1::5, -1] = -7
+    out = layer.forward(x, w13, w2, tw, ids)
+    e = rel_err(out, moe_reference(x, w13, w2, tw, ids, spec.activation))
+    assert e <= TOLERANCE, e
+
+
+def test_cuda_graph_replay_with_new_inputs(store):
+    spec = make_spec(MODELS[0], target="sm_90a")
+    dev = torch.device("cuda")
+    w13, w2 = random_weights(spec, dev)
+    M = 96
+    x = torch.randn(M, spec.hidden, device=dev, dtype=torch.bfloat16)
+    tw, ids = random_routing(M, spec, dev)
+    out = torch.empty(M, spec.hidden, device=dev, dtype=torch.bfloat16)
+    moe_forward(x, w13, w2, tw, ids, out=out, store=store)  # warm: loads kernels, allocates workspace
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        moe_forward(x, w13, w2, tw, ids, out=out, store=store)
+    for _ in range(3):
+        x.copy_(torch.randn_like(x))
+        tw2, ids2 = random_routing(M, spec, dev)
+        tw.copy_(tw2)
+        ids.copy_(ids2)
+        out.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        e = rel_err(out, moe_reference(x, w13, w2, tw, ids, spec.activation))
+        assert e <= TOLERANCE, e
+
+
+def test_bad_inputs_are_refused(store):
+    spec = make_spec(MODELS[0], target="sm_90a")
+    layer = MoeLayer(spec, store)
+    dev = layer.device
+    w13, w2 = random_weights(spec, dev)
+    x = torch.randn(8, spec.hidden, device=dev, dtype=torch.bfloat16)
+    tw, ids = random_routing(8, spec, dev)
+    with pytest.raises(KernelArgumentError, match="dtype|must be torch.bfloat16"):
+        layer.forward(x.float(), w13, w2, tw, ids)
+    with pytest.raises(KernelArgumentError, match="shape"):
+        layer.forward(x[:, :-64].contiguous(), w13, w2, tw, ids)
+    with pytest.raises(KernelArgumentError, match="contiguous"):
+        layer.forward(x.t().contiguous().t(), w13, w2, tw, ids)
+    with pytest.raises(KernelArgumentError, match="on cuda"):
+        layer.forward(x.cpu(), w13, w2, tw, ids)
+    with pytest.raises(KernelArgumentError, match="topk_ids"):
+        layer.forward(x, w13, w2, tw, ids.long())
+    with pytest.raises(KernelArgumentError, match="aligned"):
+        buf = torch.empty(8 * spec.hidden + 1, device=dev, dtype=torch.bfloat16)
+        layer.forward(buf[1:].view(8, spec.hidden), w13, w2, tw, ids)
