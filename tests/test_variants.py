@@ -1,0 +1,86 @@
+import dataclasses
+
+import pytest
+
+from moe_aot.spec import make_spec
+from moe_aot.variants import (GemmTiles, LayerVariant, bucket_for, can_implement, candidate_space,
+                              default_variant)
+
+SPEC = make_spec("qwen3-30b-a3b")
+
+
+def _kernel_names(spec, v):
+    return {kv.role: kv.name for kv in v.kernels(spec)}
+
+
+def test_every_compile_time_field_changes_the_names():
+    base = LayerVariant(64, GemmTiles(128, 64, 3, "warp"), GemmTiles(128, 64, 4, "warp"))
+    names = _kernel_names(SPEC, base)
+    # Layer variant fields: each one must change the name of every kernel built with it.
+    for role, t in (("glu", base.glu), ("down", base.down)):
+        for f in dataclasses.fields(GemmTiles):
+            other = {"tile_n": 64, "tile_k": 32, "stages": 5, "mma": "wgmma"}[f.name]
+            v = dataclasses.replace(base, **{role: dataclasses.replace(t, **{f.name: other})})
+            assert _kernel_names(SPEC, v)[role] != names[role], (role, f.name)
+            assert v.name(SPEC) != base.name(SPEC)
+    v = dataclasses.replace(base, tile_m=128)
+    changed = _kernel_names(SPEC, v)
+    assert all(changed[r] != names[r] for r in ("routing", "glu", "down"))
+    # Spec fields baked into kernels: each changes every kernel that takes it.
+    for field, value in (("experts", 64), ("top_k", 4), ("hidden", 1024), ("intermediate", 512),
+                         ("activation", "geglu"), ("target", "sm_121a")):
+        spec = dataclasses.replace(SPEC, **{field: value})
+        other = _kernel_names(spec, base)
+        for kv in base.kernels(SPEC):
+            takes = {k for k, _ in kv.params}
+            if field in ("experts", "top_k", "hidden", "intermediate", "activation"):
+                key = {"experts": "num_experts"}.get(field, field)
+                if key in takes:
+                    assert other[kv.role] != kv.name, (field, kv.role)
+            else:
+                assert other[kv.role] != kv.name, (field, kv.role)
+
+
+def test_name_covers_every_constructor_argument():
+    # Every constructor argument value appears in the name (so equal names mean equal kernels).
+    v = LayerVariant(64, GemmTiles(128, 64, 3), GemmTiles(256, 32, 5))
+    for kv in v.kernels(SPEC):
+        for key, value in kv.params:
+            token = {"num_experts": f"e{value}", "top_k": f"k{value}", "hidden": f"h{value}",
+                     "intermediate": f"i{value}", "tile_m": f"{value}", "tile_n": f"x{value}",
+                     "tile_k": f"x{value}", "stages": f"s{value}", "interleave": f"g{value}"}.get(key, str(value))
+            assert token in kv.name, (kv.name, key, value)
+
+
+def test_parse_round_trip():
+    for v in candidate_space(SPEC)[:50]:
+        assert LayerVariant.parse(v.name(SPEC)) == v
+    with pytest.raises(ValueError):
+        LayerVariant.parse("moe_layer_nonsense")
+
+
+def test_can_implement_reasons():
+    spark = make_spec("qwen3-30b-a3b", target="sm_121a")
+    ok, why = can_implement(spark, LayerVariant(64, GemmTiles(128, 64, 3, "wgmma")))
+    assert not ok and "wgmma" in why and "sm_121a" in why
+    ok, why = can_implement(spark, LayerVariant(128, GemmTiles(256, 64, 5), GemmTiles(256, 64, 5)))
+    assert not ok and "shared memory" in why
+    ok, why = can_implement(make_spec("gpt-oss-120b"), LayerVariant(64, GemmTiles(64, 64, 3), GemmTiles(256, 64, 3)))
+    assert not ok and "2880" in why and "256" in why
+    ok, why = can_implement(SPEC, LayerVariant(64, GemmTiles(64, 64, 2)))
+    assert not ok and "stages" in why
+
+
+def test_candidate_space_is_pruned_and_defaults_valid():
+    for model in ("qwen3-30b-a3b", "gpt-oss-120b", "mixtral-8x7b"):
+        for target in ("sm_90a", "sm_121a"):
+            spec = make_spec(model, target=target)
+            space = candidate_space(spec)
+            assert space and all(can_implement(spec, v)[0] for v in space)
+            for t in (1, 16, 4096):
+                assert can_implement(spec, default_variant(spec, t))[0]
+
+
+def test_bucket_for_nearest_on_log_scale():
+    assert bucket_for(1) == 1 and bucket_for(3) == 1 and bucket_for(5) == 16
+    assert bucket_for(700) == 1024 and bucket_for(100000) == 16384
