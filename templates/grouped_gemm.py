@@ -1,0 +1,515 @@
+"""Grouped GEMMs of a fused MoE layer, written for warp-level MMA (mma.sync m16n8k16).
+
+Two kernels share one mainloop (cp.async global->shared pipeline, ldmatrix, mma.sync) and
+differ in how they address A and in their epilogues:
+
+- ``GroupedGluGemm``  (GEMM1): gathered token rows of ``x`` times the interleaved gate/up
+  weights of the tile's expert, GLU activation fused, ``h`` written in padded order.
+- ``GroupedDownGemm`` (GEMM2): rows of ``h`` times the down weights of the tile's expert,
+  scaled by the routing weight, scattered to ``y[p]`` (one row per routed pair).
+
+Both read the routing layout built by the router: ``sorted_ids[r]`` is the routed-pair index
+``p = token * top_k + k`` of padded row ``r`` (or -1) and ``tile_expert[t]`` is the expert of
+M-tile ``t`` (or -1: the CTA exits). Warp-level MMA is used so that the same source compiles
+for sm_80, sm_90a and sm_121a (DGX Spark, which has no wgmma).
+"""
+
+import math
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+from cutlass import BFloat16, Float32, Int32, const_expr
+
+# Opt-in shared memory per block, by target (bytes); what can_implement checks against.
+SMEM_CAPACITY = {"sm_80": 163 * 1024, "sm_90a": 227 * 1024, "sm_100a": 227 * 1024,
+                 "sm_121a": 99 * 1024}
+MAX_THREADS = 1024
+_MMA_SHAPE = (16, 8, 16)
+_COPY_ELEMS = 8  # bf16 elements in one 16-byte cp.async / store
+
+
+def interleave_gate_up(w_gate, w_up, interleave: int = 16):
+    """[E, I, H] gate and up weights -> [E, 2I, H] in blocks of ``interleave`` rows:
+    rows [2jg, 2jg+g) are gate rows [jg, jg+g), rows [2jg+g, 2jg+2g) the matching up rows."""
+    e, i, h = w_gate.shape
+    if w_up.shape != w_gate.shape or i % interleave:
+        raise ValueError(f"gate {tuple(w_gate.shape)} / up {tuple(w_up.shape)} "
+                         f"do not interleave in blocks of {interleave}")
+    g = w_gate.reshape(e, i // interleave, 1, interleave, h)
+    u = w_up.reshape(e, i // interleave, 1, interleave, h)
+    import torch
+
+    return torch.cat([g, u], dim=2).reshape(e, 2 * i, h).contiguous()
+
+
+class _WarpMmaGroupedGemm:
+    """Shared mainloop and staging of the two grouped GEMMs (see the subclasses)."""
+
+    glu = False
+
+    def __init__(self, n: int, k: int, tile_m: int, tile_n: int, tile_k: int,
+                 stages: int, mma: str, warps_m, warps_n):
+        warps_m, warps_n = self.default_warps(tile_m, tile_n, warps_m, warps_n)
+        ok, reason = self._check_tiles(n, k, tile_m, tile_n, tile_k, stages, mma, warps_m, warps_n)
+        if not ok:
+            raise ValueError(reason)
+        self.n, self.k = n, k
+        self.tile_m, self.tile_n, self.tile_k = tile_m, tile_n, tile_k
+        self.stages, self.mma = stages, mma
+        self.warps_m, self.warps_n = warps_m, warps_n
+        self.threads = warps_m * warps_n * 32
+        self.out_cols = tile_n // 2 if self.glu else tile_n
+        # fp32 staging rows padded by 8 floats: the MMA's accumulator stores then hit
+        # distinct banks in each half-warp phase.
+        self.c_row_stride = tile_n + 8
+
+    # ------------------------------------------------------------------ checks
+    @staticmethod
+    def default_warps(tile_m, tile_n, warps_m=None, warps_n=None):
+        """Warp grid: 2 warps along M (1 for tile_m 16), 4 or 8 warps in all, so that each warp
+        owns at most 64x64 accumulators up to 128x128 tiles."""
+        if warps_m is None:
+            warps_m = 2 if tile_m >= 32 else 1
+        if warps_n is None:
+            warps = 4 if tile_m * tile_n <= 128 * 128 else 8
+            warps_n = max(1, min(tile_n // 16, warps // warps_m))
+        return warps_m, warps_n
+
+    @staticmethod
+    def _check_tiles(n, k, tile_m, tile_n, tile_k, stages, mma, warps_m, warps_n):
+        if mma != "warp":
+            return False, f"mma {mma!r}: only 'warp' (mma.sync) is implemented"
+        threads = warps_m * warps_n * 32
+        if warps_m < 1 or warps_n < 1 or threads > 256:
+            return False, f"warps {warps_m}x{warps_n}: need 1..8 warps"
+        if tile_k not in (32, 64, 128):
+            return False, f"tile_k {tile_k} must be 32, 64 or 128"
+        if k % tile_k:
+            return False, f"K={k} not divisible by tile_k={tile_k}"
+        if n % tile_n:
+            return False, f"N={n} not divisible by tile_n={tile_n}"
+        if tile_m % (16 * warps_m) or tile_m > 256:
+            return False, f"tile_m {tile_m} must be a multiple of 16*warps_m={16 * warps_m} and <= 256"
+        if tile_n % (16 * warps_n) or tile_n > 256:
+            return False, f"tile_n {tile_n} must be a multiple of 16*warps_n={16 * warps_n} and <= 256"
+        rows_per_pass = threads // (tile_k // _COPY_ELEMS)
+        if tile_m % rows_per_pass or tile_n % rows_per_pass:
+            return False, (f"tile_m {tile_m} and tile_n {tile_n} must be multiples of the "
+                           f"{rows_per_pass} rows one cp.async pass of {threads} threads covers")
+        if tile_m * tile_n // threads > 128:
+            return False, (f"{tile_m}x{tile_n} tile on {threads} threads needs "
+                           f"{tile_m * tile_n // threads} fp32 accumulator registers per thread (max 128)")
+        if not 2 <= stages <= 8:
+            return False, f"stages {stages} must be in 2..8"
+        if k // tile_k < stages - 1:
+            return False, f"K={k} has {k // tile_k} k-tiles, fewer than stages-1={stages - 1}"
+        return True, ""
+
+    @staticmethod
+    def smem_bytes(tile_m, tile_n, tile_k, stages) -> int:
+        """Dynamic shared memory of one CTA: the A/B pipeline, reused for the fp32 staging."""
+        ab = stages * (tile_m + tile_n) * tile_k * 2
+        c = tile_m * (tile_n + 8) * 4
+        return max(ab, c) + 1024  # + the allocator's alignment slack
+
+    @classmethod
+    def _check_all(cls, n, k, tile_m, tile_n, tile_k, stages, mma, warps_m, warps_n, arch):
+        warps_m, warps_n = cls.default_warps(tile_m, tile_n, warps_m, warps_n)
+        ok, reason = cls._check_tiles(n, k, tile_m, tile_n, tile_k, stages, mma, warps_m, warps_n)
+        if not ok or arch is None:
+            return ok, reason
+        cap = SMEM_CAPACITY.get(arch)
+        if cap is None:
+            return False, f"arch {arch} not supported (one of {sorted(SMEM_CAPACITY)})"
+        need = cls.smem_bytes(tile_m, tile_n, tile_k, stages)
+        if need > cap:
+            return False, f"needs {need} B of shared memory per block, {arch} allows {cap}"
+        return True, ""
+
+    # ------------------------------------------------------------------ host side
+    def _smem_layout_ab(self, rows):
+        # K-major tile in 8-row atoms, byte-address swizzle so that ldmatrix of 8 rows and
+        # the 16-byte cp.async writes are bank-conflict free.
+        atom_k = min(self.tile_k, 64)  # at most 128-byte rows per swizzle atom
+        swizzle_bits = min(int(math.log2(atom_k * 16 // 128)), 3)
+        swizzle = cute.make_swizzle(swizzle_bits, 4, 3)
+        atom = cute.make_layout((8, atom_k), stride=(atom_k, 1))
+        layout = cute.tile_to_shape(atom, (rows, self.tile_k, self.stages), (0, 1, 2))
+        return layout, swizzle
+
+    def _make_tiled_mma(self):
+        op = cute.nvgpu.warp.MmaF16BF16Op(BFloat16, Float32, _MMA_SHAPE)
+        return cute.make_tiled_mma(
+            op,
+            cute.make_layout((self.warps_m, self.warps_n, 1)),
+            # N permuted to 16 per warp so that one ldmatrix.x4 feeds two n8 atoms
+            permutation_mnk=(self.warps_m * 16, self.warps_n * 16, 16),
+        )
+
+    def _make_g2s_copy(self):
+        atom = cute.make_copy_atom(
+            cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.LoadCacheMode.GLOBAL),
+            BFloat16, num_bits_per_copy=128)
+        tpr = self.tile_k // _COPY_ELEMS
+        thr = cute.make_layout((self.threads // tpr, tpr), stride=(tpr, 1))
+        return cute.make_tiled_copy_tv(atom, thr, cute.make_layout((1, _COPY_ELEMS)))
+
+    # ------------------------------------------------------------------ device helpers
+    @cute.jit
+    def _smem_tensors(self, sA_layout, sB_layout, swizzle):
+        smem = cutlass.utils.SmemAllocator()
+        a_bytes = cute.cosize(sA_layout) * 2
+        b_bytes = cute.cosize(sB_layout) * 2
+        c_bytes = self.tile_m * self.c_row_stride * 4
+        base = smem.allocate(max(a_bytes + b_bytes, c_bytes), byte_alignment=1024)
+        sA = cute.make_tensor(cute.recast_ptr(base, swizzle, BFloat16), sA_layout)
+        sB = cute.make_tensor(cute.recast_ptr(base + a_bytes, swizzle, BFloat16), sB_layout)
+        sC_ptr = cute.recast_ptr(base, dtype=Float32)
+        return sA, sB, sC_ptr
+
+    @cute.jit
+    def _load_tile(self, kt, stage, tiled_copy, mA, a_rows, tAsA, tAcA, tBgB, tBsB):
+        """Issue the cp.async copies of k-tile ``kt`` into pipeline stage ``stage``."""
+        for m in cutlass.range_constexpr(cute.size(tAsA, mode=[1])):
+            row = a_rows[m]
+            if row >= 0:
+                src_row = cute.tiled_divide(
+                    cute.append_ones(mA[row, None], up_to_rank=2), (_COPY_ELEMS, 1))
+                for kk in cutlass.range_constexpr(cute.size(tAsA, mode=[2])):
+                    chunk = kt * (self.tile_k // _COPY_ELEMS) + tAcA[0, 0, kk][1] // _COPY_ELEMS
+                    cute.copy(tiled_copy, src_row[None, chunk, 0], tAsA[None, m, kk, stage])
+        cute.copy(tiled_copy, tBgB[None, None, None, kt], tBsB[None, None, None, stage])
+
+    @cute.jit
+    def _mainloop(self, tidx, mA, a_rows, sA, mBe, bn, sB, tiled_mma, acc):
+        """acc += A[a_rows] @ B_e[bn-tile]^T over all of K.
+
+        ``a_rows`` holds, per A row this thread copies, the source row of ``mA`` (or -1:
+        the shared-memory row is zero-filled once and never loaded)."""
+        tiled_copy = self._make_g2s_copy()
+        thr_copy = tiled_copy.get_slice(tidx)
+        tAsA = thr_copy.partition_D(sA)  # (CPY, CPY_M, CPY_K, PIPE)
+        tBsB = thr_copy.partition_D(sB)
+        gB = cute.local_tile(mBe, (self.tile_n, self.tile_k), (bn, None))
+        tBgB = thr_copy.partition_S(gB)  # (CPY, CPY_N, CPY_K, k_tiles)
+        tAcA = thr_copy.partition_S(cute.make_identity_tensor((self.tile_m, self.tile_k)))
+        cpy_m = cute.size(tAsA, mode=[1])
+        cpy_k = cute.size(tAsA, mode=[2])
+        k_tiles = self.k // self.tile_k
+        stages = self.stages
+
+        for m in cutlass.range_constexpr(cpy_m):
+            if a_rows[m] < 0:
+                for s in cutlass.range_constexpr(stages):
+                    tAsA[None, m, None, s].fill(0)
+
+        for s in cutlass.range_constexpr(stages - 1):
+            self._load_tile(s, s, tiled_copy, mA, a_rows, tAsA, tAcA, tBgB, tBsB)
+            cute.arch.cp_async_commit_group()
+
+        thr_mma = tiled_mma.get_slice(tidx)
+        tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA)[None, None, None, 0])
+        tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB)[None, None, None, 0])
+        ldm = cute.make_copy_atom(cute.nvgpu.warp.LdMatrix8x8x16bOp(False, 4), BFloat16)
+        s2r_A = cute.make_tiled_copy_A(ldm, tiled_mma)
+        s2r_B = cute.make_tiled_copy_B(ldm, tiled_mma)
+        thr_s2r_A = s2r_A.get_slice(tidx)
+        thr_s2r_B = s2r_B.get_slice(tidx)
+        tXsA = thr_s2r_A.partition_S(sA)
+        tXrA = thr_s2r_A.retile(tCrA)
+        tXsB = thr_s2r_B.partition_S(sB)
+        tXrB = thr_s2r_B.retile(tCrB)
+        num_kb = cute.size(tCrA, mode=[2])
+
+        cute.arch.cp_async_wait_group(stages - 2)
+        cute.arch.sync_threads()
+        cute.copy(s2r_A, tXsA[None, None, 0, 0], tXrA[None, None, 0])
+        cute.copy(s2r_B, tXsB[None, None, 0, 0], tXrB[None, None, 0])
+
+        read_stage = Int32(0)  # stage the register pipeline reads from
+        next_stage = Int32(0)  # stage of the next k-tile to be read
+        write_stage = Int32(stages - 1)
+        for kt in range(k_tiles):
+            for kb in cutlass.range_constexpr(num_kb):
+                if const_expr(kb == num_kb - 1):
+                    read_stage = next_stage
+                    cute.arch.cp_async_wait_group(stages - 2)
+                    cute.arch.sync_threads()
+                kb_next = (kb + 1) % num_kb
+                cute.copy(s2r_A, tXsA[None, None, kb_next, read_stage], tXrA[None, None, kb_next])
+                cute.copy(s2r_B, tXsB[None, None, kb_next, read_stage], tXrB[None, None, kb_next])
+                if const_expr(kb == 0):
+                    if kt + (stages - 1) < k_tiles:
+                        self._load_tile(kt + (stages - 1), write_stage, tiled_copy, mA, a_rows, tAsA,
+                                        tAcA, tBgB, tBsB)
+                    cute.arch.cp_async_commit_group()
+                    write_stage = next_stage
+                    next_stage = next_stage + 1
+                    if next_stage == stages:
+                        next_stage = Int32(0)
+                cute.gemm(tiled_mma, acc, tCrA[None, None, kb], tCrB[None, None, kb], acc)
+
+        cute.arch.cp_async_wait_group(0)
+        cute.arch.sync_threads()
+
+    @cute.jit
+    def _stage_acc(self, tidx, tiled_mma, acc, sC_ptr):
+        """Write the fp32 accumulator tile to shared memory; for the GLU kernel the columns
+        are de-interleaved on the way (gate -> [0, tile_n/2), up -> [tile_n/2, tile_n))."""
+        if const_expr(self.glu):
+            g = self.interleave
+            col = cute.make_layout((g, 2, self.tile_n // (2 * g)), stride=(1, self.tile_n // 2, g))
+            layout = cute.make_layout((self.tile_m, col.shape), stride=(self.c_row_stride, col.stride))
+        else:
+            layout = cute.make_layout((self.tile_m, self.tile_n), stride=(self.c_row_stride, 1))
+        sC = cute.make_tensor(sC_ptr, layout)
+        tCsC = tiled_mma.get_slice(tidx).partition_C(sC)
+        cute.autovec_copy(acc, tCsC)
+        cute.arch.sync_threads()
+        return cute.make_tensor(
+            sC_ptr, cute.make_layout((self.tile_m, self.tile_n), stride=(self.c_row_stride, 1)))
+
+    def _epilogue_thread_layout(self):
+        tpr = self.out_cols // _COPY_ELEMS
+        rows_per_pass = self.threads // tpr
+        return tpr, rows_per_pass, (self.tile_m + rows_per_pass - 1) // rows_per_pass
+
+    def _launch_common(self, grid_n, mTileExpert):
+        return [grid_n, cute.size(mTileExpert, mode=[0]), 1], [self.threads, 1, 1]
+
+
+class GroupedGluGemm(_WarpMmaGroupedGemm):
+    """GEMM1 of a fused MoE: ``h[r] = act(x[p//top_k] . gate_e) * (x[p//top_k] . up_e)``.
+
+    ``__call__(x, w13, sorted_ids, tile_expert, h, stream)``:
+      x [M, H] bf16 (M dynamic); w13 [E, 2I, H] bf16, gate/up rows interleaved in blocks of
+      ``interleave`` (see ``interleave_gate_up``); sorted_ids [R] int32 and h [R, I] bf16
+      with R = T * tile_m dynamic; tile_expert [T] int32.
+      Padding rows (sorted_ids == -1) are written as zeros; tiles with tile_expert == -1
+      are not written at all. Grid (2I / tile_n, T), one CTA per (N tile, M tile).
+
+    Activation: "swiglu" = SiLU(g) * u; "geglu" = GELU(g) * u with the tanh approximation.
+
+    Constraints:
+      * bf16 in, fp32 accumulate, bf16 out; all tensors 16-byte aligned and row-major.
+      * H % tile_k == 0, 2I % tile_n == 0, tile_n % (2 * interleave) == 0, interleave % 8 == 0.
+      * tile_k in {32, 64}; tile_m % (16*warps_m) == 0, tile_n % (16*warps_n) == 0,
+        both <= 256 and multiples of the rows one cp.async pass covers
+        (32 * warps / (tile_k / 8)); 1..8 warps; 3 <= stages, H / tile_k >= stages - 1.
+      * shared memory max(stages*(tile_m+tile_n)*tile_k*2, tile_m*(tile_n+8)*4) fits the target.
+    """
+
+    glu = True
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, top_k: int,
+                 activation: str = "swiglu", interleave: int = 16,
+                 tile_m: int = 128, tile_n: int = 128, tile_k: int = 64, stages: int = 4,
+                 mma: str = "warp", warps_m: int | None = None, warps_n: int | None = None):
+        ok, reason = self.can_implement(num_experts, hidden, intermediate, top_k, activation,
+                                        interleave, tile_m, tile_n, tile_k, stages, mma,
+                                        warps_m, warps_n)
+        if not ok:
+            raise ValueError(reason)
+        self.num_experts, self.hidden, self.intermediate = num_experts, hidden, intermediate
+        self.top_k, self.activation, self.interleave = top_k, activation, interleave
+        super().__init__(2 * intermediate, hidden, tile_m, tile_n, tile_k, stages, mma,
+                         warps_m, warps_n)
+
+    @classmethod
+    def can_implement(cls, num_experts, hidden, intermediate, top_k, activation="swiglu",
+                      interleave=16, tile_m=128, tile_n=128, tile_k=64, stages=4, mma="warp",
+                      warps_m=None, warps_n=None, arch=None):
+        """(ok, reason) for this problem, these tunables and, if given, the target arch."""
+        if activation not in ("swiglu", "geglu"):
+            return False, f"activation {activation!r} must be 'swiglu' or 'geglu'"
+        if num_experts < 1 or top_k < 1 or top_k > num_experts:
+            return False, f"need 1 <= top_k={top_k} <= num_experts={num_experts}"
+        if interleave % 8 or interleave < 8:
+            return False, f"interleave {interleave} must be a positive multiple of 8"
+        if intermediate % interleave:
+            return False, f"I={intermediate} not divisible by interleave={interleave}"
+        if tile_n % (2 * interleave):
+            return False, f"tile_n {tile_n} not divisible by 2*interleave={2 * interleave}"
+        return cls._check_all(2 * intermediate, hidden, tile_m, tile_n, tile_k, stages, mma,
+                              warps_m, warps_n, arch)
+
+    def fake_arguments(self):
+        from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
+
+        m = cute.sym_int32(symbol="M")
+        r = cute.sym_int32(symbol="R", divisibility=self.tile_m)
+        t = cute.sym_int32(symbol="T")
+        e, hd, i2 = self.num_experts, self.hidden, 2 * self.intermediate
+        return [
+            ("x", make_fake_tensor(BFloat16, (m, hd), (hd, 1), assumed_align=16)),
+            ("w13", make_fake_tensor(BFloat16, (e, i2, hd), (i2 * hd, hd, 1), assumed_align=16)),
+            ("sorted_ids", make_fake_tensor(Int32, (r,), (1,), assumed_align=16)),
+            ("tile_expert", make_fake_tensor(Int32, (t,), (1,), assumed_align=16)),
+            ("h", make_fake_tensor(BFloat16, (r, self.intermediate), (self.intermediate, 1),
+                                   assumed_align=16)),
+            ("stream", make_fake_stream()),
+        ]
+
+    @cute.jit
+    def __call__(self, x: cute.Tensor, w13: cute.Tensor, sorted_ids: cute.Tensor,
+                 tile_expert: cute.Tensor, h: cute.Tensor, stream: cuda.CUstream):
+        sA_layout, swizzle = self._smem_layout_ab(self.tile_m)
+        sB_layout, _ = self._smem_layout_ab(self.tile_n)
+        tiled_mma = self._make_tiled_mma()
+        grid, block = self._launch_common(self.n // self.tile_n, tile_expert)
+        self.kernel(x, w13, sorted_ids, tile_expert, h, sA_layout, sB_layout, swizzle,
+                    tiled_mma).launch(grid=grid, block=block, stream=stream)
+
+    @cute.kernel
+    def kernel(self, mX: cute.Tensor, mW: cute.Tensor, mIds: cute.Tensor,
+               mTileExpert: cute.Tensor, mH: cute.Tensor, sA_layout: cute.Layout,
+               sB_layout: cute.Layout, swizzle: cute.Swizzle, tiled_mma: cute.TiledMma):
+        tidx, _, _ = cute.arch.thread_idx()
+        bn, bt, _ = cute.arch.block_idx()
+        expert = mTileExpert[bt]
+        if expert >= 0:
+            sA, sB, sC_ptr = self._smem_tensors(sA_layout, sB_layout, swizzle)
+            row0 = bt * self.tile_m
+            # token row of x for each A row this thread copies (-1: padding, zero-filled)
+            thr_copy = self._make_g2s_copy().get_slice(tidx)
+            tAcA = thr_copy.partition_S(cute.make_identity_tensor((self.tile_m, self.tile_k)))
+            cpy_m = cute.size(tAcA, mode=[1])
+            a_rows = cute.make_rmem_tensor(cute.make_layout(cpy_m), Int32)
+            for m in cutlass.range_constexpr(cpy_m):
+                # p >= -1, so this is p // top_k for a routed pair and -1 for padding
+                p = mIds[row0 + tAcA[0, m, 0][0]]
+                a_rows[m] = (p + self.top_k) // self.top_k - 1
+
+            acc = tiled_mma.make_fragment_C(tiled_mma.get_slice(tidx).partition_C(
+                cute.make_identity_tensor((self.tile_m, self.tile_n))).shape)
+            acc.fill(0.0)
+            self._mainloop(tidx, mX, a_rows, sA, mW[expert, None, None], bn, sB, tiled_mma, acc)
+            sC = self._stage_acc(tidx, tiled_mma, acc, sC_ptr)
+
+            tpr, rows_per_pass, passes = self._epilogue_thread_layout()
+            half = self.tile_n // 2
+            c8 = tidx % tpr
+            for it in cutlass.range_constexpr(passes):
+                row = it * rows_per_pass + tidx // tpr
+                if const_expr(self.tile_m % rows_per_pass == 0) or row < self.tile_m:
+                    g = cute.local_tile(sC, (1, _COPY_ELEMS), (row, c8)).load()
+                    u = cute.local_tile(sC, (1, _COPY_ELEMS), (row, c8 + half // _COPY_ELEMS)).load()
+                    out = self._act(g) * u
+                    dst = cute.local_tile(mH, (1, _COPY_ELEMS),
+                                          (row0 + row, bn * (half // _COPY_ELEMS) + c8))
+                    dst.store(out.to(BFloat16))
+
+    @cute.jit
+    def _act(self, g):
+        if const_expr(self.activation == "swiglu"):
+            return g / (1.0 + cute.math.exp(-g, fastmath=True))
+        else:
+            inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+            return 0.5 * g * (1.0 + cute.math.tanh(inner, fastmath=True))
+
+
+class GroupedDownGemm(_WarpMmaGroupedGemm):
+    """GEMM2 of a fused MoE: ``y[p] = topk_weights.flat[p] * (h[r] . w2_e^T)`` for p = sorted_ids[r].
+
+    ``__call__(h, w2, sorted_ids, tile_expert, topk_weights, y, stream)``:
+      h [R, I] bf16 in padded order (R = T * tile_m dynamic); w2 [E, H, I] bf16;
+      sorted_ids [R], tile_expert [T] int32; topk_weights [M, top_k] fp32; y [M*top_k, H] bf16.
+      The routing weight is applied in fp32 before the bf16 store; padding rows are not
+      stored; rows of y no pair maps to are not written. Grid (H / tile_n, T).
+
+    Constraints:
+      * bf16 in, fp32 accumulate, bf16 out; all tensors 16-byte aligned and row-major.
+      * I % tile_k == 0, H % tile_n == 0; the tile constraints of GroupedGluGemm.
+    """
+
+    glu = False
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, top_k: int,
+                 tile_m: int = 128, tile_n: int = 128, tile_k: int = 64, stages: int = 4,
+                 mma: str = "warp", warps_m: int | None = None, warps_n: int | None = None):
+        ok, reason = self.can_implement(num_experts, hidden, intermediate, top_k, tile_m,
+                                        tile_n, tile_k, stages, mma, warps_m, warps_n)
+        if not ok:
+            raise ValueError(reason)
+        self.num_experts, self.hidden, self.intermediate = num_experts, hidden, intermediate
+        self.top_k = top_k
+        super().__init__(hidden, intermediate, tile_m, tile_n, tile_k, stages, mma,
+                         warps_m, warps_n)
+
+    @classmethod
+    def can_implement(cls, num_experts, hidden, intermediate, top_k, tile_m=128, tile_n=128,
+                      tile_k=64, stages=4, mma="warp", warps_m=None, warps_n=None, arch=None):
+        """(ok, reason) for this problem, these tunables and, if given, the target arch."""
+        if num_experts < 1 or top_k < 1 or top_k > num_experts:
+            return False, f"need 1 <= top_k={top_k} <= num_experts={num_experts}"
+        return cls._check_all(hidden, intermediate, tile_m, tile_n, tile_k, stages, mma,
+                              warps_m, warps_n, arch)
+
+    def fake_arguments(self):
+        from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
+
+        m = cute.sym_int32(symbol="M")
+        mk = cute.sym_int32(symbol="MK")
+        r = cute.sym_int32(symbol="R", divisibility=self.tile_m)
+        t = cute.sym_int32(symbol="T")
+        e, hd, i = self.num_experts, self.hidden, self.intermediate
+        return [
+            ("h", make_fake_tensor(BFloat16, (r, i), (i, 1), assumed_align=16)),
+            ("w2", make_fake_tensor(BFloat16, (e, hd, i), (hd * i, i, 1), assumed_align=16)),
+            ("sorted_ids", make_fake_tensor(Int32, (r,), (1,), assumed_align=16)),
+            ("tile_expert", make_fake_tensor(Int32, (t,), (1,), assumed_align=16)),
+            ("topk_weights", make_fake_tensor(Float32, (m, self.top_k), (self.top_k, 1),
+                                              assumed_align=16)),
+            ("y", make_fake_tensor(BFloat16, (mk, hd), (hd, 1), assumed_align=16)),
+            ("stream", make_fake_stream()),
+        ]
+
+    @cute.jit
+    def __call__(self, h: cute.Tensor, w2: cute.Tensor, sorted_ids: cute.Tensor,
+                 tile_expert: cute.Tensor, topk_weights: cute.Tensor, y: cute.Tensor,
+                 stream: cuda.CUstream):
+        sA_layout, swizzle = self._smem_layout_ab(self.tile_m)
+        sB_layout, _ = self._smem_layout_ab(self.tile_n)
+        tiled_mma = self._make_tiled_mma()
+        grid, block = self._launch_common(self.n // self.tile_n, tile_expert)
+        self.kernel(h, w2, sorted_ids, tile_expert, topk_weights, y, sA_layout, sB_layout,
+                    swizzle, tiled_mma).launch(grid=grid, block=block, stream=stream)
+
+    @cute.kernel
+    def kernel(self, mH: cute.Tensor, mW: cute.Tensor, mIds: cute.Tensor,
+               mTileExpert: cute.Tensor, mTopkW: cute.Tensor, mY: cute.Tensor,
+               sA_layout: cute.Layout, sB_layout: cute.Layout, swizzle: cute.Swizzle,
+               tiled_mma: cute.TiledMma):
+        tidx, _, _ = cute.arch.thread_idx()
+        bn, bt, _ = cute.arch.block_idx()
+        expert = mTileExpert[bt]
+        if expert >= 0:
+            sA, sB, sC_ptr = self._smem_tensors(sA_layout, sB_layout, swizzle)
+            row0 = bt * self.tile_m
+            thr_copy = self._make_g2s_copy().get_slice(tidx)
+            tAcA = thr_copy.partition_S(cute.make_identity_tensor((self.tile_m, self.tile_k)))
+            cpy_m = cute.size(tAcA, mode=[1])
+            a_rows = cute.make_rmem_tensor(cute.make_layout(cpy_m), Int32)
+            for m in cutlass.range_constexpr(cpy_m):
+                # h is in padded order: every row exists (padding rows are zeros)
+                a_rows[m] = row0 + tAcA[0, m, 0][0]
+
+            acc = tiled_mma.make_fragment_C(tiled_mma.get_slice(tidx).partition_C(
+                cute.make_identity_tensor((self.tile_m, self.tile_n))).shape)
+            acc.fill(0.0)
+            self._mainloop(tidx, mH, a_rows, sA, mW[expert, None, None], bn, sB, tiled_mma, acc)
+            sC = self._stage_acc(tidx, tiled_mma, acc, sC_ptr)
+
+            tpr, rows_per_pass, passes = self._epilogue_thread_layout()
+            c8 = tidx % tpr
+            for it in cutlass.range_constexpr(passes):
+                row = it * rows_per_pass + tidx // tpr
+                if const_expr(self.tile_m % rows_per_pass == 0) or row < self.tile_m:
+                    p = mIds[row0 + row]
+                    if p >= 0:
+                        scale = mTopkW[p // self.top_k, p % self.top_k]
+                        v = cute.local_tile(sC, (1, _COPY_ELEMS), (row, c8)).load() * scale
+                        dst = cute.local_tile(mY, (1, _COPY_ELEMS),
+                                              (p, bn * (self.tile_n // _COPY_ELEMS) + c8))
+                        dst.store(v.to(BFloat16))

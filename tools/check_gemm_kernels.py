@@ -1,0 +1,239 @@
+#!/usr/bin/env python3
+"""Check the grouped-GEMM templates on a GPU against a PyTorch fp32 reference, and time them.
+
+  --compile DIR         (CPU, needs the DSL) compile the variants below for sm_90a into DIR/<name>/
+  --run DIR --out OUT   (GPU, needs only torch + moe_aot.runtime) load each kernel library, run it
+                        on fresh random inputs with NaN-poisoned outputs for every model shape and
+                        token count, print rel err ||out-ref||/||ref|| and timings, write OUT/results.json
+
+Routing is built here by a small torch function with the router's semantics (the real routing
+kernel lives elsewhere): per expert its routed pairs, ascending p, at rows [off_e, off_e+count_e),
+off_{e+1} = off_e + roundup(count_e, tile_m), other rows -1;
+T = ceil((M*k + min(E, M*k)*(tile_m-1)) / tile_m), tile_expert[t] = owner of tile t, else -1.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+# (name, E, top_k, H, I)
+MODELS = [
+    ("qwen3_30b_a3b", 128, 8, 2048, 768),
+    ("gpt_oss_120b", 128, 4, 2880, 2880),
+    ("deepseek_v3", 256, 8, 7168, 2048),
+    ("mixtral_8x7b", 8, 2, 4096, 14336),
+    ("qwen3_235b", 128, 8, 4096, 1536),
+]
+TOKENS = [1, 16, 256, 4096]
+INTERLEAVE = 16
+
+# (tag, models, activation, tile_m, glu tiles (n, k, stages), down tiles (n, k, stages), token counts)
+CONFIGS = [
+    ("base", [m[0] for m in MODELS], "swiglu", 64, (128, 64, 4), (128, 64, 4), TOKENS),
+    ("wide", ["qwen3_30b_a3b"], "geglu", 128, (256, 32, 3), (256, 32, 3), [1, 256, 4096]),
+    ("thin", ["qwen3_30b_a3b", "qwen3_235b"], "swiglu", 16, (64, 128, 2), (64, 128, 2),
+     [1, 16, 256]),
+]
+
+
+def variants():
+    models = {m[0]: m[1:] for m in MODELS}
+    for tag, names, act, tm, g, d, tokens in CONFIGS:
+        for model in names:
+            e, k, h, i = models[model]
+            if h % d[0]:  # gpt-oss: H = 2880 = 45 * 64
+                d = (64,) + tuple(d[1:])
+            yield {"tag": tag, "model": model, "E": e, "k": k, "H": h, "I": i, "act": act,
+                   "tile_m": tm, "glu": g, "down": d, "tokens": tokens,
+                   "glu_name": f"glu_{tag}_{model}", "down_name": f"down_{tag}_{model}"}
+
+
+# ----------------------------------------------------------------------------- compile (CPU)
+def compile_all(out_dir: Path, arch: str) -> None:
+    from moe_aot.kernel_build import compile_kernel
+    from templates.grouped_gemm import GroupedDownGemm, GroupedGluGemm
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    manifest = []
+    for v in variants():
+        g = GroupedGluGemm(v["E"], v["H"], v["I"], v["k"], activation=v["act"],
+                           interleave=INTERLEAVE, tile_m=v["tile_m"], tile_n=v["glu"][0],
+                           tile_k=v["glu"][1], stages=v["glu"][2])
+        d = GroupedDownGemm(v["E"], v["H"], v["I"], v["k"], tile_m=v["tile_m"],
+                            tile_n=v["down"][0], tile_k=v["down"][1], stages=v["down"][2])
+        for obj, name in ((g, v["glu_name"]), (d, v["down_name"])):
+            t0 = time.perf_counter()
+            art = compile_kernel(obj, arch, name)
+            art.write_dir(out_dir / name)
+            print(f"{name:40s} {arch} compile {art.meta['timing_s']['compile']:.2f}s "
+                  f"export+link {art.meta['timing_s']['export_and_link']:.2f}s "
+                  f"total {time.perf_counter() - t0:.2f}s cubin {len(art.cubin)} B", flush=True)
+        manifest.append(v)
+    (out_dir / "manifest.json").write_text(json.dumps(manifest, indent=1))
+
+
+# ----------------------------------------------------------------------------- run (GPU)
+def build_routing(topk_ids, num_experts: int, tile_m: int):
+    import torch
+
+    dev = topk_ids.device
+    flat = topk_ids.reshape(-1).long()
+    mk = flat.numel()
+    counts = torch.bincount(flat, minlength=num_experts)
+    padded = (counts + tile_m - 1) // tile_m * tile_m
+    ends = torch.cumsum(padded, 0)
+    offs = ends - padded
+    t = (mk + min(num_experts, mk) * (tile_m - 1) + tile_m - 1) // tile_m
+    sorted_ids = torch.full((t * tile_m,), -1, dtype=torch.int32, device=dev)
+    order = torch.sort(flat, stable=True).indices  # p grouped by expert, ascending within
+    exp_sorted = flat[order]
+    first = torch.cumsum(counts, 0) - counts
+    pos = offs[exp_sorted] + torch.arange(mk, device=dev) - first[exp_sorted]
+    sorted_ids[pos] = order.to(torch.int32)
+    starts = torch.arange(t, device=dev) * tile_m
+    owner = torch.searchsorted(ends, starts, right=True)
+    tile_expert = torch.where(starts < ends[-1], owner, -1).to(torch.int32)
+    return sorted_ids, tile_expert
+
+
+def run_all(kdir: Path, out_dir: Path, iters: int) -> int:
+    import torch
+
+    from moe_aot.runtime.library import KernelLibrary
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    out_dir.mkdir(parents=True, exist_ok=True)
+    manifest = json.loads((kdir / "manifest.json").read_text())
+    dev = torch.device("cuda")
+    flush = torch.empty(512 * 2**20, dtype=torch.uint8, device=dev)  # > L2, cleared before each timing
+    results, failures = [], 0
+    gen = torch.Generator(device=dev)
+    gen.manual_seed(0)
+
+    def timed(fn):
+        times = []
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        fn()
+        for _ in range(iters):
+            flush.zero_()
+            start.record()
+            fn()
+            stop.record()
+            stop.synchronize()
+            times.append(start.elapsed_time(stop) * 1e3)
+        times.sort()
+        return times[len(times) // 2]
+
+    def rel_err(out, ref):
+        out, ref = out.float(), ref.float()
+        if not torch.isfinite(out).all():
+            return float("inf")
+        return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+    weights_cache = {}
+    for v in manifest:
+        e, k, hd, inter, tm = v["E"], v["k"], v["H"], v["I"], v["tile_m"]
+        glu = KernelLibrary.from_dir(kdir / v["glu_name"])
+        down = KernelLibrary.from_dir(kdir / v["down_name"])
+        key = v["model"]
+        if key not in weights_cache:
+            weights_cache.clear()
+            torch.cuda.empty_cache()
+            s = 1.0 / math.sqrt(hd)
+            w_gate = (torch.randn(e, inter, hd, device=dev, generator=gen) * s).bfloat16()
+            w_up = (torch.randn(e, inter, hd, device=dev, generator=gen) * s).bfloat16()
+            # prepared layout: rows [2jg, 2jg+g) gate rows [jg, jg+g), then the matching up rows
+            g = INTERLEAVE
+            w13 = torch.stack([w_gate.view(e, inter // g, g, hd), w_up.view(e, inter // g, g, hd)],
+                              dim=2).reshape(e, 2 * inter, hd).contiguous()
+            w2 = (torch.randn(e, hd, inter, device=dev, generator=gen) / math.sqrt(inter)).bfloat16()
+            weights_cache[key] = (w_gate, w_up, w13, w2)
+        w_gate, w_up, w13, w2 = weights_cache[key]
+        for m in v["tokens"]:
+            x = torch.randn(m, hd, device=dev, generator=gen).bfloat16()
+            logits = torch.randn(m, e, device=dev, generator=gen)
+            topk_w, topk_ids = torch.topk(torch.softmax(logits, -1), k, dim=-1)
+            topk_w = topk_w.float().contiguous()
+            sorted_ids, tile_expert = build_routing(topk_ids, e, tm)
+            r = sorted_ids.numel()
+            h = torch.full((r, inter), float("nan"), dtype=torch.bfloat16, device=dev)
+            y = torch.full((m * k, hd), float("nan"), dtype=torch.bfloat16, device=dev)
+
+            glu(x, w13, sorted_ids, tile_expert, h)
+            down(h, w2, sorted_ids, tile_expert, topk_w, y)
+            torch.cuda.synchronize()
+
+            # fp32 reference, per expert, from the same bf16 operands
+            ids = sorted_ids.long()
+            valid = ids >= 0
+            row_expert = torch.repeat_interleave(tile_expert.long(), tm)
+            used_rows = row_expert >= 0
+            h_ref = torch.zeros(r, inter, device=dev)
+            y_ref = torch.zeros(m * k, hd, device=dev)
+            h_in = h.float()
+            for ex in torch.unique(topk_ids).tolist():
+                rows = torch.nonzero(valid & (row_expert == ex)).squeeze(1)
+                p = ids[rows]
+                xa = x[p // k].float()
+                gg = xa @ w_gate[ex].float().T
+                uu = xa @ w_up[ex].float().T
+                act = gg * torch.sigmoid(gg) if v["act"] == "swiglu" else \
+                    torch.nn.functional.gelu(gg, approximate="tanh")
+                h_ref[rows] = act * uu
+                y_ref[p] = topk_w.view(-1)[p].unsqueeze(1) * (h_in[rows] @ w2[ex].float().T)
+            pad_rows = used_rows & ~valid
+            err_h = rel_err(h[valid], h_ref[valid])
+            pad_ok = bool((h[pad_rows] == 0).all().item()) if pad_rows.any() else True
+            err_y = rel_err(y, y_ref)
+
+            t_glu = timed(lambda: glu(x, w13, sorted_ids, tile_expert, h))
+            t_down = timed(lambda: down(h, w2, sorted_ids, tile_expert, topk_w, y))
+            n_exp = int(torch.unique(topk_ids).numel())
+            mk = m * k
+            res = {"variant": v["tag"], "model": key, "tokens": m, "experts_used": n_exp,
+                   "tiles": int((tile_expert >= 0).sum()), "T": int(tile_expert.numel()),
+                   "glu": {"rel_err": err_h, "padding_zero": pad_ok, "us": t_glu,
+                           "TBps": n_exp * 2 * inter * hd * 2 / t_glu / 1e6,
+                           "TFLOPs": 2 * mk * 2 * inter * hd / t_glu / 1e6},
+                   "down": {"rel_err": err_y, "us": t_down,
+                            "TBps": n_exp * hd * inter * 2 / t_down / 1e6,
+                            "TFLOPs": 2 * mk * hd * inter / t_down / 1e6}}
+            ok = err_h <= 1e-2 and pad_ok and err_y <= 1e-2
+            failures += not ok
+            res["ok"] = ok
+            results.append(res)
+            print(f"{'PASS' if ok else 'FAIL'} {v['tag']:5s} {key:14s} M={m:5d} E_used={n_exp:3d} "
+                  f"glu err {err_h:.2e} pad0 {pad_ok} {t_glu:9.1f}us "
+                  f"{res['glu']['TBps']:5.2f}TB/s {res['glu']['TFLOPs']:6.1f}TF | "
+                  f"down err {err_y:.2e} {t_down:9.1f}us {res['down']['TBps']:5.2f}TB/s "
+                  f"{res['down']['TFLOPs']:6.1f}TF", flush=True)
+            (out_dir / "results.json").write_text(json.dumps(results, indent=1))
+    print(f"{len(results) - failures}/{len(results)} passed", flush=True)
+    return 1 if failures else 0
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--compile", metavar="DIR", type=Path)
+    ap.add_argument("--arch", default="sm_90a")
+    ap.add_argument("--run", metavar="DIR", type=Path)
+    ap.add_argument("--out", type=Path, default=Path("gemm_check_out"))
+    ap.add_argument("--iters", type=int, default=50)
+    ns = ap.parse_args()
+    if ns.compile:
+        compile_all(ns.compile, ns.arch)
+    if ns.run:
+        sys.exit(run_all(ns.run, ns.out, ns.iters))
+    if not ns.compile and not ns.run:
+        ap.error("give --compile DIR and/or --run DIR")
+
+
+if __name__ == "__main__":
+    main()
