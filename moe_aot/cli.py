@@ -120,7 +120,10 @@ def compile_cmd(models, spec_file, target, experts, top_k, hidden, intermediate,
         size = f"{len(res.artifact.library) / 1e3:.0f} KB" if res.artifact else (res.error or "").splitlines()[0][:120]
         click.echo(f"[{done}/{total}] {status:6} {res.seconds:6.1f}s  {res.kernel.name}  {size}", err=True)
 
-    results = compile_into(db, pairs, jobs=jobs, progress=progress, force=force)
+    try:
+        results = compile_into(db, pairs, jobs=jobs, progress=progress, force=force)
+    except DatabaseError as exc:
+        raise click.ClickException(str(exc)) from None
     failed = [r for r in results if r.artifact is None]
     note = " (everything was already in the database)" if not results else ""
     click.echo(f"{len(results) - len(failed)} compiled, {len(failed)} failed{note} "

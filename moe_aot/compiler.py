@@ -92,7 +92,7 @@ def compile_into(db, specs_and_variants, jobs: int | None = None,
     for spec, kv in needed:
         if spec.target not in tool:
             tool[spec.target] = toolchain_key(spec.target)
-        db.put_workload(spec.workload_key, spec.to_dict())
+        db.put_workload(spec.workload_key, spec.workload_dict())
         if force or not db.has_artifact(kv.name, tool[spec.target]):
             todo.append((spec, kv))
     results: list[JobResult] = []

@@ -66,6 +66,12 @@ class LayerSpec:
         d.pop("model")
         return d
 
+    def workload_dict(self) -> dict:
+        """The fields the workload key stands for (the target is keyed separately)."""
+        d = self.to_dict()
+        d.pop("target")
+        return d
+
     def label(self) -> str:
         return self.model or self.workload_key
 

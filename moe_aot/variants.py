@@ -119,6 +119,8 @@ def can_implement(spec: LayerSpec, variant: LayerVariant) -> tuple[bool, str]:
             return False, f"{role}: N={n_dim} is not a multiple of tile_n {t.tile_n}"
         if k_dim % t.tile_k:
             return False, f"{role}: K={k_dim} is not a multiple of tile_k {t.tile_k}"
+        if k_dim // t.tile_k < t.stages - 1:
+            return False, f"{role}: K={k_dim} has {k_dim // t.tile_k} k-tiles of {t.tile_k}, fewer than stages-1={t.stages - 1}"
         if role == "glu" and t.tile_n % (2 * INTERLEAVE):
             return False, f"glu: tile_n {t.tile_n} must hold whole gate/up blocks (multiple of {2 * INTERLEAVE})"
         smem = _gemm_smem(variant.tile_m, t)

@@ -1,0 +1,79 @@
+"""Real compilation on this CPU machine: every template, for every target, into a real database."""
+import pytest
+
+from moe_aot.compiler import compile_into, toolchain_key
+from moe_aot.database import Database
+from moe_aot.spec import make_spec
+from moe_aot.variants import GemmTiles, LayerVariant, default_variant
+
+SMALL = dict(experts=8, top_k=2, hidden=256, intermediate=128)
+
+
+@pytest.fixture(scope="module")
+def db(tmp_path_factory):
+    d = Database(f"sqlite:///{tmp_path_factory.mktemp('db') / 'k.sqlite'}")
+    yield d
+    d.close()
+
+
+@pytest.mark.parametrize("target", ["sm_90a", "sm_100a", "sm_121a"])
+def test_every_template_compiles_for_target(db, target):
+    spec = make_spec(**SMALL, target=target)
+    variant = default_variant(spec, 16)
+    results = compile_into(db, [(spec, variant)], jobs=1)
+    assert {r.kernel.role for r in results} == {"routing", "glu", "down", "combine"}
+    failed = [(r.kernel.name, r.error) for r in results if r.artifact is None]
+    assert not failed, failed
+    tool = toolchain_key(target)
+    for kv in variant.kernels(spec):
+        art = db.get_artifact(kv.name, tool)
+        assert art.status == "ok" and art.target == target
+        assert art.library[:4] == b"\x7fELF" and art.cubin[:4] == b"\x7fELF"
+        meta = art.meta
+        assert meta["toolchain"]["arch"] == target and meta["toolchain"]["dsl"] == "nvidia-cutlass-dsl==4.8.1"
+        assert meta["args"][-1]["kind"] == "stream"
+        assert all(a["assumed_align"] >= 4 for a in meta["args"][:-1])
+        # the cubin's ELF e_flags carry the SM number the driver checks at load (bits 8..15)
+        assert (int.from_bytes(art.cubin[48:52], "little") >> 8) & 0xFF == int(target[3:-1])
+
+
+def test_second_compile_is_a_no_op_and_abi_is_recorded(db):
+    spec = make_spec(**SMALL)
+    variant = default_variant(spec, 16)
+    assert compile_into(db, [(spec, variant)], jobs=1) == []
+    glu = next(kv for kv in variant.kernels(spec) if kv.role == "glu")
+    meta = db.get_artifact(glu.name, toolchain_key("sm_90a")).meta
+    x = meta["args"][0]
+    assert x["name"] == "x" and x["static_shape"] == [None, SMALL["hidden"]] and x["dtype"] == "BFloat16"
+
+
+def test_failing_variant_is_recorded_and_batch_goes_on(db, monkeypatch):
+    import moe_aot.compiler as comp
+
+    spec = make_spec(**SMALL, activation="geglu")
+    variant = LayerVariant(64, GemmTiles(64, 64, 3), GemmTiles(256, 32, 3))  # kernels not built yet
+    real = comp.build_template
+
+    def broken(kv):
+        if kv.role == "down":
+            raise comp.KernelCompileError("ptxas: out of registers (injected)")
+        return real(kv)
+
+    monkeypatch.setattr(comp, "build_template", broken)
+    results = compile_into(db, [(spec, variant)], jobs=1)
+    by_role = {r.kernel.role: r for r in results}
+    assert by_role["down"].artifact is None and "injected" in by_role["down"].error
+    assert by_role["glu"].artifact is not None
+    down = next(kv for kv in variant.kernels(spec) if kv.role == "down")
+    row = db.get_artifact(down.name, toolchain_key("sm_90a"))
+    assert row.status == "failed" and "out of registers" in row.error and row.library is None
+
+
+def test_parallel_compile_in_process_pool(tmp_path):
+    with Database(f"sqlite:///{tmp_path / 'p.sqlite'}") as db:
+        spec = make_spec(**SMALL)
+        pairs = [(spec, LayerVariant(64, GemmTiles(64, 64, 3), GemmTiles(64, 64, 3))),
+                 (spec, LayerVariant(64, GemmTiles(128, 64, 3), GemmTiles(128, 64, 4)))]
+        results = compile_into(db, pairs, jobs=2)
+        assert len(results) == 6 and all(r.artifact is not None for r in results)
+        assert len(db.list_artifacts(status="ok")) == 6
