@@ -1,0 +1,125 @@
+"""The runtime on a CPU machine: import isolation, argument checks, fail-closed lookups."""
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from moe_aot.compiler import compile_into
+from moe_aot.database import Database
+from moe_aot.runtime.layer import MoeLayer, prepare_weights
+from moe_aot.runtime.library import KernelArgumentError, check_tensor
+from moe_aot.runtime.reference import max_tiles, routing_reference, split_gate_up
+from moe_aot.runtime.store import KernelMissingError, KernelStore, usable
+from moe_aot.spec import make_spec
+from moe_aot.variants import default_variant
+
+
+def test_runtime_imports_neither_dsl_nor_tuner_nor_compiler():
+    code = ("import sys, moe_aot.runtime.layer, moe_aot.runtime.store, moe_aot.runtime.verify\n"
+            "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('cutlass', 'optuna', "
+            "'moe_aot_templates') or m in ('moe_aot.compiler', 'moe_aot.kernel_build', 'moe_aot.tuner'))\n"
+            "print(bad); sys.exit(1 if bad else 0)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+ARG = {"name": "x", "kind": "tensor", "dtype": "BFloat16", "rank": 2, "static_shape": [None, 256],
+       "static_stride": [None, 1], "dynamic_shape_modes": [0], "dynamic_stride_modes": [0],
+       "shape_divisibility": [1, None], "stride_divisibility": [8, None], "shape_c_type": "int32",
+       "stride_c_type": "int64", "assumed_align": 16}
+
+
+def test_check_tensor_refusals():
+    ok = torch.zeros(4, 256, dtype=torch.bfloat16)
+    with pytest.raises(KernelArgumentError, match="CUDA tensor"):  # every other check passes first
+        check_tensor(ARG, ok, "k")
+    cases = [(ok.float(), "dtype torch.bfloat16"), (ok[:, :128], "size 256 in dimension 1"),
+             (ok.t(), "dimensions|size 256"), (ok[None], "2 dimensions"),
+             (torch.zeros(4, 512, dtype=torch.bfloat16)[:, ::2], "contiguous"),
+             (torch.zeros(4 * 256 + 1, dtype=torch.bfloat16)[1:].view(4, 256), "16-byte aligned"),
+             ("not a tensor", "torch.Tensor")]
+    for t, msg in cases:
+        with pytest.raises(KernelArgumentError, match=msg):
+            check_tensor(ARG, t, "k")
+
+
+def test_weight_preparation_round_trip():
+    g, u = torch.randn(3, 64, 32), torch.randn(3, 64, 32)
+    w = prepare_weights(g, u)
+    assert w.shape == (3, 128, 32)
+    g2, u2 = split_gate_up(w)
+    assert torch.equal(g, g2) and torch.equal(u, u2)
+    assert torch.equal(w[0, 16:32], u[0, 0:16])  # blocks of 16 rows alternate gate / up
+
+
+def test_routing_reference_semantics():
+    ids = torch.tensor([[3, 1], [1, 0], [9, 3], [-1, 1]], dtype=torch.int32)
+    counts, offsets, sorted_ids, tile_expert = routing_reference(ids, experts=4, tile_m=4)
+    assert counts.tolist() == [1, 3, 0, 2]
+    assert offsets.tolist() == [0, 4, 8, 8, 12]
+    T = max_tiles(4, 2, 4, 4)
+    assert sorted_ids.numel() == T * 4 and tile_expert.numel() == T
+    assert sorted_ids[:12].tolist() == [3, -1, -1, -1, 1, 2, 7, -1, 0, 5, -1, -1]
+    assert (sorted_ids[12:] == -1).all()
+    assert tile_expert.tolist()[:3] == [0, 1, 3] and (tile_expert[3:] == -1).all()
+
+
+@pytest.fixture(scope="module")
+def small_db(tmp_path_factory):
+    url = f"sqlite:///{tmp_path_factory.mktemp('rt') / 'k.sqlite'}"
+    spec = make_spec(experts=8, top_k=2, hidden=256, intermediate=128)
+    with Database(url) as db:
+        compile_into(db, [(spec, default_variant(spec, 16))], jobs=1)
+    return url, spec
+
+
+def test_layer_input_checks_before_any_launch(small_db):
+    url, spec = small_db
+    layer = MoeLayer(spec, KernelStore(url), device=torch.device("cpu"), variants={})
+    M, bf = 4, torch.bfloat16
+    x = torch.zeros(M, 256, dtype=bf)
+    w13 = torch.zeros(8, 256, 256, dtype=bf)
+    w2 = torch.zeros(8, 256, 128, dtype=bf)
+    tw = torch.zeros(M, 2)
+    ids = torch.zeros(M, 2, dtype=torch.int32)
+    layer.check_inputs(x, w13, w2, tw, ids, None)  # all good
+    bad = [((x[:, :128], w13, w2, tw, ids), "x must have shape"),
+           ((x, w13[:4], w2, tw, ids), "w13 must have shape"),
+           ((x, w13, w2.transpose(1, 2), tw, ids), "w2 must have shape"),
+           ((x, w13, w2, tw[:2], ids), "topk_weights must have shape"),
+           ((x, w13, w2, tw, ids.long()), "topk_ids must be torch.int32"),
+           ((x, w13, w2, tw.half(), ids), "topk_weights must be torch.float32"),
+           ((x, w13, w2, tw, ids.t().contiguous().t()), "contiguous"),
+           ((x, w13, w2, tw, ids[:, :1]), "topk_ids must have shape")]
+    for args, msg in bad:
+        with pytest.raises(KernelArgumentError, match=msg):
+            layer.check_inputs(*args, None)
+    with pytest.raises(KernelArgumentError, match="out must have shape"):
+        layer.check_inputs(x, w13, w2, tw, ids, torch.zeros(M + 1, 256, dtype=bf))
+
+
+def test_store_fails_closed(small_db):
+    url, spec = small_db
+    store = KernelStore(url)
+    with pytest.raises(KernelMissingError, match="built for sm_90a, this GPU needs sm_121a"):
+        store.load(default_variant(spec, 16).kernels(spec)[0].name, "sm_121a")
+    with pytest.raises(KernelMissingError, match="not in the database"):
+        store.load("moe_route_sm90a_e999k1_m64", "sm_90a")
+    ok, why = usable("nvidia-cutlass-dsl==4.8.1|cu13.4|sm_90a|x86-64|fmt1", "sm_90a", (12, 8))
+    assert not ok and "CUDA 13" in why and "12.8" in why
+    assert not usable("nvidia-cutlass-dsl==4.8.1|cu13.4|sm_90a|x86-64|fmt99", "sm_90a", None)[0]
+    assert not usable("garbage", "sm_90a", None)[0]
+
+
+def test_picks_for_other_gpu_warn_and_fall_back(small_db, tmp_path):
+    url, spec = small_db
+    with Database(url) as db:
+        v = default_variant(spec, 4096)
+        db.commit_best(workload=spec.workload_key, target="sm_90a", gpu="NVIDIA H100 80GB HBM3",
+                       toolchain="nvidia-cutlass-dsl==4.8.1|cu13.4|sm_90a|x86-64|fmt1", tokens=16,
+                       variant=v.name(spec), median_us=12.0)
+    store = KernelStore(url)
+    with pytest.warns(RuntimeWarning, match="no tuned kernels for NVIDIA H200.*H100"):
+        assert store.picks(spec, "NVIDIA H200") == {}
+    assert store.picks(spec, "NVIDIA H100 80GB HBM3") == {16: v}
