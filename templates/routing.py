@@ -13,11 +13,25 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
+from cutlass._mlir.dialects import llvm
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
+from cutlass.cutlass_dsl import T, dsl_user_op
 
 _WARP = 32
 # Shared memory a CTA may use everywhere we target (sm_121 has 99 KiB, sm_90 227 KiB).
 _SMEM_BUDGET = 96 * 1024
+
+
+@dsl_user_op
+def _load_peer_i32(smem_ptr, cta_rank, *, loc=None, ip=None) -> Int32:
+    """Int32 at `smem_ptr` in the shared memory of CTA `cta_rank` of this cluster."""
+    addr = Int32(smem_ptr.toint(loc=loc, ip=ip)).ir_value(loc=loc, ip=ip)
+    value = llvm.inline_asm(
+        T.i32(), [addr, Int32(cta_rank).ir_value(loc=loc, ip=ip)],
+        "{ .reg .b32 ra; mapa.shared::cluster.u32 ra, $1, $2; ld.shared::cluster.u32 $0, [ra]; }",
+        "=r,r,r", has_side_effects=True, is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+    return Int32(value)
 
 
 class MoeRouting:
@@ -34,27 +48,32 @@ class MoeRouting:
     entry of every output is written on every call, so buffers can be reused by CUDA graphs.
     Ids outside [0, E) are dropped: counted nowhere and placed nowhere.
 
-    Design: one CTA. Warp w owns a contiguous run of pairs. Pass 1 builds a per-warp histogram in
-    shared memory; a column scan over warps gives each warp its first row per expert; warp 0 scans
-    the padded counts into offsets. Pass 2 re-reads the pairs in the same order and ranks equal
-    experts inside each 32-pair step with match.any + popc, so the result is deterministic and
-    stable with no global atomics.
+    Design: one thread-block cluster of `cluster_size` CTAs (1 = a single CTA). CTA b owns the
+    b-th contiguous slice of pairs and warp w of it a contiguous sub-slice. Pass 1 builds a
+    per-warp histogram in shared memory; a column scan over warps gives each warp its first row
+    per expert inside the CTA; the CTAs then read each other's per-expert totals through
+    distributed shared memory, so each knows its own base per expert and all know the offsets.
+    Pass 2 re-reads the pairs in the same order and ranks equal experts inside each 32-pair step
+    with match.any + popc. Deterministic and stable, no global atomics, no workspace.
 
     Constraints:
-      - 1 <= num_experts and 32 * (num_experts + 1) * 4 bytes of shared memory fit (E <= 512).
+      - num_experts >= 1 and the per-warp histogram fits: 4*(num_threads/32*(E+1) + 4E + 1)
+        bytes <= 96 KiB (E <= 512 at 1024 threads).
       - top_k >= 1; tile_m a power of two in [1, 1024].
-      - num_threads a multiple of 32 in [32, 1024]; unroll in [1, 16].
+      - num_threads a multiple of 32 in [32, 1024]; unroll in [1, 16];
+        cluster_size in {1, 2, 4, 8, 16} (16 is a non-portable cluster size: Hopper only).
       - int32 tensors, contiguous; alignment 4 bytes (all accesses are scalar).
       - M * K and R must fit in int32.
     """
 
     def __init__(self, num_experts: int, top_k: int, tile_m: int,
-                 num_threads: int = 1024, unroll: int = 8):
+                 num_threads: int = 1024, unroll: int = 8, cluster_size: int = 1):
         self.num_experts = num_experts
         self.top_k = top_k
         self.tile_m = tile_m
         self.num_threads = num_threads
         self.unroll = unroll
+        self.cluster_size = cluster_size
         self.num_warps = num_threads // _WARP
         # Padding the per-warp rows by one word keeps the column scan free of bank conflicts.
         self.hist_stride = num_experts + 1
@@ -65,8 +84,9 @@ class MoeRouting:
                  tile_expert: cute.Tensor, stream: cuda.CUstream):
         num_pairs = cute.size(topk_ids)
         flat_ids = cute.make_tensor(topk_ids.iterator, cute.make_layout(num_pairs))
+        C = self.cluster_size
         self.kernel(flat_ids, expert_counts, expert_offsets, sorted_ids, tile_expert).launch(
-            grid=[1, 1, 1], block=[self.num_threads, 1, 1], stream=stream)
+            grid=[C, 1, 1], block=[self.num_threads, 1, 1], cluster=[C, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, ids: cute.Tensor, g_counts: cute.Tensor, g_offsets: cute.Tensor,
@@ -76,21 +96,28 @@ class MoeRouting:
         NT = self.num_threads
         U = self.unroll
         TM = self.tile_m
+        C = self.cluster_size
         tid, _, _ = cute.arch.thread_idx()
+        cta, _, _ = cute.arch.block_idx()
         warp = tid // _WARP
         lane = tid % _WARP
 
         smem = cutlass.utils.SmemAllocator()
         s_hist = smem.allocate_tensor(
             Int32, cute.make_layout((NW, E), stride=(self.hist_stride, 1)), 16)
-        s_count = smem.allocate_tensor(Int32, cute.make_layout(E), 16)
+        s_count = smem.allocate_tensor(Int32, cute.make_layout(E), 16)   # this CTA's counts
+        s_total = smem.allocate_tensor(Int32, cute.make_layout(E), 16)   # whole-input counts
+        s_start = smem.allocate_tensor(Int32, cute.make_layout(E), 16)   # this CTA's first row
         s_off = smem.allocate_tensor(Int32, cute.make_layout(E + 1), 16)
 
         n = cute.size(ids)
-        # Warp w owns 32-pair steps [w*per_warp, (w+1)*per_warp); per_warp is a multiple of U.
+        # CTA b owns 32-pair steps [b*per_cta, (b+1)*per_cta); its warp w owns per_warp of them
+        # (a multiple of U; the tail past the CTA's slice is masked by `limit`).
         steps = (n + _WARP - 1) // _WARP
-        per_warp = ((steps + NW - 1) // NW + U - 1) // U * U
-        first_step = warp * per_warp
+        per_cta = (steps + C - 1) // C
+        per_warp = ((per_cta + NW - 1) // NW + U - 1) // U * U
+        first_step = cta * per_cta + warp * per_warp
+        limit = cutlass.min((cta + 1) * per_cta * _WARP, n)
 
         for i in range(tid, NW * self.hist_stride, NT):
             s_hist.iterator[i] = Int32(0)
@@ -101,8 +128,8 @@ class MoeRouting:
             keys = []
             for j in cutlass.range_constexpr(U):
                 p = (s0 + j) * _WARP + lane
-                key = Int32(E)  # invalid or past-the-end pairs get key E
-                if p < n:
+                key = Int32(E)  # past the slice or an id outside [0, E)
+                if p < limit:
                     v = ids[p]
                     if v >= 0:
                         if v < E:
@@ -129,7 +156,30 @@ class MoeRouting:
             total = cute.arch.shuffle_sync(incl, _WARP - 1)
             if lane == 0:
                 s_count[e] = total
-                g_counts[e] = total
+                if cutlass.const_expr(C == 1):
+                    s_total[e] = total
+                    s_start[e] = Int32(0)
+                    g_counts[e] = total
+
+        if cutlass.const_expr(C > 1):
+            # Every CTA reads every CTA's counts (distributed shared memory): its own base per
+            # expert is the sum over lower-ranked CTAs, the totals give the offsets.
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()
+            for e in range(tid, E, NT):
+                before = Int32(0)
+                total = Int32(0)
+                for b in cutlass.range_constexpr(C):
+                    c = _load_peer_i32(s_count.iterator + e, b)
+                    if b < cta:
+                        before = before + c
+                    total = total + c
+                s_total[e] = total
+                s_start[e] = before
+                if cta == 0:
+                    g_counts[e] = total
+            # Peers may still be reading our counts: the matching wait is at the very end.
+            cute.arch.cluster_arrive()
         cute.arch.sync_threads()
 
         # Offsets: warp 0, each lane scans a static run of experts.
@@ -139,7 +189,7 @@ class MoeRouting:
             for i in cutlass.range_constexpr(per_lane):
                 e = lane * per_lane + i
                 if e < E:
-                    local = local + (s_count[e] + (TM - 1)) // TM * TM
+                    local = local + (s_total[e] + (TM - 1)) // TM * TM
             incl = local
             for d in cutlass.range_constexpr(5):
                 up = cute.arch.shuffle_sync_up(incl, 1 << d)
@@ -150,18 +200,24 @@ class MoeRouting:
                 e = lane * per_lane + i
                 if e < E:
                     s_off[e] = run
-                    g_offsets[e] = run
-                    run = run + (s_count[e] + (TM - 1)) // TM * TM
+                    s_start[e] = s_start[e] + run
+                    if cta == 0:
+                        g_offsets[e] = run
+                    run = run + (s_total[e] + (TM - 1)) // TM * TM
             total = cute.arch.shuffle_sync(incl, _WARP - 1)
             if lane == 0:
                 s_off[E] = total
-                g_offsets[E] = total
+                if cta == 0:
+                    g_offsets[E] = total
         cute.arch.sync_threads()
 
+        # Fill work is spread over the whole cluster.
+        gtid = cta * NT + tid
+        gwarp = cta * NW + warp
         end = s_off[E]
         # Tile -> expert: largest e with offsets[e] <= row (binary search over offsets).
         num_tiles = cute.size(g_tile_expert)
-        for t in range(tid, num_tiles, NT):
+        for t in range(gtid, num_tiles, C * NT):
             row = t * TM
             owner = Int32(-1)
             if row < end:
@@ -175,15 +231,12 @@ class MoeRouting:
                         hi = mid - 1
                 owner = lo
             g_tile_expert[t] = owner
-
-        # Padding rows inside each expert's last tile, then everything past offsets[E].
-        for i in range(tid, E * TM, NT):
-            e = i // TM
-            row = s_off[e] + s_count[e] + i % TM
-            if row < s_off[e + 1]:
+        # Padding rows at the end of each expert's segment (a warp per expert), then the tail.
+        for e in range(gwarp, E, C * NW):
+            for row in range(s_off[e] + s_total[e] + lane, s_off[e + 1], _WARP):
                 g_sorted[row] = Int32(-1)
         num_rows = cute.size(g_sorted)
-        for row in range(end + tid, num_rows, NT):
+        for row in range(end + gtid, num_rows, C * NT):
             g_sorted[row] = Int32(-1)
 
         # Pass 2: stable scatter. Same traversal as pass 1; equal experts within one 32-pair
@@ -193,8 +246,8 @@ class MoeRouting:
             keys = []
             for j in cutlass.range_constexpr(U):
                 p = (s0 + j) * _WARP + lane
-                key = Int32(E)  # invalid or past-the-end pairs get key E
-                if p < n:
+                key = Int32(E)
+                if p < limit:
                     v = ids[p]
                     if v >= 0:
                         if v < E:
@@ -212,10 +265,13 @@ class MoeRouting:
                 if key < E:
                     if before == 0:
                         s_hist[warp, key] = base + Int32(cute.arch.popc(peers))
-                    g_sorted[s_off[key] + base + rank] = (s0 + j) * _WARP + lane
+                    g_sorted[s_start[key] + base + rank] = (s0 + j) * _WARP + lane
                 cute.arch.sync_warp()
+        if cutlass.const_expr(C > 1):
+            cute.arch.cluster_wait()
 
-    def can_implement(self) -> tuple[bool, str]:
+    def can_implement(self, arch: str | None = None) -> tuple[bool, str]:
+        """(ok, reason); with `arch` (e.g. "sm_90a") also the target's cluster limit."""
         E, K, TM = self.num_experts, self.top_k, self.tile_m
         if not isinstance(E, int) or E < 1:
             return False, f"num_experts must be a positive int, got {E!r}"
@@ -228,9 +284,13 @@ class MoeRouting:
             return False, f"num_threads must be a multiple of 32 in [32, 1024], got {nt!r}"
         if not isinstance(self.unroll, int) or not 1 <= self.unroll <= 16:
             return False, f"unroll must be in [1, 16], got {self.unroll!r}"
-        if 4 * (self.num_warps * self.hist_stride + 2 * E + 1) + 64 > _SMEM_BUDGET:
+        if self.cluster_size not in (1, 2, 4, 8, 16):
+            return False, f"cluster_size must be 1, 2, 4, 8 or 16, got {self.cluster_size!r}"
+        if self.cluster_size > 8 and arch is not None and not arch.startswith(("sm_90", "sm_100")):
+            return False, f"cluster_size {self.cluster_size} > 8 is non-portable; {arch} allows 8"
+        if 4 * (self.num_warps * self.hist_stride + 4 * E + 1) > _SMEM_BUDGET:
             return False, (f"num_experts={E} needs more than {_SMEM_BUDGET} bytes of shared memory "
-                           "for the per-warp histogram (E <= 512 fits)")
+                           f"for the per-warp histogram of {nt} threads")
         return True, ""
 
     def fake_arguments(self):
