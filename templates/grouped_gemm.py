@@ -158,7 +158,7 @@ class _WarpMmaGroupedGemm:
     # ------------------------------------------------------------------ device helpers
     @cute.jit
     def _smem_tensors(self, sA_layout, sB_layout, swizzle):
-        smem = cutlass.utils.SmemAllocator()
+        smem = cutlass.memory.SmemAllocator()
         a_bytes = cute.cosize(sA_layout) * 2
         b_bytes = cute.cosize(sB_layout) * 2
         c_bytes = self.tile_m * self.c_row_stride * 4
@@ -252,6 +252,14 @@ class _WarpMmaGroupedGemm:
 
         cute.arch.cp_async_wait_group(0)
         cute.arch.sync_threads()
+
+    @cute.jit
+    def _expert_weights(self, mW, expert):
+        """[N, K] weights of one expert. The expert offset is formed in 64 bits: E*N*K can
+        exceed 2**32 elements (DeepSeek-V3's w13 has 7.5e9), where plain slicing wraps."""
+        offset = cutlass.Int64(expert) * (self.n * self.k)
+        base = (mW.iterator + offset).align(16)  # N*K is a multiple of 8 elements
+        return cute.make_tensor(base, cute.select(mW.layout, mode=[1, 2]))
 
     @cute.jit
     def _stage_acc(self, tidx, tiled_mma, acc, sC_ptr):
@@ -384,7 +392,7 @@ class GroupedGluGemm(_WarpMmaGroupedGemm):
             acc = tiled_mma.make_fragment_C(tiled_mma.get_slice(tidx).partition_C(
                 cute.make_identity_tensor((self.tile_m, self.tile_n))).shape)
             acc.fill(0.0)
-            self._mainloop(tidx, mX, a_rows, sA, mW[expert, None, None], bn, sB, tiled_mma, acc)
+            self._mainloop(tidx, mX, a_rows, sA, self._expert_weights(mW, expert), bn, sB, tiled_mma, acc)
             sC = self._stage_acc(tidx, tiled_mma, acc, sC_ptr)
 
             tpr, rows_per_pass, passes = self._epilogue_thread_layout()
@@ -403,7 +411,7 @@ class GroupedGluGemm(_WarpMmaGroupedGemm):
     @cute.jit
     def _act(self, g):
         if const_expr(self.activation == "swiglu"):
-            return g / (1.0 + cute.math.exp(-g, fastmath=True))
+            return g * cute.math.rcp(1.0 + cute.math.exp(-g, fastmath=True), fastmath=True)
         else:
             inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)
             return 0.5 * g * (1.0 + cute.math.tanh(inner, fastmath=True))
@@ -498,7 +506,7 @@ class GroupedDownGemm(_WarpMmaGroupedGemm):
             acc = tiled_mma.make_fragment_C(tiled_mma.get_slice(tidx).partition_C(
                 cute.make_identity_tensor((self.tile_m, self.tile_n))).shape)
             acc.fill(0.0)
-            self._mainloop(tidx, mH, a_rows, sA, mW[expert, None, None], bn, sB, tiled_mma, acc)
+            self._mainloop(tidx, mH, a_rows, sA, self._expert_weights(mW, expert), bn, sB, tiled_mma, acc)
             sC = self._stage_acc(tidx, tiled_mma, acc, sC_ptr)
 
             tpr, rows_per_pass, passes = self._epilogue_thread_layout()

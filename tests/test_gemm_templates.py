@@ -1,0 +1,86 @@
+"""CPU tests of the grouped-GEMM templates: they compile for the targets, refuse with reasons.
+
+Numerics are checked on the GPU by tools/check_gemm_kernels.py (compile here, run there).
+"""
+import pytest
+
+cute = pytest.importorskip("cutlass.cute")
+torch = pytest.importorskip("torch")
+
+from templates.grouped_gemm import GroupedDownGemm, GroupedGluGemm, interleave_gate_up  # noqa: E402
+
+QWEN3_30B = dict(num_experts=128, hidden=2048, intermediate=768, top_k=8)
+
+
+def _compile(obj, arch):
+    named = obj.fake_arguments()
+    assert named[-1][0] == "stream"
+    return cute.compile(obj, *[f for _, f in named], options=f"--gpu-arch {arch}")
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_121a"])
+def test_glu_compiles(arch):
+    obj = GroupedGluGemm(**QWEN3_30B, activation="swiglu", tile_m=64, tile_n=128, tile_k=64,
+                         stages=3)
+    assert [n for n, _ in obj.fake_arguments()] == ["x", "w13", "sorted_ids", "tile_expert", "h",
+                                                    "stream"]
+    assert GroupedGluGemm.can_implement(**QWEN3_30B, tile_m=64, stages=3, arch=arch)[0]
+    assert _compile(obj, arch) is not None
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_121a"])
+def test_down_compiles(arch):
+    obj = GroupedDownGemm(**QWEN3_30B, tile_m=64, tile_n=128, tile_k=64, stages=3)
+    assert [n for n, _ in obj.fake_arguments()] == ["h", "w2", "sorted_ids", "tile_expert",
+                                                    "topk_weights", "y", "stream"]
+    assert _compile(obj, arch) is not None
+
+
+def test_geglu_small_tile_compiles():
+    obj = GroupedGluGemm(**QWEN3_30B, activation="geglu", tile_m=16, tile_n=64, tile_k=128,
+                         stages=2)
+    assert _compile(obj, "sm_90a") is not None
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    (dict(tile_k=96), "tile_k"),
+    (dict(hidden=2000), "not divisible by tile_k"),
+    (dict(intermediate=800), "not divisible by tile_n"),
+    (dict(interleave=64, tile_n=64), "2*interleave"),
+    (dict(activation="relu"), "activation"),
+    (dict(mma="tcgen05"), "mma"),
+    (dict(tile_m=256, tile_n=256), "accumulator registers"),
+    (dict(tile_m=128, tile_n=256, tile_k=64, stages=4, arch="sm_121a"), "shared memory"),
+    (dict(stages=1), "stages"),
+])
+def test_glu_refusals(kwargs, words):
+    args = {**QWEN3_30B, **kwargs}
+    ok, reason = GroupedGluGemm.can_implement(**args)
+    assert not ok and words in reason, reason
+    with pytest.raises(ValueError, match=words.split()[0]):
+        args.pop("arch", None)
+        if GroupedGluGemm.can_implement(**args)[0]:
+            raise ValueError(words)  # only an arch refusal: the constructor takes no arch
+        GroupedGluGemm(**args)
+
+
+def test_down_refusals():
+    ok, reason = GroupedDownGemm.can_implement(**QWEN3_30B, tile_n=96)
+    assert not ok and "tile_n" in reason
+    ok, reason = GroupedDownGemm.can_implement(num_experts=128, hidden=2880, intermediate=2880,
+                                               top_k=4, tile_n=128)
+    assert not ok and "N=2880" in reason
+    ok, reason = GroupedDownGemm.can_implement(num_experts=128, hidden=2880, intermediate=2880,
+                                               top_k=4, tile_n=64, arch="sm_90a")
+    assert ok, reason
+
+
+def test_interleave_gate_up_layout():
+    e, i, h, g = 2, 32, 8, 16
+    w_gate = torch.randn(e, i, h)
+    w_up = torch.randn(e, i, h)
+    w13 = interleave_gate_up(w_gate, w_up, g)
+    assert w13.shape == (e, 2 * i, h)
+    for j in range(i // g):
+        assert torch.equal(w13[:, 2 * j * g:2 * j * g + g], w_gate[:, j * g:(j + 1) * g])
+        assert torch.equal(w13[:, 2 * j * g + g:2 * (j + 1) * g], w_up[:, j * g:(j + 1) * g])
