@@ -1,0 +1,81 @@
+"""The CLI through click's test runner, on a real SQLite database with real compiles."""
+import pytest
+from click.testing import CliRunner
+
+from moe_aot.cli import main
+
+
+@pytest.fixture()
+def runner(tmp_path, monkeypatch):
+    monkeypatch.setenv("MOE_AOT_DB", f"sqlite:///{tmp_path / 'cli.sqlite'}")
+    return CliRunner()
+
+
+def test_every_command_has_help(runner):
+    for cmd in ([], ["compile"], ["ls"], ["show"], ["verify"]):
+        res = runner.invoke(main, cmd + ["--help"])
+        assert res.exit_code == 0 and "Usage" in res.output
+
+
+def test_compile_ls_show_with_env_default(runner, tmp_path):
+    spec = tmp_path / "layer.toml"
+    spec.write_text("[[layer]]\nexperts = 8\ntop_k = 2\nhidden = 256\nintermediate = 128\n")
+    res = runner.invoke(main, ["compile", "--spec", str(spec), "--tokens", "16", "--jobs", "1"])
+    assert res.exit_code == 0, res.output
+    assert "4 compiled, 0 failed" in res.output
+    res = runner.invoke(main, ["ls"])
+    lines = res.output.strip().splitlines()
+    assert res.exit_code == 0 and len(lines) == 4
+    assert all(line.startswith("moe_") for line in lines)
+    name = next(line.split("\t")[0] for line in lines if line.startswith("moe_glu"))
+    res = runner.invoke(main, ["show", name])
+    assert res.exit_code == 0 and "toolchain:  nvidia-cutlass-dsl==4.8.1" in res.output
+    assert "x: BFloat16[?,256] align 16" in res.output
+    again = runner.invoke(main, ["compile", "--spec", str(spec), "--tokens", "16"])
+    assert again.exit_code == 0 and "already in the database" in again.output
+
+
+def test_explicit_db_flag(runner, tmp_path):
+    url = f"sqlite:///{tmp_path / 'other.sqlite'}"
+    res = runner.invoke(main, ["compile", "--experts", "8", "--top-k", "2", "--hidden", "256",
+                               "--intermediate", "128", "--target", "sm_121a", "--tokens", "1", "--db", url, "-j", "1"])
+    assert res.exit_code == 0, res.output
+    res = runner.invoke(main, ["ls", "--db", url, "--target", "sm_121a"])
+    assert len(res.output.strip().splitlines()) == 4 and "sm121a" in res.output
+
+
+@pytest.mark.parametrize("args, message", [
+    (["compile", "--model", "llama"], "model must be one of"),
+    (["compile", "--model", "qwen3-30b-a3b", "--target", "sm_75"], "target must be one of"),
+    (["compile", "--model", "qwen3-30b-a3b", "--precision", "fp8"], "not yet supported for sm_90a"),
+    (["compile", "--experts", "8", "--top-k", "9", "--hidden", "64", "--intermediate", "64"], "must not exceed"),
+    (["compile", "--model", "qwen3-30b-a3b", "--tokens", "0,x"], "comma-separated positive integers"),
+    (["compile", "--model", "qwen3-30b-a3b", "--variant", "bogus"], "not a layer variant name"),
+    (["compile", "--model", "gpt-oss-120b", "--variant",
+      "moe_layer_sm90a_bf16_x_swiglu_m64_glun64k64s3warp_downn256k64s3warp"], "2880"),
+    (["compile"], "say which layers"),
+    (["show", "nope"], "no kernel database"),
+])
+def test_errors_are_one_actionable_sentence(runner, args, message):
+    res = runner.invoke(main, args)
+    assert res.exit_code != 0
+    assert message in res.output
+    assert "Traceback" not in res.output
+
+
+def test_ls_on_missing_and_corrupt_database(runner, tmp_path):
+    res = runner.invoke(main, ["ls", "--db", f"sqlite:///{tmp_path / 'missing.sqlite'}"])
+    assert res.exit_code != 0 and "no kernel database" in res.output and "Traceback" not in res.output
+    bad = tmp_path / "bad.sqlite"
+    bad.write_bytes(b"this is not a database" * 100)
+    res = runner.invoke(main, ["ls", "--db", f"sqlite:///{bad}"])
+    assert res.exit_code != 0 and "Traceback" not in res.output and str(bad) in res.output
+
+
+def test_verify_without_gpu_says_so(runner):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("has a GPU")
+    res = runner.invoke(main, ["verify", "--model", "qwen3-30b-a3b"])
+    assert res.exit_code != 0 and "needs a CUDA GPU" in res.output
