@@ -12,6 +12,7 @@ import traceback
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from multiprocessing import get_context
+from pathlib import Path
 from typing import Callable, Iterable
 
 from .kernel_build import Artifact, KernelCompileError, compile_kernel  # noqa: F401
@@ -19,12 +20,26 @@ from .spec import LayerSpec
 from .variants import KernelVariant, LayerVariant, can_implement
 
 
+def templates_hash() -> str:
+    """Hash of the kernel sources: editing a template must never reuse a stale binary."""
+    import hashlib
+
+    import moe_aot_templates
+
+    h = hashlib.sha256()
+    for path in sorted(Path(moe_aot_templates.__file__).parent.glob("*.py")):
+        h.update(path.name.encode() + b"\0" + path.read_bytes())
+    return h.hexdigest()[:12]
+
+
 def toolchain_key(target: str) -> str:
-    """The fingerprint string artifacts are keyed by (DSL version, CUDA flavour, arch, host)."""
+    """The fingerprint string artifacts are keyed by: DSL version, CUDA flavour, arch, host
+    target, artifact format and the templates' source hash."""
     from .kernel_build import toolchain_fingerprint
 
     fp = toolchain_fingerprint(target)
-    return f"{fp['dsl']}|{fp['cuda_flavour']}|{fp['arch']}|x86-64|fmt{fp['artifact_format']}"
+    return (f"{fp['dsl']}|{fp['cuda_flavour']}|{fp['arch']}|x86-64|fmt{fp['artifact_format']}"
+            f"|src{templates_hash()}")
 
 
 def build_template(kv: KernelVariant):

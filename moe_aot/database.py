@@ -11,6 +11,7 @@ import json
 import math
 import re
 import sqlite3
+import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -174,6 +175,20 @@ def _first_line(text: str | None) -> str | None:
     return None if text is None else (text.strip().splitlines() or [""])[0]
 
 
+def _set_wal(cur) -> None:
+    # Switching to WAL takes an exclusive lock that SQLite does not wait for through the busy
+    # handler, so two processes creating the same database at once would see "locked" here.
+    deadline = time.monotonic() + _BUSY_TIMEOUT_S
+    while True:
+        try:
+            cur.execute("PRAGMA journal_mode = WAL")
+            return
+        except sqlite3.OperationalError as e:
+            if "locked" not in str(e) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.02)
+
+
 class Database:
     """One open kernel database; see the module docstring."""
 
@@ -243,7 +258,7 @@ class Database:
             cur.execute(f"PRAGMA busy_timeout = {_BUSY_TIMEOUT_S * 1000}")
             cur.execute("PRAGMA foreign_keys = ON")
             if not readonly:
-                cur.execute("PRAGMA journal_mode = WAL")
+                _set_wal(cur)
                 # Safe against corruption in WAL mode; only the last commits may be lost on power
                 # failure, which for a rebuildable cache is worth the fsync per transaction saved.
                 cur.execute("PRAGMA synchronous = NORMAL")

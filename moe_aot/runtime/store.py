@@ -19,8 +19,8 @@ class KernelMissingError(LookupError):
 
 
 def parse_toolchain(key: str) -> dict:
-    parts = key.split("|")
-    if len(parts) != 5 or not parts[1].startswith("cu") or not parts[4].startswith("fmt"):
+    parts = key.split("|")  # dsl|cuXX.Y|arch|host|fmtN[|src<templates hash>]
+    if len(parts) not in (5, 6) or not parts[1].startswith("cu") or not parts[4].startswith("fmt"):
         raise ValueError(f"unrecognised toolchain key {key!r}")
     major, minor = parts[1][2:].split(".")
     return {"dsl": parts[0], "cuda": (int(major), int(minor)), "arch": parts[2], "host": parts[3],

@@ -1,0 +1,132 @@
+#!/usr/bin/env python3
+"""A whole GPU run in one command, on a machine without the DSL (the product's AOT story).
+
+    python3 tools/gpu_run.py --out $OUT [--db cache/moe_aot.sqlite] [--tests] [--coldstart] [--bench ARGS]
+
+1. installs the wheels brought along in .whl/ (sqlalchemy, ...) into /tmp/site;
+2. records the device (name, driver, torch);
+3. measures the runtime's cold start in a fresh process (import, open database, load, first launch);
+4. runs the GPU tests (pytest -m gpu) against the kernels in the database;
+5. runs tools/bench.py if asked;
+and writes everything under --out (logs, junit xml, JSON), printing a short summary last.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SITE = "/tmp/site"
+
+COLD_START = r"""
+import time, json, sys
+t0 = time.perf_counter()
+import torch
+torch.zeros(1, device="cuda"); torch.cuda.synchronize()
+t_cuda = time.perf_counter()
+from moe_aot.runtime.layer import MoeLayer
+from moe_aot.runtime.store import KernelStore
+from moe_aot.spec import make_spec
+t_import = time.perf_counter()
+store = KernelStore()
+t_open = time.perf_counter()
+spec = make_spec(sys.argv[1])
+layer = MoeLayer(spec, store)
+layer.kernels(16)
+t_load = time.perf_counter()
+x = torch.randn(16, spec.hidden, device="cuda", dtype=torch.bfloat16)
+w13 = torch.randn(spec.experts, 2 * spec.intermediate, spec.hidden, device="cuda", dtype=torch.bfloat16)
+w2 = torch.randn(spec.experts, spec.hidden, spec.intermediate, device="cuda", dtype=torch.bfloat16)
+ids = torch.randint(0, spec.experts, (16, spec.top_k), device="cuda", dtype=torch.int32)
+tw = torch.rand(16, spec.top_k, device="cuda")
+torch.cuda.synchronize()
+t_data = time.perf_counter()
+layer.forward(x, w13, w2, tw, ids); torch.cuda.synchronize()
+t_first = time.perf_counter()
+n = 200
+for _ in range(n):
+    layer.forward(x, w13, w2, tw, ids)
+t_host = time.perf_counter(); torch.cuda.synchronize()
+print(json.dumps({"model": sys.argv[1], "cuda_context_ms": 1e3 * (t_cuda - t0),
+                  "import_runtime_ms": 1e3 * (t_import - t_cuda), "open_db_ms": 1e3 * (t_open - t_import),
+                  "load_4_kernels_ms": 1e3 * (t_load - t_open), "first_forward_ms": 1e3 * (t_first - t_data),
+                  "cold_start_ms_excluding_cuda_context": 1e3 * ((t_import - t_cuda) + (t_open - t_import)
+                                                                 + (t_load - t_open) + (t_first - t_data)),
+                  "eager_host_us_per_forward": 1e6 * (t_host - t_first) / n}))
+"""
+
+
+def sh(cmd, log=None, env=None, timeout=None):
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    out = proc.stdout + proc.stderr
+    if log:
+        Path(log).write_text(out)
+    return proc.returncode, out, time.perf_counter() - t0
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--db", default=str(ROOT / "cache" / "moe_aot.sqlite"))
+    ap.add_argument("--tests", action="store_true")
+    ap.add_argument("--test-args", default="", help="extra pytest arguments, e.g. '-k qwen3'")
+    ap.add_argument("--coldstart", action="store_true")
+    ap.add_argument("--bench", default=None, help="arguments for tools/bench.py ('' for defaults)")
+    ns = ap.parse_args()
+    out = Path(ns.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    wheels = sorted(glob.glob(str(ROOT / ".whl" / "*.whl")))
+    if wheels:
+        rc, log, _ = sh([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+                         "--target", SITE, *wheels])
+        if rc:
+            print(log)
+            sys.exit("installing the brought wheels failed")
+    env = dict(os.environ, PYTHONPATH=f"{SITE}:{ROOT}", MOE_AOT_DB=f"sqlite:///{Path(ns.db).resolve()}",
+               PYTHONUNBUFFERED="1")
+    summary = {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "argv": sys.argv}
+    rc, smi, _ = sh(["nvidia-smi", "--query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem",
+                     "--format=csv,noheader"])
+    summary["device"] = smi.strip()
+    rc, tv, _ = sh([sys.executable, "-c", "import torch; print(torch.__version__, torch.version.cuda)"], env=env)
+    summary["torch"] = tv.strip()
+    rc, dsl, _ = sh([sys.executable, "-c", "import cutlass"], env=env)
+    summary["dsl_installed_here"] = rc == 0
+    print(f"device: {summary['device']}; torch {summary['torch']}; DSL installed here: {rc == 0}", flush=True)
+
+    if ns.coldstart:
+        rows = []
+        for model in ("qwen3-30b-a3b", "deepseek-v3"):
+            rc, log, _ = sh([sys.executable, "-c", COLD_START, model], env=env, timeout=300)
+            line = [x for x in log.splitlines() if x.startswith("{")]
+            rows.append(json.loads(line[-1]) if rc == 0 and line else {"model": model, "error": log[-2000:]})
+            print("coldstart", rows[-1], flush=True)
+        summary["coldstart"] = rows
+
+    if ns.tests:
+        cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-rfE", "-p", "no:cacheprovider",
+               f"--junitxml={out / 'gpu_tests.xml'}", "tests/test_gpu_layer.py", *ns.test_args.split()]
+        rc, log, secs = sh(cmd, log=out / "gpu_tests.log", env=env, timeout=540)
+        summary["tests"] = {"rc": rc, "seconds": round(secs, 1), "tail": log.strip().splitlines()[-1:]}
+        print(log[-6000:], flush=True)
+
+    if ns.bench is not None:
+        cmd = [sys.executable, "tools/bench.py", "--out", str(out), *ns.bench.split()]
+        rc, log, secs = sh(cmd, log=out / "bench.log", env=env, timeout=560)
+        summary["bench"] = {"rc": rc, "seconds": round(secs, 1)}
+        print(log[-8000:], flush=True)
+
+    (out / "gpu_run.json").write_text(json.dumps(summary, indent=1))
+    print(json.dumps(summary, indent=1)[-3000:])
+
+
+if __name__ == "__main__":
+    main()
