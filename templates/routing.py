@@ -15,6 +15,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 from cutlass._mlir.dialects import llvm
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
+from cutlass.memory import SmemAllocator
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 _WARP = 32
@@ -55,6 +56,9 @@ class MoeRouting:
     distributed shared memory, so each knows its own base per expert and all know the offsets.
     Pass 2 re-reads the pairs in the same order and ranks equal experts inside each 32-pair step
     with match.any + popc. Deterministic and stable, no global atomics, no workspace.
+    One CTA is fastest for a few hundred tokens; large M needs the cluster (H200, E=256, K=8,
+    M=16384: 161 us with 1 CTA, 28 us with 8, 20 us with 16), so cluster_size is a tunable
+    the runtime should choose per token bucket.
 
     Constraints:
       - num_experts >= 1 and the per-warp histogram fits: 4*(num_threads/32*(E+1) + 4E + 1)
@@ -102,7 +106,7 @@ class MoeRouting:
         warp = tid // _WARP
         lane = tid % _WARP
 
-        smem = cutlass.utils.SmemAllocator()
+        smem = SmemAllocator()
         s_hist = smem.allocate_tensor(
             Int32, cute.make_layout((NW, E), stride=(self.hist_stride, 1)), 16)
         s_count = smem.allocate_tensor(Int32, cute.make_layout(E), 16)   # this CTA's counts
