@@ -19,7 +19,9 @@ import math
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import BFloat16, Float32, Int32, const_expr
+from cutlass.utils import LayoutEnum
 
 # Opt-in shared memory per block, by target (bytes); what can_implement checks against.
 SMEM_CAPACITY = {"sm_80": 163 * 1024, "sm_90a": 227 * 1024, "sm_100a": 227 * 1024,
@@ -50,7 +52,7 @@ class _WarpMmaGroupedGemm:
 
     def __init__(self, n: int, k: int, tile_m: int, tile_n: int, tile_k: int,
                  stages: int, mma: str, warps_m, warps_n):
-        warps_m, warps_n = self.default_warps(tile_m, tile_n, warps_m, warps_n)
+        warps_m, warps_n = self.default_warps(tile_m, tile_n, warps_m, warps_n, mma)
         ok, reason = self._check_tiles(n, k, tile_m, tile_n, tile_k, stages, mma, warps_m, warps_n)
         if not ok:
             raise ValueError(reason)
@@ -59,6 +61,9 @@ class _WarpMmaGroupedGemm:
         self.stages, self.mma = stages, mma
         self.warps_m, self.warps_n = warps_m, warps_n
         self.threads = warps_m * warps_n * 32
+        # wgmma pipeline: k-tiles loaded ahead of the one being multiplied. One stage more is
+        # held by the wgmma still in flight, one by the tile being read.
+        self.prefetch = stages - 2
         self.out_cols = tile_n // 2 if self.glu else tile_n
         # fp32 staging rows padded by 8 floats: the MMA's accumulator stores then hit
         # distinct banks in each half-warp phase.
@@ -66,9 +71,12 @@ class _WarpMmaGroupedGemm:
 
     # ------------------------------------------------------------------ checks
     @staticmethod
-    def default_warps(tile_m, tile_n, warps_m=None, warps_n=None):
-        """Warp grid: 2 warps along M (1 for tile_m 16), 4 or 8 warps in all, so that each warp
-        owns at most 64x64 accumulators up to 128x128 tiles."""
+    def default_warps(tile_m, tile_n, warps_m=None, warps_n=None, mma="warp"):
+        """Warp grid. mma.sync: 2 warps along M (1 for tile_m 16), 4 or 8 warps in all, so that
+        each warp owns at most 64x64 accumulators up to 128x128 tiles. wgmma: one warpgroup
+        (4 warps along M) per 64 rows of the tile."""
+        if mma == "wgmma":
+            return max(tile_m // 16, 1), 1
         if warps_m is None:
             warps_m = 2 if tile_m >= 32 else 1
         if warps_n is None:
@@ -78,9 +86,19 @@ class _WarpMmaGroupedGemm:
 
     @staticmethod
     def _check_tiles(n, k, tile_m, tile_n, tile_k, stages, mma, warps_m, warps_n):
-        if mma != "warp":
-            return False, f"mma {mma!r}: only 'warp' (mma.sync) is implemented"
+        if mma not in ("warp", "wgmma"):
+            return False, f"mma {mma!r} must be 'warp' (mma.sync) or 'wgmma' (sm_90a only)"
         threads = warps_m * warps_n * 32
+        if mma == "wgmma":
+            if tile_m not in (64, 128):
+                return False, f"wgmma: tile_m {tile_m} must be 64 or 128 (one warpgroup per 64 rows)"
+            if tile_n % 32 or not 32 <= tile_n <= 256:
+                return False, f"wgmma: tile_n {tile_n} must be a multiple of 32 in 32..256"
+            if tile_k != 64:
+                return False, f"wgmma: tile_k {tile_k} must be 64 (one 128-byte swizzle atom)"
+            if stages < 3:
+                return False, f"wgmma: stages {stages} must be >= 3"
+            warps_m, warps_n = tile_m // 16, 1  # for the mma.sync-only checks below
         if warps_m < 1 or warps_n < 1 or threads > 256:
             return False, f"warps {warps_m}x{warps_n}: need 1..8 warps"
         if tile_k not in (32, 64, 128):
@@ -89,9 +107,9 @@ class _WarpMmaGroupedGemm:
             return False, f"K={k} not divisible by tile_k={tile_k}"
         if n % tile_n:
             return False, f"N={n} not divisible by tile_n={tile_n}"
-        if tile_m % (16 * warps_m) or tile_m > 256:
+        if mma == "warp" and (tile_m % (16 * warps_m) or tile_m > 256):
             return False, f"tile_m {tile_m} must be a multiple of 16*warps_m={16 * warps_m} and <= 256"
-        if tile_n % (16 * warps_n) or tile_n > 256:
+        if mma == "warp" and (tile_n % (16 * warps_n) or tile_n > 256):
             return False, f"tile_n {tile_n} must be a multiple of 16*warps_n={16 * warps_n} and <= 256"
         rows_per_pass = threads // (tile_k // _COPY_ELEMS)
         if tile_m % rows_per_pass or tile_n % rows_per_pass:
@@ -115,10 +133,12 @@ class _WarpMmaGroupedGemm:
 
     @classmethod
     def _check_all(cls, n, k, tile_m, tile_n, tile_k, stages, mma, warps_m, warps_n, arch):
-        warps_m, warps_n = cls.default_warps(tile_m, tile_n, warps_m, warps_n)
+        warps_m, warps_n = cls.default_warps(tile_m, tile_n, warps_m, warps_n, mma)
         ok, reason = cls._check_tiles(n, k, tile_m, tile_n, tile_k, stages, mma, warps_m, warps_n)
         if not ok or arch is None:
             return ok, reason
+        if mma == "wgmma" and arch != "sm_90a":
+            return False, f"wgmma exists only on sm_90a, not {arch}"
         cap = SMEM_CAPACITY.get(arch)
         if cap is None:
             return False, f"arch {arch} not supported (one of {sorted(SMEM_CAPACITY)})"
@@ -139,6 +159,11 @@ class _WarpMmaGroupedGemm:
         return layout, swizzle
 
     def _make_tiled_mma(self):
+        if const_expr(self.mma == "wgmma"):
+            k_major = LayoutEnum.ROW_MAJOR.sm90_mma_major_mode()
+            return sm90_utils.make_trivial_tiled_mma(
+                BFloat16, BFloat16, k_major, k_major, Float32, (self.tile_m // 64, 1, 1),
+                tiler_mn=(64, self.tile_n))
         op = cute.nvgpu.warp.MmaF16BF16Op(BFloat16, Float32, _MMA_SHAPE)
         return cute.make_tiled_mma(
             op,
@@ -157,14 +182,26 @@ class _WarpMmaGroupedGemm:
 
     # ------------------------------------------------------------------ device helpers
     @cute.jit
-    def _smem_tensors(self, sA_layout, sB_layout, swizzle):
+    def _smem_tensors(self):
+        """A and B pipeline stages, and the fp32 staging tile over the same bytes."""
         smem = cutlass.memory.SmemAllocator()
-        a_bytes = cute.cosize(sA_layout) * 2
-        b_bytes = cute.cosize(sB_layout) * 2
+        a_bytes = self.stages * self.tile_m * self.tile_k * 2
+        b_bytes = self.stages * self.tile_n * self.tile_k * 2
         c_bytes = self.tile_m * self.c_row_stride * 4
         base = smem.allocate(max(a_bytes + b_bytes, c_bytes), byte_alignment=1024)
-        sA = cute.make_tensor(cute.recast_ptr(base, swizzle, BFloat16), sA_layout)
-        sB = cute.make_tensor(cute.recast_ptr(base + a_bytes, swizzle, BFloat16), sB_layout)
+        if const_expr(self.mma == "wgmma"):
+            # the canonical wgmma K-major 128-byte-swizzled layouts, swizzle moved to the pointer
+            tile = (self.tile_m, self.tile_n, self.tile_k)
+            sA_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, tile, BFloat16, self.stages)
+            sB_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, tile, BFloat16, self.stages)
+            sA = cute.make_tensor(cute.recast_ptr(base, sA_layout.inner, BFloat16), sA_layout.outer)
+            sB = cute.make_tensor(cute.recast_ptr(base + a_bytes, sB_layout.inner, BFloat16),
+                                  sB_layout.outer)
+        else:
+            sA_layout, swizzle = self._smem_layout_ab(self.tile_m)
+            sB_layout, _ = self._smem_layout_ab(self.tile_n)
+            sA = cute.make_tensor(cute.recast_ptr(base, swizzle, BFloat16), sA_layout)
+            sB = cute.make_tensor(cute.recast_ptr(base + a_bytes, swizzle, BFloat16), sB_layout)
         sC_ptr = cute.recast_ptr(base, dtype=Float32)
         return sA, sB, sC_ptr
 
@@ -187,6 +224,14 @@ class _WarpMmaGroupedGemm:
 
         ``a_rows`` holds, per A row this thread copies, the source row of ``mA`` (or -1:
         the shared-memory row is zero-filled once and never loaded)."""
+        if const_expr(self.mma == "wgmma"):
+            self._mainloop_wgmma(tidx, mA, a_rows, sA, mBe, bn, sB, tiled_mma, acc)
+        else:
+            self._mainloop_warp(tidx, mA, a_rows, sA, mBe, bn, sB, tiled_mma, acc)
+
+    @cute.jit
+    def _g2s_partitions(self, tidx, sA, mBe, bn, sB, a_rows):
+        """cp.async partitions of this thread; padding A rows zero-filled in every stage."""
         tiled_copy = self._make_g2s_copy()
         thr_copy = tiled_copy.get_slice(tidx)
         tAsA = thr_copy.partition_D(sA)  # (CPY, CPY_M, CPY_K, PIPE)
@@ -194,16 +239,59 @@ class _WarpMmaGroupedGemm:
         gB = cute.local_tile(mBe, (self.tile_n, self.tile_k), (bn, None))
         tBgB = thr_copy.partition_S(gB)  # (CPY, CPY_N, CPY_K, k_tiles)
         tAcA = thr_copy.partition_S(cute.make_identity_tensor((self.tile_m, self.tile_k)))
-        cpy_m = cute.size(tAsA, mode=[1])
-        cpy_k = cute.size(tAsA, mode=[2])
+        for m in cutlass.range_constexpr(cute.size(tAsA, mode=[1])):
+            if a_rows[m] < 0:
+                for s in cutlass.range_constexpr(self.stages):
+                    tAsA[None, m, None, s].fill(0)
+        return tiled_copy, tAsA, tAcA, tBgB, tBsB
+
+    @cute.jit
+    def _mainloop_wgmma(self, tidx, mA, a_rows, sA, mBe, bn, sB, tiled_mma, acc):
+        """A and B both from shared memory; all threads load with cp.async, every warpgroup
+        multiplies its 64 rows. One wgmma batch stays in flight while the next tile is read."""
+        tiled_copy, tAsA, tAcA, tBgB, tBsB = self._g2s_partitions(tidx, sA, mBe, bn, sB, a_rows)
+        k_tiles = self.k // self.tile_k
+        ahead = self.prefetch
+        for s in cutlass.range_constexpr(ahead):
+            self._load_tile(s, s, tiled_copy, mA, a_rows, tAsA, tAcA, tBgB, tBsB)
+            cute.arch.cp_async_commit_group()
+
+        warp_group = cute.arch.make_warp_uniform(tidx // 128)
+        thr_mma = tiled_mma.get_slice(warp_group * 128)
+        tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
+        tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
+        num_kb = cute.size(tCrA, mode=[2])
+        tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)  # acc starts at zero
+
+        for kt in range(k_tiles):
+            cute.arch.cp_async_wait_group(ahead - 1)
+            # cp.async and the zero-fill wrote through the generic proxy; wgmma reads
+            # through the async proxy
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.sync_threads()
+            # every warpgroup has retired the wgmma of k-tile kt-2 (wait_group(1) below, one
+            # iteration ago), so its stage, (kt + stages - 2) % stages, can be refilled
+            if kt + ahead < k_tiles:
+                self._load_tile(kt + ahead, (kt + ahead) % self.stages, tiled_copy, mA, a_rows,
+                                tAsA, tAcA, tBgB, tBsB)
+            cute.arch.cp_async_commit_group()
+            stage = kt % self.stages
+            cute.nvgpu.warpgroup.fence()
+            for kb in cutlass.range_constexpr(num_kb):
+                cute.gemm(tiled_mma, acc, tCrA[None, None, kb, stage], tCrB[None, None, kb, stage], acc)
+            cute.nvgpu.warpgroup.commit_group()
+            cute.nvgpu.warpgroup.wait_group(1)
+
+        cute.nvgpu.warpgroup.wait_group(0)
+        cute.arch.cp_async_wait_group(0)
+        cute.arch.sync_threads()
+
+    @cute.jit
+    def _mainloop_warp(self, tidx, mA, a_rows, sA, mBe, bn, sB, tiled_mma, acc):
+        """Ampere-style: cp.async stages-1 k-tiles ahead, ldmatrix one k-block ahead."""
+        tiled_copy, tAsA, tAcA, tBgB, tBsB = self._g2s_partitions(tidx, sA, mBe, bn, sB, a_rows)
         k_tiles = self.k // self.tile_k
         stages = self.stages
-
-        for m in cutlass.range_constexpr(cpy_m):
-            if a_rows[m] < 0:
-                for s in cutlass.range_constexpr(stages):
-                    tAsA[None, m, None, s].fill(0)
-
         for s in cutlass.range_constexpr(stages - 1):
             self._load_tile(s, s, tiled_copy, mA, a_rows, tAsA, tAcA, tBgB, tBsB)
             cute.arch.cp_async_commit_group()
@@ -362,22 +450,19 @@ class GroupedGluGemm(_WarpMmaGroupedGemm):
     @cute.jit
     def __call__(self, x: cute.Tensor, w13: cute.Tensor, sorted_ids: cute.Tensor,
                  tile_expert: cute.Tensor, h: cute.Tensor, stream: cuda.CUstream):
-        sA_layout, swizzle = self._smem_layout_ab(self.tile_m)
-        sB_layout, _ = self._smem_layout_ab(self.tile_n)
-        tiled_mma = self._make_tiled_mma()
         grid, block = self._launch_common(self.n // self.tile_n, tile_expert)
-        self.kernel(x, w13, sorted_ids, tile_expert, h, sA_layout, sB_layout, swizzle,
-                    tiled_mma).launch(grid=grid, block=block, stream=stream)
+        self.kernel(x, w13, sorted_ids, tile_expert, h).launch(grid=grid, block=block,
+                                                               stream=stream)
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mW: cute.Tensor, mIds: cute.Tensor,
-               mTileExpert: cute.Tensor, mH: cute.Tensor, sA_layout: cute.Layout,
-               sB_layout: cute.Layout, swizzle: cute.Swizzle, tiled_mma: cute.TiledMma):
+               mTileExpert: cute.Tensor, mH: cute.Tensor):
         tidx, _, _ = cute.arch.thread_idx()
         bn, bt, _ = cute.arch.block_idx()
         expert = mTileExpert[bt]
         if expert >= 0:
-            sA, sB, sC_ptr = self._smem_tensors(sA_layout, sB_layout, swizzle)
+            tiled_mma = self._make_tiled_mma()
+            sA, sB, sC_ptr = self._smem_tensors()
             row0 = bt * self.tile_m
             # token row of x for each A row this thread copies (-1: padding, zero-filled)
             thr_copy = self._make_g2s_copy().get_slice(tidx)
@@ -477,23 +562,19 @@ class GroupedDownGemm(_WarpMmaGroupedGemm):
     def __call__(self, h: cute.Tensor, w2: cute.Tensor, sorted_ids: cute.Tensor,
                  tile_expert: cute.Tensor, topk_weights: cute.Tensor, y: cute.Tensor,
                  stream: cuda.CUstream):
-        sA_layout, swizzle = self._smem_layout_ab(self.tile_m)
-        sB_layout, _ = self._smem_layout_ab(self.tile_n)
-        tiled_mma = self._make_tiled_mma()
         grid, block = self._launch_common(self.n // self.tile_n, tile_expert)
-        self.kernel(h, w2, sorted_ids, tile_expert, topk_weights, y, sA_layout, sB_layout,
-                    swizzle, tiled_mma).launch(grid=grid, block=block, stream=stream)
+        self.kernel(h, w2, sorted_ids, tile_expert, topk_weights, y).launch(
+            grid=grid, block=block, stream=stream)
 
     @cute.kernel
     def kernel(self, mH: cute.Tensor, mW: cute.Tensor, mIds: cute.Tensor,
-               mTileExpert: cute.Tensor, mTopkW: cute.Tensor, mY: cute.Tensor,
-               sA_layout: cute.Layout, sB_layout: cute.Layout, swizzle: cute.Swizzle,
-               tiled_mma: cute.TiledMma):
+               mTileExpert: cute.Tensor, mTopkW: cute.Tensor, mY: cute.Tensor):
         tidx, _, _ = cute.arch.thread_idx()
         bn, bt, _ = cute.arch.block_idx()
         expert = mTileExpert[bt]
         if expert >= 0:
-            sA, sB, sC_ptr = self._smem_tensors(sA_layout, sB_layout, swizzle)
+            tiled_mma = self._make_tiled_mma()
+            sA, sB, sC_ptr = self._smem_tensors()
             row0 = bt * self.tile_m
             thr_copy = self._make_g2s_copy().get_slice(tidx)
             tAcA = thr_copy.partition_S(cute.make_identity_tensor((self.tile_m, self.tile_k)))

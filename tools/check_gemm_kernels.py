@@ -34,24 +34,36 @@ MODELS = [
 TOKENS = [1, 16, 256, 4096]
 INTERLEAVE = 16
 
-# (tag, models, activation, tile_m, glu tiles (n, k, stages), down tiles (n, k, stages), token counts)
+ALL = [m[0] for m in MODELS]
+# (tag, mma, models, activation, tile_m, glu tiles (n, k, stages), down tiles (n, k, stages),
+#  token counts); a tile_n that does not divide N falls back to the next of 256, 192, 128, 64
 CONFIGS = [
-    ("base", [m[0] for m in MODELS], "swiglu", 64, (128, 64, 4), (128, 64, 4), TOKENS),
-    ("wide", ["qwen3_30b_a3b"], "geglu", 128, (256, 32, 3), (256, 32, 3), [1, 256, 4096]),
-    ("thin", ["qwen3_30b_a3b", "qwen3_235b"], "swiglu", 16, (64, 128, 2), (64, 128, 2),
+    ("base", "warp", ALL, "swiglu", 64, (128, 64, 4), (128, 64, 4), TOKENS),
+    ("wide", "warp", ["qwen3_30b_a3b"], "geglu", 128, (256, 32, 3), (256, 32, 3), [1, 256, 4096]),
+    ("thin", "warp", ["qwen3_30b_a3b", "qwen3_235b"], "swiglu", 16, (64, 128, 2), (64, 128, 2),
      [1, 16, 256]),
+    ("dec", "warp", ["qwen3_235b", "deepseek_v3"], "swiglu", 16, (64, 64, 6), (64, 64, 6), [1, 16]),
+    ("wg128", "wgmma", ALL, "swiglu", 128, (256, 64, 4), (256, 64, 4), TOKENS),
+    ("wg64", "wgmma", ["qwen3_30b_a3b", "deepseek_v3"], "geglu", 64, (128, 64, 5), (128, 64, 5),
+     TOKENS),
 ]
+
+
+def _fit_n(n_dim, tiles):
+    for n in (tiles[0], 256, 192, 128, 64):
+        if n <= tiles[0] and n_dim % n == 0:
+            return (n,) + tuple(tiles[1:])
+    raise ValueError(f"no tile_n for N={n_dim}")
 
 
 def variants():
     models = {m[0]: m[1:] for m in MODELS}
-    for tag, names, act, tm, g, d, tokens in CONFIGS:
+    for tag, mma, names, act, tm, g, d, tokens in CONFIGS:
         for model in names:
             e, k, h, i = models[model]
-            if h % d[0]:  # gpt-oss: H = 2880 = 45 * 64
-                d = (64,) + tuple(d[1:])
-            yield {"tag": tag, "model": model, "E": e, "k": k, "H": h, "I": i, "act": act,
-                   "tile_m": tm, "glu": g, "down": d, "tokens": tokens,
+            yield {"tag": tag, "mma": mma, "model": model, "E": e, "k": k, "H": h, "I": i,
+                   "act": act, "tile_m": tm, "glu": _fit_n(2 * i, g), "down": _fit_n(h, d),
+                   "tokens": tokens,
                    "glu_name": f"glu_{tag}_{model}", "down_name": f"down_{tag}_{model}"}
 
 
@@ -65,9 +77,10 @@ def compile_all(out_dir: Path, arch: str) -> None:
     for v in variants():
         g = GroupedGluGemm(v["E"], v["H"], v["I"], v["k"], activation=v["act"],
                            interleave=INTERLEAVE, tile_m=v["tile_m"], tile_n=v["glu"][0],
-                           tile_k=v["glu"][1], stages=v["glu"][2])
+                           tile_k=v["glu"][1], stages=v["glu"][2], mma=v["mma"])
         d = GroupedDownGemm(v["E"], v["H"], v["I"], v["k"], tile_m=v["tile_m"],
-                            tile_n=v["down"][0], tile_k=v["down"][1], stages=v["down"][2])
+                            tile_n=v["down"][0], tile_k=v["down"][1], stages=v["down"][2],
+                            mma=v["mma"])
         for obj, name in ((g, v["glu_name"]), (d, v["down_name"])):
             t0 = time.perf_counter()
             art = compile_kernel(obj, arch, name)
@@ -197,7 +210,8 @@ def run_all(kdir: Path, out_dir: Path, iters: int) -> int:
             t_down = timed(lambda: down(h, w2, sorted_ids, tile_expert, topk_w, y))
             n_exp = int(torch.unique(topk_ids).numel())
             mk = m * k
-            res = {"variant": v["tag"], "model": key, "tokens": m, "experts_used": n_exp,
+            res = {"variant": v["tag"], "mma": v["mma"], "tile_m": tm, "glu_tiles": v["glu"],
+                   "down_tiles": v["down"], "model": key, "tokens": m, "experts_used": n_exp,
                    "tiles": int((tile_expert >= 0).sum()), "T": int(tile_expert.numel()),
                    "glu": {"rel_err": err_h, "padding_zero": pad_ok, "us": t_glu,
                            "TBps": n_exp * 2 * inter * hd * 2 / t_glu / 1e6,
