@@ -117,7 +117,8 @@ def compile_cmd(models, spec_file, target, experts, top_k, hidden, intermediate,
 
     def progress(res, done, total):
         status = "ok" if res.artifact else "FAILED"
-        size = f"{len(res.artifact.library) / 1e3:.0f} KB" if res.artifact else (res.error or "").splitlines()[0][:120]
+        first = next((ln.strip() for ln in (res.error or "").splitlines() if ln.strip()), "")
+        size = f"{len(res.artifact.library) / 1e3:.0f} KB" if res.artifact else first[:160]
         click.echo(f"[{done}/{total}] {status:6} {res.seconds:6.1f}s  {res.kernel.name}  {size}", err=True)
 
     try:

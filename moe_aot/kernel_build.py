@@ -145,8 +145,9 @@ def compile_kernel(kernel_obj, arch: str, name: str, host_target: str = HOST_TAR
         t0 = time.perf_counter()
         try:
             compiled = cute.compile(kernel_obj, *fakes, options=opts)
-        except Exception as exc:  # the DSL raises many types; keep its message
-            raise KernelCompileError(f"{type(exc).__name__}: {exc}") from exc
+        except Exception as exc:  # the DSL raises many types; keep its message, minus colour codes
+            text = re.sub(r"\x1b\[[0-9;]*m", "", str(exc)).strip()
+            raise KernelCompileError(f"{type(exc).__name__}: {text}") from exc
         t_compile = time.perf_counter() - t0
         cubin, ptx = compiled.__cubin__, compiled.__ptx__
         if not isinstance(cubin, bytes) or not isinstance(ptx, str):

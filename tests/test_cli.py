@@ -52,7 +52,7 @@ def test_explicit_db_flag(runner, tmp_path):
     (["compile", "--model", "qwen3-30b-a3b", "--tokens", "0,x"], "comma-separated positive integers"),
     (["compile", "--model", "qwen3-30b-a3b", "--variant", "bogus"], "not a layer variant name"),
     (["compile", "--model", "gpt-oss-120b", "--variant",
-      "moe_layer_sm90a_bf16_x_swiglu_m64_glun64k64s3warp_downn256k64s3warp"], "2880"),
+      "moe_layer_sm90a_bf16_x_swiglu_m64r1_glun64k64s3warp_downn256k64s3warp"], "2880"),
     (["compile"], "say which layers"),
     (["show", "nope"], "no kernel database"),
 ])

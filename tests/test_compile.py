@@ -73,7 +73,7 @@ def test_parallel_compile_in_process_pool(tmp_path):
     with Database(f"sqlite:///{tmp_path / 'p.sqlite'}") as db:
         spec = make_spec(**SMALL)
         pairs = [(spec, LayerVariant(64, GemmTiles(64, 64, 3), GemmTiles(64, 64, 3))),
-                 (spec, LayerVariant(64, GemmTiles(128, 64, 3), GemmTiles(128, 64, 4)))]
+                 (spec, LayerVariant(64, GemmTiles(128, 64, 3), GemmTiles(128, 32, 4)))]
         results = compile_into(db, pairs, jobs=2)
         assert len(results) == 6 and all(r.artifact is not None for r in results)
         assert len(db.list_artifacts(status="ok")) == 6

@@ -26,6 +26,8 @@ def test_every_compile_time_field_changes_the_names():
     v = dataclasses.replace(base, tile_m=128)
     changed = _kernel_names(SPEC, v)
     assert all(changed[r] != names[r] for r in ("routing", "glu", "down"))
+    v = dataclasses.replace(base, route_cluster=16)
+    assert _kernel_names(SPEC, v)["routing"] != names["routing"] and v.name(SPEC) != base.name(SPEC)
     # Spec fields baked into kernels: each changes every kernel that takes it.
     for field, value in (("experts", 64), ("top_k", 4), ("hidden", 1024), ("intermediate", 512),
                          ("activation", "geglu"), ("target", "sm_121a")):
@@ -48,7 +50,8 @@ def test_name_covers_every_constructor_argument():
         for key, value in kv.params:
             token = {"num_experts": f"e{value}", "top_k": f"k{value}", "hidden": f"h{value}",
                      "intermediate": f"i{value}", "tile_m": f"{value}", "tile_n": f"x{value}",
-                     "tile_k": f"x{value}", "stages": f"s{value}", "interleave": f"g{value}"}.get(key, str(value))
+                     "tile_k": f"x{value}", "stages": f"s{value}", "interleave": f"g{value}",
+                     "cluster_size": f"c{value}"}.get(key, str(value))
             assert token in kv.name, (kv.name, key, value)
 
 
@@ -69,6 +72,8 @@ def test_can_implement_reasons():
     assert not ok and "2880" in why and "256" in why
     ok, why = can_implement(SPEC, LayerVariant(64, GemmTiles(64, 64, 2)))
     assert not ok and "stages" in why
+    ok, why = can_implement(spark, LayerVariant(64, GemmTiles(64, 64, 3), GemmTiles(64, 64, 3), 16))
+    assert not ok and "cluster" in why and "sm_121a" in why
 
 
 def test_candidate_space_is_pruned_and_defaults_valid():

@@ -149,7 +149,7 @@ class MoeLayer:
         M = topk_ids.shape[0]
         v = self.variant_for(M)
         if tile_m is not None and tile_m != v.tile_m:
-            v = LayerVariant(tile_m, v.glu, v.down)
+            v = LayerVariant(tile_m, v.glu, v.down, v.route_cluster)
         route = self._lib(v.kernels(self.spec)[0])
         T = max_tiles(M, self.spec.top_k, self.spec.experts, v.tile_m)
         dev = dict(dtype=torch.int32, device=self.device)

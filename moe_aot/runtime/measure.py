@@ -1,0 +1,76 @@
+"""Timing on the GPU the way the benchmark and the tuner both measure: the whole layer replayed
+from CUDA graphs, several input sets with different routings replayed in turn (so a replay does
+not find the previous one's experts in L2), median over many replays, after a correctness check
+against the fp32 reference on a NaN-poisoned output."""
+from __future__ import annotations
+
+import statistics
+
+import torch
+
+from ..variants import LayerVariant
+from .layer import MoeLayer
+from .reference import moe_reference, rel_err
+from .verify import TOLERANCE, random_routing
+
+INPUT_SETS = 4
+
+
+def graph_times_us(fns, replays: int) -> list[float]:
+    """Per-replay times (µs) of CUDA graphs of `fns`, replayed in turn on the current stream."""
+    graphs = []
+    side = torch.cuda.Stream()
+    for fn in fns:
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()  # warm: lazy loads and allocations happen outside capture
+        torch.cuda.current_stream().wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        graphs.append(g)
+    for g in graphs:
+        g.replay()
+    torch.cuda.synchronize()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(replays)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(replays)]
+    for i in range(replays):
+        starts[i].record()
+        graphs[i % len(graphs)].replay()
+        ends[i].record()
+    torch.cuda.synchronize()
+    return [s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends)]
+
+
+def summarize(times: list[float]) -> dict:
+    q = statistics.quantiles(times, n=10)
+    return {"median_us": statistics.median(times), "min_us": min(times), "p10_us": q[0], "p90_us": q[-1],
+            "replays": len(times)}
+
+
+def input_sets(spec, tokens: int, device, n: int = INPUT_SETS):
+    sets = []
+    for _ in range(n):
+        x = torch.randn(tokens, spec.hidden, device=device, dtype=torch.bfloat16)
+        tw, ids = random_routing(tokens, spec, device)
+        sets.append((x, tw, ids, torch.empty(tokens, spec.hidden, device=device, dtype=torch.bfloat16)))
+    return sets
+
+
+def measure_variant(layer: MoeLayer, variant: LayerVariant | None, tokens: int, w13, w2,
+                    replays: int = 100, sets=None) -> dict:
+    """Check then time `variant` (None: the layer's own choice) at `tokens`. Returns stats with
+    rel_err and ok; a wrong result is reported, not timed."""
+    if variant is not None:
+        layer = MoeLayer(layer.spec, layer.store, device=layer.device.index, variants={tokens: variant})
+    sets = sets or input_sets(layer.spec, tokens, layer.device)
+    x, tw, ids, out = sets[0]
+    out.fill_(float("nan"))
+    layer.forward(x, w13, w2, tw, ids, out=out)
+    err = rel_err(out, moe_reference(x, w13, w2, tw, ids, layer.spec.activation))
+    if not err <= TOLERANCE:
+        return {"ok": False, "rel_err": err}
+    ws = layer.workspace(tokens)
+    times = graph_times_us([lambda s=s: layer.forward(s[0], w13, w2, s[1], s[2], out=s[3], workspace=ws)
+                            for s in sets], replays)
+    return {"ok": True, "rel_err": err, **summarize(times)}
