@@ -42,15 +42,20 @@ CONFIGS = [
     ("wide", "warp", ["qwen3_30b_a3b"], "geglu", 128, (256, 32, 3), (256, 32, 3), [1, 256, 4096]),
     ("thin", "warp", ["qwen3_30b_a3b", "qwen3_235b"], "swiglu", 16, (64, 128, 2), (64, 128, 2),
      [1, 16, 256]),
-    ("dec", "warp", ["qwen3_235b", "deepseek_v3"], "swiglu", 16, (64, 64, 6), (64, 64, 6), [1, 16]),
+    ("dec32", "warp", ["qwen3_30b_a3b", "qwen3_235b", "deepseek_v3"], "swiglu", 16, (32, 64, 8),
+     (32, 64, 8), [1, 16]),
     ("wg128", "wgmma", ALL, "swiglu", 128, (256, 64, 4), (256, 64, 4), TOKENS),
+    ("wg128s3", "wgmma", ["qwen3_235b", "mixtral_8x7b"], "swiglu", 128, (256, 64, 3),
+     (256, 64, 3), [256, 4096]),
     ("wg64", "wgmma", ["qwen3_30b_a3b", "deepseek_v3"], "geglu", 64, (128, 64, 5), (128, 64, 5),
      TOKENS),
+    ("wgdec", "wgmma", ["qwen3_30b_a3b", "deepseek_v3"], "swiglu", 64, (64, 64, 8), (64, 64, 8),
+     [1, 16, 256]),
 ]
 
 
 def _fit_n(n_dim, tiles):
-    for n in (tiles[0], 256, 192, 128, 64):
+    for n in (tiles[0], 256, 192, 128, 64, 32):
         if n <= tiles[0] and n_dim % n == 0:
             return (n,) + tuple(tiles[1:])
     raise ValueError(f"no tile_n for N={n_dim}")
