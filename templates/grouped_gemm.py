@@ -29,6 +29,7 @@ SMEM_CAPACITY = {"sm_80": 163 * 1024, "sm_90a": 227 * 1024, "sm_100a": 227 * 102
 MAX_THREADS = 1024
 _MMA_SHAPE = (16, 8, 16)
 _COPY_ELEMS = 8  # bf16 elements in one 16-byte cp.async / store
+RASTER_GROUP = 8  # M tiles walked per N tile by consecutive CTAs (L2 reuse of weight tiles)
 
 
 def interleave_gate_up(w_gate, w_up, interleave: int = 16):
@@ -371,6 +372,22 @@ class _WarpMmaGroupedGemm:
         rows_per_pass = self.threads // tpr
         return tpr, rows_per_pass, (self.tile_m + rows_per_pass - 1) // rows_per_pass
 
+    @cute.jit
+    def _tile_coords(self, num_m_tiles):
+        """(N tile, M tile) of this CTA. Consecutive CTAs walk RASTER_GROUP M tiles of one N
+        tile before the next N tile, so the CTAs resident together share weight tiles in L2
+        (a plain N-fastest order streams every expert's whole weight matrix per M tile)."""
+        bx, by, _ = cute.arch.block_idx()
+        n_tiles = self.n // self.tile_n
+        linear = by * n_tiles + bx
+        group = linear // (RASTER_GROUP * n_tiles)
+        first_m = group * RASTER_GROUP
+        size = num_m_tiles - first_m
+        if size > RASTER_GROUP:
+            size = Int32(RASTER_GROUP)
+        idx = linear - first_m * n_tiles
+        return idx // size, first_m + idx % size
+
     def _launch_common(self, grid_n, mTileExpert):
         return [grid_n, cute.size(mTileExpert, mode=[0]), 1], [self.threads, 1, 1]
 
@@ -458,7 +475,7 @@ class GroupedGluGemm(_WarpMmaGroupedGemm):
     def kernel(self, mX: cute.Tensor, mW: cute.Tensor, mIds: cute.Tensor,
                mTileExpert: cute.Tensor, mH: cute.Tensor):
         tidx, _, _ = cute.arch.thread_idx()
-        bn, bt, _ = cute.arch.block_idx()
+        bn, bt = self._tile_coords(cute.size(mTileExpert, mode=[0]))
         expert = mTileExpert[bt]
         if expert >= 0:
             tiled_mma = self._make_tiled_mma()
@@ -570,7 +587,7 @@ class GroupedDownGemm(_WarpMmaGroupedGemm):
     def kernel(self, mH: cute.Tensor, mW: cute.Tensor, mIds: cute.Tensor,
                mTileExpert: cute.Tensor, mTopkW: cute.Tensor, mY: cute.Tensor):
         tidx, _, _ = cute.arch.thread_idx()
-        bn, bt, _ = cute.arch.block_idx()
+        bn, bt = self._tile_coords(cute.size(mTileExpert, mode=[0]))
         expert = mTileExpert[bt]
         if expert >= 0:
             tiled_mma = self._make_tiled_mma()

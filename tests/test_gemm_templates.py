@@ -84,3 +84,16 @@ def test_interleave_gate_up_layout():
     for j in range(i // g):
         assert torch.equal(w13[:, 2 * j * g:2 * j * g + g], w_gate[:, j * g:(j + 1) * g])
         assert torch.equal(w13[:, 2 * j * g + g:2 * (j + 1) * g], w_up[:, j * g:(j + 1) * g])
+
+
+def test_wgmma_compiles_for_sm90a_only():
+    obj = GroupedGluGemm(**QWEN3_30B, tile_m=128, tile_n=256, tile_k=64, stages=4, mma="wgmma")
+    assert obj.threads == 256
+    assert _compile(obj, "sm_90a") is not None
+    ok, reason = GroupedGluGemm.can_implement(**QWEN3_30B, tile_m=128, tile_n=256, tile_k=64,
+                                              stages=4, mma="wgmma", arch="sm_121a")
+    assert not ok and "sm_90a" in reason
+    ok, reason = GroupedDownGemm.can_implement(**QWEN3_30B, tile_m=64, tile_k=32, mma="wgmma")
+    assert not ok and "tile_k" in reason
+    ok, reason = GroupedDownGemm.can_implement(**QWEN3_30B, tile_m=16, mma="wgmma")
+    assert not ok and "tile_m" in reason
