@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import re
 import sqlite3
 import time
@@ -171,6 +172,11 @@ def _sha(blob: bytes | None) -> str | None:
     return None if blob is None else hashlib.sha256(blob).hexdigest()
 
 
+def _filter(query, table: Table, **equal):
+    """Adds col == value for every filter given (None means any)."""
+    return query.where(*(table.c[k] == v for k, v in equal.items() if v is not None))
+
+
 def _first_line(text: str | None) -> str | None:
     return None if text is None else (text.strip().splitlines() or [""])[0]
 
@@ -245,6 +251,12 @@ class Database:
         kwargs: dict[str, Any] = {"connect_args": {"timeout": _BUSY_TIMEOUT_S}}
         if self.readonly and self._path is not None:
             ro_uri = f"file:{quote(str(self._path))}?mode=ro"
+            wal = Path(f"{self._path}-wal")
+            if not os.access(self._path.parent, os.W_OK) and not wal.exists():
+                # A WAL database baked into a read-only folder (a container image) cannot get
+                # its -shm file, so plain mode=ro fails; with no -wal pending the main file holds
+                # every commit, and the sha256 check still guards blobs against a late writer.
+                ro_uri += "&immutable=1"
             kwargs["creator"] = lambda: sqlite3.connect(
                 ro_uri, uri=True, timeout=_BUSY_TIMEOUT_S, check_same_thread=False)
         engine = create_engine(parsed, **kwargs)
@@ -277,7 +289,7 @@ class Database:
         orig = getattr(error, "orig", None) or error
         msg = _first_line(str(orig)) or type(orig).__name__
         low = msg.lower()
-        if "not a database" in low or "malformed" in low or "quick_check" in low:
+        if "not a database" in low or "malformed" in low:
             return (f"{self._where} is corrupt or not a SQLite database ({msg}); move it aside "
                     "and rebuild it with `moe-aot build`")
         if "locked" in low or "busy" in low:
@@ -286,6 +298,9 @@ class Database:
         if isinstance(error, exc.IntegrityError):
             return (f"cannot {action} in {self._where}: {msg}; check that the workload and "
                     "record_id it refers to exist")
+        if self.readonly and ("readonly" in low or "read-only" in low):
+            return (f"cannot read {self._where} read-only ({msg}); SQLite needs to create its "
+                    "-shm file next to it: make the folder writable or copy the file elsewhere")
         if "readonly" in low or "read-only" in low:
             return (f"cannot {action}: {self._where} is read-only; open it without "
                     "readonly=True and check the file's permissions")
@@ -356,7 +371,8 @@ class Database:
 
     @staticmethod
     def _require_workload(conn: Connection, workload: str, what: str) -> None:
-        if conn.execute(select(_workloads_t.c.key).where(_workloads_t.c.key == workload)).first() is None:
+        w = _workloads_t
+        if conn.execute(select(w.c.key).where(w.c.key == workload)).first() is None:
             raise DatabaseError(f"cannot store {what}: workload {workload!r} is not in the "
                                 "database; put_workload() it first")
 
@@ -366,7 +382,8 @@ class Database:
         text = _dumps(spec)
 
         def put(conn: Connection) -> None:
-            old = conn.execute(select(_workloads_t.c.spec).where(_workloads_t.c.key == key)).scalar()
+            w = _workloads_t
+            old = conn.execute(select(w.c.spec).where(w.c.key == key)).scalar()
             if old is None:
                 conn.execute(_workloads_t.insert().values(key=key, spec=text, created_at=_now()))
             elif old != text:
@@ -431,9 +448,7 @@ class Database:
         t = _artifacts_t
         q = select(t.c.name, t.c.workload, t.c.role, t.c.target, t.c.toolchain, t.c.status,
                    t.c.library_size, t.c.compile_s, t.c.error, t.c.created_at)
-        for col, value in ((t.c.workload, workload), (t.c.target, target), (t.c.status, status)):
-            if value is not None:
-                q = q.where(col == value)
+        q = _filter(q, t, workload=workload, target=target, status=status)
         rows = self._run("list artifacts", lambda c: c.execute(
             q.order_by(t.c.name, t.c.toolchain)).mappings().all())
         return [ArtifactSummary(**{**r, "error": _first_line(r["error"]),
@@ -459,11 +474,7 @@ class Database:
     def records(self, workload: str | None = None, target: str | None = None,
                 gpu: str | None = None, tokens: int | None = None) -> list[RecordRow]:
         t = _records_t
-        q = select(t)
-        for col, value in ((t.c.workload, workload), (t.c.target, target), (t.c.gpu, gpu),
-                           (t.c.tokens, tokens)):
-            if value is not None:
-                q = q.where(col == value)
+        q = _filter(select(t), t, workload=workload, target=target, gpu=gpu, tokens=tokens)
         rows = self._run("read tuning records", lambda c: c.execute(
             q.order_by(t.c.id)).mappings().all())
         return [RecordRow(**{**r, "stats": json.loads(r["stats"]),
@@ -500,11 +511,8 @@ class Database:
     def all_best(self, workload: str | None = None, target: str | None = None,
                  gpu: str | None = None, toolchain: str | None = None) -> list[BestRow]:
         t = _best_t
-        q = select(t)
-        for col, value in ((t.c.workload, workload), (t.c.target, target), (t.c.gpu, gpu),
-                           (t.c.toolchain, toolchain)):
-            if value is not None:
-                q = q.where(col == value)
+        q = _filter(select(t), t, workload=workload, target=target, gpu=gpu,
+                    toolchain=toolchain)
         q = q.order_by(t.c.workload, t.c.target, t.c.gpu, t.c.toolchain, t.c.tokens)
         rows = self._run("read best picks", lambda c: c.execute(q).mappings().all())
         return [BestRow(**{**r, "updated_at": _utc(r["updated_at"])}) for r in rows]

@@ -180,6 +180,19 @@ def test_readonly(tmp_path):
             ro.put_workload("w4", SPEC)
 
 
+def test_readonly_in_unwritable_folder(tmp_path, monkeypatch):
+    # Root ignores permissions, so the unwritable folder is simulated; the point is that this
+    # path opens (immutable) and reads, where plain mode=ro cannot create the -shm file.
+    path = tmp_path / "k.sqlite"
+    with Database(_url(path)) as d:
+        d.put_workload("w", SPEC)
+        _ok(d, "v")
+    assert not (tmp_path / "k.sqlite-wal").exists()
+    monkeypatch.setattr(dbmod.os, "access", lambda p, mode: mode != os.W_OK)
+    with Database(_url(path), readonly=True) as ro:
+        assert ro.get_artifact("v", TC).status == "ok"
+
+
 def test_closed_database_raises(db):
     db.close()
     with pytest.raises(DatabaseError, match="closed"):
@@ -339,4 +352,5 @@ def test_server_database_round_trip_and_concurrent_best():
         best = d.best("w", "sm_90a", "H200", TC)
         assert len(d.list_artifacts()) == 101 and len(d.records()) == 101
     for i, t in enumerate([1, 16, 256]):
-        assert best[t].median_us == min(v for s in vals for j, v in enumerate(vals[s]) if j % 3 == i)
+        expected = min(v for s in vals for j, v in enumerate(vals[s]) if j % 3 == i)
+        assert best[t].median_us == (min(expected, 5.0) if t == 16 else expected)
