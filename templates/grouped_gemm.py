@@ -213,7 +213,7 @@ class _WarpMmaGroupedGemm:
             row = a_rows[m]
             if row >= 0:
                 src_row = cute.tiled_divide(
-                    cute.append_ones(mA[row, None], up_to_rank=2), (_COPY_ELEMS, 1))
+                    cute.append_ones(self._row(mA, row, self.k), up_to_rank=2), (_COPY_ELEMS, 1))
                 for kk in cutlass.range_constexpr(cute.size(tAsA, mode=[2])):
                     chunk = kt * (self.tile_k // _COPY_ELEMS) + tAcA[0, 0, kk][1] // _COPY_ELEMS
                     cute.copy(tiled_copy, src_row[None, chunk, 0], tAsA[None, m, kk, stage])
@@ -341,6 +341,13 @@ class _WarpMmaGroupedGemm:
 
         cute.arch.cp_async_wait_group(0)
         cute.arch.sync_threads()
+
+    @cute.jit
+    def _row(self, mT, row, ncols: int):
+        """Row ``row`` of a row-major [rows, ncols] tensor, addressed in 64 bits: plain
+        indexing forms row * ncols in 32 bits, which wraps beyond 2**32 elements."""
+        base = (mT.iterator + cutlass.Int64(row) * ncols).align(16)  # ncols % 8 == 0
+        return cute.make_tensor(base, cute.make_layout(ncols))
 
     @cute.jit
     def _expert_weights(self, mW, expert):
@@ -506,8 +513,8 @@ class GroupedGluGemm(_WarpMmaGroupedGemm):
                     g = cute.local_tile(sC, (1, _COPY_ELEMS), (row, c8)).load()
                     u = cute.local_tile(sC, (1, _COPY_ELEMS), (row, c8 + half // _COPY_ELEMS)).load()
                     out = self._act(g) * u
-                    dst = cute.local_tile(mH, (1, _COPY_ELEMS),
-                                          (row0 + row, bn * (half // _COPY_ELEMS) + c8))
+                    dst = cute.local_tile(self._row(mH, row0 + row, self.intermediate),
+                                          (_COPY_ELEMS,), (bn * (half // _COPY_ELEMS) + c8,))
                     dst.store(out.to(BFloat16))
 
     @cute.jit
@@ -616,6 +623,6 @@ class GroupedDownGemm(_WarpMmaGroupedGemm):
                     if p >= 0:
                         scale = mTopkW[p // self.top_k, p % self.top_k]
                         v = cute.local_tile(sC, (1, _COPY_ELEMS), (row, c8)).load() * scale
-                        dst = cute.local_tile(mY, (1, _COPY_ELEMS),
-                                              (p, bn * (self.tile_n // _COPY_ELEMS) + c8))
+                        dst = cute.local_tile(self._row(mY, p, self.hidden), (_COPY_ELEMS,),
+                                              (bn * (self.tile_n // _COPY_ELEMS) + c8,))
                         dst.store(v.to(BFloat16))
