@@ -1,7 +1,7 @@
-"""Grouped GEMMs of a fused MoE layer, written for warp-level MMA (mma.sync m16n8k16).
+"""Grouped GEMMs of a fused MoE layer: gathered-A GEMM1 with a GLU epilogue, scaled GEMM2.
 
-Two kernels share one mainloop (cp.async global->shared pipeline, ldmatrix, mma.sync) and
-differ in how they address A and in their epilogues:
+Two kernels share one mainloop and one fp32 staging of the accumulator tile, and differ in how
+they address A and in their epilogues:
 
 - ``GroupedGluGemm``  (GEMM1): gathered token rows of ``x`` times the interleaved gate/up
   weights of the tile's expert, GLU activation fused, ``h`` written in padded order.
@@ -10,8 +10,14 @@ differ in how they address A and in their epilogues:
 
 Both read the routing layout built by the router: ``sorted_ids[r]`` is the routed-pair index
 ``p = token * top_k + k`` of padded row ``r`` (or -1) and ``tile_expert[t]`` is the expert of
-M-tile ``t`` (or -1: the CTA exits). Warp-level MMA is used so that the same source compiles
-for sm_80, sm_90a and sm_121a (DGX Spark, which has no wgmma).
+M-tile ``t`` (or -1: the CTA exits).
+
+Two mainloops, chosen by ``mma``: "warp" (cp.async multi-stage pipeline, ldmatrix, mma.sync
+m16n8k16), which compiles unchanged for sm_80, sm_90a and sm_121a (DGX Spark has no wgmma),
+and "wgmma" (sm_90a only: cp.async into the 128-byte-swizzled K-major layouts, A and B read
+by wgmma from shared memory, one warpgroup per 64 rows). A is always loaded with per-row
+cp.async, which is what makes the token gather free: each thread keeps the source row of
+each A row it copies in a register for the whole K loop.
 """
 
 import math
@@ -26,7 +32,6 @@ from cutlass.utils import LayoutEnum
 # Opt-in shared memory per block, by target (bytes); what can_implement checks against.
 SMEM_CAPACITY = {"sm_80": 163 * 1024, "sm_90a": 227 * 1024, "sm_100a": 227 * 1024,
                  "sm_121a": 99 * 1024}
-MAX_THREADS = 1024
 _MMA_SHAPE = (16, 8, 16)
 _COPY_ELEMS = 8  # bf16 elements in one 16-byte cp.async / store
 RASTER_GROUP = 8  # M tiles walked per N tile by consecutive CTAs (L2 reuse of weight tiles)
@@ -46,8 +51,8 @@ def interleave_gate_up(w_gate, w_up, interleave: int = 16):
     return torch.cat([g, u], dim=2).reshape(e, 2 * i, h).contiguous()
 
 
-class _WarpMmaGroupedGemm:
-    """Shared mainloop and staging of the two grouped GEMMs (see the subclasses)."""
+class _GroupedGemmBase:
+    """Shared mainloops and staging of the two grouped GEMMs (see the subclasses)."""
 
     glu = False
 
@@ -73,15 +78,16 @@ class _WarpMmaGroupedGemm:
     # ------------------------------------------------------------------ checks
     @staticmethod
     def default_warps(tile_m, tile_n, warps_m=None, warps_n=None, mma="warp"):
-        """Warp grid. mma.sync: 2 warps along M (1 for tile_m 16), 4 or 8 warps in all, so that
-        each warp owns at most 64x64 accumulators up to 128x128 tiles. wgmma: one warpgroup
-        (4 warps along M) per 64 rows of the tile."""
+        """Warp grid. mma.sync: 2 warps along M (1 for tile_m 16); 4 warps for tiles smaller
+        than 128x128, 8 from there (a 128x128 tile on 4 warps spills on sm_121a), so a warp
+        owns at most 64x64 accumulators up to 128x256. wgmma: one warpgroup (4 warps along M)
+        per 64 rows of the tile."""
         if mma == "wgmma":
             return max(tile_m // 16, 1), 1
         if warps_m is None:
             warps_m = 2 if tile_m >= 32 else 1
         if warps_n is None:
-            warps = 4 if tile_m * tile_n <= 128 * 128 else 8
+            warps = 4 if tile_m * tile_n < 128 * 128 else 8
             warps_n = max(1, min(tile_n // 16, warps // warps_m))
         return warps_m, warps_n
 
@@ -399,7 +405,7 @@ class _WarpMmaGroupedGemm:
         return [grid_n, cute.size(mTileExpert, mode=[0]), 1], [self.threads, 1, 1]
 
 
-class GroupedGluGemm(_WarpMmaGroupedGemm):
+class GroupedGluGemm(_GroupedGemmBase):
     """GEMM1 of a fused MoE: ``h[r] = act(x[p//top_k] . gate_e) * (x[p//top_k] . up_e)``.
 
     ``__call__(x, w13, sorted_ids, tile_expert, h, stream)``:
@@ -407,17 +413,22 @@ class GroupedGluGemm(_WarpMmaGroupedGemm):
       ``interleave`` (see ``interleave_gate_up``); sorted_ids [R] int32 and h [R, I] bf16
       with R = T * tile_m dynamic; tile_expert [T] int32.
       Padding rows (sorted_ids == -1) are written as zeros; tiles with tile_expert == -1
-      are not written at all. Grid (2I / tile_n, T), one CTA per (N tile, M tile).
+      are not written at all. Grid (2I / tile_n, T), one CTA per (N tile, M tile), walked in
+      groups of RASTER_GROUP M tiles per N tile.
 
     Activation: "swiglu" = SiLU(g) * u; "geglu" = GELU(g) * u with the tanh approximation.
 
     Constraints:
       * bf16 in, fp32 accumulate, bf16 out; all tensors 16-byte aligned and row-major.
       * H % tile_k == 0, 2I % tile_n == 0, tile_n % (2 * interleave) == 0, interleave % 8 == 0.
-      * tile_k in {32, 64}; tile_m % (16*warps_m) == 0, tile_n % (16*warps_n) == 0,
-        both <= 256 and multiples of the rows one cp.async pass covers
-        (32 * warps / (tile_k / 8)); 1..8 warps; 3 <= stages, H / tile_k >= stages - 1.
-      * shared memory max(stages*(tile_m+tile_n)*tile_k*2, tile_m*(tile_n+8)*4) fits the target.
+      * both: tile_m and tile_n multiples of the rows one cp.async pass covers
+        (threads / (tile_k / 8)); H / tile_k >= stages - 1; shared memory
+        max(stages*(tile_m+tile_n)*tile_k*2, tile_m*(tile_n+8)*4) + 1 KB fits the target.
+      * mma="warp": tile_k in {32, 64, 128}; 2 <= stages <= 8; warps_m x warps_n (default:
+        ``default_warps``) with tile_m % (16*warps_m) == 0, tile_n % (16*warps_n) == 0, both
+        <= 256, 1..8 warps, at most 128 fp32 accumulators per thread.
+      * mma="wgmma" (sm_90a only): tile_m in {64, 128} (one warpgroup per 64 rows), tile_n a
+        multiple of 32 up to 256, tile_k == 64, 3 <= stages <= 8.
     """
 
     glu = True
@@ -526,18 +537,18 @@ class GroupedGluGemm(_WarpMmaGroupedGemm):
             return 0.5 * g * (1.0 + cute.math.tanh(inner, fastmath=True))
 
 
-class GroupedDownGemm(_WarpMmaGroupedGemm):
+class GroupedDownGemm(_GroupedGemmBase):
     """GEMM2 of a fused MoE: ``y[p] = topk_weights.flat[p] * (h[r] . w2_e^T)`` for p = sorted_ids[r].
 
     ``__call__(h, w2, sorted_ids, tile_expert, topk_weights, y, stream)``:
       h [R, I] bf16 in padded order (R = T * tile_m dynamic); w2 [E, H, I] bf16;
       sorted_ids [R], tile_expert [T] int32; topk_weights [M, top_k] fp32; y [M*top_k, H] bf16.
       The routing weight is applied in fp32 before the bf16 store; padding rows are not
-      stored; rows of y no pair maps to are not written. Grid (H / tile_n, T).
+      stored; rows of y no pair maps to are not written. Grid (H / tile_n, T), as GEMM1.
 
     Constraints:
       * bf16 in, fp32 accumulate, bf16 out; all tensors 16-byte aligned and row-major.
-      * I % tile_k == 0, H % tile_n == 0; the tile constraints of GroupedGluGemm.
+      * I % tile_k == 0, H % tile_n == 0; the tile constraints of GroupedGluGemm (with K = I).
     """
 
     glu = False
