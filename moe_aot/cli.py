@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import sys
 import time
+from pathlib import Path
 
 import click
 
@@ -59,7 +60,8 @@ def _specs(models, spec_file, target, experts, top_k, hidden, intermediate, acti
 
 def spec_options(f):
     opts = [
-        click.option("--model", "models", multiple=True, help=f"Model preset(s), comma-separated: {', '.join(PRESETS)}."),
+        click.option("--model", "--models", "models", multiple=True,
+                     help=f"Model preset(s), comma-separated: {', '.join(PRESETS)}."),
         click.option("--spec", "spec_file", type=click.Path(dir_okay=False), help="TOML/JSON file listing layers."),
         click.option("--target", default="sm_90a", show_default=True,
                      help=f"GPU target: {', '.join(f'{k} ({v})' for k, v in TARGETS.items())}."),
@@ -142,9 +144,11 @@ def _where(url):
 @click.option("--model", default=None, help="Only this preset's layer.")
 @click.option("--target", default=None, help="Only this target.")
 @click.option("--failed", is_flag=True, help="Only kernels that failed to compile.")
+@click.option("--gpu", default=None, help="Only tuned picks for this GPU (as torch.cuda.get_device_name() spells it).")
 @click.option("--db", "db_url", default=None, help=DB_HELP)
-def ls_cmd(model, target, failed, db_url):
-    """List stored kernels, one per line, name first."""
+def ls_cmd(model, target, failed, gpu, db_url):
+    """List stored kernels, one per line, name first; then the tuned picks, one per GPU and token
+    bucket: `tuned  workload  target  gpu  tokens=N  variant  median`."""
     workload = None
     if model:
         try:
@@ -158,7 +162,7 @@ def ls_cmd(model, target, failed, db_url):
             size = f"{a.library_size / 1e3:.0f}KB" if a.library_size else "-"
             extra = f"  error: {a.error}" if a.status != "ok" else ""
             click.echo(f"{a.name}\t{a.role}\t{a.target}\t{a.status}\t{size}\t{a.compile_s or 0:.1f}s\t{a.workload}{extra}")
-        picks = db.all_best(workload=workload, target=target)
+        picks = db.all_best(workload=workload, target=target, gpu=gpu)
         for b in picks:
             click.echo(f"tuned\t{b.workload}\t{b.target}\t{b.gpu}\ttokens={b.tokens}\t{b.variant}\t{b.median_us:.1f}us")
     except DatabaseError as exc:
@@ -200,10 +204,27 @@ def show_cmd(name, db_url):
                 click.echo(f"  {arg['name']}: {arg['dtype']}[{shape}] align {arg['assumed_align']}"
                            + (f" divisibility {divs}" if divs else ""))
             click.echo(f"timing:     {json.dumps(m.get('timing_s'))}")
+        for line in _tuned_uses(db, name):
+            click.echo(f"tuned for:  {line}")
     except DatabaseError as exc:
         raise click.ClickException(str(exc)) from None
     finally:
         db.close()
+
+
+def _tuned_uses(db: Database, kernel: str) -> list[str]:
+    """The tuned picks (GPU, bucket) whose layer variant launches this kernel."""
+    from .spec import LayerSpec
+
+    out, specs = [], {}
+    for b in db.all_best():
+        key = (b.workload, b.target)
+        if key not in specs:
+            wd = db.workload(b.workload)
+            specs[key] = LayerSpec(**wd, target=b.target) if wd else None
+        if specs[key] and kernel in {kv.name for kv in LayerVariant.parse(b.variant).kernels(specs[key])}:
+            out.append(f"{b.gpu} tokens={b.tokens} ({b.median_us:.1f}us, toolchain {b.toolchain})")
+    return sorted(set(out))
 
 
 @main.command("verify")
@@ -234,6 +255,219 @@ def verify_cmd(models, tokens, db_url):
     if bad:
         raise click.ClickException(f"{bad} check(s) failed")
 
+
+# -- tuning: tune, measure (the GPU half of tune --compile-only), export, build, report ------------
+
+def _fail(exc: Exception) -> click.ClickException:
+    return click.ClickException(str(exc))
+
+
+def _export(db, export_dir, gpu):
+    from .tuner import export_tuned
+
+    for path in export_tuned(db, Path(export_dir) if export_dir else env.tuned_dir(), gpu):
+        click.echo(f"tuned picks for {gpu} written to {path}", err=True)
+
+
+def _gpu_measurer(db_url, replays):
+    try:
+        import torch
+    except ImportError:
+        torch = None
+    if torch is None or not torch.cuda.is_available():
+        raise click.ClickException(
+            "measuring needs a CUDA GPU and none is visible here; on a machine without one run "
+            "`moe-aot tune --compile-only --gpu NAME ...`, then `moe-aot measure` on the GPU machine")
+    from .measure_worker import GpuMeasurer
+
+    return GpuMeasurer(db_url, replays=replays)
+
+
+EXPORT_HELP = "Folder of the tuned picks' text export, one <GPU>.jsonl per GPU (default: cache/tuned/)."
+
+
+@main.command("tune")
+@spec_options
+@click.option("--tokens", default=None, help="Token-count buckets, one study each (default: 1,16,64,256,1024,4096,16384).")
+@click.option("--gpu", default=None, help="GPU to tune for, as torch.cuda.get_device_name() spells it "
+              "(default: this machine's; required with --compile-only).")
+@click.option("--trials", type=int, default=30, show_default=True,
+              help="Stop once each bucket's study holds this many trials; earlier sessions count, so a killed run resumes.")
+@click.option("--timeout", "timeout_s", type=float, default=None, help="Wall-time budget in seconds (then nothing new is asked).")
+@click.option("--jobs", "-j", type=int, default=None, help="Compile processes (default: CPU count - 1).")
+@click.option("--compile-only", is_flag=True, help="No GPU here: compile candidates and leave them in the database, "
+              "ready for `moe-aot measure` on the GPU machine.")
+@click.option("--replays", type=int, default=100, show_default=True, help="CUDA-graph replays per measurement.")
+@click.option("--seed", type=int, default=None, help="Sampler seed.")
+@click.option("--export-dir", default=None, help=EXPORT_HELP)
+@click.option("--db", "db_url", default=None, help=DB_HELP)
+def tune_cmd(models, spec_file, target, experts, top_k, hidden, intermediate, activation, precision, tokens, gpu,
+             trials, timeout_s, jobs, compile_only, replays, seed, export_dir, db_url):
+    """Search tile configurations with optuna per token bucket: compile in a CPU pool, measure on the
+    GPU (CUDA-graph replays, median, after a check against the reference), record every trial and
+    keep the best. With --compile-only, only the compiling half (see `moe-aot measure`)."""
+    import os
+
+    from . import tuner
+
+    specs = _specs(models, spec_file, target, experts, top_k, hidden, intermediate, activation, precision)
+    buckets = _tokens(tokens)
+    jobs = jobs if jobs is not None else max(1, (os.cpu_count() or 2) - 1)
+    url = _where(db_url)
+    _open(url).close()  # the schema and a readable error before optuna touches the URL
+    try:
+        if compile_only:
+            if not gpu:
+                raise click.UsageError("--compile-only needs --gpu NAME: the GPU the candidates will be measured on "
+                                       "(as torch.cuda.get_device_name() spells it, e.g. \"NVIDIA H200\")")
+            n = tuner.prepare(url, specs, buckets, gpu, trials=trials, timeout_s=timeout_s, jobs=jobs, seed=seed)
+            click.echo(f"{n} trial(s) compiled and left ready for `moe-aot measure` on {gpu}", err=True)
+            return
+        measurer = _gpu_measurer(url, replays)
+        if gpu and gpu != measurer.gpu:
+            raise click.ClickException(f"--gpu {gpu!r} but this machine's GPU is {measurer.gpu!r}")
+        tuner.tune(url, specs, buckets, measurer, trials=trials, timeout_s=timeout_s, jobs=jobs, seed=seed)
+        with Database(url) as db:
+            for spec in specs:
+                click.echo(tuner.format_summary(spec, measurer.gpu, tuner.summary(db, spec, measurer.gpu, buckets)))
+            _export(db, export_dir, measurer.gpu)
+    except DatabaseError as exc:
+        raise _fail(exc) from None
+
+
+@main.command("measure")
+@click.option("--model", "models", multiple=True, help="Only these presets' studies (default: every study for this GPU).")
+@click.option("--target", default=None, help="Only studies for this target.")
+@click.option("--tokens", default=None, help="Only these token buckets.")
+@click.option("--trials", type=int, default=None, help="Measure at most this many trials.")
+@click.option("--timeout", "timeout_s", type=float, default=None, help="Wall-time budget in seconds.")
+@click.option("--wait", "wait_s", type=float, default=0.0, show_default=True,
+              help="Keep polling this long for new ready trials (a compiling side still at work).")
+@click.option("--replays", type=int, default=100, show_default=True, help="CUDA-graph replays per measurement.")
+@click.option("--export-dir", default=None, help=EXPORT_HELP)
+@click.option("--db", "db_url", default=None, help=DB_HELP)
+def measure_cmd(models, target, tokens, trials, timeout_s, wait_s, replays, export_dir, db_url):
+    """On the GPU machine (no DSL needed): measure the trials `tune --compile-only` left ready for
+    this GPU, record them, tell the studies, keep the best and export them as text. Several
+    processes may measure the same database at once."""
+    from .measure_worker import measure
+
+    url = _where(db_url)
+    _open(url).close()
+    try:
+        workloads = {make_spec(n).workload_key for m in models for n in m.split(",") if n} or None
+    except SpecError as exc:
+        raise _fail(exc) from None
+    measurer = _gpu_measurer(url, replays)
+    try:
+        n = measure(url, measurer, workloads, target, _tokens(tokens) if tokens else None, trials, timeout_s, wait_s)
+        click.echo(f"{n} trial(s) measured on {measurer.gpu}", err=True)
+        with Database(url) as db:
+            _export(db, export_dir, measurer.gpu)
+    except (LookupError, DatabaseError) as exc:
+        raise _fail(exc) from None
+
+
+@main.command("export")
+@click.option("--gpu", default=None, help="Only this GPU (default: every GPU with tuned picks).")
+@click.option("--dir", "export_dir", default=None, help=EXPORT_HELP)
+@click.option("--db", "db_url", default=None, help=DB_HELP)
+def export_cmd(gpu, export_dir, db_url):
+    """Write the tuned picks as reviewable text (one JSON object per line) for the repository."""
+    from .tuner import export_tuned
+
+    db = _open(db_url, readonly=True)
+    try:
+        paths = export_tuned(db, Path(export_dir) if export_dir else env.tuned_dir(), gpu)
+    except DatabaseError as exc:
+        raise _fail(exc) from None
+    finally:
+        db.close()
+    if not paths:
+        raise click.ClickException(f"no tuned picks{' for ' + gpu if gpu else ''} in {_where(db_url)}; "
+                                   "run `moe-aot tune` or `moe-aot measure` first")
+    for p in paths:
+        click.echo(str(p))
+
+
+@main.command("build")
+@spec_options
+@click.option("--tokens", default=None, help="Token-count buckets (default: 1,16,64,256,1024,4096,16384).")
+@click.option("--gpu", default=None, help="Only this GPU's tuned picks (default: every GPU's).")
+@click.option("--tuned-dir", default=None, help="Tuned picks as text to turn into binaries (default: cache/tuned/).")
+@click.option("--jobs", "-j", type=int, default=None, help="Parallel compile processes (default: CPU count).")
+@click.option("--db", "db_url", default=None, help=DB_HELP)
+def build_cmd(models, spec_file, target, experts, top_k, hidden, intermediate, activation, precision, tokens, gpu,
+              tuned_dir, jobs, db_url):
+    """Precompile everything a deployment needs: the tuned pick per bucket where the database or
+    the text export has one for the target (and GPU), the default variant for every bucket.
+    Idempotent: what is already in the database is not compiled again."""
+    from .compiler import compile_into, toolchain_key
+    from .tuner import build_plan
+
+    specs = _specs(models, spec_file, target, experts, top_k, hidden, intermediate, activation, precision)
+    db = _open(db_url)
+    t0 = time.perf_counter()
+    try:
+        pairs, picks = build_plan(db, specs, _tokens(tokens), gpu, Path(tuned_dir) if tuned_dir else env.tuned_dir())
+
+        def progress(res, done, total):
+            status = "ok" if res.artifact else "FAILED"
+            click.echo(f"[{done}/{total}] {status:6} {res.seconds:6.1f}s  {res.kernel.name}", err=True)
+
+        results = compile_into(db, pairs, jobs=jobs, progress=progress)
+        failed = [r for r in results if r.artifact is None]
+        tools = {s.target: toolchain_key(s.target) for s in specs}
+        gpus = set()
+        for spec, g, n, v, us in picks:
+            # The picks point at binaries of this build's toolchain, which the runtime then finds.
+            if all(db.has_artifact(kv.name, tools[spec.target]) for kv in v.kernels(spec)):
+                db.commit_best(workload=spec.workload_key, target=spec.target, gpu=g, toolchain=tools[spec.target],
+                               tokens=n, variant=v.name(spec), median_us=us)
+                gpus.add(g)
+    except (ValueError, DatabaseError) as exc:
+        raise _fail(exc) from None
+    finally:
+        db.close()
+    click.echo(f"{len(results) - len(failed)} compiled, {len(failed)} failed; {len(picks)} tuned pick(s)"
+               f"{' for ' + ', '.join(sorted(gpus)) if gpus else ''}, defaults for every bucket; "
+               f"in {time.perf_counter() - t0:.1f}s", err=True)
+    if failed:
+        sys.exit(1)
+
+
+@main.command("report")
+@spec_options
+@click.option("--tokens", default=None, help="Token-count buckets (default: 1,16,64,256,1024,4096,16384).")
+@click.option("--gpu", default=None, help="GPU whose records to show (default: every GPU with records).")
+@click.option("--out", "out_dir", default=None, help="Folder for the PNG and HTML (default: cache/reports/).")
+@click.option("--db", "db_url", default=None, help=DB_HELP)
+def report_cmd(models, spec_file, target, experts, top_k, hidden, intermediate, activation, precision, tokens, gpu,
+               out_dir, db_url):
+    """A picture of a tuning session: time per trial against its configuration, and the best per
+    bucket against the roofline floor (PNG and HTML)."""
+    try:
+        from .report import render
+    except ImportError:
+        raise click.ClickException("report draws with matplotlib: pip install 'moe-aot[report]' "
+                                   "(or pip install matplotlib)") from None
+    specs = _specs(models, spec_file, target, experts, top_k, hidden, intermediate, activation, precision)
+    buckets = _tokens(tokens)
+    db = _open(db_url, readonly=True)
+    try:
+        for spec in specs:
+            gpus = [gpu] if gpu else sorted({r.gpu for r in db.records(spec.workload_key, spec.target)})
+            if not gpus:
+                raise click.ClickException(f"no tuning records for {spec.label()} on {spec.target} in {_where(db_url)}")
+            for g in gpus:
+                for path in render(db, spec, g, buckets, Path(out_dir) if out_dir else env.cache_dir() / "reports"):
+                    click.echo(str(path))
+    except ImportError:
+        raise click.ClickException("report draws with matplotlib: pip install 'moe-aot[report]'") from None
+    except DatabaseError as exc:
+        raise _fail(exc) from None
+    finally:
+        db.close()
 
 if __name__ == "__main__":
     main()

@@ -1,7 +1,8 @@
 """The one module that owns moe-aot's environment variables and default paths.
 
 MOE_AOT_DB         SQLAlchemy URL of the kernel database (default: SQLite in <repo>/cache/).
-MOE_AOT_CACHE_DIR  folder of the default SQLite database and of unpacked kernel libraries.
+MOE_AOT_CACHE_DIR  folder of the default SQLite database, of unpacked kernel libraries and of
+                   tuned/ (the tuned picks as text, one JSONL file per GPU).
 MOE_AOT_CUDA_HOME  CUDA toolkit root that holds lib64/libcudart_static.a (default: CUDA_HOME,
                    then /usr/local/cuda); only the compiler needs it, to link kernel libraries.
 """
@@ -37,3 +38,8 @@ def templates_dir() -> Path:
     """Kernel templates: the repo's templates/ in a checkout, moe_aot/_templates when installed."""
     installed = _PACKAGE_DIR / "_templates"
     return installed if installed.is_dir() else REPO_ROOT / "templates"
+
+
+def tuned_dir() -> Path:
+    """The tuned picks as reviewable text, one JSONL file per GPU (committed to the repository)."""
+    return cache_dir() / "tuned"

@@ -1,0 +1,71 @@
+"""A picture of a tuning session: every trial's time against its configuration, and the best per
+bucket against the roofline floor, as a PNG and a small HTML page around it. matplotlib is an
+optional extra (`pip install 'moe-aot[report]'`)."""
+from __future__ import annotations
+
+import base64
+import html
+import math
+from pathlib import Path
+
+from .database import Database
+from .spec import LayerSpec
+from .tuner import format_summary, roofline_floor_us, summary
+from .variants import LayerVariant
+
+
+def _config(name: str) -> str:
+    v = LayerVariant.parse(name)
+    return f"m{v.tile_m} glu {v.glu.tag} / down {v.down.tag}"
+
+
+def render(db: Database, spec: LayerSpec, gpu: str, buckets, out_dir: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = summary(db, spec, gpu, buckets)
+    recs = {t: db.records(spec.workload_key, spec.target, gpu, t) for t in buckets}
+    shown = [t for t in buckets if recs[t]]
+    fig, axes = plt.subplots(1 + len(shown), 1, figsize=(11, 3.2 * (1 + len(shown))), squeeze=False)
+    ax = axes[0][0]
+    ok = [r for r in rows if r["best_us"]]
+    ax.loglog([r["tokens"] for r in ok], [r["best_us"] for r in ok], "o-", label="best tuned")
+    xs = sorted(buckets)
+    ax.loglog(xs, [roofline_floor_us(spec, t) for t in xs], "k--", label="roofline floor")
+    ax.set_xlabel("tokens")
+    ax.set_ylabel("µs")
+    ax.set_title(f"{spec.label()} on {gpu}: best per bucket vs floor")
+    ax.legend()
+    for ax, t in zip((a[0] for a in axes[1:]), shown):
+        # Configurations sorted by their name group neighbours that share tiles.
+        names = sorted({r.variant for r in recs[t]})
+        pos = {n: i for i, n in enumerate(names)}
+        good = [r for r in recs[t] if r.status == "ok"]
+        bad = [r for r in recs[t] if r.status != "ok"]
+        top = max((r.median_us for r in good), default=1.0) * 1.2
+        ax.scatter([pos[r.variant] for r in good], [r.median_us for r in good], s=14,
+                   c=[math.log2(LayerVariant.parse(r.variant).tile_m) for r in good], cmap="viridis")
+        ax.scatter([pos[r.variant] for r in bad], [top] * len(bad), marker="x", c="red", s=14,
+                   label="failed (compile, resources, wrong result)")
+        ax.axhline(roofline_floor_us(spec, t), color="k", ls="--", lw=0.8)
+        ax.set_title(f"tokens={t}: {len(recs[t])} trials (colour: tile_m)")
+        ax.set_ylabel("median µs")
+        ax.set_xlabel("configuration (sorted by name)")
+        if len(names) <= 24:
+            ax.set_xticks(range(len(names)), [_config(n) for n in names], rotation=70, fontsize=6)
+        if bad:
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = f"{spec.label()}_{gpu.replace(' ', '_')}"
+    png = out_dir / f"{stem}.png"
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+    page = out_dir / f"{stem}.html"
+    img = base64.b64encode(png.read_bytes()).decode()
+    page.write_text(f"<!doctype html><meta charset=utf-8><title>{html.escape(stem)}</title>"
+                    f"<pre>{html.escape(format_summary(spec, gpu, rows))}</pre>"
+                    f"<img src='data:image/png;base64,{img}'>\n")
+    return [png, page]
