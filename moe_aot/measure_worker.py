@@ -97,11 +97,11 @@ class GpuMeasurer:
         return Outcome("ok", median_us=r["median_us"], stats=stats, rel_err=r["rel_err"])
 
 
-def find_studies(storage, gpu: str, workload: str | None = None, target: str | None = None,
+def find_studies(storage, gpu: str, workloads=None, target: str | None = None,
                  buckets=None) -> list[optuna.Study]:
     names = optuna.get_all_study_names(storage)
     parsed = {n: p for n in names if (p := parse_study_name(n))}
-    wanted = [n for n, p in parsed.items() if (workload is None or p["workload"] == workload)
+    wanted = [n for n, p in parsed.items() if (workloads is None or p["workload"] in workloads)
               and (target is None or p["target"] == target) and (buckets is None or p["tokens"] in buckets)]
     mine = [n for n in wanted if parsed[n]["gpu"] == gpu]
     if not mine:
@@ -128,7 +128,7 @@ def claim(study: optuna.Study) -> tuple[optuna.Trial, dict] | None:
     return None
 
 
-def measure(db_url: str, measurer, workload: str | None = None, target: str | None = None, buckets=None,
+def measure(db_url: str, measurer, workloads=None, target: str | None = None, buckets=None,
             max_trials: int | None = None, timeout_s: float | None = None, wait_s: float = 0.0,
             progress: Callable[[str], None] = line, poll_s: float = 2.0) -> int:
     """Measure ready trials of `measurer.gpu`'s studies until none is left (or, with wait_s, none
@@ -137,7 +137,7 @@ def measure(db_url: str, measurer, workload: str | None = None, target: str | No
     db = Database(db_url)
     storage = open_storage(db_url)
     deadline = time.monotonic() + timeout_s if timeout_s else math.inf
-    studies = find_studies(storage, measurer.gpu, workload, target, buckets)
+    studies = find_studies(storage, measurer.gpu, workloads, target, buckets)
     specs: dict[str, tuple[LayerSpec, dict, int]] = {}
     done, idle_since = 0, time.monotonic()
     try:
@@ -147,7 +147,7 @@ def measure(db_url: str, measurer, workload: str | None = None, target: str | No
                 if time.monotonic() - idle_since >= wait_s:
                     break
                 time.sleep(poll_s)
-                studies = find_studies(storage, measurer.gpu, workload, target, buckets)
+                studies = find_studies(storage, measurer.gpu, workloads, target, buckets)
                 continue
             study, (trial, attrs) = got
             if study.study_name not in specs:

@@ -17,7 +17,7 @@ from moe_aot.cli import main
 from moe_aot.database import Database
 from moe_aot.spec import make_spec
 from moe_aot.variants import LayerVariant, can_implement, candidate_space
-from tuner_fakes import GPU, FakeMeasurer, fake_compile, fake_time_us, toolchain
+from tuner_fakes import GPU, FakeMeasurer, check_records_and_best, fake_compile, fake_time_us, toolchain
 
 SPEC = make_spec("qwen3-30b-a3b")
 TINY = make_spec(None, experts=8, top_k=2, hidden=256, intermediate=128)
@@ -26,25 +26,6 @@ TINY = make_spec(None, experts=8, top_k=2, hidden=256, intermediate=128)
 @pytest.fixture()
 def url(tmp_path):
     return f"sqlite:///{tmp_path / 'tune.sqlite'}"
-
-
-def _check_records_and_best(url, spec, gpu, buckets):
-    """No duplicates, every told trial has its record, the best is the minimum over records."""
-    db = Database(url, readonly=True)
-    storage = tuner.open_storage(url)
-    for tokens in buckets:
-        recs = db.records(spec.workload_key, spec.target, gpu, tokens)
-        assert len({r.variant for r in recs}) == len(recs)
-        study = optuna.load_study(study_name=tuner.study_name(spec, gpu, tokens), storage=storage)
-        told = [t for t in study.trials if t.state.is_finished() and "pruned" not in t.user_attrs]
-        ids = {t.user_attrs.get("record", t.user_attrs.get("repeat_of_record")) for t in told}
-        assert ids == {r.id for r in recs}
-        assert [t for t in study.trials if t.state == TrialState.RUNNING] == []
-        ok = [r for r in recs if r.status == "ok"]
-        best = db.best(spec.workload_key, spec.target, gpu, toolchain(spec.target))[tokens]
-        assert best.median_us == min(r.median_us for r in ok)
-        assert best.variant == min(ok, key=lambda r: r.median_us).variant
-    db.close()
 
 
 def test_search_space_round_trips_and_covers_the_candidates():
@@ -70,7 +51,7 @@ def test_tune_records_every_trial_and_commits_the_minimum(url):
     lines = []
     tuner.tune(url, [SPEC], (1, 4096), FakeMeasurer(), trials=14, jobs=0, compile_fn=fake_compile,
                seed=1, progress=lines.append)
-    _check_records_and_best(url, SPEC, GPU, (1, 4096))
+    check_records_and_best(url, SPEC, GPU, (1, 4096))
     assert lines and "best" in lines[-1]
     db = Database(url, readonly=True)
     statuses = {r.status for r in db.records()}
@@ -96,7 +77,7 @@ def test_budget_resume_and_stale_trials(url):
                progress=lambda s: None)
     trials = tuner.open_study(storage, SPEC, GPU, 16).trials
     assert len(trials) == 7 and trials[dead.number].state.is_finished()
-    _check_records_and_best(url, SPEC, GPU, (16,))
+    check_records_and_best(url, SPEC, GPU, (16,))
     # A wall-time budget that is already spent asks nothing new.
     tuner.tune(url, [SPEC], (16,), FakeMeasurer(), trials=50, timeout_s=1e-9, jobs=0,
                compile_fn=fake_compile, progress=lambda s: None)
@@ -106,7 +87,7 @@ def test_budget_resume_and_stale_trials(url):
 def test_tune_pipelines_compiles_in_a_process_pool(url):
     tuner.tune(url, [SPEC], (64,), FakeMeasurer(delay_s=0.05), trials=6, jobs=2,
                compile_fn=fake_compile, seed=4, progress=lambda s: None)
-    _check_records_and_best(url, SPEC, GPU, (64,))
+    check_records_and_best(url, SPEC, GPU, (64,))
 
 
 def test_invalid_suggestions_are_pruned_with_the_reason(url):
@@ -158,7 +139,7 @@ def test_split_compile_here_measure_there_without_the_dsl(url):
     left = sum(len(tuner.open_study(storage, SPEC, GPU, b).get_trials(states=(TrialState.WAITING,)))
                for b in (1, 256))
     assert _measure_in_subprocess(url, tests_dir) == left
-    _check_records_and_best(url, SPEC, GPU, (1, 256))
+    check_records_and_best(url, SPEC, GPU, (1, 256))
     # The second round's proposals come from a sampler that has seen the measurements.
     assert tuner.prepare(url, [SPEC], (1,), GPU, trials=9, jobs=0, compile_fn=fake_compile,
                          progress=lambda s: None) == 3
@@ -180,7 +161,7 @@ def test_two_measurers_split_the_ready_trials(url):
     assert len(trials) == len(set(trials))
     study = tuner.open_study(tuner.open_storage(url), SPEC, GPU, 16)
     assert sum(counts) == len([t for t in study.trials if "ready" in t.user_attrs])
-    _check_records_and_best(url, SPEC, GPU, (16,))
+    check_records_and_best(url, SPEC, GPU, (16,))
 
 
 def test_measure_names_the_gpus_it_has_studies_for(url):

@@ -6,6 +6,10 @@ from __future__ import annotations
 import math
 import time
 
+import optuna
+from optuna.trial import TrialState
+
+from moe_aot import measure_worker, tuner
 from moe_aot.database import Database
 from moe_aot.tuner import Compiled, Outcome
 
@@ -54,3 +58,31 @@ class FakeMeasurer:
         t = fake_time_us(spec, variant, tokens)
         return Outcome("ok", median_us=t, stats={"median_us": t, "min_us": t * 0.98, "replays": 100},
                        rel_err=3e-3)
+
+
+def check_records_and_best(url, spec, gpu, buckets):
+    """No duplicates, every told trial has its record, the best is the minimum over records."""
+    db = Database(url, readonly=True)
+    storage = tuner.open_storage(url)
+    for tokens in buckets:
+        recs = db.records(spec.workload_key, spec.target, gpu, tokens)
+        assert len({r.variant for r in recs}) == len(recs)
+        study = optuna.load_study(study_name=tuner.study_name(spec, gpu, tokens), storage=storage)
+        told = [t for t in study.trials if t.state.is_finished() and "pruned" not in t.user_attrs]
+        ids = {t.user_attrs.get("record", t.user_attrs.get("repeat_of_record")) for t in told}
+        assert ids == {r.id for r in recs}
+        assert [t for t in study.trials if t.state == TrialState.RUNNING] == []
+        ok = [r for r in recs if r.status == "ok"]
+        best = db.best(spec.workload_key, spec.target, gpu, toolchain(spec.target))[tokens]
+        assert best.median_us == min(r.median_us for r in ok)
+        assert best.variant == min(ok, key=lambda r: r.median_us).variant
+    db.close()
+
+
+def tune_worker(url, spec, buckets, trials, gpu, seed):
+    tuner.tune(url, [spec], buckets, FakeMeasurer(gpu, delay_s=0.01), trials=trials, jobs=0,
+               compile_fn=fake_compile, seed=seed, progress=lambda s: None)
+
+
+def measure_worker_run(url, gpu):
+    return measure_worker.measure(url, FakeMeasurer(gpu, delay_s=0.01), progress=lambda s: None)
