@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import base64
 import html
-import math
 from pathlib import Path
 
 from .database import Database
@@ -19,6 +18,15 @@ def _config(name: str) -> str:
     return f"m{v.tile_m} glu {v.glu.tag} / down {v.down.tag}"
 
 
+def _table(tokens: int, recs) -> str:
+    names = sorted({r.variant for r in recs})
+    rows = "".join(f"<tr><td>{names.index(r.variant)}<td>{html.escape(_config(r.variant))}<td>{r.status}"
+                   f"<td>{'' if r.median_us is None else f'{r.median_us:.1f}'}<td>{html.escape(r.variant)}"
+                   for r in sorted(recs, key=lambda r: names.index(r.variant)))
+    return (f"<h3>tokens={tokens}</h3><table border=1 cellspacing=0><tr><th>index<th>configuration"
+            f"<th>status<th>median µs<th>variant{rows}</table>")
+
+
 def render(db: Database, spec: LayerSpec, gpu: str, buckets, out_dir: Path) -> list[Path]:
     import matplotlib
 
@@ -28,7 +36,8 @@ def render(db: Database, spec: LayerSpec, gpu: str, buckets, out_dir: Path) -> l
     rows = summary(db, spec, gpu, buckets)
     recs = {t: db.records(spec.workload_key, spec.target, gpu, t) for t in buckets}
     shown = [t for t in buckets if recs[t]]
-    fig, axes = plt.subplots(1 + len(shown), 1, figsize=(11, 3.2 * (1 + len(shown))), squeeze=False)
+    fig, axes = plt.subplots(1 + len(shown), 1, figsize=(10, 3.6 + 2.8 * len(shown)), squeeze=False,
+                             gridspec_kw={"height_ratios": [1.3] + [1] * len(shown)})
     ax = axes[0][0]
     ok = [r for r in rows if r["best_us"]]
     ax.loglog([r["tokens"] for r in ok], [r["best_us"] for r in ok], "o-", label="best tuned")
@@ -36,27 +45,28 @@ def render(db: Database, spec: LayerSpec, gpu: str, buckets, out_dir: Path) -> l
     ax.loglog(xs, [roofline_floor_us(spec, t) for t in xs], "k--", label="roofline floor")
     ax.set_xlabel("tokens")
     ax.set_ylabel("µs")
-    ax.set_title(f"{spec.label()} on {gpu}: best per bucket vs floor")
-    ax.legend()
+    ax.set_title(f"{spec.label()} on {gpu}: best per bucket vs roofline floor")
+    ax.legend(fontsize=8)
     for ax, t in zip((a[0] for a in axes[1:]), shown):
-        # Configurations sorted by their name group neighbours that share tiles.
+        # Configurations sorted by name sit next to those sharing tile_m and GEMM1 tiles; the
+        # HTML page lists the names.
         names = sorted({r.variant for r in recs[t]})
         pos = {n: i for i, n in enumerate(names)}
         good = [r for r in recs[t] if r.status == "ok"]
         bad = [r for r in recs[t] if r.status != "ok"]
-        top = max((r.median_us for r in good), default=1.0) * 1.2
-        ax.scatter([pos[r.variant] for r in good], [r.median_us for r in good], s=14,
-                   c=[math.log2(LayerVariant.parse(r.variant).tile_m) for r in good], cmap="viridis")
-        ax.scatter([pos[r.variant] for r in bad], [top] * len(bad), marker="x", c="red", s=14,
-                   label="failed (compile, resources, wrong result)")
-        ax.axhline(roofline_floor_us(spec, t), color="k", ls="--", lw=0.8)
-        ax.set_title(f"tokens={t}: {len(recs[t])} trials (colour: tile_m)")
+        floor = roofline_floor_us(spec, t)
+        top = max([r.median_us for r in good] + [floor]) * 1.5
+        sc = ax.scatter([pos[r.variant] for r in good], [r.median_us for r in good], s=16,
+                        c=[LayerVariant.parse(r.variant).tile_m for r in good], cmap="viridis", vmin=64, vmax=128)
+        ax.scatter([pos[r.variant] for r in bad], [top] * len(bad), marker="x", c="red", s=16,
+                   label="failed: compile, resources or wrong result")
+        ax.axhline(floor, color="k", ls="--", lw=0.8, label="roofline floor")
+        ax.set_yscale("log")
+        ax.set_title(f"tokens={t}: {len(recs[t])} measured configurations", fontsize=10)
         ax.set_ylabel("median µs")
-        ax.set_xlabel("configuration (sorted by name)")
-        if len(names) <= 24:
-            ax.set_xticks(range(len(names)), [_config(n) for n in names], rotation=70, fontsize=6)
-        if bad:
-            ax.legend(fontsize=7)
+        ax.set_xlabel("configuration index (sorted by variant name)")
+        ax.legend(fontsize=7, loc="upper left")
+        fig.colorbar(sc, ax=ax, label="tile_m", ticks=[64, 128])
     fig.tight_layout()
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = f"{spec.label()}_{gpu.replace(' ', '_')}"
@@ -67,5 +77,5 @@ def render(db: Database, spec: LayerSpec, gpu: str, buckets, out_dir: Path) -> l
     img = base64.b64encode(png.read_bytes()).decode()
     page.write_text(f"<!doctype html><meta charset=utf-8><title>{html.escape(stem)}</title>"
                     f"<pre>{html.escape(format_summary(spec, gpu, rows))}</pre>"
-                    f"<img src='data:image/png;base64,{img}'>\n")
+                    f"<img src='data:image/png;base64,{img}'>" + "".join(_table(t, recs[t]) for t in shown))
     return [png, page]
