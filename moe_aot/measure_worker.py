@@ -19,8 +19,8 @@ from optuna.trial import TrialState
 
 from .database import Database
 from .spec import LayerSpec
-from .tuner import (Outcome, finish, line, open_storage, parse_study_name, search_space, study_spec,
-                    suggest, worker_id)
+from .tuner import (Outcome, finish, line, open_storage, parse_study_name, requeue_stale, search_space,
+                    study_spec, suggest, worker_id)
 from .variants import LayerVariant
 
 
@@ -138,6 +138,8 @@ def measure(db_url: str, measurer, workloads=None, target: str | None = None, bu
     storage = open_storage(db_url)
     deadline = time.monotonic() + timeout_s if timeout_s else math.inf
     studies = find_studies(storage, measurer.gpu, workloads, target, buckets)
+    for study in studies:
+        requeue_stale(study)  # trials a killed measurer held
     specs: dict[str, tuple[LayerSpec, dict, int]] = {}
     done, idle_since = 0, time.monotonic()
     try:

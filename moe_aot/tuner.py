@@ -32,7 +32,7 @@ import optuna
 from optuna.distributions import CategoricalDistribution
 from optuna.trial import TrialState, create_trial
 
-from .database import Database, DatabaseError
+from .database import Database
 from .spec import LayerSpec
 from .variants import LayerVariant, can_implement, candidate_space
 

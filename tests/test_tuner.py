@@ -7,7 +7,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import optuna
 import pytest
 from click.testing import CliRunner
 from optuna.trial import TrialState
