@@ -97,68 +97,124 @@ class LayerVariant:
                    GemmTiles(int(m[9]), int(m[10]), int(m[11]), m[12]), int(m[2]))
 
 
-def _gemm_smem(tile_m: int, t: GemmTiles) -> int:
-    mainloop = t.stages * (tile_m + t.tile_n) * t.tile_k * 2
-    epilogue = tile_m * t.tile_n * 4  # fp32 accumulator staged through shared memory
-    return max(mainloop, epilogue) + 1024
+SMEM_CAPACITY = {"sm_90a": 227 * 1024, "sm_100a": 227 * 1024, "sm_121a": 99 * 1024}
+
+
+def gemm_warps(tile_m: int, tile_n: int, mma: str) -> tuple[int, int]:
+    """The template's warp grid: wgmma, one warpgroup per 64 rows; mma.sync, 2 warps along M
+    (1 for tile_m 16) and 4 warps below 128x128 tiles, 8 from there."""
+    if mma == "wgmma":
+        return max(tile_m // 16, 1), 1
+    warps_m = 2 if tile_m >= 32 else 1
+    warps = 4 if tile_m * tile_n < 128 * 128 else 8
+    return warps_m, max(1, min(tile_n // 16, warps // warps_m))
+
+
+def gemm_can_implement(n: int, k: int, tile_m: int, t: GemmTiles, target: str) -> tuple[bool, str]:
+    """Mirror of the grouped-GEMM template's checks (tests compare the two on the whole space)."""
+    if t.mma not in TARGET_LIMITS[target]["mma"]:
+        return False, f"{t.mma} MMA is not available on {target} (has {', '.join(TARGET_LIMITS[target]['mma'])})"
+    wm, wn = gemm_warps(tile_m, t.tile_n, t.mma)
+    threads = wm * wn * 32
+    if t.mma == "wgmma":
+        if tile_m not in (64, 128):
+            return False, f"wgmma needs tile_m 64 or 128, got {tile_m}"
+        if t.tile_n % 32 or not 32 <= t.tile_n <= 256:
+            return False, f"wgmma needs tile_n a multiple of 32 in 32..256, got {t.tile_n}"
+        if t.tile_k != 64:
+            return False, f"wgmma needs tile_k 64 (one 128-byte swizzle atom), got {t.tile_k}"
+        if t.stages < 3:
+            return False, f"wgmma needs at least 3 stages, got {t.stages}"
+    if threads > 256:
+        return False, f"{threads} threads: at most 8 warps"
+    if t.tile_k not in (32, 64, 128):
+        return False, f"tile_k {t.tile_k} not in 32, 64, 128"
+    if k % t.tile_k:
+        return False, f"K={k} is not a multiple of tile_k {t.tile_k}"
+    if n % t.tile_n:
+        return False, f"N={n} is not a multiple of tile_n {t.tile_n}"
+    if t.mma == "warp" and (tile_m % (16 * wm) or tile_m > 256 or t.tile_n % (16 * wn) or t.tile_n > 256):
+        return False, f"tile {tile_m}x{t.tile_n} does not fit the {wm}x{wn} warp grid of m16n8k16 MMAs"
+    rows = threads // (t.tile_k // 8)
+    if tile_m % rows or t.tile_n % rows:
+        return False, f"tile {tile_m}x{t.tile_n} is not a multiple of the {rows} rows one cp.async pass covers"
+    if tile_m * t.tile_n // threads > 128:
+        return False, f"tile {tile_m}x{t.tile_n} needs more than 128 accumulator registers per thread"
+    if not 2 <= t.stages <= 8:
+        return False, f"stages {t.stages} outside 2..8"
+    if k // t.tile_k < t.stages - 1:
+        return False, f"K={k} has {k // t.tile_k} k-tiles of {t.tile_k}, fewer than stages-1={t.stages - 1}"
+    smem = max(t.stages * (tile_m + t.tile_n) * t.tile_k * 2, tile_m * (t.tile_n + 8) * 4) + 1024
+    if smem > SMEM_CAPACITY[target]:
+        return False, f"needs {smem} B of shared memory, {target} allows {SMEM_CAPACITY[target]}"
+    return True, "ok"
 
 
 def can_implement(spec: LayerSpec, variant: LayerVariant) -> tuple[bool, str]:
     """(ok, reason): whether `variant` can serve `spec` on `spec.target`. Pure and cheap."""
     lim = TARGET_LIMITS[spec.target]
-    if variant.tile_m not in (64, 128):
-        return False, f"tile_m {variant.tile_m} not in (64, 128)"
+    if variant.tile_m not in TILE_M:
+        return False, f"tile_m {variant.tile_m} not in {TILE_M}"
     if variant.route_cluster not in lim["clusters"]:
         return False, (f"routing cluster of {variant.route_cluster} CTAs not available on {spec.target} "
                        f"(allowed: {', '.join(map(str, lim['clusters']))})")
     for role, t, n_dim, k_dim in (("glu", variant.glu, 2 * spec.intermediate, spec.hidden),
                                   ("down", variant.down, spec.hidden, spec.intermediate)):
-        if t.mma not in lim["mma"]:
-            return False, f"{role}: {t.mma} MMA is not available on {spec.target} (has {', '.join(lim['mma'])})"
-        if t.tile_n not in (32, 64, 128, 256) or t.tile_k not in (32, 64, 128):
-            return False, f"{role}: tile {t.tile_n}x{t.tile_k} not supported (n in 32..256, k in 32..128)"
-        if not 3 <= t.stages <= 8:
-            return False, f"{role}: stages {t.stages} outside 3..8"
-        if n_dim % t.tile_n:
-            return False, f"{role}: N={n_dim} is not a multiple of tile_n {t.tile_n}"
-        if k_dim % t.tile_k:
-            return False, f"{role}: K={k_dim} is not a multiple of tile_k {t.tile_k}"
-        if k_dim // t.tile_k < t.stages - 1:
-            return False, f"{role}: K={k_dim} has {k_dim // t.tile_k} k-tiles of {t.tile_k}, fewer than stages-1={t.stages - 1}"
         if role == "glu" and t.tile_n % (2 * INTERLEAVE):
             return False, f"glu: tile_n {t.tile_n} must hold whole gate/up blocks (multiple of {2 * INTERLEAVE})"
-        smem = _gemm_smem(variant.tile_m, t)
-        if smem > lim["smem"]:
-            return False, f"{role}: needs {smem} B of shared memory, {spec.target} allows {lim['smem']}"
+        ok, why = gemm_can_implement(n_dim, k_dim, variant.tile_m, t, spec.target)
+        if not ok:
+            return False, f"{role}: {why}"
     return True, "ok"
+
+
+TILE_M = (16, 32, 64, 128)
+TILE_N = (32, 64, 128, 192, 256)
+TILE_K = (32, 64, 128)
+STAGES = (2, 3, 4, 5, 6, 8)
 
 
 def candidate_space(spec: LayerSpec) -> list[LayerVariant]:
     """Every variant the tuner may try for `spec`, already pruned by can_implement."""
     lim = TARGET_LIMITS[spec.target]
-    tiles = [GemmTiles(n, k, s, mma) for n, k, s, mma in
-             itertools.product((64, 128, 256), (32, 64), (3, 4, 5), lim["mma"])]
+    clusters = sorted({1, max(lim["clusters"])})
     out = []
-    for m, g, d, c in itertools.product((64, 128), tiles, tiles, sorted({1, max(lim["clusters"])})):
-        v = LayerVariant(m, g, d, c)
-        if can_implement(spec, v)[0]:
-            out.append(v)
+    for m in TILE_M:
+        tiles = {}
+        for role, n_dim, k_dim in (("glu", 2 * spec.intermediate, spec.hidden),
+                                   ("down", spec.hidden, spec.intermediate)):
+            tiles[role] = [t for t in (GemmTiles(n, k, st, mma) for n, k, st, mma in
+                                       itertools.product(TILE_N, TILE_K, STAGES, lim["mma"]))
+                           if gemm_can_implement(n_dim, k_dim, m, t, spec.target)[0]
+                           and (role == "down" or t.tile_n % (2 * INTERLEAVE) == 0)]
+        for g, d, c in itertools.product(tiles["glu"], tiles["down"], clusters):
+            out.append(LayerVariant(m, g, d, c))
     return out
 
 
 def default_variant(spec: LayerSpec, tokens: int) -> LayerVariant:
-    """The documented untuned choice per token-count bucket; the first valid of a short list."""
-    # One routing CTA is fastest up to ~256 tokens; past that a cluster spreads the scan
-    # (measured on the H200: 152 -> 19 us at 16384 tokens, E=128, top_k=8).
+    """The documented untuned choice per token-count bucket: the first valid of a short list.
+    From the H200 kernel measurements (tools/results/gemm_check_h200_2026-11-29.txt): few routed
+    rows per expert (decode) stream weights best with 16-row tiles and deep pipelines; many rows
+    per expert need wgmma 128-row tiles; in between, 64-row mma.sync tiles."""
     cluster = 1 if tokens <= 256 else max(TARGET_LIMITS[spec.target]["clusters"])
-    prefs = ([LayerVariant(64, GemmTiles(64, 64, 4), GemmTiles(64, 64, 4), cluster)] if tokens * spec.top_k <= 2048 else
-             [LayerVariant(128, GemmTiles(128, 64, 3), GemmTiles(128, 64, 3), cluster)])
-    prefs += [LayerVariant(64, GemmTiles(64, 64, 3), GemmTiles(64, 64, 3), cluster),
-              LayerVariant(64, GemmTiles(32, 64, 3), GemmTiles(64, 64, 3), cluster),
-              LayerVariant(64, GemmTiles(64, 32, 3), GemmTiles(64, 32, 3), cluster)]
-    for v in prefs:
-        ok, _ = can_implement(spec, v)
-        if ok:
+    rows_per_expert = tokens * spec.top_k / spec.experts
+    W, G = "warp", "wgmma"
+    if rows_per_expert <= 2:
+        prefs = [(16, GemmTiles(32, 64, 8, W), GemmTiles(32, 64, 8, W)),
+                 (16, GemmTiles(64, 128, 2, W), GemmTiles(64, 128, 2, W))]
+    elif rows_per_expert <= 64:
+        prefs = [(64, GemmTiles(128, 64, 4, W), GemmTiles(128, 64, 4, W))]
+    else:
+        prefs = [(128, GemmTiles(n, 64, 4, G), GemmTiles(n2, 64, 4, G)) for n in (256, 192, 128)
+                 for n2 in (256, 192, 128)]
+        prefs += [(128, GemmTiles(128, 64, 3, W), GemmTiles(128, 64, 3, W))]
+    prefs += [(64, GemmTiles(128, 64, 4, W), GemmTiles(128, 64, 4, W)),
+              (64, GemmTiles(64, 64, 3, W), GemmTiles(64, 64, 3, W)),
+              (64, GemmTiles(64, 32, 3, W), GemmTiles(64, 32, 3, W))]
+    for m, g, d in prefs:
+        v = LayerVariant(m, g, d, cluster)
+        if can_implement(spec, v)[0]:
             return v
     raise ValueError(f"no default variant can implement {spec.workload_key} on {spec.target}")
 

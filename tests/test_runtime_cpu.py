@@ -123,3 +123,10 @@ def test_picks_for_other_gpu_warn_and_fall_back(small_db, tmp_path):
     with pytest.warns(RuntimeWarning, match="no tuned kernels for NVIDIA H200.*H100"):
         assert store.picks(spec, "NVIDIA H200") == {}
     assert store.picks(spec, "NVIDIA H100 80GB HBM3") == {16: v}
+
+
+def test_runtime_weight_layout_is_the_templates():
+    from moe_aot_templates.grouped_gemm import interleave_gate_up
+
+    g, u = torch.randn(2, 64, 16), torch.randn(2, 64, 16)
+    assert torch.equal(prepare_weights(g, u), interleave_gate_up(g, u, 16))

@@ -70,7 +70,7 @@ def test_can_implement_reasons():
     assert not ok and "shared memory" in why
     ok, why = can_implement(make_spec("gpt-oss-120b"), LayerVariant(64, GemmTiles(64, 64, 3), GemmTiles(256, 64, 3)))
     assert not ok and "2880" in why and "256" in why
-    ok, why = can_implement(SPEC, LayerVariant(64, GemmTiles(64, 64, 2)))
+    ok, why = can_implement(SPEC, LayerVariant(64, GemmTiles(64, 64, 9)))
     assert not ok and "stages" in why
     ok, why = can_implement(spark, LayerVariant(64, GemmTiles(64, 64, 3), GemmTiles(64, 64, 3), 16))
     assert not ok and "cluster" in why and "sm_121a" in why
@@ -89,3 +89,31 @@ def test_candidate_space_is_pruned_and_defaults_valid():
 def test_bucket_for_nearest_on_log_scale():
     assert bucket_for(1) == 1 and bucket_for(3) == 1 and bucket_for(5) == 16
     assert bucket_for(700) == 1024 and bucket_for(100000) == 16384
+
+
+def test_variant_checks_agree_with_the_template():
+    """variants.gemm_can_implement mirrors the template's own checks (the runtime cannot import
+    the template); this keeps the two from drifting, over every tile for both GEMMs of a layer."""
+    import itertools
+
+    from moe_aot.variants import STAGES, TILE_K, TILE_M, TILE_N, gemm_can_implement
+    from moe_aot_templates.grouped_gemm import GroupedDownGemm, GroupedGluGemm
+
+    disagree = []
+    for target in ("sm_90a", "sm_121a"):
+        spec = make_spec("gpt-oss-120b", target=target)
+        for m, n, k, st, mma in itertools.product(TILE_M, TILE_N, TILE_K, STAGES, ("warp", "wgmma")):
+            t = GemmTiles(n, k, st, mma)
+            mine = gemm_can_implement(spec.hidden, spec.intermediate, m, t, target)[0]
+            theirs = GroupedDownGemm.can_implement(spec.experts, spec.hidden, spec.intermediate, spec.top_k,
+                                                   tile_m=m, tile_n=n, tile_k=k, stages=st, mma=mma,
+                                                   arch=target)[0]
+            if mine != theirs:
+                disagree.append(("down", target, m, t))
+            mine = gemm_can_implement(2 * spec.intermediate, spec.hidden, m, t, target)[0] and n % 32 == 0
+            theirs = GroupedGluGemm.can_implement(spec.experts, spec.hidden, spec.intermediate, spec.top_k,
+                                                  tile_m=m, tile_n=n, tile_k=k, stages=st, mma=mma,
+                                                  arch=target)[0]
+            if mine != theirs:
+                disagree.append(("glu", target, m, t))
+    assert not disagree, disagree[:10]
