@@ -130,3 +130,31 @@ def test_runtime_weight_layout_is_the_templates():
 
     g, u = torch.randn(2, 64, 16), torch.randn(2, 64, 16)
     assert torch.equal(prepare_weights(g, u), interleave_gate_up(g, u, 16))
+
+
+@pytest.mark.parametrize("model", ["qwen3-30b-a3b", "mixtral-8x7b", "deepseek-v3"])
+def test_workspace_holds_every_tile_m(model):
+    from moe_aot.runtime.layer import Workspace
+    from moe_aot.variants import TILE_M
+
+    spec = make_spec(model)
+    for max_tokens in (1, 7, 300, 4096):
+        ws = Workspace.allocate(spec, max_tokens, "meta")
+        for m in TILE_M:
+            T = max_tiles(max_tokens, spec.top_k, spec.experts, m)
+            assert ws.sorted_ids.numel() >= T * m and ws.h.shape[0] >= T * m and ws.tile_expert.numel() >= T
+
+
+def test_forward_refuses_a_workspace_too_small(small_db):
+    from moe_aot.runtime.layer import Workspace
+
+    url, spec = small_db
+    layer = MoeLayer(spec, KernelStore(url), device=torch.device("cpu"), variants={})
+    M = 64
+    ws = Workspace.allocate(spec, 8, "cpu")
+    ws.max_tokens = M  # a workspace whose buffers do not match its claim
+    args = (torch.zeros(M, 256, dtype=torch.bfloat16), torch.zeros(8, 256, 256, dtype=torch.bfloat16),
+            torch.zeros(8, 256, 128, dtype=torch.bfloat16), torch.zeros(M, 2), torch.zeros(M, 2, dtype=torch.int32))
+    layer.kernels = lambda tokens: (default_variant(spec, tokens), None, None, None, None)
+    with pytest.raises(KernelArgumentError, match="workspace too small"):
+        layer.forward(*args, workspace=ws)

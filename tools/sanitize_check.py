@@ -21,7 +21,7 @@ spec = make_spec(sys.argv[1] if len(sys.argv) > 1 else "qwen3-30b-a3b")
 layer = MoeLayer(spec, KernelStore())
 w13, w2 = random_weights(spec, layer.device)
 worst = 0.0
-for M, case in ((1, "invalid"), (37, "invalid"), (300, "one_expert"), (1100, "invalid")):
+for M, case in ((1, "invalid"), (37, "invalid"), (300, "one_expert"), (1100, "invalid"), (4096, "invalid")):
     x = torch.randn(M, spec.hidden, device=layer.device, dtype=torch.bfloat16)
     tw, ids = random_routing(M, spec, layer.device)
     if case == "invalid":

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from ..spec import LayerSpec, make_spec
-from ..variants import INTERLEAVE, LayerVariant, bucket_for, default_variant
+from ..variants import INTERLEAVE, TILE_M, LayerVariant, bucket_for, default_variant
 from .library import KernelArgumentError, KernelLibrary
 from .reference import interleave_gate_up, max_tiles
 from .store import KernelStore
@@ -36,9 +36,11 @@ class Workspace:
     max_tokens: int
 
     @classmethod
-    def allocate(cls, spec: LayerSpec, max_tokens: int, device, min_tile_m: int = 64) -> "Workspace":
-        T = max_tiles(max_tokens, spec.top_k, spec.experts, min_tile_m)
-        R = T * min_tile_m
+    def allocate(cls, spec: LayerSpec, max_tokens: int, device) -> "Workspace":
+        # Padded rows grow with tile_m and tile counts shrink with it: size each buffer for the
+        # worst tile_m any variant may use.
+        R = max(max_tiles(max_tokens, spec.top_k, spec.experts, m) * m for m in TILE_M)
+        T = max(max_tiles(max_tokens, spec.top_k, spec.experts, m) for m in TILE_M)
         i32 = dict(dtype=torch.int32, device=device)
         bf = dict(dtype=torch.bfloat16, device=device)
         return cls(torch.empty(spec.experts, **i32), torch.empty(spec.experts + 1, **i32),
@@ -138,6 +140,12 @@ class MoeLayer:
         v, route, glu, down, comb = self.kernels(M)
         T = max_tiles(M, self.spec.top_k, self.spec.experts, v.tile_m)
         R = T * v.tile_m
+        # Slicing past the end would silently give shorter buffers and the kernels would run
+        # off them: refuse instead.
+        if ws.sorted_ids.numel() < R or ws.tile_expert.numel() < T or ws.h.shape[0] < R or \
+                ws.y.shape[0] < M * self.spec.top_k:
+            raise KernelArgumentError(f"workspace too small for {M} tokens with tile_m {v.tile_m}; "
+                                      "allocate it with Workspace.allocate(spec, max_tokens, device)")
         sorted_ids, tile_expert = ws.sorted_ids[:R], ws.tile_expert[:T]
         h, y = ws.h[:R], ws.y[: M * self.spec.top_k]
         key = (M, v.name(self.spec))
