@@ -390,6 +390,11 @@ def tune(db_url: str, specs, buckets, measurer, trials: int = 30, timeout_s: flo
 
 
 def _ask(slot: Slot) -> _Job | None:
+    if not slot.study.get_trials(deepcopy=False):
+        # The documented default is a new study's first trial: the tuned pick is measured against it.
+        from .variants import default_variant
+
+        slot.study.enqueue_trial(params_of(default_variant(slot.spec, slot.tokens)))
     trial = slot.study.ask()
     trial.set_user_attr("worker", worker_id())
     variant = suggest(trial, slot.space)
@@ -415,7 +420,13 @@ def _progress_line(db, job: _Job, out: Outcome, toolchain: str, gpu: str, done: 
 def propose(slot: Slot, exclude: set[str], rng: random.Random) -> LayerVariant | None:
     """A new variant for the slot's study from its sampler, without creating a trial there: the
     study's trials are replayed into an in-memory study (pending ones as RUNNING, which the
-    constant liar avoids), so a WAITING ready trial is never popped by the compiling side."""
+    constant liar avoids), so a WAITING ready trial is never popped by the compiling side.
+    The documented default goes first: every tuned pick is then measured against it."""
+    from .variants import default_variant
+
+    base = default_variant(slot.spec, slot.tokens)
+    if base.name(slot.spec) not in exclude:
+        return base
     tmp = optuna.create_study(direction="minimize", sampler=sampler(rng.randrange(2**31)))
     for t in slot.study.get_trials(deepcopy=False):
         params = t.params or t.system_attrs.get("fixed_params")
