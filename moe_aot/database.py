@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import zlib
 import math
 import os
 import re
@@ -166,6 +167,18 @@ def _utc(value: datetime) -> datetime:
 
 def _dumps(obj: dict | None) -> str:
     return json.dumps(obj or {}, sort_keys=True, separators=(",", ":"))
+
+
+def _pack(blob: bytes | None) -> bytes | None:
+    """Kernel libraries are mostly static cudart and compress ~3.5x: a database of many tuning
+    candidates then still travels to the GPU machine. The sha256 covers the raw bytes."""
+    return None if blob is None else zlib.compress(blob, 6)
+
+
+def _unpack(blob: bytes | None) -> bytes | None:
+    if blob is None or blob[:4] == b"\x7fELF":  # stored raw (older rows)
+        return blob
+    return zlib.decompress(blob)
 
 
 def _sha(blob: bytes | None) -> str | None:
@@ -409,7 +422,7 @@ class Database:
         if status == "failed" and (library is not None or cubin is not None or not error):
             raise ValueError(f"failed artifact {name!r} needs the compiler's error and no blobs")
         row = dict(name=name, toolchain=toolchain, workload=workload, role=role, target=target,
-                   status=status, library=library, cubin=cubin,
+                   status=status, library=_pack(library), cubin=_pack(cubin),
                    library_size=len(library) if library is not None else 0,
                    sha256=_sha(library), cubin_sha256=_sha(cubin), meta=_dumps(meta),
                    error=error, compile_s=compile_s, created_at=_now())
@@ -427,13 +440,18 @@ class Database:
             select(t).where(t.c.name == name, t.c.toolchain == toolchain)).mappings().first())
         if r is None:
             return None
-        if _sha(r["library"]) != r["sha256"] or _sha(r["cubin"]) != r["cubin_sha256"]:
+        try:
+            library, cubin = _unpack(r["library"]), _unpack(r["cubin"])
+        except zlib.error:
+            library = cubin = None
+        if library is None and r["library"] is not None or \
+                _sha(library) != r["sha256"] or _sha(cubin) != r["cubin_sha256"]:
             raise DatabaseError(f"artifact {name} (toolchain {toolchain}) in {self._where} is "
                                 "corrupt: its stored binary no longer matches its sha256; "
                                 "recompile it with `moe-aot compile ...` to replace it")
         return ArtifactRow(name=r["name"], workload=r["workload"], role=r["role"],
                            target=r["target"], toolchain=r["toolchain"], status=r["status"],
-                           library=r["library"], cubin=r["cubin"], meta=json.loads(r["meta"]),
+                           library=library, cubin=cubin, meta=json.loads(r["meta"]),
                            error=r["error"], compile_s=r["compile_s"], sha256=r["sha256"],
                            created_at=_utc(r["created_at"]))
 
