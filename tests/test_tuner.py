@@ -262,3 +262,22 @@ def test_cli_split_workflow_export_build_ls_report(runner, tmp_path):
                                "--out", str(tmp_path / "report")])
     assert res.exit_code == 0, res.output
     assert (tmp_path / "report" / f"{TINY.label()}_{GPU.replace(' ', '_')}.png").stat().st_size > 1000
+
+
+def test_mutate_changes_one_field_and_stays_valid():
+    import random as _random
+    from types import SimpleNamespace
+
+    from moe_aot.spec import make_spec
+    from moe_aot.tuner import mutate, params_of, search_space
+    from moe_aot.variants import can_implement, default_variant
+
+    spec = make_spec("qwen3-30b-a3b")
+    slot = SimpleNamespace(spec=spec, space=search_space(spec))
+    best = default_variant(spec, 64)
+    rng = _random.Random(0)
+    for _ in range(20):
+        v = mutate(best, slot, set(), rng)
+        assert v is not None and can_implement(spec, v)[0]
+        a, b = params_of(best), params_of(v)
+        assert sum(a[k] != b[k] for k in a) == 1
