@@ -100,10 +100,13 @@ class LayerVariant:
 SMEM_CAPACITY = {"sm_90a": 227 * 1024, "sm_100a": 227 * 1024, "sm_121a": 99 * 1024}
 
 
+WGMMA_MMAS = ("wgmma", "wgmmatma")  # wgmmatma: TMA for B, a producer warpgroup (+128 threads)
+
+
 def gemm_warps(tile_m: int, tile_n: int, mma: str) -> tuple[int, int]:
-    """The template's warp grid: wgmma, one warpgroup per 64 rows; mma.sync, 2 warps along M
-    (1 for tile_m 16) and 4 warps below 128x128 tiles, 8 from there."""
-    if mma == "wgmma":
+    """The template's warp grid of accumulator-holding warps: wgmma(tma), one warpgroup per 64
+    rows; mma.sync, 2 warps along M (1 for tile_m 16) and 4 warps below 128x128 tiles, 8 from there."""
+    if mma in WGMMA_MMAS:
         return max(tile_m // 16, 1), 1
     warps_m = 2 if tile_m >= 32 else 1
     warps = 4 if tile_m * tile_n < 128 * 128 else 8
@@ -116,15 +119,15 @@ def gemm_can_implement(n: int, k: int, tile_m: int, t: GemmTiles, target: str) -
         return False, f"{t.mma} MMA is not available on {target} (has {', '.join(TARGET_LIMITS[target]['mma'])})"
     wm, wn = gemm_warps(tile_m, t.tile_n, t.mma)
     threads = wm * wn * 32
-    if t.mma == "wgmma":
+    if t.mma in WGMMA_MMAS:
         if tile_m not in (64, 128):
-            return False, f"wgmma needs tile_m 64 or 128, got {tile_m}"
+            return False, f"{t.mma} needs tile_m 64 or 128, got {tile_m}"
         if t.tile_n % 32 or not 32 <= t.tile_n <= 256:
-            return False, f"wgmma needs tile_n a multiple of 32 in 32..256, got {t.tile_n}"
+            return False, f"{t.mma} needs tile_n a multiple of 32 in 32..256, got {t.tile_n}"
         if t.tile_k != 64:
-            return False, f"wgmma needs tile_k 64 (one 128-byte swizzle atom), got {t.tile_k}"
+            return False, f"{t.mma} needs tile_k 64 (one 128-byte swizzle atom), got {t.tile_k}"
         if t.stages < 3:
-            return False, f"wgmma needs at least 3 stages, got {t.stages}"
+            return False, f"{t.mma} needs at least 3 stages, got {t.stages}"
     if threads > 256:
         return False, f"{threads} threads: at most 8 warps"
     if t.tile_k not in (32, 64, 128):
@@ -135,7 +138,7 @@ def gemm_can_implement(n: int, k: int, tile_m: int, t: GemmTiles, target: str) -
         return False, f"N={n} is not a multiple of tile_n {t.tile_n}"
     if t.mma == "warp" and (tile_m % (16 * wm) or tile_m > 256 or t.tile_n % (16 * wn) or t.tile_n > 256):
         return False, f"tile {tile_m}x{t.tile_n} does not fit the {wm}x{wn} warp grid of m16n8k16 MMAs"
-    rows = threads // (t.tile_k // 8)
+    rows = (128 if t.mma == "wgmmatma" else threads) // (t.tile_k // 8)  # threads issuing A's cp.async
     if tile_m % rows or t.tile_n % rows:
         return False, f"tile {tile_m}x{t.tile_n} is not a multiple of the {rows} rows one cp.async pass covers"
     if tile_m * t.tile_n // threads > 128:
@@ -145,6 +148,8 @@ def gemm_can_implement(n: int, k: int, tile_m: int, t: GemmTiles, target: str) -
     if k // t.tile_k < t.stages - 1:
         return False, f"K={k} has {k // t.tile_k} k-tiles of {t.tile_k}, fewer than stages-1={t.stages - 1}"
     smem = max(t.stages * (tile_m + t.tile_n) * t.tile_k * 2, tile_m * (t.tile_n + 8) * 4) + 1024
+    if t.mma == "wgmmatma":
+        smem += 16 * t.stages  # a full and an empty mbarrier per stage
     if smem > SMEM_CAPACITY[target]:
         return False, f"needs {smem} B of shared memory, {target} allows {SMEM_CAPACITY[target]}"
     return True, "ok"

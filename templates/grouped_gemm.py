@@ -12,12 +12,14 @@ Both read the routing layout built by the router: ``sorted_ids[r]`` is the route
 ``p = token * top_k + k`` of padded row ``r`` (or -1) and ``tile_expert[t]`` is the expert of
 M-tile ``t`` (or -1: the CTA exits).
 
-Two mainloops, chosen by ``mma``: "warp" (cp.async multi-stage pipeline, ldmatrix, mma.sync
+Three mainloops, chosen by ``mma``: "warp" (cp.async multi-stage pipeline, ldmatrix, mma.sync
 m16n8k16), which compiles unchanged for sm_80, sm_90a and sm_121a (DGX Spark has no wgmma),
-and "wgmma" (sm_90a only: cp.async into the 128-byte-swizzled K-major layouts, A and B read
-by wgmma from shared memory, one warpgroup per 64 rows). A is always loaded with per-row
-cp.async, which is what makes the token gather free: each thread keeps the source row of
-each A row it copies in a register for the whole K loop.
+"wgmma" (sm_90a only: cp.async into the 128-byte-swizzled K-major layouts, A and B read
+by wgmma from shared memory, one warpgroup per 64 rows), and "wgmmatma" (sm_90a only,
+warp-specialized: a producer warpgroup loads B by TMA and A by cp.async into an mbarrier
+pipeline while one consumer warpgroup per 64 rows runs wgmma without CTA-wide syncs).
+A is always loaded with per-row cp.async, which is what makes the token gather free: each
+thread keeps the source row of each A row it copies in a register for the whole K loop.
 """
 
 import math
@@ -26,7 +28,7 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import BFloat16, Float32, Int32, const_expr
+from cutlass import BFloat16, Float32, Int32, Int64, const_expr
 from cutlass.utils import LayoutEnum
 
 # Opt-in shared memory per block, by target (bytes); what can_implement checks against.
@@ -35,6 +37,12 @@ SMEM_CAPACITY = {"sm_80": 163 * 1024, "sm_90a": 227 * 1024, "sm_100a": 227 * 102
 _MMA_SHAPE = (16, 8, 16)
 _COPY_ELEMS = 8  # bf16 elements in one 16-byte cp.async / store
 RASTER_GROUP = 8  # M tiles walked per N tile by consecutive CTAs (L2 reuse of weight tiles)
+MMAS = ("warp", "wgmma", "wgmmatma")
+_WGMMA = ("wgmma", "wgmmatma")
+_LOAD_THREADS = 128  # wgmmatma: the producer warpgroup
+# wgmmatma with two consumer warpgroups (384 threads, 168 registers each at entry): the producer
+# gives registers back to the consumers' 128 fp32 accumulators (40*128 + 232*256 <= 64K)
+_REGS_LOAD, _REGS_MMA = 40, 232
 
 
 def interleave_gate_up(w_gate, w_up, interleave: int = 16):
@@ -66,9 +74,13 @@ class _GroupedGemmBase:
         self.tile_m, self.tile_n, self.tile_k = tile_m, tile_n, tile_k
         self.stages, self.mma = stages, mma
         self.warps_m, self.warps_n = warps_m, warps_n
-        self.threads = warps_m * warps_n * 32
+        self.mma_threads = warps_m * warps_n * 32  # threads holding accumulators (epilogue too)
+        tma = mma == "wgmmatma"
+        self.load_threads = _LOAD_THREADS if tma else self.mma_threads  # threads issuing cp.async of A
+        self.threads = self.mma_threads + (_LOAD_THREADS if tma else 0)
         # wgmma pipeline: k-tiles loaded ahead of the one being multiplied. One stage more is
-        # held by the wgmma still in flight, one by the tile being read.
+        # held by the wgmma still in flight, one by the tile being read. wgmmatma: how many
+        # k-tiles of A cp.async the producer keeps in flight before it signals the oldest.
         self.prefetch = stages - 2
         self.out_cols = tile_n // 2 if self.glu else tile_n
         # fp32 staging rows padded by 8 floats: the MMA's accumulator stores then hit
@@ -80,9 +92,9 @@ class _GroupedGemmBase:
     def default_warps(tile_m, tile_n, warps_m=None, warps_n=None, mma="warp"):
         """Warp grid. mma.sync: 2 warps along M (1 for tile_m 16); 4 warps for tiles smaller
         than 128x128, 8 from there (a 128x128 tile on 4 warps spills on sm_121a), so a warp
-        owns at most 64x64 accumulators up to 128x256. wgmma: one warpgroup (4 warps along M)
-        per 64 rows of the tile."""
-        if mma == "wgmma":
+        owns at most 64x64 accumulators up to 128x256. wgmma and wgmmatma: one warpgroup (4
+        warps along M) per 64 rows of the tile (wgmmatma adds a producer warpgroup)."""
+        if mma in _WGMMA:
             return max(tile_m // 16, 1), 1
         if warps_m is None:
             warps_m = 2 if tile_m >= 32 else 1
@@ -93,18 +105,19 @@ class _GroupedGemmBase:
 
     @staticmethod
     def _check_tiles(n, k, tile_m, tile_n, tile_k, stages, mma, warps_m, warps_n):
-        if mma not in ("warp", "wgmma"):
-            return False, f"mma {mma!r} must be 'warp' (mma.sync) or 'wgmma' (sm_90a only)"
+        if mma not in MMAS:
+            return False, (f"mma {mma!r} must be 'warp' (mma.sync), 'wgmma' or 'wgmmatma' "
+                           f"(both sm_90a only)")
         threads = warps_m * warps_n * 32
-        if mma == "wgmma":
+        if mma in _WGMMA:
             if tile_m not in (64, 128):
-                return False, f"wgmma: tile_m {tile_m} must be 64 or 128 (one warpgroup per 64 rows)"
+                return False, f"{mma}: tile_m {tile_m} must be 64 or 128 (one warpgroup per 64 rows)"
             if tile_n % 32 or not 32 <= tile_n <= 256:
-                return False, f"wgmma: tile_n {tile_n} must be a multiple of 32 in 32..256"
+                return False, f"{mma}: tile_n {tile_n} must be a multiple of 32 in 32..256"
             if tile_k != 64:
-                return False, f"wgmma: tile_k {tile_k} must be 64 (one 128-byte swizzle atom)"
+                return False, f"{mma}: tile_k {tile_k} must be 64 (one 128-byte swizzle atom)"
             if stages < 3:
-                return False, f"wgmma: stages {stages} must be >= 3"
+                return False, f"{mma}: stages {stages} must be >= 3"
             warps_m, warps_n = tile_m // 16, 1  # for the mma.sync-only checks below
         if warps_m < 1 or warps_n < 1 or threads > 256:
             return False, f"warps {warps_m}x{warps_n}: need 1..8 warps"
@@ -118,10 +131,11 @@ class _GroupedGemmBase:
             return False, f"tile_m {tile_m} must be a multiple of 16*warps_m={16 * warps_m} and <= 256"
         if mma == "warp" and (tile_n % (16 * warps_n) or tile_n > 256):
             return False, f"tile_n {tile_n} must be a multiple of 16*warps_n={16 * warps_n} and <= 256"
-        rows_per_pass = threads // (tile_k // _COPY_ELEMS)
+        load_threads = _LOAD_THREADS if mma == "wgmmatma" else threads
+        rows_per_pass = load_threads // (tile_k // _COPY_ELEMS)
         if tile_m % rows_per_pass or tile_n % rows_per_pass:
             return False, (f"tile_m {tile_m} and tile_n {tile_n} must be multiples of the "
-                           f"{rows_per_pass} rows one cp.async pass of {threads} threads covers")
+                           f"{rows_per_pass} rows one cp.async pass of {load_threads} threads covers")
         if tile_m * tile_n // threads > 128:
             return False, (f"{tile_m}x{tile_n} tile on {threads} threads needs "
                            f"{tile_m * tile_n // threads} fp32 accumulator registers per thread (max 128)")
@@ -132,11 +146,13 @@ class _GroupedGemmBase:
         return True, ""
 
     @staticmethod
-    def smem_bytes(tile_m, tile_n, tile_k, stages) -> int:
-        """Dynamic shared memory of one CTA: the A/B pipeline, reused for the fp32 staging."""
+    def smem_bytes(tile_m, tile_n, tile_k, stages, mma="warp") -> int:
+        """Dynamic shared memory of one CTA: the A/B pipeline, reused for the fp32 staging
+        (wgmmatma: and a full and an empty mbarrier per stage)."""
         ab = stages * (tile_m + tile_n) * tile_k * 2
         c = tile_m * (tile_n + 8) * 4
-        return max(ab, c) + 1024  # + the allocator's alignment slack
+        bars = 16 * stages if mma == "wgmmatma" else 0
+        return max(ab, c) + 1024 + bars  # + the allocator's alignment slack
 
     @classmethod
     def _check_all(cls, n, k, tile_m, tile_n, tile_k, stages, mma, warps_m, warps_n, arch):
@@ -144,12 +160,12 @@ class _GroupedGemmBase:
         ok, reason = cls._check_tiles(n, k, tile_m, tile_n, tile_k, stages, mma, warps_m, warps_n)
         if not ok or arch is None:
             return ok, reason
-        if mma == "wgmma" and arch != "sm_90a":
-            return False, f"wgmma exists only on sm_90a, not {arch}"
+        if mma in _WGMMA and arch != "sm_90a":
+            return False, f"{mma}: wgmma exists only on sm_90a, not {arch}"
         cap = SMEM_CAPACITY.get(arch)
         if cap is None:
             return False, f"arch {arch} not supported (one of {sorted(SMEM_CAPACITY)})"
-        need = cls.smem_bytes(tile_m, tile_n, tile_k, stages)
+        need = cls.smem_bytes(tile_m, tile_n, tile_k, stages, mma)
         if need > cap:
             return False, f"needs {need} B of shared memory per block, {arch} allows {cap}"
         return True, ""
@@ -166,7 +182,7 @@ class _GroupedGemmBase:
         return layout, swizzle
 
     def _make_tiled_mma(self):
-        if const_expr(self.mma == "wgmma"):
+        if const_expr(self.mma in _WGMMA):
             k_major = LayoutEnum.ROW_MAJOR.sm90_mma_major_mode()
             return sm90_utils.make_trivial_tiled_mma(
                 BFloat16, BFloat16, k_major, k_major, Float32, (self.tile_m // 64, 1, 1),
@@ -184,7 +200,7 @@ class _GroupedGemmBase:
             cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.LoadCacheMode.GLOBAL),
             BFloat16, num_bits_per_copy=128)
         tpr = self.tile_k // _COPY_ELEMS
-        thr = cute.make_layout((self.threads // tpr, tpr), stride=(tpr, 1))
+        thr = cute.make_layout((self.load_threads // tpr, tpr), stride=(tpr, 1))
         return cute.make_tiled_copy_tv(atom, thr, cute.make_layout((1, _COPY_ELEMS)))
 
     # ------------------------------------------------------------------ device helpers
@@ -196,7 +212,7 @@ class _GroupedGemmBase:
         b_bytes = self.stages * self.tile_n * self.tile_k * 2
         c_bytes = self.tile_m * self.c_row_stride * 4
         base = smem.allocate(max(a_bytes + b_bytes, c_bytes), byte_alignment=1024)
-        if const_expr(self.mma == "wgmma"):
+        if const_expr(self.mma in _WGMMA):
             # the canonical wgmma K-major 128-byte-swizzled layouts, swizzle moved to the pointer
             tile = (self.tile_m, self.tile_n, self.tile_k)
             sA_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, tile, BFloat16, self.stages)
@@ -348,6 +364,144 @@ class _GroupedGemmBase:
         cute.arch.cp_async_wait_group(0)
         cute.arch.sync_threads()
 
+    # ------------------------------------------------------------------ wgmmatma (warp-specialized)
+    @cute.jit
+    def _make_tma_b(self, mW):
+        """TMA atom over all experts' weights seen as one [E*N, K] matrix: expert e's N-tile j
+        is row tile e*(N/tile_n)+j. The host launcher encodes the descriptor."""
+        flat = cute.make_tensor(mW.iterator, cute.make_layout(
+            (self.num_experts * self.n, self.k), stride=(self.k, 1)))
+        sB_layout = sm90_utils.make_smem_layout_b(
+            LayoutEnum.ROW_MAJOR, (self.tile_m, self.tile_n, self.tile_k), BFloat16, self.stages)
+        return cute.nvgpu.cpasync.make_tiled_tma_atom(
+            cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), flat,
+            cute.slice_(sB_layout, (None, None, 0)), (self.tile_n, self.tile_k))
+
+    @cute.jit
+    def _sync_mma(self):
+        """Barrier of the accumulator-holding threads (all threads unless warp-specialized)."""
+        if const_expr(self.mma == "wgmmatma"):
+            cute.arch.barrier(barrier_id=1, number_of_threads=self.mma_threads)
+        else:
+            cute.arch.sync_threads()
+
+    @cute.jit
+    def _init_barriers(self, tidx):
+        """full[s] (bars + s): the TMA bytes of B plus one arrival per producer thread once its
+        A copies of the stage landed; empty[s] (bars + stages + s): one arrival per consumer warp."""
+        bars = cutlass.memory.SmemAllocator().allocate_array(Int64, 2 * self.stages, byte_alignment=8)
+        if tidx == 0:
+            for s in cutlass.range_constexpr(self.stages):
+                cute.arch.mbarrier_init(bars + s, self.load_threads + 1)
+                cute.arch.mbarrier_init(bars + self.stages + s, self.mma_threads // 32)
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+        return bars
+
+    @cute.jit
+    def _set_regs(self, producer: bool):
+        if const_expr(self.threads == 384):
+            if const_expr(producer):
+                cute.arch.setmaxregister_decrease(_REGS_LOAD)
+            else:
+                cute.arch.setmaxregister_increase(_REGS_MMA)
+
+    @cute.jit
+    def _a_partitions(self, tidx, sA, a_rows):
+        """cp.async partition of A for this producer thread; padding rows zero-filled."""
+        tiled_copy = self._make_g2s_copy()
+        thr_copy = tiled_copy.get_slice(tidx)
+        tAsA = thr_copy.partition_D(sA)  # (CPY, CPY_M, CPY_K, PIPE)
+        tAcA = thr_copy.partition_S(cute.make_identity_tensor((self.tile_m, self.tile_k)))
+        for m in cutlass.range_constexpr(cute.size(tAsA, mode=[1])):
+            if a_rows[m] < 0:
+                for s in cutlass.range_constexpr(self.stages):
+                    tAsA[None, m, None, s].fill(0)
+        return tiled_copy, tAsA, tAcA
+
+    @cute.jit
+    def _load_a(self, kt, stage, tiled_copy, mA, a_rows, tAsA, tAcA):
+        for m in cutlass.range_constexpr(cute.size(tAsA, mode=[1])):
+            row = a_rows[m]
+            if row >= 0:
+                src_row = cute.tiled_divide(
+                    cute.append_ones(self._row(mA, row, self.k), up_to_rank=2), (_COPY_ELEMS, 1))
+                for kk in cutlass.range_constexpr(cute.size(tAsA, mode=[2])):
+                    chunk = kt * (self.tile_k // _COPY_ELEMS) + tAcA[0, 0, kk][1] // _COPY_ELEMS
+                    cute.copy(tiled_copy, src_row[None, chunk, 0], tAsA[None, m, kk, stage])
+
+    @cute.jit
+    def _produce(self, tidx, mA, a_rows, sA, tma_b, mWt, expert, bn, sB, bars):
+        """Producer warpgroup: per k-tile, wait until the consumers freed the stage, start the
+        TMA of B (thread 0) and every thread's cp.async of A. A thread signals a stage's A only
+        after cp.async.wait_group and a proxy fence (wgmma reads through the async proxy), so
+        it keeps ``prefetch`` newer k-tiles in flight while it waits for the oldest."""
+        tiled_copy, tAsA, tAcA = self._a_partitions(tidx, sA, a_rows)
+        gB = cute.local_tile(mWt, (self.tile_n, self.tile_k),
+                             (expert * (self.n // self.tile_n) + bn, None))
+        tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
+            tma_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2))
+        if tidx == 0:
+            cute.nvgpu.cpasync.prefetch_descriptor(tma_b)
+        k_tiles = self.k // self.tile_k
+        lag = self.prefetch
+        stage = Int32(0)
+        phase = Int32(1)  # a fresh barrier counts as having completed the phase before phase 0
+        for kt in range(k_tiles):
+            cute.arch.mbarrier_wait(bars + self.stages + stage, phase)
+            if tidx == 0:
+                cute.arch.mbarrier_arrive_and_expect_tx(bars + stage, self.tile_n * self.tile_k * 2)
+                cute.copy(tma_b, tBgB[None, kt], tBsB[None, stage], tma_bar_ptr=bars + stage)
+            self._load_a(kt, stage, tiled_copy, mA, a_rows, tAsA, tAcA)
+            cute.arch.cp_async_commit_group()
+            if kt >= lag:
+                cute.arch.cp_async_wait_group(lag)
+                cute.arch.fence_proxy("async.shared", space="cta")
+                cute.arch.mbarrier_arrive(bars + (kt - lag) % self.stages)
+            stage = stage + 1
+            if stage == self.stages:
+                stage = Int32(0)
+                phase = phase ^ 1
+        cute.arch.cp_async_wait_group(0)
+        cute.arch.fence_proxy("async.shared", space="cta")
+        for j in cutlass.range_constexpr(lag):
+            cute.arch.mbarrier_arrive(bars + (k_tiles - lag + j) % self.stages)
+
+    @cute.jit
+    def _consume(self, ctid, sA, sB, tiled_mma, acc, bars):
+        """Consumer warpgroups: wgmma on each full stage, one batch in flight; a stage is handed
+        back once the batch that read it has retired."""
+        warp_group = cute.arch.make_warp_uniform(ctid // 128)
+        thr_mma = tiled_mma.get_slice(warp_group * 128)
+        tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
+        tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
+        num_kb = cute.size(tCrA, mode=[2])
+        tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)  # acc starts at zero
+        lane = cute.arch.lane_idx()
+        k_tiles = self.k // self.tile_k
+        stage = Int32(0)
+        phase = Int32(0)
+        prev = Int32(0)
+        for kt in range(k_tiles):
+            cute.arch.mbarrier_wait(bars + stage, phase)
+            cute.nvgpu.warpgroup.fence()
+            for kb in cutlass.range_constexpr(num_kb):
+                cute.gemm(tiled_mma, acc, tCrA[None, None, kb, stage], tCrB[None, None, kb, stage], acc)
+            cute.nvgpu.warpgroup.commit_group()
+            cute.nvgpu.warpgroup.wait_group(1)
+            if kt > 0:
+                if lane == 0:
+                    cute.arch.mbarrier_arrive(bars + self.stages + prev)
+            prev = stage
+            stage = stage + 1
+            if stage == self.stages:
+                stage = Int32(0)
+                phase = phase ^ 1
+        cute.nvgpu.warpgroup.wait_group(0)
+        # both consumer warpgroups are done reading A/B before the fp32 staging overwrites them;
+        # every producer write has landed (each stage was waited for as full)
+        self._sync_mma()
+
     @cute.jit
     def _row(self, mT, row, ncols: int):
         """Row ``row`` of a row-major [rows, ncols] tensor, addressed in 64 bits: plain
@@ -376,13 +530,13 @@ class _GroupedGemmBase:
         sC = cute.make_tensor(sC_ptr, layout)
         tCsC = tiled_mma.get_slice(tidx).partition_C(sC)
         cute.autovec_copy(acc, tCsC)
-        cute.arch.sync_threads()
+        self._sync_mma()
         return cute.make_tensor(
             sC_ptr, cute.make_layout((self.tile_m, self.tile_n), stride=(self.c_row_stride, 1)))
 
     def _epilogue_thread_layout(self):
         tpr = self.out_cols // _COPY_ELEMS
-        rows_per_pass = self.threads // tpr
+        rows_per_pass = self.mma_threads // tpr
         return tpr, rows_per_pass, (self.tile_m + rows_per_pass - 1) // rows_per_pass
 
     @cute.jit
@@ -429,6 +583,8 @@ class GroupedGluGemm(_GroupedGemmBase):
         <= 256, 1..8 warps, at most 128 fp32 accumulators per thread.
       * mma="wgmma" (sm_90a only): tile_m in {64, 128} (one warpgroup per 64 rows), tile_n a
         multiple of 32 up to 256, tile_k == 64, 3 <= stages <= 8.
+      * mma="wgmmatma" (sm_90a only): as "wgmma", plus a 128-thread producer warpgroup (A's
+        cp.async pass covers 16 rows) and 16 bytes of mbarriers per stage in shared memory.
     """
 
     glu = True
@@ -486,8 +642,13 @@ class GroupedGluGemm(_GroupedGemmBase):
     def __call__(self, x: cute.Tensor, w13: cute.Tensor, sorted_ids: cute.Tensor,
                  tile_expert: cute.Tensor, h: cute.Tensor, stream: cuda.CUstream):
         grid, block = self._launch_common(self.n // self.tile_n, tile_expert)
-        self.kernel(x, w13, sorted_ids, tile_expert, h).launch(grid=grid, block=block,
-                                                               stream=stream)
+        if const_expr(self.mma == "wgmmatma"):
+            tma_b, mWt = self._make_tma_b(w13)
+            self.kernel_tma(tma_b, mWt, x, sorted_ids, tile_expert, h).launch(
+                grid=grid, block=block, stream=stream)
+        else:
+            self.kernel(x, w13, sorted_ids, tile_expert, h).launch(grid=grid, block=block,
+                                                                   stream=stream)
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mW: cute.Tensor, mIds: cute.Tensor,
@@ -499,34 +660,69 @@ class GroupedGluGemm(_GroupedGemmBase):
             tiled_mma = self._make_tiled_mma()
             sA, sB, sC_ptr = self._smem_tensors()
             row0 = bt * self.tile_m
-            # token row of x for each A row this thread copies (-1: padding, zero-filled)
-            thr_copy = self._make_g2s_copy().get_slice(tidx)
-            tAcA = thr_copy.partition_S(cute.make_identity_tensor((self.tile_m, self.tile_k)))
-            cpy_m = cute.size(tAcA, mode=[1])
-            a_rows = cute.make_rmem_tensor(cute.make_layout(cpy_m), Int32)
-            for m in cutlass.range_constexpr(cpy_m):
-                # p >= -1, so this is p // top_k for a routed pair and -1 for padding
-                p = mIds[row0 + tAcA[0, m, 0][0]]
-                a_rows[m] = (p + self.top_k) // self.top_k - 1
-
+            a_rows = self._a_rows(tidx, mIds, row0)
             acc = tiled_mma.make_fragment_C(tiled_mma.get_slice(tidx).partition_C(
                 cute.make_identity_tensor((self.tile_m, self.tile_n))).shape)
             acc.fill(0.0)
             self._mainloop(tidx, mX, a_rows, sA, self._expert_weights(mW, expert), bn, sB, tiled_mma, acc)
             sC = self._stage_acc(tidx, tiled_mma, acc, sC_ptr)
+            self._epilogue(tidx, sC, mH, row0, bn)
 
-            tpr, rows_per_pass, passes = self._epilogue_thread_layout()
-            half = self.tile_n // 2
-            c8 = tidx % tpr
-            for it in cutlass.range_constexpr(passes):
-                row = it * rows_per_pass + tidx // tpr
-                if const_expr(self.tile_m % rows_per_pass == 0) or row < self.tile_m:
-                    g = cute.local_tile(sC, (1, _COPY_ELEMS), (row, c8)).load()
-                    u = cute.local_tile(sC, (1, _COPY_ELEMS), (row, c8 + half // _COPY_ELEMS)).load()
-                    out = self._act(g) * u
-                    dst = cute.local_tile(self._row(mH, row0 + row, self.intermediate),
-                                          (_COPY_ELEMS,), (bn * (half // _COPY_ELEMS) + c8,))
-                    dst.store(out.to(BFloat16))
+    @cute.kernel
+    def kernel_tma(self, tma_b: cute.CopyAtom, mWt: cute.Tensor, mX: cute.Tensor,
+                   mIds: cute.Tensor, mTileExpert: cute.Tensor, mH: cute.Tensor):
+        """mma="wgmmatma": warpgroup 0 loads, the others multiply and run the epilogue."""
+        tidx, _, _ = cute.arch.thread_idx()
+        bn, bt = self._tile_coords(cute.size(mTileExpert, mode=[0]))
+        expert = mTileExpert[bt]
+        if expert >= 0:
+            tiled_mma = self._make_tiled_mma()
+            sA, sB, sC_ptr = self._smem_tensors()
+            bars = self._init_barriers(tidx)
+            row0 = bt * self.tile_m
+            if cute.arch.make_warp_uniform(tidx // 128) == 0:
+                self._set_regs(True)
+                a_rows = self._a_rows(tidx, mIds, row0)
+                self._produce(tidx, mX, a_rows, sA, tma_b, mWt, expert, bn, sB, bars)
+            else:
+                self._set_regs(False)
+                ctid = tidx - _LOAD_THREADS
+                acc = tiled_mma.make_fragment_C(tiled_mma.get_slice(ctid).partition_C(
+                    cute.make_identity_tensor((self.tile_m, self.tile_n))).shape)
+                acc.fill(0.0)
+                self._consume(ctid, sA, sB, tiled_mma, acc, bars)
+                sC = self._stage_acc(ctid, tiled_mma, acc, sC_ptr)
+                self._epilogue(ctid, sC, mH, row0, bn)
+
+    @cute.jit
+    def _a_rows(self, tidx, mIds, row0):
+        """Token row of x for each A row this thread copies (-1: padding, zero-filled)."""
+        thr_copy = self._make_g2s_copy().get_slice(tidx)
+        tAcA = thr_copy.partition_S(cute.make_identity_tensor((self.tile_m, self.tile_k)))
+        cpy_m = cute.size(tAcA, mode=[1])
+        a_rows = cute.make_rmem_tensor(cute.make_layout(cpy_m), Int32)
+        for m in cutlass.range_constexpr(cpy_m):
+            # p >= -1, so this is p // top_k for a routed pair and -1 for padding
+            p = mIds[row0 + tAcA[0, m, 0][0]]
+            a_rows[m] = (p + self.top_k) // self.top_k - 1
+        return a_rows
+
+    @cute.jit
+    def _epilogue(self, etid, sC, mH, row0, bn):
+        """h rows of the tile from the staged fp32 gate/up columns; ``etid`` indexes the
+        accumulator-holding threads."""
+        tpr, rows_per_pass, passes = self._epilogue_thread_layout()
+        half = self.tile_n // 2
+        c8 = etid % tpr
+        for it in cutlass.range_constexpr(passes):
+            row = it * rows_per_pass + etid // tpr
+            if const_expr(self.tile_m % rows_per_pass == 0) or row < self.tile_m:
+                g = cute.local_tile(sC, (1, _COPY_ELEMS), (row, c8)).load()
+                u = cute.local_tile(sC, (1, _COPY_ELEMS), (row, c8 + half // _COPY_ELEMS)).load()
+                out = self._act(g) * u
+                dst = cute.local_tile(self._row(mH, row0 + row, self.intermediate),
+                                      (_COPY_ELEMS,), (bn * (half // _COPY_ELEMS) + c8,))
+                dst.store(out.to(BFloat16))
 
     @cute.jit
     def _act(self, g):
@@ -598,8 +794,13 @@ class GroupedDownGemm(_GroupedGemmBase):
                  tile_expert: cute.Tensor, topk_weights: cute.Tensor, y: cute.Tensor,
                  stream: cuda.CUstream):
         grid, block = self._launch_common(self.n // self.tile_n, tile_expert)
-        self.kernel(h, w2, sorted_ids, tile_expert, topk_weights, y).launch(
-            grid=grid, block=block, stream=stream)
+        if const_expr(self.mma == "wgmmatma"):
+            tma_b, mWt = self._make_tma_b(w2)
+            self.kernel_tma(tma_b, mWt, h, sorted_ids, tile_expert, topk_weights, y).launch(
+                grid=grid, block=block, stream=stream)
+        else:
+            self.kernel(h, w2, sorted_ids, tile_expert, topk_weights, y).launch(
+                grid=grid, block=block, stream=stream)
 
     @cute.kernel
     def kernel(self, mH: cute.Tensor, mW: cute.Tensor, mIds: cute.Tensor,
@@ -611,29 +812,65 @@ class GroupedDownGemm(_GroupedGemmBase):
             tiled_mma = self._make_tiled_mma()
             sA, sB, sC_ptr = self._smem_tensors()
             row0 = bt * self.tile_m
-            thr_copy = self._make_g2s_copy().get_slice(tidx)
-            tAcA = thr_copy.partition_S(cute.make_identity_tensor((self.tile_m, self.tile_k)))
-            cpy_m = cute.size(tAcA, mode=[1])
-            a_rows = cute.make_rmem_tensor(cute.make_layout(cpy_m), Int32)
-            for m in cutlass.range_constexpr(cpy_m):
-                # h is in padded order: every row exists (padding rows are zeros)
-                a_rows[m] = row0 + tAcA[0, m, 0][0]
-
+            a_rows = self._a_rows(tidx, mIds, row0)
             acc = tiled_mma.make_fragment_C(tiled_mma.get_slice(tidx).partition_C(
                 cute.make_identity_tensor((self.tile_m, self.tile_n))).shape)
             acc.fill(0.0)
             self._mainloop(tidx, mH, a_rows, sA, self._expert_weights(mW, expert), bn, sB, tiled_mma, acc)
             sC = self._stage_acc(tidx, tiled_mma, acc, sC_ptr)
+            self._epilogue(tidx, sC, mIds, mTopkW, mY, row0, bn)
 
-            tpr, rows_per_pass, passes = self._epilogue_thread_layout()
-            c8 = tidx % tpr
-            for it in cutlass.range_constexpr(passes):
-                row = it * rows_per_pass + tidx // tpr
-                if const_expr(self.tile_m % rows_per_pass == 0) or row < self.tile_m:
-                    p = mIds[row0 + row]
-                    if p >= 0:
-                        scale = mTopkW[p // self.top_k, p % self.top_k]
-                        v = cute.local_tile(sC, (1, _COPY_ELEMS), (row, c8)).load() * scale
-                        dst = cute.local_tile(self._row(mY, p, self.hidden), (_COPY_ELEMS,),
-                                              (bn * (self.tile_n // _COPY_ELEMS) + c8,))
-                        dst.store(v.to(BFloat16))
+    @cute.kernel
+    def kernel_tma(self, tma_b: cute.CopyAtom, mWt: cute.Tensor, mH: cute.Tensor,
+                   mIds: cute.Tensor, mTileExpert: cute.Tensor, mTopkW: cute.Tensor,
+                   mY: cute.Tensor):
+        """mma="wgmmatma": warpgroup 0 loads, the others multiply and run the epilogue."""
+        tidx, _, _ = cute.arch.thread_idx()
+        bn, bt = self._tile_coords(cute.size(mTileExpert, mode=[0]))
+        expert = mTileExpert[bt]
+        if expert >= 0:
+            tiled_mma = self._make_tiled_mma()
+            sA, sB, sC_ptr = self._smem_tensors()
+            bars = self._init_barriers(tidx)
+            row0 = bt * self.tile_m
+            if cute.arch.make_warp_uniform(tidx // 128) == 0:
+                self._set_regs(True)
+                a_rows = self._a_rows(tidx, mIds, row0)
+                self._produce(tidx, mH, a_rows, sA, tma_b, mWt, expert, bn, sB, bars)
+            else:
+                self._set_regs(False)
+                ctid = tidx - _LOAD_THREADS
+                acc = tiled_mma.make_fragment_C(tiled_mma.get_slice(ctid).partition_C(
+                    cute.make_identity_tensor((self.tile_m, self.tile_n))).shape)
+                acc.fill(0.0)
+                self._consume(ctid, sA, sB, tiled_mma, acc, bars)
+                sC = self._stage_acc(ctid, tiled_mma, acc, sC_ptr)
+                self._epilogue(ctid, sC, mIds, mTopkW, mY, row0, bn)
+
+    @cute.jit
+    def _a_rows(self, tidx, mIds, row0):
+        """Row of h for each A row this thread copies: h is in padded order, so every row
+        exists (padding rows are zeros)."""
+        thr_copy = self._make_g2s_copy().get_slice(tidx)
+        tAcA = thr_copy.partition_S(cute.make_identity_tensor((self.tile_m, self.tile_k)))
+        cpy_m = cute.size(tAcA, mode=[1])
+        a_rows = cute.make_rmem_tensor(cute.make_layout(cpy_m), Int32)
+        for m in cutlass.range_constexpr(cpy_m):
+            a_rows[m] = row0 + tAcA[0, m, 0][0]
+        return a_rows
+
+    @cute.jit
+    def _epilogue(self, etid, sC, mIds, mTopkW, mY, row0, bn):
+        """Scaled rows of the tile scattered to y; ``etid`` indexes the accumulator-holding threads."""
+        tpr, rows_per_pass, passes = self._epilogue_thread_layout()
+        c8 = etid % tpr
+        for it in cutlass.range_constexpr(passes):
+            row = it * rows_per_pass + etid // tpr
+            if const_expr(self.tile_m % rows_per_pass == 0) or row < self.tile_m:
+                p = mIds[row0 + row]
+                if p >= 0:
+                    scale = mTopkW[p // self.top_k, p % self.top_k]
+                    v = cute.local_tile(sC, (1, _COPY_ELEMS), (row, c8)).load() * scale
+                    dst = cute.local_tile(self._row(mY, p, self.hidden), (_COPY_ELEMS,),
+                                          (bn * (self.tile_n // _COPY_ELEMS) + c8,))
+                    dst.store(v.to(BFloat16))

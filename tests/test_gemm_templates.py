@@ -97,3 +97,21 @@ def test_wgmma_compiles_for_sm90a_only():
     assert not ok and "tile_k" in reason
     ok, reason = GroupedDownGemm.can_implement(**QWEN3_30B, tile_m=16, mma="wgmma")
     assert not ok and "tile_m" in reason
+
+
+@pytest.mark.parametrize("cls, tile_m, stages", [(GroupedGluGemm, 128, 4), (GroupedDownGemm, 64, 5)])
+def test_wgmmatma_compiles_for_sm90a_only(cls, tile_m, stages, tmp_path):
+    """The warp-specialized TMA mainloop: a producer warpgroup plus one per 64 rows; the TMA
+    descriptor of B is built by the host launcher, so the kernel takes the same tensors."""
+    obj = cls(**QWEN3_30B, tile_m=tile_m, tile_n=128, tile_k=64, stages=stages, mma="wgmmatma")
+    assert obj.threads == 128 + 2 * tile_m and obj.mma_threads == 2 * tile_m
+    compiled = cute.compile(obj, *[f for _, f in obj.fake_arguments()],
+                            options=f"--gpu-arch sm_90a --keep-ptx --dump-dir {tmp_path}")
+    ptx = compiled.__ptx__
+    assert "cp.async.bulk.tensor" in ptx and "wgmma.mma_async" in ptx
+    assert ("setmaxnreg" in ptx) == (tile_m == 128)  # only 384 threads need registers moved
+    ok, reason = cls.can_implement(**QWEN3_30B, tile_m=tile_m, tile_k=64, stages=stages,
+                                   mma="wgmmatma", arch="sm_121a")
+    assert not ok and "sm_90a" in reason
+    ok, reason = cls.can_implement(**QWEN3_30B, tile_m=tile_m, tile_k=32, mma="wgmmatma")
+    assert not ok and "tile_k" in reason

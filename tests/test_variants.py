@@ -96,13 +96,14 @@ def test_variant_checks_agree_with_the_template():
     the template); this keeps the two from drifting, over every tile for both GEMMs of a layer."""
     import itertools
 
-    from moe_aot.variants import STAGES, TILE_K, TILE_M, TILE_N, gemm_can_implement
+    from moe_aot.variants import STAGES, TARGET_LIMITS, TILE_K, TILE_M, TILE_N, gemm_can_implement
     from moe_aot_templates.grouped_gemm import GroupedDownGemm, GroupedGluGemm
 
+    MMAS = sorted({m for lim in TARGET_LIMITS.values() for m in lim["mma"]})  # every selectable one
     disagree = []
     for target in ("sm_90a", "sm_121a"):
         spec = make_spec("gpt-oss-120b", target=target)
-        for m, n, k, st, mma in itertools.product(TILE_M, TILE_N, TILE_K, STAGES, ("warp", "wgmma")):
+        for m, n, k, st, mma in itertools.product(TILE_M, TILE_N, TILE_K, STAGES, MMAS):
             t = GemmTiles(n, k, st, mma)
             mine = gemm_can_implement(spec.hidden, spec.intermediate, m, t, target)[0]
             theirs = GroupedDownGemm.can_implement(spec.experts, spec.hidden, spec.intermediate, spec.top_k,

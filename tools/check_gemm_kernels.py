@@ -55,6 +55,11 @@ CONFIGS = [
      TOKENS),
     ("wgdec", "wgmma", ["qwen3_30b_a3b", "deepseek_v3"], "swiglu", 64, (64, 64, 8), (64, 64, 8),
      [1, 16, 256]),
+    # warp-specialized TMA mainloop, same tiles as wg128 / wgbig / wg64 for side-by-side timing
+    ("tma128", "wgmmatma", ALL, "swiglu", 128, (256, 64, 4), (256, 64, 4), TOKENS),
+    ("tmabig", "wgmmatma", ["qwen3_30b_a3b", "mixtral_8x7b"], "swiglu", 128, (256, 64, 4),
+     (256, 64, 4), [16384]),
+    ("tma64", "wgmmatma", ALL, "geglu", 64, (128, 64, 4), (128, 64, 4), [1, 256, 4096]),
 ]
 
 
@@ -65,9 +70,11 @@ def _fit_n(n_dim, tiles):
     raise ValueError(f"no tile_n for N={n_dim}")
 
 
-def variants():
+def variants(only=None):
     models = {m[0]: m[1:] for m in MODELS}
     for tag, mma, names, act, tm, g, d, tokens in CONFIGS:
+        if only and tag not in only:
+            continue
         for model in names:
             e, k, h, i = models[model]
             yield {"tag": tag, "mma": mma, "model": model, "E": e, "k": k, "H": h, "I": i,
@@ -77,13 +84,13 @@ def variants():
 
 
 # ----------------------------------------------------------------------------- compile (CPU)
-def compile_all(out_dir: Path, arch: str) -> None:
+def compile_all(out_dir: Path, arch: str, only=None) -> None:
     from moe_aot.kernel_build import compile_kernel
     from templates.grouped_gemm import GroupedDownGemm, GroupedGluGemm
 
     out_dir.mkdir(parents=True, exist_ok=True)
     manifest = []
-    for v in variants():
+    for v in variants(only):
         g = GroupedGluGemm(v["E"], v["H"], v["I"], v["k"], activation=v["act"],
                            interleave=INTERLEAVE, tile_m=v["tile_m"], tile_n=v["glu"][0],
                            tile_k=v["glu"][1], stages=v["glu"][2], mma=v["mma"])
@@ -125,7 +132,7 @@ def build_routing(topk_ids, num_experts: int, tile_m: int):
     return sorted_ids, tile_expert
 
 
-def run_all(kdir: Path, out_dir: Path, iters: int) -> int:
+def run_all(kdir: Path, out_dir: Path, iters: int, tokens=None) -> int:
     import torch
 
     from moe_aot.runtime.library import KernelLibrary
@@ -133,6 +140,9 @@ def run_all(kdir: Path, out_dir: Path, iters: int) -> int:
     torch.backends.cuda.matmul.allow_tf32 = False
     out_dir.mkdir(parents=True, exist_ok=True)
     manifest = json.loads((kdir / "manifest.json").read_text())
+    # one model's weights at a time: variants of a model run back to back
+    order = [m[0] for m in MODELS]
+    manifest.sort(key=lambda v: order.index(v["model"]))
     dev = torch.device("cuda")
     flush = torch.empty(512 * 2**20, dtype=torch.uint8, device=dev)  # > L2, cleared before each timing
     results, failures = [], 0
@@ -179,6 +189,8 @@ def run_all(kdir: Path, out_dir: Path, iters: int) -> int:
             weights_cache[key] = (w_gate, w_up, w13, w2)
         w_gate, w_up, w13, w2 = weights_cache[key]
         for m in v["tokens"]:
+            if tokens and m not in tokens:
+                continue
             x = torch.randn(m, hd, device=dev, generator=gen).bfloat16()
             logits = torch.randn(m, e, device=dev, generator=gen)
             topk_w, topk_ids = torch.topk(torch.softmax(logits, -1), k, dim=-1)
@@ -249,11 +261,14 @@ def main():
     ap.add_argument("--run", metavar="DIR", type=Path)
     ap.add_argument("--out", type=Path, default=Path("gemm_check_out"))
     ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--only", help="comma-separated config tags to compile (default: all)")
+    ap.add_argument("--tokens", help="comma-separated token counts to run (default: each config's)")
     ns = ap.parse_args()
     if ns.compile:
-        compile_all(ns.compile, ns.arch)
+        compile_all(ns.compile, ns.arch, ns.only.split(",") if ns.only else None)
     if ns.run:
-        sys.exit(run_all(ns.run, ns.out, ns.iters))
+        sys.exit(run_all(ns.run, ns.out, ns.iters,
+                         [int(t) for t in ns.tokens.split(",")] if ns.tokens else None))
     if not ns.compile and not ns.run:
         ap.error("give --compile DIR and/or --run DIR")
 
