@@ -6,7 +6,6 @@ GPU into a preallocated workspace, so a whole forward can be captured in a CUDA 
 """
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 
 import torch
@@ -205,7 +204,3 @@ def device_target(device) -> str:
         raise KernelArgumentError(f"GPU compute capability {major}.{minor} has no moe-aot target "
                                   f"(built for {', '.join(f'{a}.{b}' for a, b in targets)})")
     return targets[(major, minor)]
-
-
-def _warn(msg: str) -> None:
-    warnings.warn(msg, RuntimeWarning, stacklevel=3)
