@@ -158,3 +158,28 @@ def test_forward_refuses_a_workspace_too_small(small_db):
     layer.kernels = lambda tokens: (default_variant(spec, tokens), None, None, None, None)
     with pytest.raises(KernelArgumentError, match="workspace too small"):
         layer.forward(*args, workspace=ws)
+
+
+def test_bound_launch_swaps_only_data_pointers():
+    import ctypes
+
+    from moe_aot.runtime.library import KernelLibrary, _struct_type
+
+    lib = object.__new__(KernelLibrary)
+    lib.name, lib._tensor_args = "k", [dict(ARG, name="x"), dict(ARG, name="y")]
+    seen = []
+
+    def fake_run(packed, nargs):  # reads the structs back through the packed pointer array
+        assert nargs.value == 4
+        for i, arg in enumerate(lib._tensor_args):
+            st = ctypes.cast(packed[i], ctypes.POINTER(_struct_type(arg))).contents
+            seen.append((st.data, st.shape[0], st.stride[0]))
+        seen.append(ctypes.c_void_p.from_address(packed[2]).value)
+
+    lib._run = fake_run
+    a, b = torch.zeros(4, 256, dtype=torch.bfloat16), torch.zeros(4, 256, dtype=torch.bfloat16)
+    bound = lib.bind(a, b, check=False)
+    c = torch.zeros(4, 256, dtype=torch.bfloat16)
+    bound.set_data(1, c.data_ptr())
+    bound(1234)
+    assert seen == [(a.data_ptr(), 4, 256), (c.data_ptr(), 4, 256), 1234]

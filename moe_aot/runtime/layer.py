@@ -65,10 +65,9 @@ class MoeLayer:
         self.variants = variants
         self._libs: dict[str, KernelLibrary] = {}
         self._workspace: Workspace | None = None
-        # Token counts whose launches passed the per-kernel contract checks once. Every other size
-        # is derived from M and the spec, and check_inputs re-checks the caller's tensors on every
-        # call, so later calls skip the per-kernel re-check (it cost ~200 us of host time).
-        self._checked: set[tuple[int, str]] = set()
+        # (tokens, variant, id(workspace)) -> (workspace, the four kernels' bound arguments); the
+        # plan holds its workspace, so the id cannot be reused while the plan exists.
+        self._plans: dict[tuple, tuple] = {}
 
     # -- kernel selection ----------------------------------------------------------------------
     def variant_for(self, tokens: int) -> LayerVariant:
@@ -93,6 +92,7 @@ class MoeLayer:
         if ws is None or ws.max_tokens < tokens:
             ws = Workspace.allocate(self.spec, max(tokens, 1), self.device)
             self._workspace = ws
+            self._plans.clear()  # they point into the old workspace (and keep it alive)
         return ws
 
     # -- checks --------------------------------------------------------------------------------
@@ -147,13 +147,37 @@ class MoeLayer:
                                       "allocate it with Workspace.allocate(spec, max_tokens, device)")
         sorted_ids, tile_expert = ws.sorted_ids[:R], ws.tile_expert[:T]
         h, y = ws.h[:R], ws.y[: M * self.spec.top_k]
-        key = (M, v.name(self.spec))
-        check = key not in self._checked
-        route(topk_ids, ws.counts, ws.offsets, sorted_ids, tile_expert, check=check)
-        glu(x, w13, sorted_ids, tile_expert, h, check=check)
-        down(h, w2, sorted_ids, tile_expert, topk_weights, y, check=check)
-        comb(y, topk_ids, out, check=check)
-        self._checked.add(key)
+        key = (M, v.name(self.spec), id(ws))
+        plan = self._plans.get(key)
+        if plan is None:
+            # First call at this size: launch with full per-kernel contract checks, then keep the
+            # filled argument structs; later calls only swap the caller's data pointers (every
+            # other size and stride is fixed by M and the spec, and check_inputs re-checked them).
+            route(topk_ids, ws.counts, ws.offsets, sorted_ids, tile_expert)
+            glu(x, w13, sorted_ids, tile_expert, h)
+            down(h, w2, sorted_ids, tile_expert, topk_weights, y)
+            comb(y, topk_ids, out)
+            if len(self._plans) >= 64:  # bounded: each plan keeps its workspace alive
+                self._plans.clear()
+            self._plans[key] = (ws, route.bind(topk_ids, ws.counts, ws.offsets, sorted_ids, tile_expert),
+                                glu.bind(x, w13, sorted_ids, tile_expert, h),
+                                down.bind(h, w2, sorted_ids, tile_expert, topk_weights, y),
+                                comb.bind(y, topk_ids, out))
+            return out
+        _, b_route, b_glu, b_down, b_comb = plan
+        ids_ptr = topk_ids.data_ptr()
+        b_route.set_data(0, ids_ptr)
+        b_glu.set_data(0, x.data_ptr())
+        b_glu.set_data(1, w13.data_ptr())
+        b_down.set_data(1, w2.data_ptr())
+        b_down.set_data(4, topk_weights.data_ptr())
+        b_comb.set_data(1, ids_ptr)
+        b_comb.set_data(2, out.data_ptr())
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        b_route(stream)
+        b_glu(stream)
+        b_down(stream)
+        b_comb(stream)
         return out
 
     __call__ = forward

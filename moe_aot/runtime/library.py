@@ -137,11 +137,11 @@ class KernelLibrary:
     def arg_names(self) -> list[str]:
         return [a["name"] for a in self._tensor_args]
 
-    def __call__(self, *tensors: torch.Tensor, stream: int | None = None, check: bool = True) -> None:
+    def _fill(self, structs, tensors, check: bool) -> None:
         if len(tensors) != len(self._tensor_args):
             raise KernelArgumentError(
                 f"{self.name} takes {len(self._tensor_args)} tensors ({', '.join(self.arg_names)}), got {len(tensors)}")
-        for arg, t, s in zip(self._tensor_args, tensors, self._structs):
+        for arg, t, s in zip(self._tensor_args, tensors, structs):
             if check:
                 check_tensor(arg, t, self.name)
             s.data = t.data_ptr()
@@ -150,8 +150,42 @@ class KernelLibrary:
                 s.shape[j] = shape[m]
             for j, m in enumerate(arg["dynamic_stride_modes"]):
                 s.stride[j] = stride[m]
+
+    def __call__(self, *tensors: torch.Tensor, stream: int | None = None, check: bool = True) -> None:
+        self._fill(self._structs, tensors, check)
         self._stream.value = torch.cuda.current_stream().cuda_stream if stream is None else stream
         self._ret.value = 0
         self._run(self._packed, self._nargs)
         if self._ret.value != 0:
             raise KernelLaunchError(f"{self.name}: launch failed (cudaError {self._ret.value})")
+
+    def bind(self, *tensors: torch.Tensor, check: bool = True) -> "BoundLaunch":
+        """Argument structs filled once for these tensors' shapes; later launches only swap data
+        pointers (BoundLaunch.set_data) -- the eager runtime's per-call host cost."""
+        return BoundLaunch(self, tensors, check)
+
+
+class BoundLaunch:
+    """One kernel's packed arguments for fixed shapes. Only pointers change between calls, so a
+    caller must pass tensors of the bound shapes and strides (MoeLayer checks that before)."""
+
+    def __init__(self, lib: KernelLibrary, tensors, check: bool):
+        self._lib = lib
+        self._structs = [_struct_type(a)() for a in lib._tensor_args]
+        lib._fill(self._structs, tensors, check)
+        self._stream = ctypes.c_void_p(0)
+        self._ret = ctypes.c_int32(0)
+        ptrs = [ctypes.addressof(s) for s in self._structs]
+        ptrs += [ctypes.addressof(self._stream), ctypes.addressof(self._ret)]
+        self._packed = (ctypes.c_void_p * len(ptrs))(*ptrs)
+        self._nargs = ctypes.c_int32(len(ptrs))
+
+    def set_data(self, index: int, ptr: int) -> None:
+        self._structs[index].data = ptr
+
+    def __call__(self, stream: int) -> None:
+        self._stream.value = stream
+        self._ret.value = 0
+        self._lib._run(self._packed, self._nargs)
+        if self._ret.value != 0:
+            raise KernelLaunchError(f"{self._lib.name}: launch failed (cudaError {self._ret.value})")
