@@ -112,3 +112,17 @@ def test_bad_inputs_are_refused(store):
     with pytest.raises(KernelArgumentError, match="aligned"):
         buf = torch.empty(8 * spec.hidden + 1, device=dev, dtype=torch.bfloat16)
         layer.forward(buf[1:].view(8, spec.hidden), w13, w2, tw, ids)
+
+
+def test_repeated_eager_calls_with_new_buffers(store):
+    """After the first call at a size, forward only swaps data pointers: new tensors each call."""
+    spec = make_spec(MODELS[0], target="sm_90a")
+    layer = MoeLayer(spec, store)
+    w13, w2 = random_weights(spec, layer.device)
+    for _ in range(3):
+        x = torch.randn(33, spec.hidden, device=layer.device, dtype=torch.bfloat16)
+        tw, ids = random_routing(33, spec, layer.device)
+        out = torch.full((33, spec.hidden), float("nan"), device=layer.device, dtype=torch.bfloat16)
+        layer.forward(x, w13, w2, tw, ids, out=out)
+        e = rel_err(out, moe_reference(x, w13, w2, tw, ids, spec.activation))
+        assert e <= TOLERANCE, e
