@@ -433,7 +433,8 @@ class _GroupedGemmBase:
     @cute.jit
     def _produce(self, tidx, mA, a_rows, sA, tma_b, mWt, expert, bn, sB, bars):
         """Producer warpgroup: per k-tile, wait until the consumers freed the stage, start the
-        TMA of B (thread 0) and every thread's cp.async of A. A thread signals a stage's A only
+        TMA of B (warp 0: the copy elects its issuing lane with elect.sync over the full warp,
+        so a single-thread branch around it hangs) and every thread's cp.async of A. A thread signals a stage's A only
         after cp.async.wait_group and a proxy fence (wgmma reads through the async proxy), so
         it keeps ``prefetch`` newer k-tiles in flight while it waits for the oldest."""
         tiled_copy, tAsA, tAcA = self._a_partitions(tidx, sA, a_rows)
@@ -445,12 +446,14 @@ class _GroupedGemmBase:
             cute.nvgpu.cpasync.prefetch_descriptor(tma_b)
         k_tiles = self.k // self.tile_k
         lag = self.prefetch
+        warp = cute.arch.make_warp_uniform(tidx // 32)
         stage = Int32(0)
         phase = Int32(1)  # a fresh barrier counts as having completed the phase before phase 0
         for kt in range(k_tiles):
             cute.arch.mbarrier_wait(bars + self.stages + stage, phase)
-            if tidx == 0:
-                cute.arch.mbarrier_arrive_and_expect_tx(bars + stage, self.tile_n * self.tile_k * 2)
+            if warp == 0:
+                with cute.arch.elect_one():
+                    cute.arch.mbarrier_arrive_and_expect_tx(bars + stage, self.tile_n * self.tile_k * 2)
                 cute.copy(tma_b, tBgB[None, kt], tBsB[None, stage], tma_bar_ptr=bars + stage)
             self._load_a(kt, stage, tiled_copy, mA, a_rows, tAsA, tAcA)
             cute.arch.cp_async_commit_group()
