@@ -17,8 +17,9 @@ from dataclasses import dataclass, field
 from .spec import BENCH_TOKENS, LayerSpec
 
 # Per-block shared memory a kernel may opt into, and which MMA instructions exist. The template's
-# "wgmmatma" mainloop (sm_90a) is mirrored below but not listed: it is not GPU-verified yet
-# (tools/results/gemm_wgmmatma_h200_2026-11-29.txt).
+# "wgmmatma" (sm_90a: TMA for the weights, a producer warpgroup) is mirrored below but not listed:
+# it passed its H200 check only at 4096 tokens (all five models), was no faster than "wgmma" there,
+# and has not run at small token counts (tools/results/gemm_wgmmatma_h200_2026-11-29.txt).
 TARGET_LIMITS = {
     "sm_90a": {"smem": 232448, "mma": ("warp", "wgmma"), "sms": 132, "clusters": (1, 2, 4, 8, 16)},
     "sm_100a": {"smem": 232448, "mma": ("warp",), "sms": 148, "clusters": (1, 2, 4, 8, 16)},
