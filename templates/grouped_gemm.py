@@ -558,6 +558,48 @@ class _GroupedGemmBase:
         idx = linear - first_m * n_tiles
         return idx // size, first_m + idx % size
 
+    @cute.jit
+    def _tile(self, tidx, mA, mW, mIds, mTileExpert, epi):
+        """One CTA: gather the tile's A rows, multiply by its expert's weights (mma.sync or
+        wgmma), stage the accumulator and run the subclass epilogue with the tensors `epi`."""
+        bn, bt = self._tile_coords(cute.size(mTileExpert, mode=[0]))
+        expert = mTileExpert[bt]
+        if expert >= 0:
+            tiled_mma = self._make_tiled_mma()
+            sA, sB, sC_ptr = self._smem_tensors()
+            row0 = bt * self.tile_m
+            a_rows = self._a_rows(tidx, mIds, row0)
+            acc = tiled_mma.make_fragment_C(tiled_mma.get_slice(tidx).partition_C(
+                cute.make_identity_tensor((self.tile_m, self.tile_n))).shape)
+            acc.fill(0.0)
+            self._mainloop(tidx, mA, a_rows, sA, self._expert_weights(mW, expert), bn, sB, tiled_mma, acc)
+            sC = self._stage_acc(tidx, tiled_mma, acc, sC_ptr)
+            self._epilogue(tidx, sC, *epi, row0, bn)
+
+    @cute.jit
+    def _tile_tma(self, tidx, tma_b, mWt, mA, mIds, mTileExpert, epi):
+        """mma="wgmmatma": warpgroup 0 loads, the others multiply and run the epilogue."""
+        bn, bt = self._tile_coords(cute.size(mTileExpert, mode=[0]))
+        expert = mTileExpert[bt]
+        if expert >= 0:
+            tiled_mma = self._make_tiled_mma()
+            sA, sB, sC_ptr = self._smem_tensors()
+            bars = self._init_barriers(tidx)
+            row0 = bt * self.tile_m
+            if cute.arch.make_warp_uniform(tidx // 128) == 0:
+                self._set_regs(True)
+                a_rows = self._a_rows(tidx, mIds, row0)
+                self._produce(tidx, mA, a_rows, sA, tma_b, mWt, expert, bn, sB, bars)
+            else:
+                self._set_regs(False)
+                ctid = tidx - _LOAD_THREADS
+                acc = tiled_mma.make_fragment_C(tiled_mma.get_slice(ctid).partition_C(
+                    cute.make_identity_tensor((self.tile_m, self.tile_n))).shape)
+                acc.fill(0.0)
+                self._consume(ctid, sA, sB, tiled_mma, acc, bars)
+                sC = self._stage_acc(ctid, tiled_mma, acc, sC_ptr)
+                self._epilogue(ctid, sC, *epi, row0, bn)
+
     def _launch_common(self, grid_n, mTileExpert):
         return [grid_n, cute.size(mTileExpert, mode=[0]), 1], [self.threads, 1, 1]
 
@@ -657,45 +699,13 @@ class GroupedGluGemm(_GroupedGemmBase):
     def kernel(self, mX: cute.Tensor, mW: cute.Tensor, mIds: cute.Tensor,
                mTileExpert: cute.Tensor, mH: cute.Tensor):
         tidx, _, _ = cute.arch.thread_idx()
-        bn, bt = self._tile_coords(cute.size(mTileExpert, mode=[0]))
-        expert = mTileExpert[bt]
-        if expert >= 0:
-            tiled_mma = self._make_tiled_mma()
-            sA, sB, sC_ptr = self._smem_tensors()
-            row0 = bt * self.tile_m
-            a_rows = self._a_rows(tidx, mIds, row0)
-            acc = tiled_mma.make_fragment_C(tiled_mma.get_slice(tidx).partition_C(
-                cute.make_identity_tensor((self.tile_m, self.tile_n))).shape)
-            acc.fill(0.0)
-            self._mainloop(tidx, mX, a_rows, sA, self._expert_weights(mW, expert), bn, sB, tiled_mma, acc)
-            sC = self._stage_acc(tidx, tiled_mma, acc, sC_ptr)
-            self._epilogue(tidx, sC, mH, row0, bn)
+        self._tile(tidx, mX, mW, mIds, mTileExpert, (mH,))
 
     @cute.kernel
     def kernel_tma(self, tma_b: cute.CopyAtom, mWt: cute.Tensor, mX: cute.Tensor,
                    mIds: cute.Tensor, mTileExpert: cute.Tensor, mH: cute.Tensor):
-        """mma="wgmmatma": warpgroup 0 loads, the others multiply and run the epilogue."""
         tidx, _, _ = cute.arch.thread_idx()
-        bn, bt = self._tile_coords(cute.size(mTileExpert, mode=[0]))
-        expert = mTileExpert[bt]
-        if expert >= 0:
-            tiled_mma = self._make_tiled_mma()
-            sA, sB, sC_ptr = self._smem_tensors()
-            bars = self._init_barriers(tidx)
-            row0 = bt * self.tile_m
-            if cute.arch.make_warp_uniform(tidx // 128) == 0:
-                self._set_regs(True)
-                a_rows = self._a_rows(tidx, mIds, row0)
-                self._produce(tidx, mX, a_rows, sA, tma_b, mWt, expert, bn, sB, bars)
-            else:
-                self._set_regs(False)
-                ctid = tidx - _LOAD_THREADS
-                acc = tiled_mma.make_fragment_C(tiled_mma.get_slice(ctid).partition_C(
-                    cute.make_identity_tensor((self.tile_m, self.tile_n))).shape)
-                acc.fill(0.0)
-                self._consume(ctid, sA, sB, tiled_mma, acc, bars)
-                sC = self._stage_acc(ctid, tiled_mma, acc, sC_ptr)
-                self._epilogue(ctid, sC, mH, row0, bn)
+        self._tile_tma(tidx, tma_b, mWt, mX, mIds, mTileExpert, (mH,))
 
     @cute.jit
     def _a_rows(self, tidx, mIds, row0):
@@ -809,46 +819,14 @@ class GroupedDownGemm(_GroupedGemmBase):
     def kernel(self, mH: cute.Tensor, mW: cute.Tensor, mIds: cute.Tensor,
                mTileExpert: cute.Tensor, mTopkW: cute.Tensor, mY: cute.Tensor):
         tidx, _, _ = cute.arch.thread_idx()
-        bn, bt = self._tile_coords(cute.size(mTileExpert, mode=[0]))
-        expert = mTileExpert[bt]
-        if expert >= 0:
-            tiled_mma = self._make_tiled_mma()
-            sA, sB, sC_ptr = self._smem_tensors()
-            row0 = bt * self.tile_m
-            a_rows = self._a_rows(tidx, mIds, row0)
-            acc = tiled_mma.make_fragment_C(tiled_mma.get_slice(tidx).partition_C(
-                cute.make_identity_tensor((self.tile_m, self.tile_n))).shape)
-            acc.fill(0.0)
-            self._mainloop(tidx, mH, a_rows, sA, self._expert_weights(mW, expert), bn, sB, tiled_mma, acc)
-            sC = self._stage_acc(tidx, tiled_mma, acc, sC_ptr)
-            self._epilogue(tidx, sC, mIds, mTopkW, mY, row0, bn)
+        self._tile(tidx, mH, mW, mIds, mTileExpert, (mIds, mTopkW, mY))
 
     @cute.kernel
     def kernel_tma(self, tma_b: cute.CopyAtom, mWt: cute.Tensor, mH: cute.Tensor,
                    mIds: cute.Tensor, mTileExpert: cute.Tensor, mTopkW: cute.Tensor,
                    mY: cute.Tensor):
-        """mma="wgmmatma": warpgroup 0 loads, the others multiply and run the epilogue."""
         tidx, _, _ = cute.arch.thread_idx()
-        bn, bt = self._tile_coords(cute.size(mTileExpert, mode=[0]))
-        expert = mTileExpert[bt]
-        if expert >= 0:
-            tiled_mma = self._make_tiled_mma()
-            sA, sB, sC_ptr = self._smem_tensors()
-            bars = self._init_barriers(tidx)
-            row0 = bt * self.tile_m
-            if cute.arch.make_warp_uniform(tidx // 128) == 0:
-                self._set_regs(True)
-                a_rows = self._a_rows(tidx, mIds, row0)
-                self._produce(tidx, mH, a_rows, sA, tma_b, mWt, expert, bn, sB, bars)
-            else:
-                self._set_regs(False)
-                ctid = tidx - _LOAD_THREADS
-                acc = tiled_mma.make_fragment_C(tiled_mma.get_slice(ctid).partition_C(
-                    cute.make_identity_tensor((self.tile_m, self.tile_n))).shape)
-                acc.fill(0.0)
-                self._consume(ctid, sA, sB, tiled_mma, acc, bars)
-                sC = self._stage_acc(ctid, tiled_mma, acc, sC_ptr)
-                self._epilogue(ctid, sC, mIds, mTopkW, mY, row0, bn)
+        self._tile_tma(tidx, tma_b, mWt, mH, mIds, mTileExpert, (mIds, mTopkW, mY))
 
     @cute.jit
     def _a_rows(self, tidx, mIds, row0):
