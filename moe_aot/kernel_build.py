@@ -113,12 +113,13 @@ def _tensor_abi(name: str, fake) -> dict:
 
 def _link(obj: Path, out: Path, runtime_dir: Path) -> None:
     static_rt = runtime_dir / "libcuda_dialect_runtime_static.a"
-    cudart = env.cuda_home() / "lib64" / "libcudart_static.a"
+    cudart = env.cudart_static()
     for needed in (static_rt, cudart):
         if not needed.exists():
             raise KernelCompileError(
                 f"cannot link the kernel library: {needed} is missing "
-                "(set MOE_AOT_CUDA_HOME to a CUDA 13 toolkit that has lib64/libcudart_static.a)")
+                "(install nvidia-cuda-runtime==13.0.96, or set MOE_AOT_CUDA_HOME to a CUDA 13 toolkit "
+                "that has lib64/libcudart_static.a)")
     # -Bsymbolic: the library's _cuda* calls bind to its own copies even beside other CUDA users.
     cmd = ["gcc", "-shared", "-fPIC", "-o", str(out), str(obj), str(static_rt), str(cudart),
            "-ldl", "-lrt", "-lpthread", "-Wl,--exclude-libs,ALL", "-Wl,-Bsymbolic", "-s"]
