@@ -241,11 +241,14 @@ def verify_cmd(models, tokens, db_url):
         raise click.ClickException("verify needs torch with CUDA") from None
     if not torch.cuda.is_available():
         raise click.ClickException("verify runs the kernels and needs a CUDA GPU; none is visible here")
+    from .runtime.layer import device_target
+
     names = [n for m in models for n in m.split(",") if n] or list(PRESETS)
+    target = device_target(torch.device("cuda"))
     bad = 0
     for name in names:
         try:
-            spec = make_spec(name, target="sm_90a")
+            spec = make_spec(name, target=target)
         except SpecError as exc:
             raise click.ClickException(str(exc)) from None
         for row in verify_layer(spec, _tokens(tokens), db_url):
