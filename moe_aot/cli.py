@@ -242,9 +242,13 @@ def verify_cmd(models, tokens, db_url):
     if not torch.cuda.is_available():
         raise click.ClickException("verify runs the kernels and needs a CUDA GPU; none is visible here")
     from .runtime.layer import device_target
+    from .runtime.library import KernelArgumentError
 
     names = [n for m in models for n in m.split(",") if n] or list(PRESETS)
-    target = device_target(torch.device("cuda"))
+    try:
+        target = device_target(torch.device("cuda"))
+    except KernelArgumentError as exc:
+        raise click.ClickException(str(exc)) from None
     bad = 0
     for name in names:
         try:
