@@ -255,7 +255,13 @@ def verify_cmd(models, tokens, db_url):
             spec = make_spec(name, target=target)
         except SpecError as exc:
             raise click.ClickException(str(exc)) from None
-        for row in verify_layer(spec, _tokens(tokens), db_url):
+        from .runtime.store import KernelMissingError
+
+        try:
+            rows = verify_layer(spec, _tokens(tokens), db_url)
+        except (KernelMissingError, DatabaseError) as exc:
+            raise click.ClickException(str(exc)) from None
+        for row in rows:
             bad += not row["ok"]
             click.echo(f"{name}\ttokens={row['tokens']}\t{row['stage']}\trel_err={row['rel_err']:.2e}\t"
                        f"{'PASS' if row['ok'] else 'FAIL'}")
