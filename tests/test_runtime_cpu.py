@@ -183,3 +183,17 @@ def test_bound_launch_swaps_only_data_pointers():
     bound.set_data(1, c.data_ptr())
     bound(1234)
     assert seen == [(a.data_ptr(), 4, 256), (c.data_ptr(), 4, 256), 1234]
+
+
+def test_moe_forward_refuses_cpu_and_malformed_inputs():
+    from moe_aot.runtime.layer import moe_forward
+
+    x = torch.zeros(2, 256, dtype=torch.bfloat16)
+    w13 = torch.zeros(8, 256, 256, dtype=torch.bfloat16)
+    ids = torch.zeros(2, 2, dtype=torch.int32)
+    with pytest.raises(KernelArgumentError, match="CUDA tensor"):
+        moe_forward(x, w13, None, torch.zeros(2, 2), ids)
+    with pytest.raises(KernelArgumentError, match="w13_prepared"):
+        moe_forward(x, w13[0], None, torch.zeros(2, 2), ids)
+    with pytest.raises(KernelArgumentError, match="topk_ids"):
+        moe_forward(x, w13, None, torch.zeros(2, 2), ids[0])

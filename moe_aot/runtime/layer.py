@@ -208,6 +208,8 @@ def moe_forward(x, w13_prepared, w2, topk_weights, topk_ids, out=None, workspace
                                   "from prepare_weights()")
     if not isinstance(topk_ids, torch.Tensor) or topk_ids.dim() != 2:
         raise KernelArgumentError("topk_ids must be a [tokens, top_k] int32 tensor")
+    if not isinstance(x, torch.Tensor) or not x.is_cuda:
+        raise KernelArgumentError("x must be a CUDA tensor [tokens, hidden] (bf16)")
     E, I2, H = w13_prepared.shape
     key = (E, topk_ids.shape[1], H, I2 // 2, activation, x.device.index if x.is_cuda else None)
     layer = _LAYERS.get(key)
