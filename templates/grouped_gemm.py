@@ -231,14 +231,7 @@ class _GroupedGemmBase:
     @cute.jit
     def _load_tile(self, kt, stage, tiled_copy, mA, a_rows, tAsA, tAcA, tBgB, tBsB):
         """Issue the cp.async copies of k-tile ``kt`` into pipeline stage ``stage``."""
-        for m in cutlass.range_constexpr(cute.size(tAsA, mode=[1])):
-            row = a_rows[m]
-            if row >= 0:
-                src_row = cute.tiled_divide(
-                    cute.append_ones(self._row(mA, row, self.k), up_to_rank=2), (_COPY_ELEMS, 1))
-                for kk in cutlass.range_constexpr(cute.size(tAsA, mode=[2])):
-                    chunk = kt * (self.tile_k // _COPY_ELEMS) + tAcA[0, 0, kk][1] // _COPY_ELEMS
-                    cute.copy(tiled_copy, src_row[None, chunk, 0], tAsA[None, m, kk, stage])
+        self._load_a(kt, stage, tiled_copy, mA, a_rows, tAsA, tAcA)
         cute.copy(tiled_copy, tBgB[None, None, None, kt], tBsB[None, None, None, stage])
 
     @cute.jit
@@ -421,6 +414,7 @@ class _GroupedGemmBase:
 
     @cute.jit
     def _load_a(self, kt, stage, tiled_copy, mA, a_rows, tAsA, tAcA):
+        """cp.async of the gathered A rows of k-tile ``kt`` (padding rows stay zero)."""
         for m in cutlass.range_constexpr(cute.size(tAsA, mode=[1])):
             row = a_rows[m]
             if row >= 0:
