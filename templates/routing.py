@@ -129,16 +129,7 @@ class MoeRouting:
 
         # Pass 1: per-warp histogram (shared atomics, rows private to a warp).
         for s0 in range(first_step, first_step + per_warp, U):
-            keys = []
-            for j in cutlass.range_constexpr(U):
-                p = (s0 + j) * _WARP + lane
-                key = Int32(E)  # past the slice or an id outside [0, E)
-                if p < limit:
-                    v = ids[p]
-                    if v >= 0:
-                        if v < E:
-                            key = v
-                keys.append(key)
+            keys = self._step_keys(ids, s0, lane, limit)
             for j in cutlass.range_constexpr(U):
                 if keys[j] < E:
                     cute.arch.atomic_add(s_hist.iterator + (warp * self.hist_stride + keys[j]),
@@ -247,16 +238,7 @@ class MoeRouting:
         # step are ranked by lane, and the step's leader advances the warp's running base.
         lt = cute.arch.lanemask_lt()
         for s0 in range(first_step, first_step + per_warp, U):
-            keys = []
-            for j in cutlass.range_constexpr(U):
-                p = (s0 + j) * _WARP + lane
-                key = Int32(E)
-                if p < limit:
-                    v = ids[p]
-                    if v >= 0:
-                        if v < E:
-                            key = v
-                keys.append(key)
+            keys = self._step_keys(ids, s0, lane, limit)
             for j in cutlass.range_constexpr(U):
                 key = keys[j]
                 peers = cute.arch.match_sync(0xFFFFFFFF, key)
@@ -273,6 +255,23 @@ class MoeRouting:
                 cute.arch.sync_warp()
         if cutlass.const_expr(C > 1):
             cute.arch.cluster_wait()
+
+    @cute.jit
+    def _step_keys(self, ids, s0, lane, limit):
+        """This lane's expert id in each of the `unroll` 32-pair steps from s0; E stands for a
+        pair past the slice or an id outside [0, E). Both passes read the pairs this way, so
+        they see the same keys in the same order."""
+        keys = []
+        for j in cutlass.range_constexpr(self.unroll):
+            p = (s0 + j) * _WARP + lane
+            key = Int32(self.num_experts)
+            if p < limit:
+                v = ids[p]
+                if v >= 0:
+                    if v < self.num_experts:
+                        key = v
+            keys.append(key)
+        return keys
 
     def can_implement(self, arch: str | None = None) -> tuple[bool, str]:
         """(ok, reason); with `arch` (e.g. "sm_90a") also the target's cluster limit."""
