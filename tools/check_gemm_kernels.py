@@ -110,26 +110,10 @@ def compile_all(out_dir: Path, arch: str, only=None) -> None:
 
 # ----------------------------------------------------------------------------- run (GPU)
 def build_routing(topk_ids, num_experts: int, tile_m: int):
-    import torch
+    """sorted_ids, tile_expert from the runtime's reference of the routing kernel."""
+    from moe_aot.runtime.reference import routing_reference
 
-    dev = topk_ids.device
-    flat = topk_ids.reshape(-1).long()
-    mk = flat.numel()
-    counts = torch.bincount(flat, minlength=num_experts)
-    padded = (counts + tile_m - 1) // tile_m * tile_m
-    ends = torch.cumsum(padded, 0)
-    offs = ends - padded
-    t = (mk + min(num_experts, mk) * (tile_m - 1) + tile_m - 1) // tile_m
-    sorted_ids = torch.full((t * tile_m,), -1, dtype=torch.int32, device=dev)
-    order = torch.sort(flat, stable=True).indices  # p grouped by expert, ascending within
-    exp_sorted = flat[order]
-    first = torch.cumsum(counts, 0) - counts
-    pos = offs[exp_sorted] + torch.arange(mk, device=dev) - first[exp_sorted]
-    sorted_ids[pos] = order.to(torch.int32)
-    starts = torch.arange(t, device=dev) * tile_m
-    owner = torch.searchsorted(ends, starts, right=True)
-    tile_expert = torch.where(starts < ends[-1], owner, -1).to(torch.int32)
-    return sorted_ids, tile_expert
+    return routing_reference(topk_ids, num_experts, tile_m)[2:]
 
 
 def run_all(kdir: Path, out_dir: Path, iters: int, tokens=None) -> int:

@@ -17,6 +17,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from moe_aot.runtime.reference import max_tiles  # noqa: E402
+from moe_aot.runtime.reference import routing_reference as _runtime_routing_reference  # noqa: E402
 
 ROUTING_CONFIGS = [(e, k, tm) for e, k in [(128, 8), (128, 4), (256, 8), (8, 2)] for tm in (64, 128)]
 COMBINE_CONFIGS = [(128, 2048, 8), (128, 4096, 8), (128, 2880, 4), (256, 7168, 8), (8, 4096, 2)]
@@ -41,36 +43,17 @@ def combine_name(e, h, k):
 
 
 def routing_sizes(m: int, e: int, k: int, tm: int) -> tuple[int, int]:
-    """(T, R): worst-case tile count and sorted_ids rows the caller allocates."""
-    n = m * k
-    t = -(-(n + min(e, n) * (tm - 1)) // tm)
+    """(T, R): worst-case tile count and sorted_ids rows the caller allocates (0 for no tokens)."""
+    t = max_tiles(m, k, e, tm) if m * k else 0
     return t, t * tm
 
 
 # ----------------------------------------------------------------------------- references
 
 def routing_reference(topk_ids, num_experts: int, tile_m: int, num_tiles: int, num_rows: int):
-    """Pure-torch semantics of MoeRouting: (counts[E], offsets[E+1], sorted_ids[R], tile_expert[T])."""
-    import torch
-    dev = topk_ids.device
-    flat = topk_ids.reshape(-1).long()
-    valid = (flat >= 0) & (flat < num_experts)
-    pairs = torch.arange(flat.numel(), device=dev)[valid]
-    experts = flat[valid]
-    counts = torch.bincount(experts, minlength=num_experts)
-    padded = (counts + tile_m - 1) // tile_m * tile_m
-    offsets = torch.zeros(num_experts + 1, dtype=torch.long, device=dev)
-    offsets[1:] = torch.cumsum(padded, 0)
-    experts_sorted, order = torch.sort(experts, stable=True)  # stable: ascending pair index
-    starts = torch.cumsum(counts, 0) - counts
-    rank = torch.arange(experts_sorted.numel(), device=dev) - starts[experts_sorted]
-    sorted_ids = torch.full((num_rows,), -1, dtype=torch.long, device=dev)
-    sorted_ids[offsets[experts_sorted] + rank] = pairs[order]
-    rows = torch.arange(num_tiles, device=dev) * tile_m
-    owner = torch.searchsorted(offsets[1:], rows, right=True)
-    tile_expert = torch.where(rows < offsets[-1], owner, torch.full_like(owner, -1))
-    i32 = torch.int32
-    return counts.to(i32), offsets.to(i32), sorted_ids.to(i32), tile_expert.to(i32)
+    """The runtime's reference of MoeRouting, sized as this script allocates."""
+    assert num_rows == num_tiles * tile_m
+    return _runtime_routing_reference(topk_ids, num_experts, tile_m, num_tiles)
 
 
 def combine_reference(y, topk_ids, num_experts: int):

@@ -14,12 +14,12 @@ def max_tiles(tokens: int, top_k: int, experts: int, tile_m: int) -> int:
     return max(1, math.ceil((pairs + min(experts, pairs) * (tile_m - 1)) / tile_m))
 
 
-def routing_reference(topk_ids: torch.Tensor, experts: int, tile_m: int):
+def routing_reference(topk_ids: torch.Tensor, experts: int, tile_m: int, num_tiles: int | None = None):
     """counts [E], offsets [E+1], sorted_ids [R], tile_expert [T] exactly as the routing kernel
     defines them: pairs p = m*top_k + k grouped by expert in ascending p, each expert's segment
-    padded to tile_m with -1, ids outside [0, E) dropped."""
+    padded to tile_m with -1, ids outside [0, E) dropped. T defaults to max_tiles; R = T*tile_m."""
     M, K = topk_ids.shape
-    T = max_tiles(M, K, experts, tile_m)
+    T = max_tiles(M, K, experts, tile_m) if num_tiles is None else num_tiles
     flat = topk_ids.reshape(-1).to(torch.int64)
     valid = (flat >= 0) & (flat < experts)
     counts = torch.bincount(flat[valid], minlength=experts)
