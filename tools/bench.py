@@ -26,14 +26,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from moe_aot.runtime.layer import MoeLayer  # noqa: E402
-from moe_aot.runtime.measure import graph_times_us  # noqa: E402
+from moe_aot.runtime.measure import graph_times_us, input_sets  # noqa: E402
 from moe_aot.runtime.reference import moe_reference, rel_err, split_gate_up  # noqa: E402
 from moe_aot.runtime.store import KernelStore  # noqa: E402
-from moe_aot.runtime.verify import random_routing, random_weights  # noqa: E402
+from moe_aot.runtime.verify import random_weights  # noqa: E402
 from moe_aot.spec import BENCH_TOKENS, PRESETS, make_spec  # noqa: E402
 
 HBM_BYTES_PER_S = 4.8e12
-SETS = 4
 
 
 def matmul_rate() -> float:
@@ -86,11 +85,7 @@ def bench_model(name: str, tokens_list, replays: int, rate: float, store) -> lis
     w2_t = w2.transpose(1, 2)  # [E, I, H]
     rows = []
     for M in tokens_list:
-        sets = []
-        for _ in range(SETS):
-            x = torch.randn(M, spec.hidden, device=dev, dtype=torch.bfloat16)
-            tw, ids = random_routing(M, spec, dev)
-            sets.append((x, tw, ids, torch.empty(M, spec.hidden, device=dev, dtype=torch.bfloat16)))
+        sets = input_sets(spec, M, dev)
         layer.workspace(M)
         # correctness of this very configuration, on the first set, poisoned output
         x, tw, ids, out = sets[0]
