@@ -478,15 +478,43 @@ class Database:
                    tokens: int, variant: str, status: str, median_us: float | None = None,
                    stats: dict | None = None, rel_err: float | None = None,
                    error: str | None = None) -> int:
+        row = dict(workload=workload, target=target, toolchain=toolchain, gpu=gpu, driver=driver,
+                   tokens=tokens, variant=variant, status=status, median_us=median_us,
+                   stats=stats, rel_err=rel_err, error=error)
+        return self._run("store a tuning record", lambda conn: self._insert_record(conn, **row),
+                         write=True)
+
+    def _insert_record(self, conn: Connection, *, status: str, stats: dict | None, tokens: int,
+                       **row) -> int:
         if status not in RECORD_STATUSES:
             raise ValueError(f"record status must be one of {RECORD_STATUSES}, not {status!r}")
-        row = dict(workload=workload, target=target, toolchain=toolchain, gpu=gpu, driver=driver,
-                   tokens=int(tokens), variant=variant, status=status, median_us=median_us,
-                   stats=_dumps(stats), rel_err=rel_err, error=error, created_at=_now())
+        self._require_workload(conn, row["workload"], "a tuning record")
+        return conn.execute(_records_t.insert().values(
+            **row, tokens=int(tokens), status=status, stats=_dumps(stats),
+            created_at=_now())).inserted_primary_key[0]
 
-        def add(conn: Connection) -> int:
-            self._require_workload(conn, workload, "a tuning record")
-            return conn.execute(_records_t.insert().values(**row)).inserted_primary_key[0]
+    def add_record_once(self, **row) -> tuple[int, RecordRow | None]:
+        """add_record unless a record of the same workload, target, GPU, toolchain, token count
+        and variant exists; then that record's (id, row) comes back instead. Concurrent tuning
+        workers that both measured one variant thus keep one record: the workload's row is
+        locked first (FOR UPDATE on servers; SQLite's write transaction is already exclusive)."""
+        keys = ("workload", "target", "gpu", "toolchain", "tokens", "variant")
+        t = _records_t
+
+        def find(conn: Connection):
+            w = _workloads_t
+            conn.execute(select(w.c.key).where(w.c.key == row["workload"]).with_for_update()).first()
+            return conn.execute(select(t).where(*(t.c[k] == row[k] for k in keys))
+                                .order_by(t.c.id).limit(1)).mappings().first()
+        if row.get("status") not in RECORD_STATUSES:
+            raise ValueError(f"record status must be one of {RECORD_STATUSES}, not {row.get('status')!r}")
+
+        def add(conn: Connection):
+            r = find(conn)
+            if r is not None:
+                return r["id"], RecordRow(**{**r, "stats": json.loads(r["stats"]),
+                                             "created_at": _utc(r["created_at"])})
+            return self._insert_record(conn, **row), None
         return self._run("store a tuning record", add, write=True)
 
     def records(self, workload: str | None = None, target: str | None = None,

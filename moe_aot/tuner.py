@@ -204,29 +204,21 @@ class Compiled:
     seconds: float
 
 
-def previous_outcome(db: Database, spec: LayerSpec, gpu: str, toolchain: str, tokens: int,
-                     variant: str) -> tuple[int, Outcome] | None:
-    """A record of the same variant, bucket, GPU and toolchain: the sampler proposing a point
-    again costs a lookup, not a second measurement."""
-    for r in db.records(spec.workload_key, spec.target, gpu, tokens):
-        if r.variant == variant and r.toolchain == toolchain:
-            return r.id, Outcome(r.status, r.median_us, r.stats, r.rel_err, r.error)
-    return None
-
-
 def finish(db: Database, study: optuna.Study, trial: optuna.Trial, spec: LayerSpec, tokens: int,
            variant: LayerVariant, toolchain: str, gpu: str, driver: str, out: Outcome) -> int | None:
-    """Record the outcome (unless it repeats an earlier record), tell the study, commit the best."""
+    """Record the outcome, tell the study, commit the best. A variant already recorded for this
+    bucket, GPU and toolchain (the sampler proposing a point again, or two workers measuring it
+    at once) keeps its first record, and the trial is told that record's outcome."""
     name = variant.name(spec)
-    prev = previous_outcome(db, spec, gpu, toolchain, tokens, name)
+    stats = {**out.stats, "study": study.study_name, "trial": trial.number, "worker": worker_id()}
+    rid, prev = db.add_record_once(workload=spec.workload_key, target=spec.target, toolchain=toolchain,
+                                   gpu=gpu, driver=driver, tokens=tokens, variant=name,
+                                   status=out.status, median_us=out.median_us, stats=stats,
+                                   rel_err=out.rel_err, error=out.error)
     if prev is not None:
-        rid, out = prev
+        out = Outcome(prev.status, prev.median_us, prev.stats, prev.rel_err, prev.error)
         trial.set_user_attr("repeat_of_record", rid)
     else:
-        stats = {**out.stats, "study": study.study_name, "trial": trial.number, "worker": worker_id()}
-        rid = db.add_record(workload=spec.workload_key, target=spec.target, toolchain=toolchain, gpu=gpu,
-                            driver=driver, tokens=tokens, variant=name, status=out.status,
-                            median_us=out.median_us, stats=stats, rel_err=out.rel_err, error=out.error)
         trial.set_user_attr("record", rid)
     trial.set_user_attr("status", out.status)
     if out.error:
@@ -524,10 +516,11 @@ def _enqueue(db: Database, slot: Slot, variant: LayerVariant, c: Compiled, gpu: 
         slot.study.enqueue_trial(params_of(variant), user_attrs={**attrs, "ready": True},
                                  skip_if_exists=False)
         return
-    rid = db.add_record(workload=slot.spec.workload_key, target=slot.spec.target, toolchain=c.toolchain,
-                        gpu=gpu, driver="-", tokens=slot.tokens, variant=name, status="compile_error",
-                        stats={"study": slot.study.study_name, "compile_s": round(c.seconds, 3)},
-                        error=c.error)
+    rid, _ = db.add_record_once(workload=slot.spec.workload_key, target=slot.spec.target,
+                                toolchain=c.toolchain, gpu=gpu, driver="-", tokens=slot.tokens,
+                                variant=name, status="compile_error", median_us=None, rel_err=None,
+                                stats={"study": slot.study.study_name, "compile_s": round(c.seconds, 3)},
+                                error=c.error)
     slot.study.add_trial(create_trial(
         value=FAILED_US, params=params_of(variant), distributions=slot.space,
         user_attrs={**attrs, "status": "compile_error", "record": rid, "error": c.error[:500]}))

@@ -215,6 +215,41 @@ def _commit_many(url: str, seed: int, values: list[float]) -> None:
                           tokens=[1, 16, 256][i % 3], variant=f"p{seed}_{i}", median_us=v)
 
 
+def _record_once_many(url: str, worker: int, n: int) -> None:
+    # Both workers add the same n variants, in opposite orders, as two tuners measuring them would.
+    with Database(url) as d:
+        d.put_workload("w", SPEC)
+        for i in (range(n) if worker == 0 else reversed(range(n))):
+            d.add_record_once(workload="w", target="sm_90a", toolchain=TC, gpu="H200", driver="580",
+                              tokens=16, variant=f"once_{i}", status="ok", median_us=1.0 + worker,
+                              stats={"worker": worker}, rel_err=None, error=None)
+
+
+def _check_record_once(url: str, n: int) -> None:
+    with Database(url, readonly=True) as d:
+        once = [r for r in d.records() if r.variant.startswith("once_")]
+    assert sorted(r.variant for r in once) == sorted(f"once_{i}" for i in range(n))
+
+
+def test_add_record_once_keeps_the_first_record(db):
+    kw = dict(workload="w", target="sm_90a", toolchain=TC, gpu="H200", driver="580", tokens=16,
+              variant="v", rel_err=None, error=None)
+    rid, prev = db.add_record_once(**kw, status="ok", median_us=5.0, stats={"n": 1})
+    assert prev is None
+    rid2, prev2 = db.add_record_once(**kw, status="ok", median_us=9.0, stats={"n": 2})
+    assert rid2 == rid and prev2.median_us == 5.0 and prev2.stats == {"n": 1}
+    other, prev3 = db.add_record_once(**{**kw, "toolchain": "other"}, status="ok", median_us=7.0, stats={})
+    assert prev3 is None and other != rid and len(db.records()) == 2
+    with pytest.raises(ValueError, match="record status"):
+        db.add_record_once(**kw, status="fast", median_us=1.0, stats={})
+
+
+def test_two_processes_add_record_once_keep_one_record_each(tmp_path):
+    url = _url(tmp_path / "k.sqlite")
+    _run_two(_record_once_many, (url, 0, 150), (url, 1, 150))
+    _check_record_once(url, 150)
+
+
 def _run_two(target, args_a, args_b):
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=target, args=a) for a in (args_a, args_b)]
@@ -351,6 +386,8 @@ def test_server_database_round_trip_and_concurrent_best():
     with Database(_SERVER_URL, readonly=True) as d:
         best = d.best("w", "sm_90a", "H200", TC)
         assert len(d.list_artifacts()) == 101 and len(d.records()) == 101
+    _run_two(_record_once_many, (_SERVER_URL, 0, 100), (_SERVER_URL, 1, 100))
+    _check_record_once(_SERVER_URL, 100)
     for i, t in enumerate([1, 16, 256]):
         expected = min(v for s in vals for j, v in enumerate(vals[s]) if j % 3 == i)
         assert best[t].median_us == (min(expected, 5.0) if t == 16 else expected)
