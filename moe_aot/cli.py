@@ -409,12 +409,17 @@ def export_cmd(gpu, export_dir, db_url):
 @click.option("--gpu", default=None, help="Only this GPU's tuned picks (default: every GPU's).")
 @click.option("--tuned-dir", default=None, help="Tuned picks as text to turn into binaries (default: cache/tuned/).")
 @click.option("--jobs", "-j", type=int, default=None, help="Parallel compile processes (default: CPU count).")
+@click.option("--pdl-twins", is_flag=True,
+              help="Also compile each variant's twin with programmatic dependent launch flipped "
+                   "(for `tools/bench.py --pdl`, which measures both side by side).")
 @click.option("--db", "db_url", default=None, help=DB_HELP)
 def build_cmd(models, spec_file, target, experts, top_k, hidden, intermediate, activation, precision, tokens, gpu,
-              tuned_dir, jobs, db_url):
+              tuned_dir, jobs, pdl_twins, db_url):
     """Precompile everything a deployment needs: the tuned pick per bucket where the database or
     the text export has one for the target (and GPU), the default variant for every bucket.
     Idempotent: what is already in the database is not compiled again."""
+    import dataclasses
+
     from .compiler import compile_into, toolchain_key
     from .tuner import build_plan
 
@@ -423,6 +428,8 @@ def build_cmd(models, spec_file, target, experts, top_k, hidden, intermediate, a
     t0 = time.perf_counter()
     try:
         pairs, picks = build_plan(db, specs, _tokens(tokens), gpu, Path(tuned_dir) if tuned_dir else env.tuned_dir())
+        if pdl_twins:
+            pairs = list(dict.fromkeys(pairs + [(s, dataclasses.replace(v, pdl=not v.pdl)) for s, v in pairs]))
 
         def progress(res, done, total):
             status = "ok" if res.artifact else "FAILED"

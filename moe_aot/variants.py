@@ -62,42 +62,53 @@ class LayerVariant:
     glu: GemmTiles = GemmTiles()
     down: GemmTiles = GemmTiles()
     route_cluster: int = 1  # CTAs of the routing kernel's cluster: 1 for few tokens, 8-16 for many
+    # Programmatic dependent launch: GEMM1, GEMM2 and the combine launch while their predecessor
+    # still runs and wait on the chip (griddepcontrol); GEMM2 fetches its first weight k-tiles
+    # before that wait. Off in the defaults until measured on the GPU.
+    pdl: bool = False
 
     def name(self, spec: LayerSpec) -> str:
         return (f"moe_layer_{arch_tag(spec.target)}_{spec.precision}_{spec.shape_tag}_{spec.activation}"
-                f"_m{self.tile_m}r{self.route_cluster}_glu{self.glu.tag}_down{self.down.tag}")
+                f"_m{self.tile_m}r{self.route_cluster}_glu{self.glu.tag}_down{self.down.tag}{self._pdl_tag}")
+
+    @property
+    def _pdl_tag(self) -> str:
+        return "_pdl" if self.pdl else ""
 
     def kernels(self, spec: LayerSpec) -> list[KernelVariant]:
         a, p, s = arch_tag(spec.target), spec.precision, spec.shape_tag
         e, k, h, i = spec.experts, spec.top_k, spec.hidden, spec.intermediate
-        g, d, m = self.glu, self.down, self.tile_m
+        g, d, m, x = self.glu, self.down, self.tile_m, self._pdl_tag
+        pdl = (("pdl", True),) if self.pdl else ()
         return [
-            KernelVariant("routing", f"moe_route_{a}_e{e}k{k}_m{m}_c{self.route_cluster}",
-                          (("num_experts", e), ("top_k", k), ("tile_m", m), ("cluster_size", self.route_cluster))),
+            KernelVariant("routing", f"moe_route_{a}_e{e}k{k}_m{m}_c{self.route_cluster}{x}",
+                          (("num_experts", e), ("top_k", k), ("tile_m", m), ("cluster_size", self.route_cluster))
+                          + pdl),
             KernelVariant(
                 "glu", f"moe_glu_{a}_{p}_{s}_{spec.activation}_t{m}x{g.tile_n}x{g.tile_k}_s{g.stages}_{g.mma}"
-                       f"_g{INTERLEAVE}",
+                       f"_g{INTERLEAVE}{x}",
                 (("num_experts", e), ("top_k", k), ("hidden", h), ("intermediate", i),
                  ("activation", spec.activation), ("tile_m", m), ("tile_n", g.tile_n), ("tile_k", g.tile_k),
-                 ("stages", g.stages), ("mma", g.mma), ("interleave", INTERLEAVE))),
+                 ("stages", g.stages), ("mma", g.mma), ("interleave", INTERLEAVE)) + pdl),
             KernelVariant(
-                "down", f"moe_down_{a}_{p}_{s}_t{m}x{d.tile_n}x{d.tile_k}_s{d.stages}_{d.mma}",
+                "down", f"moe_down_{a}_{p}_{s}_t{m}x{d.tile_n}x{d.tile_k}_s{d.stages}_{d.mma}{x}",
                 (("num_experts", e), ("top_k", k), ("hidden", h), ("intermediate", i), ("tile_m", m),
-                 ("tile_n", d.tile_n), ("tile_k", d.tile_k), ("stages", d.stages), ("mma", d.mma))),
-            KernelVariant("combine", f"moe_combine_{a}_{p}_e{e}k{k}h{h}",
-                          (("num_experts", e), ("hidden", h), ("top_k", k))),
+                 ("tile_n", d.tile_n), ("tile_k", d.tile_k), ("stages", d.stages), ("mma", d.mma)) + pdl),
+            KernelVariant("combine", f"moe_combine_{a}_{p}_e{e}k{k}h{h}{x}",
+                          (("num_experts", e), ("hidden", h), ("top_k", k)) + pdl),
         ]
 
     @classmethod
     def parse(cls, name: str) -> "LayerVariant":
-        """Inverse of the tunable part of name(): ..._m64r1_glun128k64s3warp_downn128k64s3warp."""
+        """Inverse of the tunable part of name(): ..._m64r1_glun128k64s3warp_downn128k64s3warp[_pdl]."""
         import re
 
-        m = re.search(r"_m(\d+)r(\d+)_glu(n(\d+)k(\d+)s(\d+)([a-z]+))_down(n(\d+)k(\d+)s(\d+)([a-z]+))$", name)
+        m = re.search(r"_m(\d+)r(\d+)_glu(n(\d+)k(\d+)s(\d+)([a-z]+))_down(n(\d+)k(\d+)s(\d+)([a-z]+))"
+                      r"(_pdl)?$", name)
         if not m:
             raise ValueError(f"{name!r} is not a layer variant name")
         return cls(int(m[1]), GemmTiles(int(m[4]), int(m[5]), int(m[6]), m[7]),
-                   GemmTiles(int(m[9]), int(m[10]), int(m[11]), m[12]), int(m[2]))
+                   GemmTiles(int(m[9]), int(m[10]), int(m[11]), m[12]), int(m[2]), m[13] is not None)
 
 
 SMEM_CAPACITY = {"sm_90a": 227 * 1024, "sm_100a": 227 * 1024, "sm_121a": 99 * 1024}
@@ -195,8 +206,8 @@ def candidate_space(spec: LayerSpec) -> list[LayerVariant]:
                                        itertools.product(TILE_N, TILE_K, STAGES, lim["mma"]))
                            if gemm_can_implement(n_dim, k_dim, m, t, spec.target)[0]
                            and (role == "down" or t.tile_n % (2 * INTERLEAVE) == 0)]
-        for g, d, c in itertools.product(tiles["glu"], tiles["down"], clusters):
-            out.append(LayerVariant(m, g, d, c))
+        for g, d, c, pdl in itertools.product(tiles["glu"], tiles["down"], clusters, (False, True)):
+            out.append(LayerVariant(m, g, d, c, pdl))
     return out
 
 

@@ -65,7 +65,7 @@ class _GroupedGemmBase:
     glu = False
 
     def __init__(self, n: int, k: int, tile_m: int, tile_n: int, tile_k: int,
-                 stages: int, mma: str, warps_m, warps_n):
+                 stages: int, mma: str, warps_m, warps_n, pdl: bool = False):
         warps_m, warps_n = self.default_warps(tile_m, tile_n, warps_m, warps_n, mma)
         ok, reason = self._check_tiles(n, k, tile_m, tile_n, tile_k, stages, mma, warps_m, warps_n)
         if not ok:
@@ -86,6 +86,12 @@ class _GroupedGemmBase:
         # fp32 staging rows padded by 8 floats: the MMA's accumulator stores then hit
         # distinct banks in each half-warp phase.
         self.c_row_stride = tile_n + 8
+        # pdl: launched as a programmatic dependent of the previous kernel (see
+        # _grid_dependency_wait). GEMM2 then fetches its first weight k-tiles, which do not depend
+        # on GEMM1, before it waits for GEMM1's grid; GEMM1 waits first thing (its tile -> expert
+        # map comes from the routing kernel).
+        self.pdl = bool(pdl)
+        self.early_b = self.pdl and not self.glu and mma != "wgmmatma"
 
     # ------------------------------------------------------------------ checks
     @staticmethod
@@ -235,6 +241,32 @@ class _GroupedGemmBase:
         cute.copy(tiled_copy, tBgB[None, None, None, kt], tBsB[None, None, None, stage])
 
     @cute.jit
+    def _prologue(self, n: int, tiled_copy, mA, a_rows, tAsA, tAcA, tBgB, tBsB):
+        """Issue k-tiles 0..n-1 into stages 0..n-1, one cp.async group each. With ``early_b``
+        the weight copies of all n go first, then the wait for the previous grid, then A."""
+        if const_expr(self.early_b):
+            for s in cutlass.range_constexpr(n):
+                cute.copy(tiled_copy, tBgB[None, None, None, s], tBsB[None, None, None, s])
+            self._grid_dependency_wait()
+            for s in cutlass.range_constexpr(n):
+                self._load_a(s, s, tiled_copy, mA, a_rows, tAsA, tAcA)
+                cute.arch.cp_async_commit_group()
+        else:
+            for s in cutlass.range_constexpr(n):
+                self._load_tile(s, s, tiled_copy, mA, a_rows, tAsA, tAcA, tBgB, tBsB)
+                cute.arch.cp_async_commit_group()
+
+    @cute.jit
+    def _grid_dependency_wait(self):
+        """Programmatic dependent launch: block until the previous kernel in the stream has
+        finished and its writes are visible, then let the next kernel's CTAs launch (they run
+        their own prologue and wait in turn, so launch gaps and grid tails overlap). Every
+        read of another kernel's output and every global write comes after it."""
+        if const_expr(self.pdl):
+            cute.arch.griddepcontrol_wait()
+            cute.arch.griddepcontrol_launch_dependents()
+
+    @cute.jit
     def _mainloop(self, tidx, mA, a_rows, sA, mBe, bn, sB, tiled_mma, acc):
         """acc += A[a_rows] @ B_e[bn-tile]^T over all of K.
 
@@ -268,9 +300,7 @@ class _GroupedGemmBase:
         tiled_copy, tAsA, tAcA, tBgB, tBsB = self._g2s_partitions(tidx, sA, mBe, bn, sB, a_rows)
         k_tiles = self.k // self.tile_k
         ahead = self.prefetch
-        for s in cutlass.range_constexpr(ahead):
-            self._load_tile(s, s, tiled_copy, mA, a_rows, tAsA, tAcA, tBgB, tBsB)
-            cute.arch.cp_async_commit_group()
+        self._prologue(ahead, tiled_copy, mA, a_rows, tAsA, tAcA, tBgB, tBsB)
 
         warp_group = cute.arch.make_warp_uniform(tidx // 128)
         thr_mma = tiled_mma.get_slice(warp_group * 128)
@@ -308,9 +338,7 @@ class _GroupedGemmBase:
         tiled_copy, tAsA, tAcA, tBgB, tBsB = self._g2s_partitions(tidx, sA, mBe, bn, sB, a_rows)
         k_tiles = self.k // self.tile_k
         stages = self.stages
-        for s in cutlass.range_constexpr(stages - 1):
-            self._load_tile(s, s, tiled_copy, mA, a_rows, tAsA, tAcA, tBgB, tBsB)
-            cute.arch.cp_async_commit_group()
+        self._prologue(stages - 1, tiled_copy, mA, a_rows, tAsA, tAcA, tBgB, tBsB)
 
         thr_mma = tiled_mma.get_slice(tidx)
         tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA)[None, None, None, 0])
@@ -556,6 +584,8 @@ class _GroupedGemmBase:
     def _tile(self, tidx, mA, mW, mIds, mTileExpert, epi):
         """One CTA: gather the tile's A rows, multiply by its expert's weights (mma.sync or
         wgmma), stage the accumulator and run the subclass epilogue with the tensors `epi`."""
+        if const_expr(not self.early_b):
+            self._grid_dependency_wait()
         bn, bt = self._tile_coords(cute.size(mTileExpert, mode=[0]))
         expert = mTileExpert[bt]
         if expert >= 0:
@@ -573,6 +603,7 @@ class _GroupedGemmBase:
     @cute.jit
     def _tile_tma(self, tidx, tma_b, mWt, mA, mIds, mTileExpert, epi):
         """mma="wgmmatma": warpgroup 0 loads, the others multiply and run the epilogue."""
+        self._grid_dependency_wait()
         bn, bt = self._tile_coords(cute.size(mTileExpert, mode=[0]))
         expert = mTileExpert[bt]
         if expert >= 0:
@@ -631,7 +662,8 @@ class GroupedGluGemm(_GroupedGemmBase):
     def __init__(self, num_experts: int, hidden: int, intermediate: int, top_k: int,
                  activation: str = "swiglu", interleave: int = 16,
                  tile_m: int = 128, tile_n: int = 128, tile_k: int = 64, stages: int = 4,
-                 mma: str = "warp", warps_m: int | None = None, warps_n: int | None = None):
+                 mma: str = "warp", warps_m: int | None = None, warps_n: int | None = None,
+                 pdl: bool = False):
         ok, reason = self.can_implement(num_experts, hidden, intermediate, top_k, activation,
                                         interleave, tile_m, tile_n, tile_k, stages, mma,
                                         warps_m, warps_n)
@@ -640,7 +672,7 @@ class GroupedGluGemm(_GroupedGemmBase):
         self.num_experts, self.hidden, self.intermediate = num_experts, hidden, intermediate
         self.top_k, self.activation, self.interleave = top_k, activation, interleave
         super().__init__(2 * intermediate, hidden, tile_m, tile_n, tile_k, stages, mma,
-                         warps_m, warps_n)
+                         warps_m, warps_n, pdl)
 
     @classmethod
     def can_implement(cls, num_experts, hidden, intermediate, top_k, activation="swiglu",
@@ -684,10 +716,10 @@ class GroupedGluGemm(_GroupedGemmBase):
         if const_expr(self.mma == "wgmmatma"):
             tma_b, mWt = self._make_tma_b(w13)
             self.kernel_tma(tma_b, mWt, x, sorted_ids, tile_expert, h).launch(
-                grid=grid, block=block, stream=stream)
+                grid=grid, block=block, stream=stream, use_pdl=self.pdl)
         else:
             self.kernel(x, w13, sorted_ids, tile_expert, h).launch(grid=grid, block=block,
-                                                                   stream=stream)
+                                                                   stream=stream, use_pdl=self.pdl)
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mW: cute.Tensor, mIds: cute.Tensor,
@@ -758,7 +790,8 @@ class GroupedDownGemm(_GroupedGemmBase):
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, top_k: int,
                  tile_m: int = 128, tile_n: int = 128, tile_k: int = 64, stages: int = 4,
-                 mma: str = "warp", warps_m: int | None = None, warps_n: int | None = None):
+                 mma: str = "warp", warps_m: int | None = None, warps_n: int | None = None,
+                 pdl: bool = False):
         ok, reason = self.can_implement(num_experts, hidden, intermediate, top_k, tile_m,
                                         tile_n, tile_k, stages, mma, warps_m, warps_n)
         if not ok:
@@ -766,7 +799,7 @@ class GroupedDownGemm(_GroupedGemmBase):
         self.num_experts, self.hidden, self.intermediate = num_experts, hidden, intermediate
         self.top_k = top_k
         super().__init__(hidden, intermediate, tile_m, tile_n, tile_k, stages, mma,
-                         warps_m, warps_n)
+                         warps_m, warps_n, pdl)
 
     @classmethod
     def can_implement(cls, num_experts, hidden, intermediate, top_k, tile_m=128, tile_n=128,
@@ -804,10 +837,10 @@ class GroupedDownGemm(_GroupedGemmBase):
         if const_expr(self.mma == "wgmmatma"):
             tma_b, mWt = self._make_tma_b(w2)
             self.kernel_tma(tma_b, mWt, h, sorted_ids, tile_expert, topk_weights, y).launch(
-                grid=grid, block=block, stream=stream)
+                grid=grid, block=block, stream=stream, use_pdl=self.pdl)
         else:
             self.kernel(h, w2, sorted_ids, tile_expert, topk_weights, y).launch(
-                grid=grid, block=block, stream=stream)
+                grid=grid, block=block, stream=stream, use_pdl=self.pdl)
 
     @cute.kernel
     def kernel(self, mH: cute.Tensor, mW: cute.Tensor, mIds: cute.Tensor,

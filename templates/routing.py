@@ -71,8 +71,10 @@ class MoeRouting:
     """
 
     def __init__(self, num_experts: int, top_k: int, tile_m: int,
-                 num_threads: int = 1024, unroll: int = 8, cluster_size: int = 1):
+                 num_threads: int = 1024, unroll: int = 8, cluster_size: int = 1,
+                 pdl: bool = False):
         self.num_experts = num_experts
+        self.pdl = bool(pdl)  # let the next kernel (GEMM1, launched as a dependent) launch early
         self.top_k = top_k
         self.tile_m = tile_m
         self.num_threads = num_threads
@@ -106,6 +108,11 @@ class MoeRouting:
         warp = tid // _WARP
         lane = tid % _WARP
 
+        if cutlass.const_expr(self.pdl):
+            # The layer's first kernel, launched without programmatic dependence (the caller's
+            # kernels before it need not signal); it lets GEMM1's CTAs launch at once, to wait
+            # on the chip for this grid instead of being launched after it.
+            cute.arch.griddepcontrol_launch_dependents()
         smem = SmemAllocator()
         s_hist = smem.allocate_tensor(
             Int32, cute.make_layout((NW, E), stride=(self.hist_stride, 1)), 16)
@@ -332,8 +339,10 @@ class MoeCombine:
 
     VEC = 8
 
-    def __init__(self, num_experts: int, hidden: int, top_k: int, num_threads: int = 128):
+    def __init__(self, num_experts: int, hidden: int, top_k: int, num_threads: int = 128,
+                 pdl: bool = False):
         self.num_experts = num_experts
+        self.pdl = bool(pdl)  # launched as a programmatic dependent of GEMM2
         self.hidden = hidden
         self.top_k = top_k
         self.num_threads = num_threads
@@ -345,11 +354,15 @@ class MoeCombine:
         vecs = self.hidden // self.VEC
         self.kernel(y, topk_ids, out).launch(
             grid=[num_tokens, (vecs + self.num_threads - 1) // self.num_threads, 1],
-            block=[self.num_threads, 1, 1], stream=stream)
+            block=[self.num_threads, 1, 1], stream=stream, use_pdl=self.pdl)
 
     @cute.kernel
     def kernel(self, y: cute.Tensor, ids: cute.Tensor, out: cute.Tensor):
         K = self.top_k
+        if cutlass.const_expr(self.pdl):
+            # Launched as a programmatic dependent of GEMM2: y is read only after its grid is done.
+            cute.arch.griddepcontrol_wait()
+            cute.arch.griddepcontrol_launch_dependents()
         tid, _, _ = cute.arch.thread_idx()
         m, by, _ = cute.arch.block_idx()
         v = by * self.num_threads + tid

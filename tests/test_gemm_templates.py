@@ -115,3 +115,33 @@ def test_wgmmatma_compiles_for_sm90a_only(cls, tile_m, stages, tmp_path):
     assert not ok and "sm_90a" in reason
     ok, reason = cls.can_implement(**QWEN3_30B, tile_m=tile_m, tile_k=32, mma="wgmmatma")
     assert not ok and "tile_k" in reason
+
+
+@pytest.mark.parametrize("mma", ["warp", "wgmma"])
+def test_pdl_waits_before_reading_other_kernels_outputs(mma, tmp_path):
+    """pdl=True: each GEMM waits for the previous grid (griddepcontrol.wait) and then lets the
+    next one launch; GEMM1 waits before anything else, GEMM2 issues only weight cp.asyncs
+    before its wait. pdl=False emits neither instruction."""
+    def ptx(obj):
+        return cute.compile(obj, *[f for _, f in obj.fake_arguments()],
+                            options=f"--gpu-arch sm_90a --keep-ptx --dump-dir {tmp_path}").__ptx__
+
+    kw = dict(**QWEN3_30B, tile_m=64, tile_n=128, tile_k=64, stages=4, mma=mma)
+    for cls in (GroupedGluGemm, GroupedDownGemm):
+        assert "griddepcontrol" not in ptx(cls(**kw))
+        text = ptx(cls(**kw, pdl=True))
+        body = text[text.index(".entry"):]
+        wait, launch = body.find("griddepcontrol.wait"), body.find("griddepcontrol.launch_dependents")
+        assert 0 < wait < launch, cls.__name__
+        copies_before = body[:wait].count("cp.async.cg.shared.global")
+        if cls is GroupedGluGemm:
+            assert copies_before == 0 and body[:wait].count("ld.global") == 0
+        else:
+            # exactly the weight tiles of the first stages-1 (warp) / stages-2 (wgmma) k-tiles:
+            # 128 rows of 64 bf16 per k-tile in 16-byte copies over the CTA's 128 threads
+            obj = cls(**kw, pdl=True)
+            ahead = obj.stages - 1 if mma == "warp" else obj.prefetch
+            assert obj.threads == 128
+            assert copies_before == ahead * 128 * 64 // 8 // 128
+            assert "ld.global" in body[:wait]  # tile_expert and sorted_ids, from the routing
+            assert body[:wait].count("st.global") == 0

@@ -3,6 +3,7 @@ needed here), against the fp32 PyTorch reference. Skipped without a GPU or witho
 kernels (set MOE_AOT_DB; tools/gpu_run.py does the whole run)."""
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -16,7 +17,7 @@ if not torch.cuda.is_available():
 from moe_aot.runtime.layer import MoeLayer, moe_forward  # noqa: E402
 from moe_aot.runtime.library import KernelArgumentError  # noqa: E402
 from moe_aot.runtime.reference import moe_reference, rel_err  # noqa: E402
-from moe_aot.runtime.store import KernelStore  # noqa: E402
+from moe_aot.runtime.store import KernelMissingError, KernelStore  # noqa: E402
 from moe_aot.runtime.verify import TOLERANCE, check_stages, random_routing, random_weights  # noqa: E402
 from moe_aot.spec import PRESETS, make_spec  # noqa: E402
 
@@ -125,4 +126,52 @@ def test_repeated_eager_calls_with_new_buffers(store):
         out = torch.full((33, spec.hidden), float("nan"), device=layer.device, dtype=torch.bfloat16)
         layer.forward(x, w13, w2, tw, ids, out=out)
         e = rel_err(out, moe_reference(x, w13, w2, tw, ids, spec.activation))
+        assert e <= TOLERANCE, e
+
+
+@pytest.mark.parametrize("tokens", [1, 256, 4096])
+def test_pdl_twin_in_a_graph_back_to_back(layer_and_weights, tokens):
+    """The programmatic-dependent-launch twin of the bucket's variant (`moe-aot build
+    --pdl-twins`): two layers captured back to back in one graph (the second reads the first's
+    output, so a kernel that ran ahead of its wait would read stale data), replayed with new
+    values in the same buffers, each output against the reference."""
+    layer, w13, w2 = layer_and_weights
+    spec = layer.spec
+    v = dataclasses.replace(layer.variant_for(tokens), pdl=True)
+    pdl_layer = MoeLayer(spec, layer.store, device=layer.device.index, variants={tokens: v})
+    try:
+        pdl_layer.kernels(tokens)
+    except KernelMissingError as exc:
+        pytest.skip(f"PDL twins not in the database (build with --pdl-twins): {exc}")
+    dev = layer.device
+    x = torch.randn(tokens, spec.hidden, device=dev, dtype=torch.bfloat16)
+    tw, ids = random_routing(tokens, spec, dev)
+    tw2, ids2 = random_routing(tokens, spec, dev)
+    mid = torch.empty(tokens, spec.hidden, device=dev, dtype=torch.bfloat16)
+    out = torch.empty_like(mid)
+    ws = pdl_layer.workspace(tokens)
+
+    def two_layers():
+        pdl_layer.forward(x, w13, w2, tw, ids, out=mid, workspace=ws)
+        pdl_layer.forward(mid, w13, w2, tw2, ids2, out=out, workspace=ws)
+
+    two_layers()  # eager first: loads kernels, plans the launches
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        two_layers()
+    for _ in range(3):
+        x.copy_(torch.randn_like(x))
+        for weights, chosen in ((tw, ids), (tw2, ids2)):
+            new_w, new_ids = random_routing(tokens, spec, dev)
+            weights.copy_(new_w)
+            chosen.copy_(new_ids)
+        mid.fill_(float("nan"))
+        out.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        ref_mid = moe_reference(x, w13, w2, tw, ids, spec.activation)
+        assert rel_err(mid, ref_mid) <= TOLERANCE
+        # the second layer against the reference on the first layer's actual (bf16) output
+        e = rel_err(out, moe_reference(mid, w13, w2, tw2, ids2, spec.activation))
         assert e <= TOLERANCE, e

@@ -127,3 +127,21 @@ def test_combine_reference_skips_invalid_pairs():
     nan = float("nan")
     y = torch.tensor([[1.0, 2.0], [3.0, 4.0], [nan, nan], [nan, nan]])
     assert check.combine_reference(y, ids, 8).tolist() == [[4.0, 6.0], [0.0, 0.0]]
+
+
+@pytest.mark.parametrize("cluster", [1, 16])
+def test_pdl_routing_signals_and_combine_waits(cluster, tmp_path):
+    """pdl=True: the routing kernel (the layer's first, launched normally) lets its dependent
+    launch at once and never waits; the combine waits for GEMM2's grid before it reads y."""
+    def ptx(obj):
+        body = cute.compile(obj, *[f for _, f in obj.fake_arguments()],
+                            options=f"--gpu-arch sm_90a --keep-ptx --dump-dir {tmp_path}").__ptx__
+        return body[body.index(".entry"):]
+
+    route = ptx(MoeRouting(num_experts=128, top_k=8, tile_m=64, cluster_size=cluster, pdl=True))
+    assert "griddepcontrol.launch_dependents" in route and "griddepcontrol.wait" not in route
+    assert "griddepcontrol" not in ptx(MoeRouting(num_experts=128, top_k=8, tile_m=64, cluster_size=cluster))
+    comb = ptx(MoeCombine(num_experts=128, hidden=2048, top_k=8, pdl=True))
+    wait = comb.index("griddepcontrol.wait")
+    assert "ld.global" not in comb[:wait] and "ld.global" in comb[wait:]
+    assert "griddepcontrol" not in ptx(MoeCombine(num_experts=128, hidden=2048, top_k=8))

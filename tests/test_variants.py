@@ -28,6 +28,9 @@ def test_every_compile_time_field_changes_the_names():
     assert all(changed[r] != names[r] for r in ("routing", "glu", "down"))
     v = dataclasses.replace(base, route_cluster=16)
     assert _kernel_names(SPEC, v)["routing"] != names["routing"] and v.name(SPEC) != base.name(SPEC)
+    v = dataclasses.replace(base, pdl=True)  # every kernel's launch and body change
+    changed = _kernel_names(SPEC, v)
+    assert all(changed[r] != names[r] for r in names) and v.name(SPEC) != base.name(SPEC)
     # Spec fields baked into kernels: each changes every kernel that takes it.
     for field, value in (("experts", 64), ("top_k", 4), ("hidden", 1024), ("intermediate", 512),
                          ("activation", "geglu"), ("target", "sm_121a")):
@@ -45,18 +48,20 @@ def test_every_compile_time_field_changes_the_names():
 
 def test_name_covers_every_constructor_argument():
     # Every constructor argument value appears in the name (so equal names mean equal kernels).
-    v = LayerVariant(64, GemmTiles(128, 64, 3), GemmTiles(256, 32, 5))
+    v = LayerVariant(64, GemmTiles(128, 64, 3), GemmTiles(256, 32, 5), pdl=True)
     for kv in v.kernels(SPEC):
         for key, value in kv.params:
             token = {"num_experts": f"e{value}", "top_k": f"k{value}", "hidden": f"h{value}",
                      "intermediate": f"i{value}", "tile_m": f"{value}", "tile_n": f"x{value}",
                      "tile_k": f"x{value}", "stages": f"s{value}", "interleave": f"g{value}",
-                     "cluster_size": f"c{value}"}.get(key, str(value))
+                     "cluster_size": f"c{value}", "pdl": "_pdl"}.get(key, str(value))
             assert token in kv.name, (kv.name, key, value)
 
 
 def test_parse_round_trip():
-    for v in candidate_space(SPEC)[:50]:
+    space = candidate_space(SPEC)
+    assert {v.pdl for v in space} == {False, True}
+    for v in space[:50] + space[-50:]:
         assert LayerVariant.parse(v.name(SPEC)) == v
     with pytest.raises(ValueError):
         LayerVariant.parse("moe_layer_nonsense")

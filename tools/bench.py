@@ -8,13 +8,17 @@ max(FLOPs / bf16 matmul rate measured in this run, bytes / 4.8 TB/s). Several in
 different routings are replayed in turn so that consecutive replays do not find the previous
 one's experts in L2; every row is checked against the fp32 reference.
 
-    python3 tools/bench.py --out DIR [--models a,b] [--tokens 1,16,...] [--replays 100]
+    python3 tools/bench.py --out DIR [--models a,b] [--tokens 1,16,...] [--replays 100] [--pdl]
+
+--pdl also checks and times, at every point and in the same run, the twin of our variant with
+programmatic dependent launch flipped (build the database with `moe-aot build --pdl-twins`).
 
 Writes DIR/bench_h200.json and DIR/bench_h200.md.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import statistics
@@ -26,7 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from moe_aot.runtime.layer import MoeLayer  # noqa: E402
-from moe_aot.runtime.measure import graph_times_us, input_sets  # noqa: E402
+from moe_aot.runtime.measure import graph_times_us, input_sets, measure_variant  # noqa: E402
 from moe_aot.runtime.reference import moe_reference, rel_err, split_gate_up  # noqa: E402
 from moe_aot.runtime.store import KernelStore  # noqa: E402
 from moe_aot.runtime.verify import random_weights  # noqa: E402
@@ -75,7 +79,7 @@ def graph_time_us(fns, replays: int) -> float:
     return statistics.median(graph_times_us(fns, replays))
 
 
-def bench_model(name: str, tokens_list, replays: int, rate: float, store) -> list[dict]:
+def bench_model(name: str, tokens_list, replays: int, rate: float, store, pdl: bool = False) -> list[dict]:
     spec = make_spec(name, target="sm_90a")
     layer = MoeLayer(spec, store)
     dev = layer.device
@@ -107,6 +111,17 @@ def bench_model(name: str, tokens_list, replays: int, rate: float, store) -> lis
                "torch_us": round(theirs, 2), "rel_err": err, "torch_rel_err": t_err,
                "ours_over_floor": round(ours / floor, 3), "torch_over_ours": round(theirs / ours, 3),
                "variant": layer.variant_for(M).name(spec), "experts_selected": selected}
+        if pdl:
+            twin = dataclasses.replace(layer.variant_for(M), pdl=not layer.variant_for(M).pdl)
+            row["twin_variant"] = twin.name(spec)
+            try:
+                m = measure_variant(layer, twin, M, w13, w2, replays, sets)
+                row.update(twin_rel_err=m["rel_err"], twin_us=round(m["median_us"], 2) if m["ok"] else None,
+                           twin_over_ours=round(m["median_us"] / ours, 3) if m["ok"] else None)
+            except Exception as exc:  # kernels not in the database, launch failure: reported
+                row["twin_error"] = f"{type(exc).__name__}: {exc}"[:300]
+            print(f"  twin {row['twin_variant']}: {row.get('twin_us')} us, rel err {row.get('twin_rel_err')}"
+                  f"{', ' + row['twin_error'] if 'twin_error' in row else ''}", flush=True)
         rows.append(row)
         print(f"{name:16} M={M:6} ours {ours:9.1f} us  floor {floor:9.1f}  torch {theirs:9.1f}  "
               f"ours/floor {ours / floor:5.2f}  torch/ours {theirs / ours:5.2f}  err {err:.1e}", flush=True)
@@ -122,9 +137,19 @@ def markdown(result: dict) -> str:
              "(µs); ratios below 1 in `torch/ours` mean PyTorch was faster.", "",
              "| model | tokens | ours µs | floor µs | ours/floor | torch µs | torch/ours | rel err |",
              "|---|---|---|---|---|---|---|---|"]
+    twins = any("twin_variant" in r for r in result["rows"])
+    if twins:
+        lines[-2] += " PDL-flipped twin µs | twin/ours | twin rel err |"
+        lines[-1] += "---|---|---|"
     for r in result["rows"]:
-        lines.append(f"| {r['model']} | {r['tokens']} | {r['ours_us']:.1f} | {r['floor_us']:.1f} | "
-                     f"{r['ours_over_floor']:.2f} | {r['torch_us']:.1f} | {r['torch_over_ours']:.2f} | {r['rel_err']:.1e} |")
+        line = (f"| {r['model']} | {r['tokens']} | {r['ours_us']:.1f} | {r['floor_us']:.1f} | "
+                f"{r['ours_over_floor']:.2f} | {r['torch_us']:.1f} | {r['torch_over_ours']:.2f} | {r['rel_err']:.1e} |")
+        if twins:
+            ok = r.get("twin_us") is not None
+            err = r.get("twin_rel_err")
+            line += (f" {r['twin_us']:.1f} | {r['twin_over_ours']:.3f} |" if ok else
+                     f" {r.get('twin_error', 'wrong result')[:60]} | - |") + (f" {err:.1e} |" if err is not None else " - |")
+        lines.append(line)
     g = result["summary"]
     lines += ["", f"Geometric mean ours/floor {g['geomean_ours_over_floor']:.2f}; "
               f"geometric mean torch/ours {g['geomean_torch_over_ours']:.2f}; max rel err {g['max_rel_err']:.1e}."]
@@ -137,6 +162,7 @@ def main():
     ap.add_argument("--models", default=",".join(PRESETS))
     ap.add_argument("--tokens", default=",".join(map(str, BENCH_TOKENS)))
     ap.add_argument("--replays", type=int, default=100)
+    ap.add_argument("--pdl", action="store_true", help="also time each point's twin with PDL flipped")
     ns = ap.parse_args()
     torch.manual_seed(0)
     store = KernelStore()
@@ -145,7 +171,7 @@ def main():
     rows = []
     t0 = time.time()
     for name in ns.models.split(","):
-        rows += bench_model(name, [int(t) for t in ns.tokens.split(",")], ns.replays, rate, store)
+        rows += bench_model(name, [int(t) for t in ns.tokens.split(",")], ns.replays, rate, store, ns.pdl)
     geo = lambda xs: math.exp(statistics.mean(math.log(v) for v in xs))  # noqa: E731
     result = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "device": torch.cuda.get_device_name(),

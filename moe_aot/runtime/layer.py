@@ -6,6 +6,7 @@ GPU into a preallocated workspace, so a whole forward can be captured in a CUDA 
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -187,7 +188,7 @@ class MoeLayer:
         M = topk_ids.shape[0]
         v = self.variant_for(M)
         if tile_m is not None and tile_m != v.tile_m:
-            v = LayerVariant(tile_m, v.glu, v.down, v.route_cluster)
+            v = dataclasses.replace(v, tile_m=tile_m)
         route = self._lib(v.kernels(self.spec)[0])
         T = max_tiles(M, self.spec.top_k, self.spec.experts, v.tile_m)
         dev = dict(dtype=torch.int32, device=self.device)
