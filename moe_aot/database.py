@@ -493,27 +493,39 @@ class Database:
             **row, tokens=int(tokens), status=status, stats=_dumps(stats),
             created_at=_now())).inserted_primary_key[0]
 
+    _RECORD_KEY = ("workload", "target", "gpu", "toolchain", "tokens", "variant")
+
+    @staticmethod
+    def _record_row(r) -> RecordRow:
+        return RecordRow(**{**r, "stats": json.loads(r["stats"]), "created_at": _utc(r["created_at"])})
+
+    def _first_record(self, conn: Connection, key: dict):
+        t = _records_t
+        return conn.execute(select(t).where(*(t.c[k] == key[k] for k in self._RECORD_KEY))
+                            .order_by(t.c.id).limit(1)).mappings().first()
+
+    def find_record(self, *, workload: str, target: str, gpu: str, toolchain: str, tokens: int,
+                    variant: str) -> RecordRow | None:
+        """The first record of this variant at this bucket, GPU and toolchain, if any."""
+        key = dict(workload=workload, target=target, gpu=gpu, toolchain=toolchain, tokens=tokens,
+                   variant=variant)
+        r = self._run("read a tuning record", lambda c: self._first_record(c, key))
+        return None if r is None else self._record_row(r)
+
     def add_record_once(self, **row) -> tuple[int, RecordRow | None]:
         """add_record unless a record of the same workload, target, GPU, toolchain, token count
         and variant exists; then that record's (id, row) comes back instead. Concurrent tuning
         workers that both measured one variant thus keep one record: the workload's row is
         locked first (FOR UPDATE on servers; SQLite's write transaction is already exclusive)."""
-        keys = ("workload", "target", "gpu", "toolchain", "tokens", "variant")
-        t = _records_t
-
-        def find(conn: Connection):
-            w = _workloads_t
-            conn.execute(select(w.c.key).where(w.c.key == row["workload"]).with_for_update()).first()
-            return conn.execute(select(t).where(*(t.c[k] == row[k] for k in keys))
-                                .order_by(t.c.id).limit(1)).mappings().first()
         if row.get("status") not in RECORD_STATUSES:
             raise ValueError(f"record status must be one of {RECORD_STATUSES}, not {row.get('status')!r}")
 
         def add(conn: Connection):
-            r = find(conn)
+            w = _workloads_t
+            conn.execute(select(w.c.key).where(w.c.key == row["workload"]).with_for_update()).first()
+            r = self._first_record(conn, row)
             if r is not None:
-                return r["id"], RecordRow(**{**r, "stats": json.loads(r["stats"]),
-                                             "created_at": _utc(r["created_at"])})
+                return r["id"], self._record_row(r)
             return self._insert_record(conn, **row), None
         return self._run("store a tuning record", add, write=True)
 
@@ -523,8 +535,7 @@ class Database:
         q = _filter(select(t), t, workload=workload, target=target, gpu=gpu, tokens=tokens)
         rows = self._run("read tuning records", lambda c: c.execute(
             q.order_by(t.c.id)).mappings().all())
-        return [RecordRow(**{**r, "stats": json.loads(r["stats"]),
-                             "created_at": _utc(r["created_at"])}) for r in rows]
+        return [self._record_row(r) for r in rows]
 
     # -- best picks --------------------------------------------------------------------------
 

@@ -19,8 +19,8 @@ from optuna.trial import TrialState
 
 from .database import Database
 from .spec import LayerSpec
-from .tuner import (Outcome, finish, line, open_storage, parse_study_name, requeue_stale, search_space,
-                    study_spec, suggest, worker_id)
+from .tuner import (Outcome, finish, known_outcome, line, open_storage, parse_study_name, requeue_stale,
+                    search_space, study_spec, suggest, worker_id)
 from .variants import LayerVariant
 
 
@@ -158,7 +158,8 @@ def measure(db_url: str, measurer, workloads=None, target: str | None = None, bu
             spec, space, tokens = specs[study.study_name]
             try:
                 variant = suggest(trial, space)
-                out = measurer(spec, variant, tokens)
+                out = (known_outcome(db, spec, measurer.gpu, attrs["toolchain"], tokens, variant)
+                       or measurer(spec, variant, tokens))
                 finish(db, study, trial, spec, tokens, variant, attrs["toolchain"], measurer.gpu,
                        measurer.driver, out)
             except BaseException:

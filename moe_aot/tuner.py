@@ -63,14 +63,16 @@ def params_of(v: LayerVariant) -> dict:
 
 
 def variant_of(params: dict) -> LayerVariant:
+    """Inverse of params_of. A parameter missing from `params` (a trial recorded before that
+    field joined the variant) takes the field's default, which is what was compiled then."""
     kw = {}
     for f in dataclasses.fields(LayerVariant):
         default = getattr(LayerVariant(), f.name)
         if dataclasses.is_dataclass(default):
-            kw[f.name] = type(default)(**{g.name: params[f"{f.name}_{g.name}"]
+            kw[f.name] = type(default)(**{g.name: params.get(f"{f.name}_{g.name}", getattr(default, g.name))
                                           for g in dataclasses.fields(default)})
         else:
-            kw[f.name] = params[f.name]
+            kw[f.name] = params.get(f.name, default)
     return LayerVariant(**kw)
 
 
@@ -87,8 +89,12 @@ def search_space(spec: LayerSpec) -> dict[str, CategoricalDistribution]:
 
 
 def suggest(trial: optuna.Trial, space: dict[str, CategoricalDistribution]) -> LayerVariant:
-    # A trial enqueued by `prepare` carries fixed params: suggest returns those and records them.
-    return variant_of({k: trial.suggest_categorical(k, d.choices) for k, d in space.items()})
+    """A trial enqueued by `prepare` carries fixed params: suggest returns those and records them.
+    One enqueued before a field joined the search space lacks that param; it keeps the field's
+    default (what was compiled for it) instead of having the sampler pick a value."""
+    fixed = trial.storage.get_trial_system_attrs(trial._trial_id).get("fixed_params")
+    return variant_of({k: trial.suggest_categorical(k, d.choices) for k, d in space.items()
+                       if fixed is None or k in fixed})
 
 
 # -- studies -----------------------------------------------------------------------------------
@@ -202,6 +208,16 @@ class Compiled:
     toolchain: str
     error: str | None
     seconds: float
+
+
+def known_outcome(db: Database, spec: LayerSpec, gpu: str, toolchain: str, tokens: int,
+                  variant: LayerVariant) -> Outcome | None:
+    """The recorded outcome of this variant at this bucket, GPU and toolchain: the sampler
+    proposing a point again (or two studies' trials naming one variant) costs a lookup, not a
+    second measurement of scarce GPU time."""
+    r = db.find_record(workload=spec.workload_key, target=spec.target, gpu=gpu, toolchain=toolchain,
+                       tokens=tokens, variant=variant.name(spec))
+    return None if r is None else Outcome(r.status, r.median_us, r.stats, r.rel_err, r.error)
 
 
 def finish(db: Database, study: optuna.Study, trial: optuna.Trial, spec: LayerSpec, tokens: int,
@@ -360,8 +376,9 @@ def tune(db_url: str, specs, buckets, measurer, trials: int = 30, timeout_s: flo
             if ready:
                 job = ready[0]
                 c = job.compiled
-                out = (Outcome("compile_error", error=c.error) if c.error
-                       else measurer(job.slot.spec, job.variant, job.slot.tokens))
+                out = (Outcome("compile_error", error=c.error) if c.error else
+                       known_outcome(db, job.slot.spec, measurer.gpu, c.toolchain, job.slot.tokens, job.variant)
+                       or measurer(job.slot.spec, job.variant, job.slot.tokens))
                 ready.popleft()
                 finish(db, job.slot.study, job.trial, job.slot.spec, job.slot.tokens, job.variant,
                        c.toolchain, measurer.gpu, measurer.driver, out)
@@ -430,8 +447,9 @@ def propose(slot: Slot, exclude: set[str], rng: random.Random) -> LayerVariant |
     tmp = optuna.create_study(direction="minimize", sampler=sampler(rng.randrange(2**31)))
     for t in slot.study.get_trials(deepcopy=False):
         params = t.params or t.system_attrs.get("fixed_params")
-        if not params or set(params) != set(slot.space):
+        if not params or not set(params) <= set(slot.space):
             continue
+        params = params_of(variant_of(params))  # fields added since: their defaults
         state = t.state if t.state.is_finished() else TrialState.RUNNING
         tmp.add_trial(create_trial(state=state, value=t.value if state == TrialState.COMPLETE else None,
                                    params=params, distributions=slot.space))

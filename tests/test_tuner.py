@@ -293,3 +293,61 @@ def test_mutate_changes_one_field_and_stays_valid():
         assert v is not None and can_implement(spec, v)[0]
         a, b = params_of(best), params_of(v)
         assert sum(a[k] != b[k] for k in a) == 1
+
+
+def test_studies_from_before_a_new_field_keep_its_default(url):
+    """A study prepared before `pdl` joined the variant holds trials without that param: the
+    measuring side must measure what was compiled (the field's default), not let the sampler
+    pick a value, and the compiling side must still learn from those trials."""
+    import random as _random
+
+    from optuna.trial import create_trial
+
+    from moe_aot.variants import default_variant
+
+    Database(url).close()
+    storage = tuner.open_storage(url)
+    study = tuner.open_study(storage, SPEC, GPU, 64)
+    old_space = {k: d for k, d in tuner.search_space(SPEC).items() if k != "pdl"}
+    base = default_variant(SPEC, 64)
+    old = {k: v for k, v in tuner.params_of(base).items() if k != "pdl"}
+    study.add_trial(create_trial(value=50.0, params=old, distributions=old_space,
+                                 user_attrs={"variant": base.name(SPEC), "tokens": 64}))
+    other = tuner.params_of(LayerVariant(64, base.glu, base.down, 16))
+    del other["pdl"]
+    study.enqueue_trial(other, user_attrs={"variant": "x", "ready": True, "toolchain": toolchain("sm_90a")})
+    trial, _ = measure_worker.claim(study)
+    assert tuner.suggest(trial, tuner.search_space(SPEC)) == LayerVariant(64, base.glu, base.down, 16)
+    assert "pdl" not in trial.params  # not handed to the sampler, which would pick it at random
+    slot = tuner.Slot(SPEC, 64, study, tuner.search_space(SPEC))
+    seen = {base.name(SPEC)}
+    v = tuner.propose(slot, seen, _random.Random(0))
+    assert v is not None and can_implement(SPEC, v)[0] and v.name(SPEC) not in seen
+
+
+class _CountingMeasurer(FakeMeasurer):
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __call__(self, spec, variant, tokens):
+        self.calls.append(variant.name(spec))
+        return super().__call__(spec, variant, tokens)
+
+
+def test_a_variant_already_recorded_is_not_measured_again(url):
+    tuner.prepare(url, [SPEC], (64,), GPU, trials=3, jobs=0, compile_fn=fake_compile, seed=5,
+                  progress=lambda s: None)
+    study = tuner.open_study(tuner.open_storage(url), SPEC, GPU, 64)
+    ready = [t for t in study.trials if t.user_attrs.get("ready")]
+    first = ready[0]
+    study.enqueue_trial(first.system_attrs["fixed_params"], user_attrs=dict(first.user_attrs),
+                        skip_if_exists=False)
+    m = _CountingMeasurer()
+    n = measure_worker.measure(url, m, progress=lambda s: None)
+    assert n == len(ready) + 1
+    assert sorted(m.calls) == sorted({t.user_attrs["variant"] for t in ready})  # each once
+    study = tuner.open_study(tuner.open_storage(url), SPEC, GPU, 64)
+    repeats = [t for t in study.trials if "repeat_of_record" in t.user_attrs]
+    assert len(repeats) == 1 and repeats[0].state == TrialState.COMPLETE
+    check_records_and_best(url, SPEC, GPU, (64,))
