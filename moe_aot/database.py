@@ -6,11 +6,8 @@ library whose sha256 no longer matches raises DatabaseError instead of handing o
 """
 from __future__ import annotations
 
-import hashlib
 import json
-import zlib
 import math
-import os
 import re
 import sqlite3
 import time
@@ -18,7 +15,6 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable
-from urllib.parse import quote
 
 from sqlalchemy import (Column, DateTime, Float, ForeignKey, Index, Integer, LargeBinary,
                         MetaData, String, Table, Text, create_engine, event, exc,
@@ -26,28 +22,25 @@ from sqlalchemy import (Column, DateTime, Float, ForeignKey, Index, Integer, Lar
 from sqlalchemy.engine import Connection, make_url
 
 from . import env
+from .dbread import (BUSY_TIMEOUT_S as _BUSY_TIMEOUT_S, SCHEMA_VERSION, T_ARTIFACTS, T_BEST, T_RECORDS,
+                     T_VERSION, T_WORKLOADS, DatabaseError, check_schema_versions, corrupt, first_line as _first_line,
+                     no_database, no_schema, pack as _pack, readonly_uri, sha as _sha, unpack_checked,
+                     utc as _utc)
 
-SCHEMA_VERSION = 1
 ARTIFACT_STATUSES = ("ok", "failed")
 RECORD_STATUSES = ("ok", "compile_error", "resource_error", "wrong_result", "launch_error")
-_BUSY_TIMEOUT_S = 30
 _RETRIES = 3  # unique-key races between concurrent writers on server databases
 
 
-class DatabaseError(RuntimeError):
-    """A storage failure, phrased as one sentence a user can act on."""
-
-
-# Table names carry a prefix because optuna's RDB storage may live in the same database.
 _md = MetaData()
-_version_t = Table("moe_aot_schema_version", _md,
+_version_t = Table(T_VERSION, _md,
                    Column("id", Integer, primary_key=True, autoincrement=False),
                    Column("version", Integer, nullable=False))
-_workloads_t = Table("moe_aot_workloads", _md,
+_workloads_t = Table(T_WORKLOADS, _md,
                      Column("key", String(255), primary_key=True),
                      Column("spec", Text, nullable=False),
                      Column("created_at", DateTime(timezone=True), nullable=False))
-_artifacts_t = Table("moe_aot_artifacts", _md,
+_artifacts_t = Table(T_ARTIFACTS, _md,
                      Column("name", String(255), primary_key=True),
                      Column("toolchain", String(255), primary_key=True),
                      Column("workload", String(255), ForeignKey("moe_aot_workloads.key"),
@@ -64,7 +57,7 @@ _artifacts_t = Table("moe_aot_artifacts", _md,
                      Column("error", Text, nullable=True),
                      Column("compile_s", Float, nullable=True),
                      Column("created_at", DateTime(timezone=True), nullable=False))
-_records_t = Table("moe_aot_records", _md,
+_records_t = Table(T_RECORDS, _md,
                    Column("id", Integer, primary_key=True, autoincrement=True),
                    Column("workload", String(255), ForeignKey("moe_aot_workloads.key"),
                           nullable=False),
@@ -81,7 +74,7 @@ _records_t = Table("moe_aot_records", _md,
                    Column("error", Text, nullable=True),
                    Column("created_at", DateTime(timezone=True), nullable=False),
                    Index("ix_moe_aot_records_lookup", "workload", "target", "gpu", "tokens"))
-_best_t = Table("moe_aot_best", _md,
+_best_t = Table(T_BEST, _md,
                 Column("workload", String(255), ForeignKey("moe_aot_workloads.key"),
                        primary_key=True),
                 Column("target", String(64), primary_key=True),
@@ -160,38 +153,13 @@ def _now() -> datetime:
     return datetime.now(timezone.utc)
 
 
-def _utc(value: datetime) -> datetime:
-    # SQLite hands back naive datetimes; everything stored here was UTC.
-    return value.replace(tzinfo=timezone.utc) if value.tzinfo is None else value
-
-
 def _dumps(obj: dict | None) -> str:
     return json.dumps(obj or {}, sort_keys=True, separators=(",", ":"))
-
-
-def _pack(blob: bytes | None) -> bytes | None:
-    """Kernel libraries are mostly static cudart and compress ~3.5x: a database of many tuning
-    candidates then still travels to the GPU machine. The sha256 covers the raw bytes."""
-    return None if blob is None else zlib.compress(blob, 6)
-
-
-def _unpack(blob: bytes | None) -> bytes | None:
-    if blob is None or blob[:4] == b"\x7fELF":  # stored raw (older rows)
-        return blob
-    return zlib.decompress(blob)
-
-
-def _sha(blob: bytes | None) -> str | None:
-    return None if blob is None else hashlib.sha256(blob).hexdigest()
 
 
 def _filter(query, table: Table, **equal):
     """Adds col == value for every filter given (None means any)."""
     return query.where(*(table.c[k] == v for k, v in equal.items() if v is not None))
-
-
-def _first_line(text: str | None) -> str | None:
-    return None if text is None else (text.strip().splitlines() or [""])[0]
 
 
 def _set_wal(cur) -> None:
@@ -248,7 +216,7 @@ class Database:
             return None
         path = Path(db).expanduser().resolve()
         if self.readonly and not path.is_file():
-            raise DatabaseError(f"no kernel database at {path}; run `moe-aot compile ...` first")
+            raise no_database(path)
         if not self.readonly:
             try:
                 path.parent.mkdir(parents=True, exist_ok=True)
@@ -263,13 +231,7 @@ class Database:
             return create_engine(parsed, pool_pre_ping=True)
         kwargs: dict[str, Any] = {"connect_args": {"timeout": _BUSY_TIMEOUT_S}}
         if self.readonly and self._path is not None:
-            ro_uri = f"file:{quote(str(self._path))}?mode=ro"
-            wal = Path(f"{self._path}-wal")
-            if not os.access(self._path.parent, os.W_OK) and not wal.exists():
-                # A WAL database baked into a read-only folder (a container image) cannot get
-                # its -shm file, so plain mode=ro fails; with no -wal pending the main file holds
-                # every commit, and the sha256 check still guards blobs against a late writer.
-                ro_uri += "&immutable=1"
+            ro_uri = readonly_uri(self._path)
             kwargs["creator"] = lambda: sqlite3.connect(
                 ro_uri, uri=True, timeout=_BUSY_TIMEOUT_S, check_same_thread=False)
         engine = create_engine(parsed, **kwargs)
@@ -303,8 +265,7 @@ class Database:
         msg = _first_line(str(orig)) or type(orig).__name__
         low = msg.lower()
         if "not a database" in low or "malformed" in low:
-            return (f"{self._where} is corrupt or not a SQLite database ({msg}); move it aside "
-                    "and rebuild it with `moe-aot build`")
+            return str(corrupt(self._where, msg))
         if "locked" in low or "busy" in low:
             return (f"{self._where} stayed locked by another process for {_BUSY_TIMEOUT_S} s "
                     f"while trying to {action}; retry once the other writer has finished")
@@ -355,16 +316,11 @@ class Database:
 
     def _ensure_schema(self, conn: Connection) -> None:
         if inspect(conn).has_table(_version_t.name):
-            found = sorted({r[0] for r in conn.execute(select(_version_t.c.version))})
-            if found == [SCHEMA_VERSION]:
-                return
-            shown = ", ".join(map(str, found)) or "none"
-            raise DatabaseError(f"{self._where} has schema version {shown} but this moe-aot "
-                                f"uses schema version {SCHEMA_VERSION}; rebuild it with this "
-                                "version (`moe-aot build`) or use a matching moe-aot")
+            check_schema_versions(sorted({r[0] for r in conn.execute(select(_version_t.c.version))}),
+                                  self._where)
+            return
         if self.readonly:
-            raise DatabaseError(f"{self._where} holds no moe-aot schema; run `moe-aot compile "
-                                "...` first")
+            raise no_schema(self._where)
         _md.create_all(conn)
         conn.execute(_version_t.insert().values(id=1, version=SCHEMA_VERSION))
 
@@ -440,15 +396,8 @@ class Database:
             select(t).where(t.c.name == name, t.c.toolchain == toolchain)).mappings().first())
         if r is None:
             return None
-        try:
-            library, cubin = _unpack(r["library"]), _unpack(r["cubin"])
-        except zlib.error:
-            library = cubin = None
-        if library is None and r["library"] is not None or \
-                _sha(library) != r["sha256"] or _sha(cubin) != r["cubin_sha256"]:
-            raise DatabaseError(f"artifact {name} (toolchain {toolchain}) in {self._where} is "
-                                "corrupt: its stored binary no longer matches its sha256; "
-                                "recompile it with `moe-aot compile ...` to replace it")
+        library, cubin = unpack_checked(r["library"], r["cubin"], r["sha256"], r["cubin_sha256"], name,
+                                        toolchain, self._where)
         return ArtifactRow(name=r["name"], workload=r["workload"], role=r["role"],
                            target=r["target"], toolchain=r["toolchain"], status=r["status"],
                            library=library, cubin=cubin, meta=json.loads(r["meta"]),
@@ -462,11 +411,11 @@ class Database:
         return status is not None and (status == "ok" or not ok_only)
 
     def list_artifacts(self, workload: str | None = None, target: str | None = None,
-                       status: str | None = None) -> list[ArtifactSummary]:
+                       status: str | None = None, name: str | None = None) -> list[ArtifactSummary]:
         t = _artifacts_t
         q = select(t.c.name, t.c.workload, t.c.role, t.c.target, t.c.toolchain, t.c.status,
                    t.c.library_size, t.c.compile_s, t.c.error, t.c.created_at)
-        q = _filter(q, t, workload=workload, target=target, status=status)
+        q = _filter(q, t, workload=workload, target=target, status=status, name=name)
         rows = self._run("list artifacts", lambda c: c.execute(
             q.order_by(t.c.name, t.c.toolchain)).mappings().all())
         return [ArtifactSummary(**{**r, "error": _first_line(r["error"]),

@@ -8,6 +8,7 @@ import sqlite3
 import pytest
 
 from moe_aot import database as dbmod
+from moe_aot import dbread
 from moe_aot.database import ArtifactRow, Database, DatabaseError
 
 SPEC = {"E": 8, "top_k": 2, "H": 1024, "I": 512, "activation": "swiglu", "precision": "bf16"}
@@ -188,9 +189,13 @@ def test_readonly_in_unwritable_folder(tmp_path, monkeypatch):
         d.put_workload("w", SPEC)
         _ok(d, "v")
     assert not (tmp_path / "k.sqlite-wal").exists()
-    monkeypatch.setattr(dbmod.os, "access", lambda p, mode: mode != os.W_OK)
+    monkeypatch.setattr(dbread.os, "access", lambda p, mode: mode != os.W_OK)
+    assert dbread.readonly_uri(path).endswith("&immutable=1")
     with Database(_url(path), readonly=True) as ro:
         assert ro.get_artifact("v", TC).status == "ok"
+    reader = dbread.SqliteReader(path)  # the runtime's reader takes the same path
+    assert reader.artifact("v", TC)[0] == b"\x7fELF-lib"
+    reader.close()
 
 
 def test_closed_database_raises(db):

@@ -1,5 +1,6 @@
 """The runtime on a CPU machine: import isolation, argument checks, fail-closed lookups."""
 import subprocess
+from pathlib import Path
 import sys
 
 import pytest
@@ -15,10 +16,20 @@ from moe_aot.spec import make_spec
 from moe_aot.variants import default_variant
 
 
-def test_runtime_imports_neither_dsl_nor_tuner_nor_compiler():
+def test_runtime_imports_neither_dsl_nor_tuner_nor_compiler(small_db):
+    # Nor SQLAlchemy when the database is a SQLite file: opening it and reading picks and a
+    # kernel's bytes takes the standard library only (most of the cold start was that import).
+    url, spec = small_db
+    name = default_variant(spec, 16).kernels(spec)[1].name
     code = ("import sys, moe_aot.runtime.layer, moe_aot.runtime.store, moe_aot.runtime.verify\n"
+            "from moe_aot.spec import make_spec\n"
+            f"store = moe_aot.runtime.store.KernelStore({url!r})\n"
+            "store.picks(make_spec(experts=8, top_k=2, hidden=256, intermediate=128), 'NVIDIA H200')\n"
+            f"[v] = [v for v in store.db.artifact_versions({name!r})]\n"
+            f"assert store.db.artifact({name!r}, v.toolchain)[0][:4] == b'\\x7fELF'\n"
             "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('cutlass', 'optuna', "
-            "'moe_aot_templates') or m in ('moe_aot.compiler', 'moe_aot.kernel_build', 'moe_aot.tuner'))\n"
+            "'moe_aot_templates', 'sqlalchemy') or m in ('moe_aot.compiler', 'moe_aot.kernel_build', "
+            "'moe_aot.tuner', 'moe_aot.database'))\n"
             "print(bad); sys.exit(1 if bad else 0)")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -197,3 +208,79 @@ def test_moe_forward_refuses_cpu_and_malformed_inputs():
         moe_forward(x, w13[0], None, torch.zeros(2, 2), ids)
     with pytest.raises(KernelArgumentError, match="topk_ids"):
         moe_forward(x, w13, None, torch.zeros(2, 2), ids[0])
+
+
+def test_stdlib_reader_agrees_with_the_sqlalchemy_reader(small_db, tmp_path):
+    """The runtime's SQLite reader and the SQLAlchemy one give the same answers on one file."""
+    from moe_aot.dbread import SqlAlchemyReader, SqliteReader, open_reader
+
+    url, spec = small_db
+    path = tmp_path / "copy.sqlite"
+    copy_url = f"sqlite:///{path}"
+    with Database(url, readonly=True) as src, Database(copy_url) as dst:  # a private copy to add picks to
+        dst.put_workload(spec.workload_key, src.workload(spec.workload_key))
+        for a in src.list_artifacts():
+            art = src.get_artifact(a.name, a.toolchain)
+            dst.put_artifact(name=a.name, workload=a.workload, role=a.role, target=a.target,
+                             toolchain=a.toolchain, status=a.status, library=art.library,
+                             cubin=art.cubin, meta=art.meta, compile_s=art.compile_s)
+        names = [a.name for a in src.list_artifacts()]
+        tc = src.list_artifacts()[0].toolchain
+        for tokens in (1, 16):
+            dst.commit_best(workload=spec.workload_key, target="sm_90a", gpu="NVIDIA H200", toolchain=tc,
+                            tokens=tokens, variant=default_variant(spec, tokens).name(spec), median_us=9.5)
+    lite, full = open_reader(copy_url), SqlAlchemyReader(copy_url)
+    assert isinstance(lite, SqliteReader)
+    for name in names + ["not_a_kernel"]:
+        assert lite.artifact_versions(name) == full.artifact_versions(name)
+        for v in lite.artifact_versions(name):
+            assert lite.artifact(name, v.toolchain) == full.artifact(name, v.toolchain)
+    assert lite.best(spec.workload_key, "sm_90a") == full.best(spec.workload_key, "sm_90a")
+    assert len(lite.best(spec.workload_key, "sm_90a")) == 2 and lite.best(spec.workload_key, "sm_121a") == []
+    lite.close()
+    full.close()
+    # a URL the stdlib reader does not take (options, memory) goes to SQLAlchemy
+    assert isinstance(open_reader(copy_url + "?timeout=5"), SqlAlchemyReader)
+
+
+def test_stdlib_reader_fails_closed(small_db, tmp_path):
+    import sqlite3 as _sqlite3
+
+    from moe_aot.dbread import DatabaseError, SqliteReader
+
+    url, spec = small_db
+    with pytest.raises(DatabaseError, match="no kernel database at .*moe-aot compile"):
+        KernelStore(f"sqlite:///{tmp_path / 'missing.sqlite'}")
+    garbage = tmp_path / "garbage.sqlite"
+    garbage.write_bytes(b"this is not sqlite at all\n" * 200)
+    with pytest.raises(DatabaseError, match="corrupt or not a SQLite database"):
+        KernelStore(f"sqlite:///{garbage}")
+    empty = tmp_path / "empty.sqlite"
+    _sqlite3.connect(empty).execute("CREATE TABLE t (x)").connection.commit()
+    with pytest.raises(DatabaseError, match="holds no moe-aot schema"):
+        SqliteReader(empty)
+    # a different schema version, and a library blob altered after it was written
+    path = tmp_path / "k.sqlite"
+    path.write_bytes(Path(url[len("sqlite:///"):]).read_bytes())
+    con = _sqlite3.connect(path)
+    con.execute("UPDATE moe_aot_artifacts SET library = ? WHERE role = 'glu'", (b"\x7fELF altered",))
+    con.commit()
+    store = KernelStore(f"sqlite:///{path}")
+    glu = default_variant(spec, 16).kernels(spec)[1].name
+    [v] = store.db.artifact_versions(glu)
+    with pytest.raises(DatabaseError, match=f"artifact {glu} .*corrupt.*sha256"):
+        store.db.artifact(glu, v.toolchain)
+    con.execute("UPDATE moe_aot_schema_version SET version = 999")
+    con.commit()
+    con.close()
+    with pytest.raises(DatabaseError, match="schema version 999 .*uses schema version 1"):
+        KernelStore(f"sqlite:///{path}")
+    # truncated: half the file gone
+    trunc = tmp_path / "t.sqlite"
+    data = Path(url[len("sqlite:///"):]).read_bytes()
+    trunc.write_bytes(data[: len(data) // 2])
+    with pytest.raises(DatabaseError, match="corrupt"):
+        store = KernelStore(f"sqlite:///{trunc}")
+        for kv in default_variant(spec, 16).kernels(spec):
+            for v in store.db.artifact_versions(kv.name):
+                store.db.artifact(kv.name, v.toolchain)

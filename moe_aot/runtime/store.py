@@ -1,12 +1,15 @@
 """Read-only access to the kernel database for the runtime: load a kernel library by name for
 this GPU, and the tuned picks per token bucket. Fails closed: an artifact built for another arch,
-an unknown artifact format or a CUDA flavour newer than the driver is a miss, never a launch."""
+an unknown artifact format or a CUDA flavour newer than the driver is a miss, never a launch.
+A SQLite database is read with the standard library (`dbread`), so the runtime does not import
+SQLAlchemy; other URLs go through `database.Database`."""
 from __future__ import annotations
 
 import ctypes
 import warnings
 
-from ..database import Database, DatabaseError
+from .. import env
+from ..dbread import open_reader
 from ..spec import LayerSpec
 from ..variants import LayerVariant
 from .library import KernelLibrary
@@ -53,7 +56,7 @@ def usable(toolchain: str, target: str, driver: tuple[int, int] | None) -> tuple
 
 class KernelStore:
     def __init__(self, url: str | None = None, unpack_dir=None):
-        self.db = Database(url, readonly=True)
+        self.db = open_reader(url if url is not None else env.default_db_url())
         self.unpack_dir = unpack_dir
         try:
             self._driver = driver_cuda_version()
@@ -61,7 +64,7 @@ class KernelStore:
             self._driver = None
 
     def load(self, name: str, target: str, device: int | None = None) -> KernelLibrary:
-        rows = [a for a in self.db.list_artifacts() if a.name == name]
+        rows = self.db.artifact_versions(name)
         why = []
         for a in sorted(rows, key=lambda a: a.created_at, reverse=True):
             ok, reason = usable(a.toolchain, target, self._driver)
@@ -71,8 +74,8 @@ class KernelStore:
             if not ok:
                 why.append(f"{a.toolchain}: {reason}")
                 continue
-            art = self.db.get_artifact(name, a.toolchain)
-            return KernelLibrary.from_bytes(art.library, art.meta, device, self.unpack_dir)
+            library, meta = self.db.artifact(name, a.toolchain)
+            return KernelLibrary.from_bytes(library, meta, device, self.unpack_dir)
         detail = "; ".join(why) if why else "not in the database"
         raise KernelMissingError(f"kernel {name} for {target}: {detail}. Run `moe-aot compile` or "
                                  f"`moe-aot build` for this model and target first.")
@@ -80,10 +83,7 @@ class KernelStore:
     def picks(self, spec: LayerSpec, gpu: str) -> dict[int, LayerVariant]:
         """Tuned picks per token bucket for this GPU, or {} (defaults) with a warning that says
         what differed when the database holds picks for another GPU or toolchain only."""
-        try:
-            rows = self.db.all_best(workload=spec.workload_key, target=spec.target)
-        except DatabaseError:
-            raise
+        rows = self.db.best(spec.workload_key, spec.target)
         mine = [r for r in rows if r.gpu == gpu and usable(r.toolchain, spec.target, self._driver)[0]]
         if not mine:
             if rows:

@@ -1,0 +1,249 @@
+"""Read-only access to the kernel database with the Python standard library alone.
+
+The runtime only ever reads three things: which toolchains hold a kernel of a given name, one
+kernel's library and metadata, and the best picks of a layer. For a SQLite file (the default)
+this module reads them with `sqlite3`, so a serving process never imports SQLAlchemy (its
+import was most of the runtime's cold start). Any other URL goes through `database.Database`.
+
+This module also owns what both readers must agree on: the schema version, the table names,
+how blobs are packed and checked, the error type and its sentences. It must not import
+SQLAlchemy; `database.py` imports it.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sqlite3
+import zlib
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from urllib.parse import quote, unquote
+
+SCHEMA_VERSION = 1
+BUSY_TIMEOUT_S = 30
+# Table names carry a prefix because optuna's RDB storage may live in the same database.
+T_VERSION, T_WORKLOADS = "moe_aot_schema_version", "moe_aot_workloads"
+T_ARTIFACTS, T_RECORDS, T_BEST = "moe_aot_artifacts", "moe_aot_records", "moe_aot_best"
+
+
+class DatabaseError(RuntimeError):
+    """A storage failure, phrased as one sentence a user can act on."""
+
+
+# -- what both readers share -----------------------------------------------------------------
+
+def pack(blob: bytes | None) -> bytes | None:
+    """Kernel libraries are mostly static cudart and compress ~3.5x: a database of many tuning
+    candidates then still travels to the GPU machine. The sha256 covers the raw bytes."""
+    return None if blob is None else zlib.compress(blob, 6)
+
+
+def unpack(blob: bytes | None) -> bytes | None:
+    if blob is None or blob[:4] == b"\x7fELF":  # stored raw (older rows)
+        return blob
+    return zlib.decompress(blob)
+
+
+def sha(blob: bytes | None) -> str | None:
+    return None if blob is None else hashlib.sha256(blob).hexdigest()
+
+
+def unpack_checked(library, cubin, library_sha, cubin_sha, name: str, toolchain: str, where: str):
+    """(library, cubin) unpacked, or DatabaseError when either no longer matches its sha256."""
+    try:
+        lib, cub = unpack(library), unpack(cubin)
+    except zlib.error:
+        lib = cub = None
+    if lib is None and library is not None or sha(lib) != library_sha or sha(cub) != cubin_sha:
+        raise DatabaseError(f"artifact {name} (toolchain {toolchain}) in {where} is corrupt: its "
+                            "stored binary no longer matches its sha256; recompile it with "
+                            "`moe-aot compile ...` to replace it")
+    return lib, cub
+
+
+def utc(value: datetime) -> datetime:
+    # SQLite hands back naive datetimes; everything stored here was UTC.
+    return value.replace(tzinfo=timezone.utc) if value.tzinfo is None else value
+
+
+def first_line(text: str | None) -> str | None:
+    return None if text is None else (text.strip().splitlines() or [""])[0]
+
+
+def no_database(path: Path) -> DatabaseError:
+    return DatabaseError(f"no kernel database at {path}; run `moe-aot compile ...` first")
+
+
+def corrupt(where: str, msg: str) -> DatabaseError:
+    return DatabaseError(f"{where} is corrupt or not a SQLite database ({msg}); move it aside "
+                         "and rebuild it with `moe-aot build`")
+
+
+def check_schema_versions(found: list[int], where: str) -> None:
+    if found == [SCHEMA_VERSION]:
+        return
+    shown = ", ".join(map(str, found)) or "none"
+    raise DatabaseError(f"{where} has schema version {shown} but this moe-aot uses schema "
+                        f"version {SCHEMA_VERSION}; rebuild it with this version (`moe-aot build`) "
+                        "or use a matching moe-aot")
+
+
+def no_schema(where: str) -> DatabaseError:
+    return DatabaseError(f"{where} holds no moe-aot schema; run `moe-aot compile ...` first")
+
+
+def readonly_uri(path: Path) -> str:
+    """SQLite URI opening `path` read-only. A WAL database baked into a read-only folder (a
+    container image) cannot get its -shm file, so plain mode=ro fails; with no -wal pending the
+    main file holds every commit, and the sha256 check still guards blobs against a late writer."""
+    uri = f"file:{quote(str(path))}?mode=ro"
+    if not os.access(path.parent, os.W_OK) and not Path(f"{path}-wal").exists():
+        uri += "&immutable=1"
+    return uri
+
+
+def sqlite_file(url: str) -> Path | None:
+    """The file of a plain `sqlite:///<path>` URL (resolved), or None for anything else (other
+    databases, in-memory, URLs with options), which the SQLAlchemy reader handles."""
+    for prefix in ("sqlite:///", "sqlite+pysqlite:///"):
+        if url.startswith(prefix):
+            rest = url[len(prefix):]
+            if not rest or "?" in rest or rest == ":memory:":
+                return None
+            return Path(unquote(rest)).expanduser().resolve()
+    return None
+
+
+# -- the runtime's view ----------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ArtifactVersion:
+    toolchain: str
+    status: str
+    created_at: datetime
+
+
+@dataclass(frozen=True)
+class Pick:
+    workload: str
+    target: str
+    gpu: str
+    toolchain: str
+    tokens: int
+    variant: str
+    median_us: float
+    updated_at: datetime
+
+
+def _when(value) -> datetime:
+    return utc(value if isinstance(value, datetime) else datetime.fromisoformat(value))
+
+
+class SqliteReader:
+    """The runtime's three reads on a SQLite file, standard library only."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._where = f"the kernel database {path}"
+        if not path.is_file():
+            raise no_database(path)
+        try:
+            self._con = sqlite3.connect(readonly_uri(path), uri=True, timeout=BUSY_TIMEOUT_S,
+                                        check_same_thread=False)
+        except sqlite3.Error as e:
+            raise self._error("open the file", e) from None
+        try:
+            rows = [r[0] for r in self._query("check the file", "PRAGMA quick_check(1)")]
+            if rows != ["ok"]:
+                raise DatabaseError(f"{self._where} is corrupt (quick_check: {rows[0] if rows else '?'}"
+                                    "); move it aside and rebuild it with `moe-aot build`")
+            has = self._query("check the schema", "SELECT 1 FROM sqlite_master WHERE type = 'table' "
+                              "AND name = ?", (T_VERSION,))
+            if not has:
+                raise no_schema(self._where)
+            check_schema_versions(sorted({r[0] for r in self._query(
+                "check the schema", f"SELECT version FROM {T_VERSION}")}), self._where)
+        except BaseException:
+            self._con.close()
+            raise
+
+    def _error(self, action: str, e: BaseException) -> DatabaseError:
+        msg = first_line(str(e)) or type(e).__name__
+        low = msg.lower()
+        if "not a database" in low or "malformed" in low:
+            return corrupt(self._where, msg)
+        if "locked" in low or "busy" in low:
+            return DatabaseError(f"{self._where} stayed locked by another process for {BUSY_TIMEOUT_S} s "
+                                 f"while trying to {action}; retry once the other writer has finished")
+        if "readonly" in low or "read-only" in low or "unable to open" in low:
+            return DatabaseError(f"cannot read {self._where} read-only ({msg}); SQLite needs to "
+                                 "create its -shm file next to it: make the folder writable or copy "
+                                 "the file elsewhere")
+        return DatabaseError(f"cannot {action} in {self._where}: {msg}; check that the database "
+                             "was written by moe-aot")
+
+    def _query(self, action: str, sql: str, args: tuple = ()) -> list:
+        if self._con is None:
+            raise DatabaseError(f"cannot {action}: {self._where} is closed; open a new store")
+        try:
+            return self._con.execute(sql, args).fetchall()
+        except sqlite3.Error as e:
+            raise self._error(action, e) from None
+
+    def artifact_versions(self, name: str) -> list[ArtifactVersion]:
+        rows = self._query(f"look up kernel {name!r}", f"SELECT toolchain, status, created_at FROM "
+                           f"{T_ARTIFACTS} WHERE name = ? ORDER BY toolchain", (name,))
+        return [ArtifactVersion(t, s, _when(c)) for t, s, c in rows]
+
+    def artifact(self, name: str, toolchain: str) -> tuple[bytes, dict]:
+        rows = self._query(f"read artifact {name!r}", f"SELECT library, cubin, sha256, cubin_sha256, "
+                           f"meta FROM {T_ARTIFACTS} WHERE name = ? AND toolchain = ?", (name, toolchain))
+        if not rows:
+            raise DatabaseError(f"artifact {name} (toolchain {toolchain}) vanished from {self._where}")
+        library, cubin, lib_sha, cub_sha, meta = rows[0]
+        lib, _ = unpack_checked(library, cubin, lib_sha, cub_sha, name, toolchain, self._where)
+        return lib, json.loads(meta)
+
+    def best(self, workload: str, target: str) -> list[Pick]:
+        rows = self._query("read best picks", f"SELECT workload, target, gpu, toolchain, tokens, variant, "
+                           f"median_us, updated_at FROM {T_BEST} WHERE workload = ? AND target = ? "
+                           "ORDER BY gpu, toolchain, tokens", (workload, target))
+        return [Pick(*r[:7], _when(r[7])) for r in rows]
+
+    def close(self) -> None:
+        if self._con is not None:
+            self._con.close()
+            self._con = None
+
+
+class SqlAlchemyReader:
+    """The same three reads on any SQLAlchemy URL (a team's PostgreSQL server, say)."""
+
+    def __init__(self, url: str):
+        from .database import Database
+
+        self.db = Database(url, readonly=True)
+
+    def artifact_versions(self, name: str) -> list[ArtifactVersion]:
+        return [ArtifactVersion(a.toolchain, a.status, a.created_at)
+                for a in self.db.list_artifacts(name=name)]
+
+    def artifact(self, name: str, toolchain: str) -> tuple[bytes, dict]:
+        a = self.db.get_artifact(name, toolchain)
+        if a is None:
+            raise DatabaseError(f"artifact {name} (toolchain {toolchain}) vanished from {self.db.url}")
+        return a.library, a.meta
+
+    def best(self, workload: str, target: str) -> list[Pick]:
+        return [Pick(b.workload, b.target, b.gpu, b.toolchain, b.tokens, b.variant, b.median_us, b.updated_at)
+                for b in self.db.all_best(workload=workload, target=target)]
+
+    def close(self) -> None:
+        self.db.close()
+
+
+def open_reader(url: str) -> SqliteReader | SqlAlchemyReader:
+    path = sqlite_file(url)
+    return SqliteReader(path) if path is not None else SqlAlchemyReader(url)
