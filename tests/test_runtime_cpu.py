@@ -284,3 +284,20 @@ def test_stdlib_reader_fails_closed(small_db, tmp_path):
         for kv in default_variant(spec, 16).kernels(spec):
             for v in store.db.artifact_versions(kv.name):
                 store.db.artifact(kv.name, v.toolchain)
+
+
+def test_store_sees_kernels_written_after_it_opened(tmp_path):
+    """`tune` measures in the process whose store was opened before the compile pool wrote the
+    candidates: the runtime's reader must see later commits (WAL, no long read transaction)."""
+    url = f"sqlite:///{tmp_path / 'k.sqlite'}"
+    with Database(url) as db:
+        db.put_workload("w", {"x": 1})
+        store = KernelStore(url)
+        assert store.db.artifact_versions("late") == []
+        db.put_artifact(name="late", workload="w", role="glu", target="sm_90a", toolchain="tc",
+                        status="ok", library=b"\x7fELF-late", meta={"k": 1})
+        [v] = store.db.artifact_versions("late")
+        assert store.db.artifact("late", v.toolchain) == (b"\x7fELF-late", {"k": 1})
+        db.commit_best(workload="w", target="sm_90a", gpu="G", toolchain="tc", tokens=16, variant="v",
+                       median_us=3.0)
+        assert [p.variant for p in store.db.best("w", "sm_90a")] == ["v"]
