@@ -22,7 +22,7 @@ from sqlalchemy import (Column, DateTime, Float, ForeignKey, Index, Integer, Lar
 from sqlalchemy.engine import Connection, make_url
 
 from . import env
-from .dbread import (BUSY_TIMEOUT_S as _BUSY_TIMEOUT_S, SCHEMA_VERSION, T_ARTIFACTS, T_BEST, T_RECORDS,
+from .dbread import (BUSY_TIMEOUT_S as _BUSY_TIMEOUT_S, SCHEMA_VERSION, BestRow, T_ARTIFACTS, T_BEST, T_RECORDS,
                      T_VERSION, T_WORKLOADS, DatabaseError, check_schema_versions, corrupt, first_line as _first_line,
                      no_database, no_schema, pack as _pack, readonly_uri, sha as _sha, unpack_checked,
                      utc as _utc)
@@ -134,19 +134,6 @@ class RecordRow:
     rel_err: float | None
     error: str | None
     created_at: datetime
-
-
-@dataclass(frozen=True)
-class BestRow:
-    workload: str
-    target: str
-    gpu: str
-    toolchain: str
-    tokens: int
-    variant: str
-    median_us: float
-    record_id: int | None
-    updated_at: datetime
 
 
 def _now() -> datetime:

@@ -126,7 +126,8 @@ class ArtifactVersion:
 
 
 @dataclass(frozen=True)
-class Pick:
+class BestRow:
+    """The best pick of one (workload, target, GPU, toolchain, token bucket)."""
     workload: str
     target: str
     gpu: str
@@ -134,6 +135,7 @@ class Pick:
     tokens: int
     variant: str
     median_us: float
+    record_id: int | None
     updated_at: datetime
 
 
@@ -206,11 +208,11 @@ class SqliteReader:
         lib, _ = unpack_checked(library, cubin, lib_sha, cub_sha, name, toolchain, self._where)
         return lib, json.loads(meta)
 
-    def best(self, workload: str, target: str) -> list[Pick]:
+    def best(self, workload: str, target: str) -> list[BestRow]:
         rows = self._query("read best picks", f"SELECT workload, target, gpu, toolchain, tokens, variant, "
-                           f"median_us, updated_at FROM {T_BEST} WHERE workload = ? AND target = ? "
-                           "ORDER BY gpu, toolchain, tokens", (workload, target))
-        return [Pick(*r[:7], _when(r[7])) for r in rows]
+                           f"median_us, record_id, updated_at FROM {T_BEST} WHERE workload = ? AND "
+                           "target = ? ORDER BY gpu, toolchain, tokens", (workload, target))
+        return [BestRow(*r[:8], _when(r[8])) for r in rows]
 
     def close(self) -> None:
         if self._con is not None:
@@ -236,9 +238,8 @@ class SqlAlchemyReader:
             raise DatabaseError(f"artifact {name} (toolchain {toolchain}) vanished from {self.db.url}")
         return a.library, a.meta
 
-    def best(self, workload: str, target: str) -> list[Pick]:
-        return [Pick(b.workload, b.target, b.gpu, b.toolchain, b.tokens, b.variant, b.median_us, b.updated_at)
-                for b in self.db.all_best(workload=workload, target=target)]
+    def best(self, workload: str, target: str) -> list[BestRow]:
+        return self.db.all_best(workload=workload, target=target)
 
     def close(self) -> None:
         self.db.close()
