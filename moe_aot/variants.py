@@ -20,6 +20,8 @@ from .spec import BENCH_TOKENS, LayerSpec
 # "wgmmatma" (sm_90a: TMA for the weights, a producer warpgroup) is mirrored below but not listed:
 # it passed its H200 check only at 4096 tokens (all five models), was no faster than "wgmma" there,
 # and has not run at small token counts (tools/results/gemm_wgmmatma_h200_2026-11-29.txt).
+# "wgmmap" (the same in persistent CTAs with the epilogue from registers) is mirrored and not
+# listed either: it has been compiled, never run (tools/check_gemm_kernels.py has its GPU check).
 TARGET_LIMITS = {
     "sm_90a": {"smem": 232448, "mma": ("warp", "wgmma"), "sms": 132, "clusters": (1, 2, 4, 8, 16)},
     "sm_100a": {"smem": 232448, "mma": ("warp",), "sms": 148, "clusters": (1, 2, 4, 8, 16)},
@@ -114,7 +116,9 @@ class LayerVariant:
 SMEM_CAPACITY = {"sm_90a": 227 * 1024, "sm_100a": 227 * 1024, "sm_121a": 99 * 1024}
 
 
-WGMMA_MMAS = ("wgmma", "wgmmatma")  # wgmmatma: TMA for B, a producer warpgroup (+128 threads)
+WGMMA_MMAS = ("wgmma", "wgmmatma", "wgmmap")  # wgmmatma: TMA for B, a producer warpgroup (+128
+# threads); wgmmap: the same, persistent, epilogue from registers (no fp32 staging in shared memory)
+WARP_SPECIALIZED = ("wgmmatma", "wgmmap")
 
 
 def gemm_warps(tile_m: int, tile_n: int, mma: str) -> tuple[int, int]:
@@ -152,7 +156,7 @@ def gemm_can_implement(n: int, k: int, tile_m: int, t: GemmTiles, target: str) -
         return False, f"N={n} is not a multiple of tile_n {t.tile_n}"
     if t.mma == "warp" and (tile_m % (16 * wm) or tile_m > 256 or t.tile_n % (16 * wn) or t.tile_n > 256):
         return False, f"tile {tile_m}x{t.tile_n} does not fit the {wm}x{wn} warp grid of m16n8k16 MMAs"
-    rows = (128 if t.mma == "wgmmatma" else threads) // (t.tile_k // 8)  # threads issuing A's cp.async
+    rows = (128 if t.mma in WARP_SPECIALIZED else threads) // (t.tile_k // 8)  # threads issuing A's cp.async
     if tile_m % rows or t.tile_n % rows:
         return False, f"tile {tile_m}x{t.tile_n} is not a multiple of the {rows} rows one cp.async pass covers"
     if tile_m * t.tile_n // threads > 128:
@@ -161,8 +165,9 @@ def gemm_can_implement(n: int, k: int, tile_m: int, t: GemmTiles, target: str) -
         return False, f"stages {t.stages} outside 2..8"
     if k // t.tile_k < t.stages - 1:
         return False, f"K={k} has {k // t.tile_k} k-tiles of {t.tile_k}, fewer than stages-1={t.stages - 1}"
-    smem = max(t.stages * (tile_m + t.tile_n) * t.tile_k * 2, tile_m * (t.tile_n + 8) * 4) + 1024
-    if t.mma == "wgmmatma":
+    staging = 0 if t.mma == "wgmmap" else tile_m * (t.tile_n + 8) * 4  # fp32 accumulator tile
+    smem = max(t.stages * (tile_m + t.tile_n) * t.tile_k * 2, staging) + 1024
+    if t.mma in WARP_SPECIALIZED:
         smem += 16 * t.stages  # a full and an empty mbarrier per stage
     if smem > SMEM_CAPACITY[target]:
         return False, f"needs {smem} B of shared memory, {target} allows {SMEM_CAPACITY[target]}"

@@ -15,9 +15,12 @@ M-tile ``t`` (or -1: the CTA exits).
 Three mainloops, chosen by ``mma``: "warp" (cp.async multi-stage pipeline, ldmatrix, mma.sync
 m16n8k16), which compiles unchanged for sm_80, sm_90a and sm_121a (DGX Spark has no wgmma),
 "wgmma" (sm_90a only: cp.async into the 128-byte-swizzled K-major layouts, A and B read
-by wgmma from shared memory, one warpgroup per 64 rows), and "wgmmatma" (sm_90a only,
+by wgmma from shared memory, one warpgroup per 64 rows), "wgmmatma" (sm_90a only,
 warp-specialized: a producer warpgroup loads B by TMA and A by cp.async into an mbarrier
-pipeline while one consumer warpgroup per 64 rows runs wgmma without CTA-wide syncs).
+pipeline while one consumer warpgroup per 64 rows runs wgmma without CTA-wide syncs) and
+"wgmmap" (the same roles in persistent CTAs, one per SM, walking the tiles: the producer runs
+into the next tile while the consumers write the epilogue straight from their registers, so
+neither the pipeline fill nor the epilogue of a tile is paid on its own).
 A is always loaded with per-row cp.async, which is what makes the token gather free: each
 thread keeps the source row of each A row it copies in a register for the whole K loop.
 """
@@ -37,9 +40,11 @@ SMEM_CAPACITY = {"sm_80": 163 * 1024, "sm_90a": 227 * 1024, "sm_100a": 227 * 102
 _MMA_SHAPE = (16, 8, 16)
 _COPY_ELEMS = 8  # bf16 elements in one 16-byte cp.async / store
 RASTER_GROUP = 8  # M tiles walked per N tile by consecutive CTAs (L2 reuse of weight tiles)
-MMAS = ("warp", "wgmma", "wgmmatma")
-_WGMMA = ("wgmma", "wgmmatma")
-_LOAD_THREADS = 128  # wgmmatma: the producer warpgroup
+MMAS = ("warp", "wgmma", "wgmmatma", "wgmmap")
+_WGMMA = ("wgmma", "wgmmatma", "wgmmap")
+_WARP_SPECIALIZED = ("wgmmatma", "wgmmap")
+_LOAD_THREADS = 128  # wgmmatma, wgmmap: the producer warpgroup
+PERSISTENT_CTAS = 132  # wgmmap's default grid: one CTA per SM of an H100 SXM / H200
 # wgmmatma with two consumer warpgroups (384 threads, 168 registers each at entry): the producer
 # gives registers back to the consumers' 128 fp32 accumulators (40*128 + 232*256 <= 64K)
 _REGS_LOAD, _REGS_MMA = 40, 232
@@ -65,7 +70,8 @@ class _GroupedGemmBase:
     glu = False
 
     def __init__(self, n: int, k: int, tile_m: int, tile_n: int, tile_k: int,
-                 stages: int, mma: str, warps_m, warps_n, pdl: bool = False):
+                 stages: int, mma: str, warps_m, warps_n, pdl: bool = False,
+                 ctas: int = PERSISTENT_CTAS):
         warps_m, warps_n = self.default_warps(tile_m, tile_n, warps_m, warps_n, mma)
         ok, reason = self._check_tiles(n, k, tile_m, tile_n, tile_k, stages, mma, warps_m, warps_n)
         if not ok:
@@ -75,7 +81,9 @@ class _GroupedGemmBase:
         self.stages, self.mma = stages, mma
         self.warps_m, self.warps_n = warps_m, warps_n
         self.mma_threads = warps_m * warps_n * 32  # threads holding accumulators (epilogue too)
-        tma = mma == "wgmmatma"
+        tma = mma in _WARP_SPECIALIZED
+        self.persistent = mma == "wgmmap"
+        self.ctas = ctas  # wgmmap: the grid, at most one CTA per SM (each needs most of one)
         self.load_threads = _LOAD_THREADS if tma else self.mma_threads  # threads issuing cp.async of A
         self.threads = self.mma_threads + (_LOAD_THREADS if tma else 0)
         # wgmma pipeline: k-tiles loaded ahead of the one being multiplied. One stage more is
@@ -91,7 +99,7 @@ class _GroupedGemmBase:
         # on GEMM1, before it waits for GEMM1's grid; GEMM1 waits first thing (its tile -> expert
         # map comes from the routing kernel).
         self.pdl = bool(pdl)
-        self.early_b = self.pdl and not self.glu and mma != "wgmmatma"
+        self.early_b = self.pdl and not self.glu and mma not in _WARP_SPECIALIZED
 
     # ------------------------------------------------------------------ checks
     @staticmethod
@@ -112,8 +120,8 @@ class _GroupedGemmBase:
     @staticmethod
     def _check_tiles(n, k, tile_m, tile_n, tile_k, stages, mma, warps_m, warps_n):
         if mma not in MMAS:
-            return False, (f"mma {mma!r} must be 'warp' (mma.sync), 'wgmma' or 'wgmmatma' "
-                           f"(both sm_90a only)")
+            return False, (f"mma {mma!r} must be 'warp' (mma.sync), 'wgmma', 'wgmmatma' or "
+                           f"'wgmmap' (the last three sm_90a only)")
         threads = warps_m * warps_n * 32
         if mma in _WGMMA:
             if tile_m not in (64, 128):
@@ -137,7 +145,7 @@ class _GroupedGemmBase:
             return False, f"tile_m {tile_m} must be a multiple of 16*warps_m={16 * warps_m} and <= 256"
         if mma == "warp" and (tile_n % (16 * warps_n) or tile_n > 256):
             return False, f"tile_n {tile_n} must be a multiple of 16*warps_n={16 * warps_n} and <= 256"
-        load_threads = _LOAD_THREADS if mma == "wgmmatma" else threads
+        load_threads = _LOAD_THREADS if mma in _WARP_SPECIALIZED else threads
         rows_per_pass = load_threads // (tile_k // _COPY_ELEMS)
         if tile_m % rows_per_pass or tile_n % rows_per_pass:
             return False, (f"tile_m {tile_m} and tile_n {tile_n} must be multiples of the "
@@ -154,10 +162,11 @@ class _GroupedGemmBase:
     @staticmethod
     def smem_bytes(tile_m, tile_n, tile_k, stages, mma="warp") -> int:
         """Dynamic shared memory of one CTA: the A/B pipeline, reused for the fp32 staging
-        (wgmmatma: and a full and an empty mbarrier per stage)."""
+        (wgmmatma: and a full and an empty mbarrier per stage; wgmmap: no staging, its epilogue
+        stores from registers)."""
         ab = stages * (tile_m + tile_n) * tile_k * 2
-        c = tile_m * (tile_n + 8) * 4
-        bars = 16 * stages if mma == "wgmmatma" else 0
+        c = 0 if mma == "wgmmap" else tile_m * (tile_n + 8) * 4
+        bars = 16 * stages if mma in _WARP_SPECIALIZED else 0
         return max(ab, c) + 1024 + bars  # + the allocator's alignment slack
 
     @classmethod
@@ -216,7 +225,7 @@ class _GroupedGemmBase:
         smem = cutlass.memory.SmemAllocator()
         a_bytes = self.stages * self.tile_m * self.tile_k * 2
         b_bytes = self.stages * self.tile_n * self.tile_k * 2
-        c_bytes = self.tile_m * self.c_row_stride * 4
+        c_bytes = 0 if self.persistent else self.tile_m * self.c_row_stride * 4
         base = smem.allocate(max(a_bytes + b_bytes, c_bytes), byte_alignment=1024)
         if const_expr(self.mma in _WGMMA):
             # the canonical wgmma K-major 128-byte-swizzled layouts, swizzle moved to the pointer
@@ -401,7 +410,7 @@ class _GroupedGemmBase:
     @cute.jit
     def _sync_mma(self):
         """Barrier of the accumulator-holding threads (all threads unless warp-specialized)."""
-        if const_expr(self.mma == "wgmmatma"):
+        if const_expr(self.mma in _WARP_SPECIALIZED):
             cute.arch.barrier(barrier_id=1, number_of_threads=self.mma_threads)
         else:
             cute.arch.sync_threads()
@@ -429,15 +438,19 @@ class _GroupedGemmBase:
 
     @cute.jit
     def _a_partitions(self, tidx, sA, a_rows):
-        """cp.async partition of A for this producer thread; padding rows zero-filled."""
+        """cp.async partition of A for this producer thread; padding rows zero-filled, except
+        in persistent CTAs, where the stages are in use by the previous tile: there a padding
+        row keeps stale values, which reach only that row's outputs (rows of a product are
+        independent), and the epilogue writes zeros or nothing for those rows."""
         tiled_copy = self._make_g2s_copy()
         thr_copy = tiled_copy.get_slice(tidx)
         tAsA = thr_copy.partition_D(sA)  # (CPY, CPY_M, CPY_K, PIPE)
         tAcA = thr_copy.partition_S(cute.make_identity_tensor((self.tile_m, self.tile_k)))
-        for m in cutlass.range_constexpr(cute.size(tAsA, mode=[1])):
-            if a_rows[m] < 0:
-                for s in cutlass.range_constexpr(self.stages):
-                    tAsA[None, m, None, s].fill(0)
+        if const_expr(not self.persistent):
+            for m in cutlass.range_constexpr(cute.size(tAsA, mode=[1])):
+                if a_rows[m] < 0:
+                    for s in cutlass.range_constexpr(self.stages):
+                        tAsA[None, m, None, s].fill(0)
         return tiled_copy, tAsA, tAcA
 
     @cute.jit
@@ -453,12 +466,13 @@ class _GroupedGemmBase:
                     cute.copy(tiled_copy, src_row[None, chunk, 0], tAsA[None, m, kk, stage])
 
     @cute.jit
-    def _produce(self, tidx, mA, a_rows, sA, tma_b, mWt, expert, bn, sB, bars):
+    def _produce(self, tidx, mA, a_rows, sA, tma_b, mWt, expert, bn, sB, bars, stage, phase):
         """Producer warpgroup: per k-tile, wait until the consumers freed the stage, start the
         TMA of B (warp 0: the copy elects its issuing lane with elect.sync over the full warp,
         so a single-thread branch around it hangs) and every thread's cp.async of A. A thread signals a stage's A only
         after cp.async.wait_group and a proxy fence (wgmma reads through the async proxy), so
-        it keeps ``prefetch`` newer k-tiles in flight while it waits for the oldest."""
+        it keeps ``prefetch`` newer k-tiles in flight while it waits for the oldest. ``stage``
+        and ``phase`` go on from the previous tile (persistent CTAs); returns them."""
         tiled_copy, tAsA, tAcA = self._a_partitions(tidx, sA, a_rows)
         gB = cute.local_tile(mWt, (self.tile_n, self.tile_k),
                              (expert * (self.n // self.tile_n) + bn, None))
@@ -469,8 +483,6 @@ class _GroupedGemmBase:
         k_tiles = self.k // self.tile_k
         lag = self.prefetch
         warp = cute.arch.make_warp_uniform(tidx // 32)
-        stage = Int32(0)
-        phase = Int32(1)  # a fresh barrier counts as having completed the phase before phase 0
         for kt in range(k_tiles):
             cute.arch.mbarrier_wait(bars + self.stages + stage, phase)
             if warp == 0:
@@ -482,7 +494,7 @@ class _GroupedGemmBase:
             if kt >= lag:
                 cute.arch.cp_async_wait_group(lag)
                 cute.arch.fence_proxy("async.shared", space="cta")
-                cute.arch.mbarrier_arrive(bars + (kt - lag) % self.stages)
+                cute.arch.mbarrier_arrive(bars + (stage + self.stages - lag) % self.stages)
             stage = stage + 1
             if stage == self.stages:
                 stage = Int32(0)
@@ -490,23 +502,24 @@ class _GroupedGemmBase:
         cute.arch.cp_async_wait_group(0)
         cute.arch.fence_proxy("async.shared", space="cta")
         for j in cutlass.range_constexpr(lag):
-            cute.arch.mbarrier_arrive(bars + (k_tiles - lag + j) % self.stages)
+            cute.arch.mbarrier_arrive(bars + (stage + self.stages - lag + j) % self.stages)
+        return stage, phase
 
     @cute.jit
-    def _consume(self, ctid, sA, sB, tiled_mma, acc, bars):
+    def _consume(self, ctid, sA, sB, tiled_mma, acc, bars, stage, phase):
         """Consumer warpgroups: wgmma on each full stage, one batch in flight; a stage is handed
-        back once the batch that read it has retired."""
+        back once the batch that read it has retired. ``stage`` and ``phase`` go on from the
+        previous tile (persistent CTAs); returns them."""
         warp_group = cute.arch.make_warp_uniform(ctid // 128)
         thr_mma = tiled_mma.get_slice(warp_group * 128)
         tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
         tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
         num_kb = cute.size(tCrA, mode=[2])
-        tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)  # acc starts at zero
+        if const_expr(not self.persistent):  # persistent: set once, outside the tile loop
+            tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)  # acc starts at zero
         lane = cute.arch.lane_idx()
         k_tiles = self.k // self.tile_k
-        stage = Int32(0)
-        phase = Int32(0)
-        prev = Int32(0)
+        prev = stage
         for kt in range(k_tiles):
             cute.arch.mbarrier_wait(bars + stage, phase)
             cute.nvgpu.warpgroup.fence()
@@ -523,9 +536,15 @@ class _GroupedGemmBase:
                 stage = Int32(0)
                 phase = phase ^ 1
         cute.nvgpu.warpgroup.wait_group(0)
-        # both consumer warpgroups are done reading A/B before the fp32 staging overwrites them;
-        # every producer write has landed (each stage was waited for as full)
-        self._sync_mma()
+        if const_expr(self.persistent):
+            # the last stage goes back too: the producer is already filling the next tile
+            if lane == 0:
+                cute.arch.mbarrier_arrive(bars + self.stages + prev)
+        else:
+            # both consumer warpgroups are done reading A/B before the fp32 staging overwrites
+            # them; every producer write has landed (each stage was waited for as full)
+            self._sync_mma()
+        return stage, phase
 
     @cute.jit
     def _row(self, mT, row, ncols: int):
@@ -570,8 +589,12 @@ class _GroupedGemmBase:
         tile before the next N tile, so the CTAs resident together share weight tiles in L2
         (a plain N-fastest order streams every expert's whole weight matrix per M tile)."""
         bx, by, _ = cute.arch.block_idx()
+        return self._tile_of(by * (self.n // self.tile_n) + bx, num_m_tiles)
+
+    @cute.jit
+    def _tile_of(self, linear, num_m_tiles):
+        """(N tile, M tile) of the linear tile index, in the raster order of _tile_coords."""
         n_tiles = self.n // self.tile_n
-        linear = by * n_tiles + bx
         group = linear // (RASTER_GROUP * n_tiles)
         first_m = group * RASTER_GROUP
         size = num_m_tiles - first_m
@@ -604,6 +627,67 @@ class _GroupedGemmBase:
     def _tile_tma(self, tidx, tma_b, mWt, mA, mIds, mTileExpert, epi):
         """mma="wgmmatma": warpgroup 0 loads, the others multiply and run the epilogue."""
         self._grid_dependency_wait()
+        if const_expr(self.persistent):
+            self._tiles_persistent(tidx, tma_b, mWt, mA, mIds, mTileExpert, epi)
+        else:
+            self._tile_tma_one(tidx, tma_b, mWt, mA, mIds, mTileExpert, epi)
+
+    @cute.jit
+    def _tiles_persistent(self, tidx, tma_b, mWt, mA, mIds, mTileExpert, epi):
+        """mma="wgmmap": CTA b takes tiles b, b + grid, ... (the raster order of _tile_coords,
+        so the CTAs at work at any moment share weight tiles in L2 as a wave would). Both
+        roles walk the same tiles; the pipeline's stage and phase run on across tiles."""
+        tiled_mma = self._make_tiled_mma()
+        sA, sB, _ = self._smem_tensors()
+        bars = self._init_barriers(tidx)
+        num_m_tiles = cute.size(mTileExpert, mode=[0])
+        total = num_m_tiles * (self.n // self.tile_n)
+        bid, _, _ = cute.arch.block_idx()
+        nctas, _, _ = cute.arch.grid_dim()
+        stage = Int32(0)
+        if cute.arch.make_warp_uniform(tidx // 128) == 0:
+            self._set_regs(True)
+            phase = Int32(1)  # a fresh barrier counts as having completed the phase before phase 0
+            for t in range(bid, total, nctas):
+                bn, bt = self._tile_of(t, num_m_tiles)
+                expert = mTileExpert[bt]
+                if expert >= 0:
+                    a_rows = self._a_rows(tidx, mIds, bt * self.tile_m)
+                    stage, phase = self._produce(tidx, mA, a_rows, sA, tma_b, mWt, expert, bn, sB, bars,
+                                                 stage, phase)
+        else:
+            self._set_regs(False)
+            ctid = tidx - _LOAD_THREADS
+            acc = tiled_mma.make_fragment_C(tiled_mma.get_slice(ctid).partition_C(
+                cute.make_identity_tensor((self.tile_m, self.tile_n))).shape)
+            tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)  # acc is zeroed per tile
+            phase = Int32(0)
+            for t in range(bid, total, nctas):
+                bn, bt = self._tile_of(t, num_m_tiles)
+                expert = mTileExpert[bt]
+                if expert >= 0:
+                    acc.fill(0.0)
+                    stage, phase = self._consume(ctid, sA, sB, tiled_mma, acc, bars, stage, phase)
+                    self._epilogue_regs(ctid, tiled_mma, acc, mIds, epi, bt * self.tile_m, bn)
+
+    @cute.jit
+    def _acc_coords(self, ctid, tiled_mma):
+        """(row, column) in the tile of each accumulator element of this consumer thread. A
+        warpgroup's wgmma fragment is ((2, 2, tile_n/8), 1, 1): element v + 2h + 4j holds row
+        r0 + 8h and column c0 + 8j + v, so elements 2i and 2i+1 are neighbours in a row."""
+        return tiled_mma.get_slice(ctid).partition_C(
+            cute.make_identity_tensor((self.tile_m, self.tile_n)))
+
+    @cute.jit
+    def _pair(self, acc, i):
+        """Accumulator elements i and i+1 (one row, two neighbouring columns) as a 2-vector."""
+        frag = cute.make_rmem_tensor(cute.make_layout(2), Float32)
+        frag[0] = acc[i]
+        frag[1] = acc[i + 1]
+        return frag.load()
+
+    @cute.jit
+    def _tile_tma_one(self, tidx, tma_b, mWt, mA, mIds, mTileExpert, epi):
         bn, bt = self._tile_coords(cute.size(mTileExpert, mode=[0]))
         expert = mTileExpert[bt]
         if expert >= 0:
@@ -614,18 +698,21 @@ class _GroupedGemmBase:
             if cute.arch.make_warp_uniform(tidx // 128) == 0:
                 self._set_regs(True)
                 a_rows = self._a_rows(tidx, mIds, row0)
-                self._produce(tidx, mA, a_rows, sA, tma_b, mWt, expert, bn, sB, bars)
+                # a fresh barrier counts as having completed the phase before phase 0
+                self._produce(tidx, mA, a_rows, sA, tma_b, mWt, expert, bn, sB, bars, Int32(0), Int32(1))
             else:
                 self._set_regs(False)
                 ctid = tidx - _LOAD_THREADS
                 acc = tiled_mma.make_fragment_C(tiled_mma.get_slice(ctid).partition_C(
                     cute.make_identity_tensor((self.tile_m, self.tile_n))).shape)
                 acc.fill(0.0)
-                self._consume(ctid, sA, sB, tiled_mma, acc, bars)
+                self._consume(ctid, sA, sB, tiled_mma, acc, bars, Int32(0), Int32(0))
                 sC = self._stage_acc(ctid, tiled_mma, acc, sC_ptr)
                 self._epilogue(ctid, sC, *epi, row0, bn)
 
     def _launch_common(self, grid_n, mTileExpert):
+        if const_expr(self.persistent):
+            return [cutlass.min(grid_n * cute.size(mTileExpert, mode=[0]), self.ctas), 1, 1], [self.threads, 1, 1]
         return [grid_n, cute.size(mTileExpert, mode=[0]), 1], [self.threads, 1, 1]
 
 
@@ -663,7 +750,7 @@ class GroupedGluGemm(_GroupedGemmBase):
                  activation: str = "swiglu", interleave: int = 16,
                  tile_m: int = 128, tile_n: int = 128, tile_k: int = 64, stages: int = 4,
                  mma: str = "warp", warps_m: int | None = None, warps_n: int | None = None,
-                 pdl: bool = False):
+                 pdl: bool = False, ctas: int = PERSISTENT_CTAS):
         ok, reason = self.can_implement(num_experts, hidden, intermediate, top_k, activation,
                                         interleave, tile_m, tile_n, tile_k, stages, mma,
                                         warps_m, warps_n)
@@ -672,7 +759,7 @@ class GroupedGluGemm(_GroupedGemmBase):
         self.num_experts, self.hidden, self.intermediate = num_experts, hidden, intermediate
         self.top_k, self.activation, self.interleave = top_k, activation, interleave
         super().__init__(2 * intermediate, hidden, tile_m, tile_n, tile_k, stages, mma,
-                         warps_m, warps_n, pdl)
+                         warps_m, warps_n, pdl, ctas)
 
     @classmethod
     def can_implement(cls, num_experts, hidden, intermediate, top_k, activation="swiglu",
@@ -713,7 +800,7 @@ class GroupedGluGemm(_GroupedGemmBase):
     def __call__(self, x: cute.Tensor, w13: cute.Tensor, sorted_ids: cute.Tensor,
                  tile_expert: cute.Tensor, h: cute.Tensor, stream: cuda.CUstream):
         grid, block = self._launch_common(self.n // self.tile_n, tile_expert)
-        if const_expr(self.mma == "wgmmatma"):
+        if const_expr(self.mma in _WARP_SPECIALIZED):
             tma_b, mWt = self._make_tma_b(w13)
             self.kernel_tma(tma_b, mWt, x, sorted_ids, tile_expert, h).launch(
                 grid=grid, block=block, stream=stream, use_pdl=self.pdl)
@@ -764,6 +851,34 @@ class GroupedGluGemm(_GroupedGemmBase):
                 dst.store(out.to(BFloat16))
 
     @cute.jit
+    def _epilogue_regs(self, ctid, tiled_mma, acc, mIds, epi, row0, bn):
+        """mma="wgmmap": h rows straight from the accumulators. With gate/up interleaved in
+        blocks of g columns, the up partner of a gate element at column c is at c + g, g/8 n8
+        blocks further in the fragment, and its h column is (c // 2g) * g + c % g. Padding rows
+        are written as zeros."""
+        (mH,) = epi
+        tCcC = self._acc_coords(ctid, tiled_mma)
+        g = self.interleave
+        half = self.tile_n // 2
+        for hrow in cutlass.range_constexpr(2):
+            r = tCcC[2 * hrow][0]
+            valid = mIds[row0 + r] >= 0
+            dst_row = self._row(mH, row0 + r, self.intermediate)
+            for j in cutlass.range_constexpr(self.tile_n // 8):
+                if const_expr((j * 8 // g) % 2 == 0):
+                    gi = 2 * hrow + 4 * j
+                    ui = gi + 4 * (g // 8)
+                    c = tCcC[gi][1]
+                    hc = (c // (2 * g)) * g + c % g
+                    dst = cute.local_tile(dst_row, (2,), (bn * (half // 2) + hc // 2,))
+                    if valid:
+                        dst.store((self._act(self._pair(acc, gi)) * self._pair(acc, ui)).to(BFloat16))
+                    else:
+                        zero = cute.make_rmem_tensor(cute.make_layout(2), BFloat16)
+                        zero.fill(0.0)
+                        dst.store(zero.load())
+
+    @cute.jit
     def _act(self, g):
         if const_expr(self.activation == "swiglu"):
             return g * cute.math.rcp(1.0 + cute.math.exp(-g, fastmath=True), fastmath=True)
@@ -791,7 +906,7 @@ class GroupedDownGemm(_GroupedGemmBase):
     def __init__(self, num_experts: int, hidden: int, intermediate: int, top_k: int,
                  tile_m: int = 128, tile_n: int = 128, tile_k: int = 64, stages: int = 4,
                  mma: str = "warp", warps_m: int | None = None, warps_n: int | None = None,
-                 pdl: bool = False):
+                 pdl: bool = False, ctas: int = PERSISTENT_CTAS):
         ok, reason = self.can_implement(num_experts, hidden, intermediate, top_k, tile_m,
                                         tile_n, tile_k, stages, mma, warps_m, warps_n)
         if not ok:
@@ -799,7 +914,7 @@ class GroupedDownGemm(_GroupedGemmBase):
         self.num_experts, self.hidden, self.intermediate = num_experts, hidden, intermediate
         self.top_k = top_k
         super().__init__(hidden, intermediate, tile_m, tile_n, tile_k, stages, mma,
-                         warps_m, warps_n, pdl)
+                         warps_m, warps_n, pdl, ctas)
 
     @classmethod
     def can_implement(cls, num_experts, hidden, intermediate, top_k, tile_m=128, tile_n=128,
@@ -834,7 +949,7 @@ class GroupedDownGemm(_GroupedGemmBase):
                  tile_expert: cute.Tensor, topk_weights: cute.Tensor, y: cute.Tensor,
                  stream: cuda.CUstream):
         grid, block = self._launch_common(self.n // self.tile_n, tile_expert)
-        if const_expr(self.mma == "wgmmatma"):
+        if const_expr(self.mma in _WARP_SPECIALIZED):
             tma_b, mWt = self._make_tma_b(w2)
             self.kernel_tma(tma_b, mWt, h, sorted_ids, tile_expert, topk_weights, y).launch(
                 grid=grid, block=block, stream=stream, use_pdl=self.pdl)
@@ -866,6 +981,22 @@ class GroupedDownGemm(_GroupedGemmBase):
         for m in cutlass.range_constexpr(cpy_m):
             a_rows[m] = row0 + tAcA[0, m, 0][0]
         return a_rows
+
+    @cute.jit
+    def _epilogue_regs(self, ctid, tiled_mma, acc, mIds, epi, row0, bn):
+        """mma="wgmmap": scaled rows straight from the accumulators to y; padding rows are not
+        stored."""
+        _, mTopkW, mY = epi
+        tCcC = self._acc_coords(ctid, tiled_mma)
+        for hrow in cutlass.range_constexpr(2):
+            p = mIds[row0 + tCcC[2 * hrow][0]]
+            if p >= 0:
+                scale = mTopkW[p // self.top_k, p % self.top_k]
+                dst_row = self._row(mY, p, self.hidden)
+                for j in cutlass.range_constexpr(self.tile_n // 8):
+                    i = 2 * hrow + 4 * j
+                    dst = cute.local_tile(dst_row, (2,), (bn * (self.tile_n // 2) + tCcC[i][1] // 2,))
+                    dst.store((self._pair(acc, i) * scale).to(BFloat16))
 
     @cute.jit
     def _epilogue(self, etid, sC, mIds, mTopkW, mY, row0, bn):

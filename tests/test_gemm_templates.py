@@ -145,3 +145,29 @@ def test_pdl_waits_before_reading_other_kernels_outputs(mma, tmp_path):
             assert copies_before == ahead * 128 * 64 // 8 // 128
             assert "ld.global" in body[:wait]  # tile_expert and sorted_ids, from the routing
             assert body[:wait].count("st.global") == 0
+
+
+@pytest.mark.parametrize("cls, tile_m, tile_n, stages", [(GroupedGluGemm, 128, 256, 4),
+                                                         (GroupedDownGemm, 128, 256, 4),
+                                                         (GroupedGluGemm, 64, 128, 5)])
+def test_persistent_wgmmap_compiles_with_a_register_epilogue(cls, tile_m, tile_n, stages, tmp_path):
+    """mma="wgmmap": persistent warp-specialized CTAs; no fp32 staging in shared memory (the
+    pipeline alone), the epilogue stores bf16 pairs straight from the accumulators, no spills."""
+    obj = cls(**QWEN3_30B, tile_m=tile_m, tile_n=tile_n, tile_k=64, stages=stages, mma="wgmmap")
+    assert obj.persistent and obj.threads == 128 + 2 * tile_m
+    assert cls.smem_bytes(tile_m, tile_n, 64, stages, "wgmmap") == \
+        stages * (tile_m + tile_n) * 64 * 2 + 1024 + 16 * stages
+    ptx = cute.compile(obj, *[f for _, f in obj.fake_arguments()],
+                       options=f"--gpu-arch sm_90a --keep-ptx --dump-dir {tmp_path}").__ptx__
+    body = ptx[ptx.index(".entry"):]
+    assert "cp.async.bulk.tensor" in body and "wgmma.mma_async" in body
+    assert "ld.local" not in body and "st.local" not in body
+    stores = body.count("st.global")
+    if cls is GroupedDownGemm:  # two rows per thread, tile_n/8 column pairs each
+        assert stores == 2 * tile_n // 8
+    else:  # gate pairs only (half the columns), plus the zeros of padding rows
+        assert 2 * tile_n // 16 <= stores <= 2 * 2 * tile_n // 16
+    assert "st.shared.f32" not in body and "st.shared.v2.f32" not in body  # no staging
+    ok, reason = cls.can_implement(**QWEN3_30B, tile_m=tile_m, tile_n=tile_n, stages=stages,
+                                   mma="wgmmap", arch="sm_121a")
+    assert not ok and "sm_90a" in reason

@@ -60,6 +60,11 @@ CONFIGS = [
     ("tmabig", "wgmmatma", ["qwen3_30b_a3b", "mixtral_8x7b"], "swiglu", 128, (256, 64, 4),
      (256, 64, 4), [16384]),
     ("tma64", "wgmmatma", ALL, "geglu", 64, (128, 64, 4), (128, 64, 4), [1, 256, 4096]),
+    # persistent warp-specialized CTAs, epilogue from registers: same tiles again
+    ("p128", "wgmmap", ALL, "swiglu", 128, (256, 64, 4), (256, 64, 4), TOKENS),
+    ("pbig", "wgmmap", ["qwen3_30b_a3b", "mixtral_8x7b"], "swiglu", 128, (256, 64, 4),
+     (256, 64, 4), [16384]),
+    ("p64", "wgmmap", ALL, "geglu", 64, (128, 64, 4), (128, 64, 4), [1, 256, 4096]),
 ]
 
 
