@@ -2,12 +2,14 @@
 """A whole GPU run in one command, on a machine without the DSL (the product's AOT story).
 
     python3 tools/gpu_run.py --out $OUT [--db cache/moe_aot.sqlite] [--tests] [--coldstart] [--bench ARGS]
+                             [--gemm-check DIR]
 
 1. installs the wheels brought along in .whl/ (sqlalchemy, ...) into /tmp/site;
 2. records the device (name, driver, torch);
 3. measures the runtime's cold start in a fresh process (import, open database, load, first launch);
 4. runs the GPU tests (pytest -m gpu) against the kernels in the database;
 5. runs tools/bench.py if asked;
+6. runs tools/check_gemm_kernels.py on precompiled GEMM kernels if asked;
 and writes everything under --out (logs, junit xml, JSON), printing a short summary last.
 """
 from __future__ import annotations
@@ -79,6 +81,9 @@ def main():
     ap.add_argument("--test-args", default="", help="extra pytest arguments, e.g. '-k qwen3'")
     ap.add_argument("--coldstart", action="store_true")
     ap.add_argument("--bench", default=None, help="arguments for tools/bench.py ('' for defaults)")
+    ap.add_argument("--gemm-check", default=None, metavar="DIR",
+                    help="run tools/check_gemm_kernels.py on the kernels compiled into DIR "
+                         "(check_gemm_kernels.py --compile DIR on the CPU machine)")
     ns = ap.parse_args()
     out = Path(ns.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -124,6 +129,12 @@ def main():
         cmd = [sys.executable, "tools/bench.py", "--out", str(out), *ns.bench.split()]
         rc, log, secs = sh(cmd, log=out / "bench.log", env=env, timeout=560)
         summary["bench"] = {"rc": rc, "seconds": round(secs, 1)}
+        print(log[-8000:], flush=True)
+
+    if ns.gemm_check is not None:
+        cmd = [sys.executable, "tools/check_gemm_kernels.py", "--run", ns.gemm_check, "--out", str(out / "gemm")]
+        rc, log, secs = sh(cmd, log=out / "gemm_check.log", env=env, timeout=560)
+        summary["gemm_check"] = {"rc": rc, "seconds": round(secs, 1)}
         print(log[-8000:], flush=True)
 
     (out / "gpu_run.json").write_text(json.dumps(summary, indent=1))
