@@ -742,6 +742,10 @@ class GroupedGluGemm(_GroupedGemmBase):
         multiple of 32 up to 256, tile_k == 64, 3 <= stages <= 8.
       * mma="wgmmatma" (sm_90a only): as "wgmma", plus a 128-thread producer warpgroup (A's
         cp.async pass covers 16 rows) and 16 bytes of mbarriers per stage in shared memory.
+      * mma="wgmmap" (sm_90a only): as "wgmmatma" in min(tiles, ctas) persistent CTAs (grid
+        (min(2I / tile_n * T, ctas),)); shared memory is the pipeline alone (no fp32 staging).
+      * pdl=True: launched as a programmatic dependent of the previous kernel in the stream
+        (sm_90+); it waits for that grid before reading sorted_ids / tile_expert.
     """
 
     glu = True
@@ -899,6 +903,8 @@ class GroupedDownGemm(_GroupedGemmBase):
     Constraints:
       * bf16 in, fp32 accumulate, bf16 out; all tensors 16-byte aligned and row-major.
       * I % tile_k == 0, H % tile_n == 0; the tile constraints of GroupedGluGemm (with K = I).
+      * pdl=True: launched as a programmatic dependent of GEMM1; the first weight k-tiles are
+        fetched before waiting for its grid, h only after.
     """
 
     glu = False

@@ -68,6 +68,8 @@ class MoeRouting:
         cluster_size in {1, 2, 4, 8, 16} (16 is a non-portable cluster size: Hopper only).
       - int32 tensors, contiguous; alignment 4 bytes (all accesses are scalar).
       - M * K and R must fit in int32.
+      - pdl=True (sm_90+): lets the next kernel (GEMM1, launched as a programmatic dependent)
+        launch at once; this kernel itself is launched normally and never waits.
     """
 
     def __init__(self, num_experts: int, top_k: int, tile_m: int,
@@ -335,6 +337,8 @@ class MoeCombine:
       - hidden % 8 == 0 (16-byte vectors); y and out 16-byte aligned; topk_ids 4-byte aligned.
       - top_k >= 1, num_experts >= 1; num_threads a multiple of 32 in [32, 1024].
       - M * K * hidden must fit in int32 indexing (M*K*H < 2**31).
+      - pdl=True (sm_90+): launched as a programmatic dependent of GEMM2; y is read only after
+        GEMM2's grid has finished.
     """
 
     VEC = 8
