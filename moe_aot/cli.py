@@ -418,8 +418,6 @@ def build_cmd(models, spec_file, target, experts, top_k, hidden, intermediate, a
     """Precompile everything a deployment needs: the tuned pick per bucket where the database or
     the text export has one for the target (and GPU), the default variant for every bucket.
     Idempotent: what is already in the database is not compiled again."""
-    import dataclasses
-
     from .compiler import compile_into, toolchain_key
     from .tuner import build_plan
 
@@ -429,7 +427,7 @@ def build_cmd(models, spec_file, target, experts, top_k, hidden, intermediate, a
     try:
         pairs, picks = build_plan(db, specs, _tokens(tokens), gpu, Path(tuned_dir) if tuned_dir else env.tuned_dir())
         if pdl_twins:
-            pairs = list(dict.fromkeys(pairs + [(s, dataclasses.replace(v, pdl=not v.pdl)) for s, v in pairs]))
+            pairs = list(dict.fromkeys(pairs + [(s, v.pdl_twin()) for s, v in pairs]))
 
         def progress(res, done, total):
             status = "ok" if res.artifact else "FAILED"

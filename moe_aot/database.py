@@ -23,9 +23,9 @@ from sqlalchemy.engine import Connection, make_url
 
 from . import env
 from .dbread import (BUSY_TIMEOUT_S as _BUSY_TIMEOUT_S, SCHEMA_VERSION, BestRow, T_ARTIFACTS, T_BEST, T_RECORDS,
-                     T_VERSION, T_WORKLOADS, DatabaseError, check_schema_versions, corrupt, first_line as _first_line,
-                     no_database, no_schema, pack as _pack, readonly_uri, sha as _sha, unpack_checked,
-                     utc as _utc)
+                     T_VERSION, T_WORKLOADS, DatabaseError, check_quick_check, check_schema_versions, corrupt,
+                     first_line as _first_line, locked, no_database, no_schema, pack as _pack, readonly_uri,
+                     sha as _sha, unpack_checked, utc as _utc)
 
 ARTIFACT_STATUSES = ("ok", "failed")
 RECORD_STATUSES = ("ok", "compile_error", "resource_error", "wrong_result", "launch_error")
@@ -254,8 +254,7 @@ class Database:
         if "not a database" in low or "malformed" in low:
             return str(corrupt(self._where, msg))
         if "locked" in low or "busy" in low:
-            return (f"{self._where} stayed locked by another process for {_BUSY_TIMEOUT_S} s "
-                    f"while trying to {action}; retry once the other writer has finished")
+            return str(locked(self._where, action))
         if isinstance(error, exc.IntegrityError):
             return (f"cannot {action} in {self._where}: {msg}; check that the workload and "
                     "record_id it refers to exist")
@@ -296,10 +295,7 @@ class Database:
                 raise DatabaseError(self._explain(action, e)) from None
 
     def _quick_check(self, conn: Connection) -> None:
-        rows = [r[0] for r in conn.exec_driver_sql("PRAGMA quick_check(1)")]
-        if rows != ["ok"]:
-            raise DatabaseError(f"{self._where} is corrupt (quick_check: {rows[0] if rows else '?'}"
-                                "); move it aside and rebuild it with `moe-aot build`")
+        check_quick_check([r[0] for r in conn.exec_driver_sql("PRAGMA quick_check(1)")], self._where)
 
     def _ensure_schema(self, conn: Connection) -> None:
         if inspect(conn).has_table(_version_t.name):

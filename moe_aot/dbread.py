@@ -81,6 +81,18 @@ def corrupt(where: str, msg: str) -> DatabaseError:
                          "and rebuild it with `moe-aot build`")
 
 
+def check_quick_check(rows: list, where: str) -> None:
+    """Raise unless SQLite's `PRAGMA quick_check(1)` answered "ok"."""
+    if rows != ["ok"]:
+        raise DatabaseError(f"{where} is corrupt (quick_check: {rows[0] if rows else '?'}); move it "
+                            "aside and rebuild it with `moe-aot build`")
+
+
+def locked(where: str, action: str) -> DatabaseError:
+    return DatabaseError(f"{where} stayed locked by another process for {BUSY_TIMEOUT_S} s while "
+                         f"trying to {action}; retry once the other writer has finished")
+
+
 def check_schema_versions(found: list[int], where: str) -> None:
     if found == [SCHEMA_VERSION]:
         return
@@ -157,10 +169,8 @@ class SqliteReader:
         except sqlite3.Error as e:
             raise self._error("open the file", e) from None
         try:
-            rows = [r[0] for r in self._query("check the file", "PRAGMA quick_check(1)")]
-            if rows != ["ok"]:
-                raise DatabaseError(f"{self._where} is corrupt (quick_check: {rows[0] if rows else '?'}"
-                                    "); move it aside and rebuild it with `moe-aot build`")
+            check_quick_check([r[0] for r in self._query("check the file", "PRAGMA quick_check(1)")],
+                              self._where)
             has = self._query("check the schema", "SELECT 1 FROM sqlite_master WHERE type = 'table' "
                               "AND name = ?", (T_VERSION,))
             if not has:
@@ -177,8 +187,7 @@ class SqliteReader:
         if "not a database" in low or "malformed" in low:
             return corrupt(self._where, msg)
         if "locked" in low or "busy" in low:
-            return DatabaseError(f"{self._where} stayed locked by another process for {BUSY_TIMEOUT_S} s "
-                                 f"while trying to {action}; retry once the other writer has finished")
+            return locked(self._where, action)
         if "readonly" in low or "read-only" in low or "unable to open" in low:
             return DatabaseError(f"cannot read {self._where} read-only ({msg}); SQLite needs to "
                                  "create its -shm file next to it: make the folder writable or copy "
@@ -235,7 +244,8 @@ class SqlAlchemyReader:
     def artifact(self, name: str, toolchain: str) -> tuple[bytes, dict]:
         a = self.db.get_artifact(name, toolchain)
         if a is None:
-            raise DatabaseError(f"artifact {name} (toolchain {toolchain}) vanished from {self.db.url}")
+            raise DatabaseError(f"artifact {name} (toolchain {toolchain}) vanished from the kernel "
+                                "database while it was being read")
         return a.library, a.meta
 
     def best(self, workload: str, target: str) -> list[BestRow]:

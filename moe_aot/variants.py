@@ -11,6 +11,7 @@ Pure Python: the runtime imports this module, so it must not import cutlass or t
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass, field
 
@@ -76,6 +77,10 @@ class LayerVariant:
     @property
     def _pdl_tag(self) -> str:
         return "_pdl" if self.pdl else ""
+
+    def pdl_twin(self) -> "LayerVariant":
+        """The same kernels with programmatic dependent launch flipped (measured side by side)."""
+        return dataclasses.replace(self, pdl=not self.pdl)
 
     def kernels(self, spec: LayerSpec) -> list[KernelVariant]:
         a, p, s = arch_tag(spec.target), spec.precision, spec.shape_tag

@@ -1,7 +1,6 @@
 """The tuner on the CPU: search space, ask/compile/measure/tell with stand-ins (tuner_fakes),
 budgets, resume, the compile/measure split with a DSL-free measuring process, concurrent
 measurers, the text export, build, report. One CLI test compiles for real."""
-import dataclasses
 import json
 import multiprocessing
 import subprocess
@@ -114,7 +113,6 @@ class Block(importlib.abc.MetaPathFinder):
             raise ImportError('the measuring side must not import ' + name)
 sys.meta_path.insert(0, Block())
 """
-import dataclasses
 
 
 def _measure_in_subprocess(url, tests_dir, max_trials=None):
@@ -262,7 +260,7 @@ def test_cli_split_workflow_export_build_ls_report(runner, tmp_path):
     from moe_aot.variants import default_variant
     with Database(fresh, readonly=True) as db:
         for v in (LayerVariant.parse(pick["variant"]), default_variant(TINY, 16)):
-            twin = dataclasses.replace(v, pdl=not v.pdl)
+            twin = v.pdl_twin()
             assert all(db.has_artifact(kv.name, toolchain_key("sm_90a")) for kv in twin.kernels(TINY)), twin
     from moe_aot.runtime.store import KernelStore
     picks = KernelStore(fresh).picks(TINY, GPU)

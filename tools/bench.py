@@ -18,7 +18,6 @@ Writes DIR/bench_h200.json and DIR/bench_h200.md.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import statistics
@@ -112,7 +111,7 @@ def bench_model(name: str, tokens_list, replays: int, rate: float, store, pdl: b
                "ours_over_floor": round(ours / floor, 3), "torch_over_ours": round(theirs / ours, 3),
                "variant": layer.variant_for(M).name(spec), "experts_selected": selected}
         if pdl:
-            twin = dataclasses.replace(layer.variant_for(M), pdl=not layer.variant_for(M).pdl)
+            twin = layer.variant_for(M).pdl_twin()
             row["twin_variant"] = twin.name(spec)
             try:
                 m = measure_variant(layer, twin, M, w13, w2, replays, sets)
