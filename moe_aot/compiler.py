@@ -51,12 +51,13 @@ def build_template(kv: KernelVariant):
     if kv.role == "combine":
         from moe_aot_templates.routing import MoeCombine
         return MoeCombine(**kw)
-    if kv.role == "glu":
-        from moe_aot_templates.grouped_gemm import GroupedGluGemm
-        return GroupedGluGemm(**kw)
-    if kv.role == "down":
-        from moe_aot_templates.grouped_gemm import GroupedDownGemm
-        return GroupedDownGemm(**kw)
+    if kv.role in ("glu", "down"):
+        # one template module per mainloop family; both take the same arguments
+        if kw.get("mma") == "hopws":
+            from moe_aot_templates.hopper_gemm import HopperDownGemm as Down, HopperGluGemm as Glu
+        else:
+            from moe_aot_templates.grouped_gemm import GroupedDownGemm as Down, GroupedGluGemm as Glu
+        return Glu(**kw) if kv.role == "glu" else Down(**kw)
     raise ValueError(f"unknown kernel role {kv.role!r}")
 
 

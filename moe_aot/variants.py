@@ -17,14 +17,14 @@ from dataclasses import dataclass, field
 
 from .spec import BENCH_TOKENS, LayerSpec
 
-# Per-block shared memory a kernel may opt into, and which MMA instructions exist. The template's
-# "wgmmatma" (sm_90a: TMA for the weights, a producer warpgroup) is mirrored below but not listed:
-# it passed its H200 check only at 4096 tokens (all five models), was no faster than "wgmma" there,
-# and has not run at small token counts (tools/results/gemm_wgmmatma_h200_2026-11-29.txt).
-# "wgmmap" (the same in persistent CTAs with the epilogue from registers) is mirrored and not
-# listed either: it has been compiled, never run (tools/check_gemm_kernels.py has its GPU check).
+# Per-block shared memory a kernel may opt into, and which MMA instructions exist. "hopws"
+# (sm_90a: templates/hopper_gemm.py, persistent warp-specialized CTAs on the DSL's TMA pipeline)
+# is the large-token default since its H200 check of 2026-12-01 (124/124 correct at 1-16384 tokens;
+# GEMM2 +7-34% over "wgmma", GEMM1 within -2..+15%: tools/results/NOTES.md). The template's
+# "wgmmatma" and "wgmmap" (hand-rolled pipelines, slower than "hopws" at every measured point) are
+# mirrored below but not listed.
 TARGET_LIMITS = {
-    "sm_90a": {"smem": 232448, "mma": ("warp", "wgmma"), "sms": 132, "clusters": (1, 2, 4, 8, 16)},
+    "sm_90a": {"smem": 232448, "mma": ("warp", "wgmma", "hopws"), "sms": 132, "clusters": (1, 2, 4, 8, 16)},
     "sm_100a": {"smem": 232448, "mma": ("warp",), "sms": 148, "clusters": (1, 2, 4, 8, 16)},
     "sm_121a": {"smem": 101376, "mma": ("warp",), "sms": 48, "clusters": (1,)},
 }
@@ -121,9 +121,10 @@ class LayerVariant:
 SMEM_CAPACITY = {"sm_90a": 227 * 1024, "sm_100a": 227 * 1024, "sm_121a": 99 * 1024}
 
 
-WGMMA_MMAS = ("wgmma", "wgmmatma", "wgmmap")  # wgmmatma: TMA for B, a producer warpgroup (+128
-# threads); wgmmap: the same, persistent, epilogue from registers (no fp32 staging in shared memory)
-WARP_SPECIALIZED = ("wgmmatma", "wgmmap")
+WGMMA_MMAS = ("wgmma", "wgmmatma", "wgmmap", "hopws")  # wgmmatma: TMA for B, a producer warpgroup
+# (+128 threads); wgmmap and hopws: the same, persistent, epilogue from registers (no fp32 staging)
+WARP_SPECIALIZED = ("wgmmatma", "wgmmap", "hopws")
+PERSISTENT = ("wgmmap", "hopws")
 
 
 def gemm_warps(tile_m: int, tile_n: int, mma: str) -> tuple[int, int]:
@@ -170,7 +171,7 @@ def gemm_can_implement(n: int, k: int, tile_m: int, t: GemmTiles, target: str) -
         return False, f"stages {t.stages} outside 2..8"
     if k // t.tile_k < t.stages - 1:
         return False, f"K={k} has {k // t.tile_k} k-tiles of {t.tile_k}, fewer than stages-1={t.stages - 1}"
-    staging = 0 if t.mma == "wgmmap" else tile_m * (t.tile_n + 8) * 4  # fp32 accumulator tile
+    staging = 0 if t.mma in PERSISTENT else tile_m * (t.tile_n + 8) * 4  # fp32 accumulator tile
     smem = max(t.stages * (tile_m + t.tile_n) * t.tile_k * 2, staging) + 1024
     if t.mma in WARP_SPECIALIZED:
         smem += 16 * t.stages  # a full and an empty mbarrier per stage
@@ -225,18 +226,19 @@ def default_variant(spec: LayerSpec, tokens: int) -> LayerVariant:
     """The documented untuned choice per token-count bucket: the first valid of a short list.
     From the H200 kernel measurements (tools/results/gemm_check_h200_2026-11-29.txt): few routed
     rows per expert (decode) stream weights best with 16-row tiles and deep pipelines; many rows
-    per expert need wgmma 128-row tiles; in between, 64-row mma.sync tiles."""
+    per expert need wgmma 128-row tiles (the persistent TMA core "hopws" where the target has it,
+    tools/results/NOTES.md 2026-12-01); in between, 64-row mma.sync tiles."""
     cluster = 1 if tokens <= 256 else max(TARGET_LIMITS[spec.target]["clusters"])
     rows_per_expert = tokens * spec.top_k / spec.experts
-    W, G = "warp", "wgmma"
+    W, G, P = "warp", "wgmma", "hopws"
     if rows_per_expert <= 2:
         prefs = [(16, GemmTiles(32, 64, 8, W), GemmTiles(32, 64, 8, W)),
                  (16, GemmTiles(64, 128, 2, W), GemmTiles(64, 128, 2, W))]
     elif rows_per_expert <= 64:
         prefs = [(64, GemmTiles(128, 64, 4, W), GemmTiles(128, 64, 4, W))]
     else:
-        prefs = [(128, GemmTiles(n, 64, 4, G), GemmTiles(n2, 64, 4, G)) for n in (256, 192, 128)
-                 for n2 in (256, 192, 128)]
+        prefs = [(128, GemmTiles(n, 64, 4, mma), GemmTiles(n2, 64, 4, mma)) for mma in (P, G)
+                 for n in (256, 192, 128) for n2 in (256, 192, 128)]
         prefs += [(128, GemmTiles(128, 64, 3, W), GemmTiles(128, 64, 3, W))]
     prefs += [(64, GemmTiles(128, 64, 4, W), GemmTiles(128, 64, 4, W)),
               (64, GemmTiles(64, 64, 3, W), GemmTiles(64, 64, 3, W)),

@@ -40,9 +40,11 @@ SMEM_CAPACITY = {"sm_80": 163 * 1024, "sm_90a": 227 * 1024, "sm_100a": 227 * 102
 _MMA_SHAPE = (16, 8, 16)
 _COPY_ELEMS = 8  # bf16 elements in one 16-byte cp.async / store
 RASTER_GROUP = 8  # M tiles walked per N tile by consecutive CTAs (L2 reuse of weight tiles)
-MMAS = ("warp", "wgmma", "wgmmatma", "wgmmap")
-_WGMMA = ("wgmma", "wgmmatma", "wgmmap")
-_WARP_SPECIALIZED = ("wgmmatma", "wgmmap")
+MMAS = ("warp", "wgmma", "wgmmatma", "wgmmap", "hopws")
+_WGMMA = ("wgmma", "wgmmatma", "wgmmap", "hopws")
+_WARP_SPECIALIZED = ("wgmmatma", "wgmmap", "hopws")
+# persistent CTAs walking the tiles, epilogue from registers (hopws: templates/hopper_gemm.py)
+_PERSISTENT = ("wgmmap", "hopws")
 _LOAD_THREADS = 128  # wgmmatma, wgmmap: the producer warpgroup
 PERSISTENT_CTAS = 132  # wgmmap's default grid: one CTA per SM of an H100 SXM / H200
 # wgmmatma with two consumer warpgroups (384 threads, 168 registers each at entry): the producer
@@ -82,7 +84,7 @@ class _GroupedGemmBase:
         self.warps_m, self.warps_n = warps_m, warps_n
         self.mma_threads = warps_m * warps_n * 32  # threads holding accumulators (epilogue too)
         tma = mma in _WARP_SPECIALIZED
-        self.persistent = mma == "wgmmap"
+        self.persistent = mma in _PERSISTENT
         self.ctas = ctas  # wgmmap: the grid, at most one CTA per SM (each needs most of one)
         self.load_threads = _LOAD_THREADS if tma else self.mma_threads  # threads issuing cp.async of A
         self.threads = self.mma_threads + (_LOAD_THREADS if tma else 0)
@@ -120,8 +122,8 @@ class _GroupedGemmBase:
     @staticmethod
     def _check_tiles(n, k, tile_m, tile_n, tile_k, stages, mma, warps_m, warps_n):
         if mma not in MMAS:
-            return False, (f"mma {mma!r} must be 'warp' (mma.sync), 'wgmma', 'wgmmatma' or "
-                           f"'wgmmap' (the last three sm_90a only)")
+            return False, (f"mma {mma!r} must be 'warp' (mma.sync), 'wgmma', 'wgmmatma', "
+                           f"'wgmmap' or 'hopws' (the last four sm_90a only)")
         threads = warps_m * warps_n * 32
         if mma in _WGMMA:
             if tile_m not in (64, 128):
@@ -165,7 +167,7 @@ class _GroupedGemmBase:
         (wgmmatma: and a full and an empty mbarrier per stage; wgmmap: no staging, its epilogue
         stores from registers)."""
         ab = stages * (tile_m + tile_n) * tile_k * 2
-        c = 0 if mma == "wgmmap" else tile_m * (tile_n + 8) * 4
+        c = 0 if mma in _PERSISTENT else tile_m * (tile_n + 8) * 4
         bars = 16 * stages if mma in _WARP_SPECIALIZED else 0
         return max(ab, c) + 1024 + bars  # + the allocator's alignment slack
 

@@ -171,3 +171,41 @@ def test_persistent_wgmmap_compiles_with_a_register_epilogue(cls, tile_m, tile_n
     ok, reason = cls.can_implement(**QWEN3_30B, tile_m=tile_m, tile_n=tile_n, stages=stages,
                                    mma="wgmmap", arch="sm_121a")
     assert not ok and "sm_90a" in reason
+
+
+@pytest.mark.parametrize("role, tile_m, tile_n, stages", [("glu", 128, 256, 4), ("down", 128, 256, 4),
+                                                          ("glu", 64, 128, 4), ("down", 64, 256, 4)])
+def test_hopws_core_uses_tma_pipelines_and_never_waits_on_its_own_loads(role, tile_m, tile_n, stages,
+                                                                         tmp_path):
+    """mma="hopws" (templates/hopper_gemm.py): GEMM2 loads both operands by TMA and issues no
+    cp.async; GEMM1 gathers A by cp.async and hands each stage to its full barrier with
+    cp.async.mbarrier.arrive.noinc, with no cp.async.wait in the kernel at all; the consumers
+    fence the async proxy before wgmma reads cp.async data; no local memory; the epilogue
+    stores straight from the accumulators (no fp32 staging in shared memory)."""
+    from templates.hopper_gemm import HopperDownGemm, HopperGluGemm
+
+    cls = HopperGluGemm if role == "glu" else HopperDownGemm
+    obj = cls(**QWEN3_30B, tile_m=tile_m, tile_n=tile_n, tile_k=64, stages=stages)
+    assert obj.mma == "hopws" and obj.persistent and obj.threads == 128 + 2 * tile_m
+    assert [n for n, _ in obj.fake_arguments()] == [n for n, _ in (
+        GroupedGluGemm if role == "glu" else GroupedDownGemm)(**QWEN3_30B, tile_m=64).fake_arguments()]
+    ptx = cute.compile(obj, *[f for _, f in obj.fake_arguments()],
+                       options=f"--gpu-arch sm_90a --keep-ptx --dump-dir {tmp_path}").__ptx__
+    body = ptx[ptx.index(".entry"):]
+    assert "cp.async.bulk.tensor.2d" in body and "wgmma.mma_async" in body
+    assert "ld.local" not in body and "st.local" not in body
+    assert "st.shared.f32" not in body and "st.shared.v2.f32" not in body
+    assert "cp.async.wait_group" not in body and "cp.async.wait_all" not in body
+    if role == "down":
+        assert "cp.async.cg.shared.global" not in body and "cp.async.mbarrier.arrive" not in body
+        assert body.count("cp.async.bulk.tensor.2d") >= 2  # A and B
+    else:
+        assert "cp.async.cg.shared.global" in body
+        assert "cp.async.mbarrier.arrive.noinc.shared" in body
+        assert "fence.proxy.async.shared::cta" in body
+    assert ("setmaxnreg" in body) == (tile_m == 128)
+    with pytest.raises(ValueError, match="hopws"):
+        cls(**QWEN3_30B, tile_m=tile_m, tile_n=tile_n, tile_k=64, stages=stages, mma="wgmma")
+    ok, reason = GroupedGluGemm.can_implement(**QWEN3_30B, tile_m=tile_m, tile_n=tile_n, stages=stages,
+                                              mma="hopws", arch="sm_121a")
+    assert not ok and "sm_90a" in reason

@@ -10,6 +10,8 @@
 4. runs the GPU tests (pytest -m gpu) against the kernels in the database;
 5. runs tools/bench.py if asked;
 6. runs tools/check_gemm_kernels.py on precompiled GEMM kernels if asked;
+7. profiles chosen GEMM configs with Nsight Compute (hardware counters) if asked, beside a
+   cuBLAS matmul of comparable size as the local ceiling;
 and writes everything under --out (logs, junit xml, JSON), printing a short summary last.
 """
 from __future__ import annotations
@@ -73,6 +75,42 @@ def sh(cmd, log=None, env=None, timeout=None):
     return proc.returncode, out, time.perf_counter() - t0
 
 
+NCU_SECTIONS = ["SpeedOfLight", "ComputeWorkloadAnalysis", "MemoryWorkloadAnalysis", "WarpStateStats",
+                "SchedulerStats", "Occupancy", "LaunchStats", "InstructionStats"]
+NCU_METRICS = ["regex:smsp__average_warps_issue_stalled_.*_per_issue_active\\.ratio",
+               "sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active",
+               "l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum",
+               "smsp__inst_executed_pipe_lsu.sum", "sm__cycles_elapsed.avg.per_second"]
+CUBLAS_CEILING = r"""
+import torch
+for n in (4096, 8192):
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16); b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    a @ b; torch.cuda.synchronize()
+    torch.cuda.nvtx.range_push(f"prof_cublas_{n}"); a @ b; torch.cuda.nvtx.range_pop(); torch.cuda.synchronize()
+"""
+
+
+def profile(ns, out, env):
+    """Nsight Compute over one launch of each profiled GEMM (and cuBLAS), CSV under out/."""
+    if ns.gemm_check is None:
+        sys.exit("--profile needs --gemm-check DIR (the compiled configs)")
+    tags, _, tokens = ns.profile.partition("@")
+    base = ["ncu", "--clock-control", "none", "--nvtx", "--nvtx-include", "regex:prof_.*/", "--csv",
+            "--page", "details", *[a for sec in NCU_SECTIONS for a in ("--section", sec)],
+            *[a for m in NCU_METRICS for a in ("--metrics", m)]]
+    result = {}
+    runs = {"gemms": [sys.executable, "tools/check_gemm_kernels.py", "--run", ns.gemm_check, "--out",
+                      str(out / "prof_check"), "--iters", "1", "--only", tags, "--tokens", tokens or "4096",
+                      "--models", ns.profile_models],
+            "cublas": [sys.executable, "-c", CUBLAS_CEILING]}
+    for name, cmd in runs.items():
+        rc, log, secs = sh(base + ["--log-file", str(out / f"ncu_{name}.csv"), *cmd], env=env, timeout=560)
+        (out / f"ncu_{name}.log").write_text(log)
+        result[name] = {"rc": rc, "seconds": round(secs, 1)}
+        print(f"ncu {name}: rc {rc} in {secs:.0f} s", log[-1500:] if rc else "", flush=True)
+    return result
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -84,6 +122,10 @@ def main():
     ap.add_argument("--gemm-check", default=None, metavar="DIR",
                     help="run tools/check_gemm_kernels.py on the kernels compiled into DIR "
                          "(check_gemm_kernels.py --compile DIR on the CPU machine)")
+    ap.add_argument("--profile", default=None, metavar="TAGS@TOKENS",
+                    help="ncu over check_gemm_kernels.py configs in --gemm-check DIR, e.g. "
+                         "'wg128,hw128@4096' (one launch of each GEMM per point, clocks untouched)")
+    ap.add_argument("--profile-models", default="qwen3_30b_a3b,deepseek_v3")
     ns = ap.parse_args()
     out = Path(ns.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -136,6 +178,9 @@ def main():
         rc, log, secs = sh(cmd, log=out / "gemm_check.log", env=env, timeout=560)
         summary["gemm_check"] = {"rc": rc, "seconds": round(secs, 1)}
         print(log[-8000:], flush=True)
+
+    if ns.profile is not None:
+        summary["profile"] = profile(ns, out, env)
 
     (out / "gpu_run.json").write_text(json.dumps(summary, indent=1))
     print(json.dumps(summary, indent=1)[-3000:])

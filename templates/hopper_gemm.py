@@ -1,0 +1,228 @@
+"""Hopper grouped GEMMs of a fused MoE layer built from the DSL's own machinery (mma="hopws").
+
+Persistent, warp-specialized CTAs (one per SM) walk the (N tile, M tile) space of the routing
+layout in the raster order of the other kernels. Per CTA:
+
+- warpgroup 0 produces into a ``cutlass.pipeline.PipelineTmaAsync`` of ``stages`` A/B buffers
+  (the canonical 128-byte-swizzled K-major wgmma layouts):
+    * GEMM2 (``HopperDownGemm``): A (``h``, already in expert-sorted padded order) and B (the
+      tile's expert's down weights) both by TMA, issued by warp 0 alone;
+    * GEMM1 (``HopperGluGemm``): B by TMA (warp 0) and the gathered token rows of A by cp.async
+      from all 128 producer threads, each of which hands its copies to the stage's full barrier
+      with ``cp.async.mbarrier.arrive.noinc``, so no producer thread ever waits for its own
+      loads: the pipeline runs ``stages`` k-tiles deep for A as it does for TMA.
+- one consumer warpgroup per 64 rows (two for 128-row tiles, cooperative on one tile) waits on
+  each full stage, runs wgmma with one batch in flight and releases the stage the batch before
+  read; the epilogue (GLU or routing-weight scale) is written straight from the accumulators
+  (``_epilogue_regs`` of the grouped_gemm kernels) while the producer already fills the next
+  tile's stages.
+
+The stage/phase state runs on across tiles. Padding rows of A (GEMM1) are never loaded: they hold
+whatever the stage held before, which reaches only those rows' outputs (rows of a product are
+independent), and the epilogue writes zeros (GEMM1) or nothing (GEMM2) for them.
+
+Constraints (beyond those of ``GroupedGluGemm`` / ``GroupedDownGemm`` with mma="hopws"):
+  * sm_90a only (wgmma, TMA, setmaxnreg); tile_m 64 or 128, tile_n a multiple of 32 up to 256,
+    tile_k 64, stages >= 3; shared memory stages * (tile_m + tile_n) * 128 B + 1 KB + barriers.
+  * grid min(tiles, ctas) persistent CTAs of 128 + tile_m * 2 threads.
+  * pdl=True: every thread waits for the previous grid before its first read.
+"""
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import BFloat16, Int64, const_expr
+from cutlass.tensor_utils import LayoutEnum
+
+from .grouped_gemm import _LOAD_THREADS, GroupedDownGemm, GroupedGluGemm
+
+MMA = "hopws"
+
+
+class _HopperWs:
+    """The persistent producer/consumer loop shared by both GEMMs (see the module docstring)."""
+
+    @cute.jit
+    def _make_tma_a(self, mA):
+        """TMA atom over A as a [R, K] matrix, one (tile_m, tile_k) box per k-tile of an M tile."""
+        sA_layout = sm90_utils.make_smem_layout_a(
+            LayoutEnum.ROW_MAJOR, (self.tile_m, self.tile_n, self.tile_k), BFloat16, self.stages)
+        return cute.nvgpu.cpasync.make_tiled_tma_atom(
+            cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), mA,
+            cute.slice_(sA_layout, (None, None, 0)), (self.tile_m, self.tile_k))
+
+    @cute.jit
+    def _make_pipeline(self):
+        """Full barriers: the TMA bytes of a stage plus, for GEMM1, one cp.async arrival per
+        producer thread; empty barriers: one arrival per consumer warp."""
+        bars = cutlass.memory.SmemAllocator().allocate_array(Int64, 2 * self.stages, byte_alignment=8)
+        tx = self.tile_n * self.tile_k * 2
+        producers = 1
+        if const_expr(self.glu):
+            producers = 1 + _LOAD_THREADS
+        else:
+            tx = tx + self.tile_m * self.tile_k * 2
+        return pipeline.PipelineTmaAsync.create(
+            barrier_storage=bars, num_stages=self.stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, producers),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.mma_threads // 32),
+            tx_count=tx, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)))
+
+    @cute.jit
+    def _ws_tiles(self, tidx, tma_a, mAt, tma_b, mWt, mA, mIds, mTileExpert, epi):
+        self._grid_dependency_wait()
+        tiled_mma = self._make_tiled_mma()
+        sA, sB, _ = self._smem_tensors()
+        pipe = self._make_pipeline()
+        num_m_tiles = cute.size(mTileExpert, mode=[0])
+        total = num_m_tiles * (self.n // self.tile_n)
+        bid, _, _ = cute.arch.block_idx()
+        nctas, _, _ = cute.arch.grid_dim()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if warp < _LOAD_THREADS // 32:
+            self._set_regs(True)
+            if const_expr(self.glu):
+                self._produce_ws(tidx, warp, pipe, tma_a, mAt, tma_b, mWt, mA, mIds, mTileExpert,
+                                 sA, sB, bid, nctas, total, num_m_tiles)
+            elif warp == 0:
+                self._produce_ws(tidx, warp, pipe, tma_a, mAt, tma_b, mWt, mA, mIds, mTileExpert,
+                                 sA, sB, bid, nctas, total, num_m_tiles)
+        else:
+            self._set_regs(False)
+            self._consume_ws(tidx - _LOAD_THREADS, pipe, tiled_mma, sA, sB, mIds, mTileExpert, epi,
+                             bid, nctas, total, num_m_tiles)
+
+    @cute.jit
+    def _produce_ws(self, tidx, warp, pipe, tma_a, mAt, tma_b, mWt, mA, mIds, mTileExpert, sA, sB,
+                    bid, nctas, total, num_m_tiles):
+        k_tiles = self.k // self.tile_k
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+        if warp == 0:
+            cute.nvgpu.cpasync.prefetch_descriptor(tma_b)
+            if const_expr(not self.glu):
+                cute.nvgpu.cpasync.prefetch_descriptor(tma_a)
+        tiled_copy = self._make_g2s_copy()
+        thr_copy = tiled_copy.get_slice(tidx)
+        tAsA_cp = thr_copy.partition_D(sA)  # GEMM1: (CPY, CPY_M, CPY_K, PIPE)
+        tAcA = thr_copy.partition_S(cute.make_identity_tensor((self.tile_m, self.tile_k)))
+        for t in range(bid, total, nctas):
+            bn, bt = self._tile_of(t, num_m_tiles)
+            expert = mTileExpert[bt]
+            if expert >= 0:
+                gB = cute.local_tile(mWt, (self.tile_n, self.tile_k),
+                                     (expert * (self.n // self.tile_n) + bn, None))
+                tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
+                    tma_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2))
+                if const_expr(self.glu):
+                    a_rows = self._a_rows(tidx, mIds, bt * self.tile_m)
+                    for kt in range(k_tiles):
+                        pipe.sync_object_empty.wait(state.index, state.phase)
+                        if warp == 0:
+                            pipe.sync_object_full.arrive(state.index, None)  # elected: expect B's bytes
+                            cute.copy(tma_b, tBgB[None, kt], tBsB[None, state.index],
+                                      tma_bar_ptr=pipe.producer_get_barrier(state))
+                        self._load_a(kt, state.index, tiled_copy, mA, a_rows, tAsA_cp, tAcA)
+                        cute.arch.cp_async_mbarrier_arrive_noinc(pipe.producer_get_barrier(state))
+                        state.advance()
+                else:
+                    gA = cute.local_tile(mAt, (self.tile_m, self.tile_k), (bt, None))
+                    tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
+                        tma_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2))
+                    for kt in range(k_tiles):
+                        pipe.producer_acquire(state)
+                        bar = pipe.producer_get_barrier(state)
+                        cute.copy(tma_b, tBgB[None, kt], tBsB[None, state.index], tma_bar_ptr=bar)
+                        cute.copy(tma_a, tAgA[None, kt], tAsA[None, state.index], tma_bar_ptr=bar)
+                        state.advance()
+        if warp == 0:
+            pipe.producer_tail(state)
+
+    @cute.jit
+    def _consume_ws(self, ctid, pipe, tiled_mma, sA, sB, mIds, mTileExpert, epi, bid, nctas, total,
+                    num_m_tiles):
+        k_tiles = self.k // self.tile_k
+        warp_group = cute.arch.make_warp_uniform(ctid // 128)
+        thr_mma = tiled_mma.get_slice(warp_group * 128)
+        tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
+        tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
+        num_kb = cute.size(tCrA, mode=[2])
+        acc = tiled_mma.make_fragment_C(tiled_mma.get_slice(ctid).partition_C(
+            cute.make_identity_tensor((self.tile_m, self.tile_n))).shape)
+        read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        for t in range(bid, total, nctas):
+            bn, bt = self._tile_of(t, num_m_tiles)
+            expert = mTileExpert[bt]
+            if expert >= 0:
+                acc.fill(0.0)
+                tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+                cute.nvgpu.warpgroup.fence()
+                for kt in range(k_tiles):
+                    pipe.consumer_wait(read)
+                    if const_expr(self.glu):
+                        # A arrived by cp.async (generic proxy); wgmma reads through the async proxy
+                        cute.arch.fence_proxy("async.shared", space="cta")
+                    for kb in cutlass.range_constexpr(num_kb):
+                        cute.gemm(tiled_mma, acc, tCrA[None, None, kb, read.index],
+                                  tCrB[None, None, kb, read.index], acc)
+                    cute.nvgpu.warpgroup.commit_group()
+                    cute.nvgpu.warpgroup.wait_group(1)
+                    if kt > 0:
+                        pipe.consumer_release(release)
+                        release.advance()
+                    read.advance()
+                cute.nvgpu.warpgroup.wait_group(0)
+                pipe.consumer_release(release)
+                release.advance()
+                self._epilogue_regs(ctid, tiled_mma, acc, mIds, epi, bt * self.tile_m, bn)
+
+
+class HopperGluGemm(_HopperWs, GroupedGluGemm):
+    """GEMM1 + GLU with mma="hopws" (same arguments and results as ``GroupedGluGemm``)."""
+
+    def __init__(self, *args, mma: str = MMA, **kwargs):
+        if mma != MMA:
+            raise ValueError(f"HopperGluGemm implements mma={MMA!r}, not {mma!r}")
+        super().__init__(*args, mma=mma, **kwargs)
+
+    @cute.jit
+    def __call__(self, x: cute.Tensor, w13: cute.Tensor, sorted_ids: cute.Tensor,
+                 tile_expert: cute.Tensor, h: cute.Tensor, stream: cuda.CUstream):
+        grid, block = self._launch_common(self.n // self.tile_n, tile_expert)
+        tma_b, mWt = self._make_tma_b(w13)
+        self.kernel_ws(tma_b, mWt, x, sorted_ids, tile_expert, h).launch(
+            grid=grid, block=block, stream=stream, use_pdl=self.pdl, min_blocks_per_mp=1)
+
+    @cute.kernel
+    def kernel_ws(self, tma_b: cute.CopyAtom, mWt: cute.Tensor, mX: cute.Tensor, mIds: cute.Tensor,
+                  mTileExpert: cute.Tensor, mH: cute.Tensor):
+        tidx, _, _ = cute.arch.thread_idx()
+        self._ws_tiles(tidx, None, None, tma_b, mWt, mX, mIds, mTileExpert, (mH,))
+
+
+class HopperDownGemm(_HopperWs, GroupedDownGemm):
+    """GEMM2 with mma="hopws" (same arguments and results as ``GroupedDownGemm``)."""
+
+    def __init__(self, *args, mma: str = MMA, **kwargs):
+        if mma != MMA:
+            raise ValueError(f"HopperDownGemm implements mma={MMA!r}, not {mma!r}")
+        super().__init__(*args, mma=mma, **kwargs)
+
+    @cute.jit
+    def __call__(self, h: cute.Tensor, w2: cute.Tensor, sorted_ids: cute.Tensor,
+                 tile_expert: cute.Tensor, topk_weights: cute.Tensor, y: cute.Tensor,
+                 stream: cuda.CUstream):
+        grid, block = self._launch_common(self.n // self.tile_n, tile_expert)
+        tma_a, mAt = self._make_tma_a(h)
+        tma_b, mWt = self._make_tma_b(w2)
+        self.kernel_ws(tma_a, mAt, tma_b, mWt, sorted_ids, tile_expert, topk_weights, y).launch(
+            grid=grid, block=block, stream=stream, use_pdl=self.pdl, min_blocks_per_mp=1)
+
+    @cute.kernel
+    def kernel_ws(self, tma_a: cute.CopyAtom, mAt: cute.Tensor, tma_b: cute.CopyAtom,
+                  mWt: cute.Tensor, mIds: cute.Tensor, mTileExpert: cute.Tensor,
+                  mTopkW: cute.Tensor, mY: cute.Tensor):
+        tidx, _, _ = cute.arch.thread_idx()
+        self._ws_tiles(tidx, tma_a, mAt, tma_b, mWt, None, mIds, mTileExpert, (mIds, mTopkW, mY))
