@@ -670,7 +670,10 @@ class _GroupedGemmBase:
                 if expert >= 0:
                     acc.fill(0.0)
                     stage, phase = self._consume(ctid, sA, sB, tiled_mma, acc, bars, stage, phase)
-                    self._epilogue_regs(ctid, tiled_mma, acc, mIds, epi, bt * self.tile_m, bn)
+                    pairs = self._row_pairs(ctid, tiled_mma, mIds, bt * self.tile_m)
+                    scales = cute.make_rmem_tensor(cute.make_layout(2), Float32)
+                    self._load_scales(pairs, epi, scales)
+                    self._epilogue_regs(ctid, tiled_mma, acc, pairs, scales, epi, bt * self.tile_m, bn)
 
     @cute.jit
     def _acc_coords(self, ctid, tiled_mma):
@@ -687,6 +690,27 @@ class _GroupedGemmBase:
         frag[0] = acc[i]
         frag[1] = acc[i + 1]
         return frag.load()
+
+    @cute.jit
+    def _row_pairs(self, ctid, tiled_mma, mIds, row0):
+        """The routed pair p (or -1) of each of this consumer thread's two accumulator rows."""
+        tCcC = self._acc_coords(ctid, tiled_mma)
+        pairs = cute.make_rmem_tensor(cute.make_layout(2), Int32)
+        for hrow in cutlass.range_constexpr(2):
+            pairs[hrow] = mIds[row0 + tCcC[2 * hrow][0]]
+        return pairs
+
+    @cute.jit
+    def _load_scales(self, pairs, epi, scales):
+        """GEMM2: the routing weight of each row's pair into ``scales`` (0 for padding rows);
+        GEMM1 has none."""
+        if const_expr(not self.glu):
+            _, mTopkW, _ = epi
+            for hrow in cutlass.range_constexpr(2):
+                p = pairs[hrow]
+                scales[hrow] = 0.0
+                if p >= 0:
+                    scales[hrow] = mTopkW[p // self.top_k, p % self.top_k]
 
     @cute.jit
     def _tile_tma_one(self, tidx, tma_b, mWt, mA, mIds, mTileExpert, epi):
@@ -857,18 +881,18 @@ class GroupedGluGemm(_GroupedGemmBase):
                 dst.store(out.to(BFloat16))
 
     @cute.jit
-    def _epilogue_regs(self, ctid, tiled_mma, acc, mIds, epi, row0, bn):
-        """mma="wgmmap": h rows straight from the accumulators. With gate/up interleaved in
+    def _epilogue_regs(self, ctid, tiled_mma, acc, pairs, scales, epi, row0, bn):
+        """Persistent kernels: h rows straight from the accumulators. With gate/up interleaved in
         blocks of g columns, the up partner of a gate element at column c is at c + g, g/8 n8
         blocks further in the fragment, and its h column is (c // 2g) * g + c % g. Padding rows
-        are written as zeros."""
+        (``pairs`` < 0, see _row_pairs) are written as zeros; ``scales`` is unused here."""
         (mH,) = epi
         tCcC = self._acc_coords(ctid, tiled_mma)
         g = self.interleave
         half = self.tile_n // 2
         for hrow in cutlass.range_constexpr(2):
             r = tCcC[2 * hrow][0]
-            valid = mIds[row0 + r] >= 0
+            valid = pairs[hrow] >= 0
             dst_row = self._row(mH, row0 + r, self.intermediate)
             for j in cutlass.range_constexpr(self.tile_n // 8):
                 if const_expr((j * 8 // g) % 2 == 0):
@@ -991,15 +1015,15 @@ class GroupedDownGemm(_GroupedGemmBase):
         return a_rows
 
     @cute.jit
-    def _epilogue_regs(self, ctid, tiled_mma, acc, mIds, epi, row0, bn):
-        """mma="wgmmap": scaled rows straight from the accumulators to y; padding rows are not
-        stored."""
-        _, mTopkW, mY = epi
+    def _epilogue_regs(self, ctid, tiled_mma, acc, pairs, scales, epi, row0, bn):
+        """Persistent kernels: scaled rows straight from the accumulators to y (``pairs`` and
+        ``scales`` from _row_pairs / _load_scales); padding rows are not stored."""
+        _, _, mY = epi
         tCcC = self._acc_coords(ctid, tiled_mma)
         for hrow in cutlass.range_constexpr(2):
-            p = mIds[row0 + tCcC[2 * hrow][0]]
+            p = pairs[hrow]
             if p >= 0:
-                scale = mTopkW[p // self.top_k, p % self.top_k]
+                scale = scales[hrow]
                 dst_row = self._row(mY, p, self.hidden)
                 for j in cutlass.range_constexpr(self.tile_n // 8):
                     i = 2 * hrow + 4 * j

@@ -33,7 +33,7 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import BFloat16, Int64, const_expr
+from cutlass import BFloat16, Float32, Int64, const_expr
 from cutlass.tensor_utils import LayoutEnum
 
 from .grouped_gemm import _LOAD_THREADS, GroupedDownGemm, GroupedGluGemm
@@ -95,6 +95,18 @@ class _HopperWs:
                              bid, nctas, total, num_m_tiles)
 
     @cute.jit
+    def _expert_of(self, t, total, num_m_tiles, mTileExpert):
+        """Expert of linear tile ``t`` (-1 for an unused tile or past the end). Both roles read
+        the next tile's expert during the current tile's second k-tile, with a wgmma batch or
+        the stages ahead in flight, so that this load's latency does not stall every tile's
+        start (ncu showed long-scoreboard stalls as the top stall reason)."""
+        expert = cutlass.Int32(-1)
+        if t < total:
+            _, bt = self._tile_of(t, num_m_tiles)
+            expert = mTileExpert[bt]
+        return expert
+
+    @cute.jit
     def _produce_ws(self, tidx, warp, pipe, tma_a, mAt, tma_b, mWt, mA, mIds, mTileExpert, sA, sB,
                     bid, nctas, total, num_m_tiles):
         k_tiles = self.k // self.tile_k
@@ -107,10 +119,14 @@ class _HopperWs:
         thr_copy = tiled_copy.get_slice(tidx)
         tAsA_cp = thr_copy.partition_D(sA)  # GEMM1: (CPY, CPY_M, CPY_K, PIPE)
         tAcA = thr_copy.partition_S(cute.make_identity_tensor((self.tile_m, self.tile_k)))
+        upcoming = cute.make_rmem_tensor(cute.make_layout(1), cutlass.Int32)
+        upcoming[0] = self._expert_of(bid, total, num_m_tiles, mTileExpert)
         for t in range(bid, total, nctas):
+            expert = upcoming[0]
             bn, bt = self._tile_of(t, num_m_tiles)
-            expert = mTileExpert[bt]
-            if expert >= 0:
+            if expert < 0:
+                upcoming[0] = self._expert_of(t + nctas, total, num_m_tiles, mTileExpert)
+            else:
                 gB = cute.local_tile(mWt, (self.tile_n, self.tile_k),
                                      (expert * (self.n // self.tile_n) + bn, None))
                 tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
@@ -125,6 +141,8 @@ class _HopperWs:
                                       tma_bar_ptr=pipe.producer_get_barrier(state))
                         self._load_a(kt, state.index, tiled_copy, mA, a_rows, tAsA_cp, tAcA)
                         cute.arch.cp_async_mbarrier_arrive_noinc(pipe.producer_get_barrier(state))
+                        if kt == 1:
+                            upcoming[0] = self._expert_of(t + nctas, total, num_m_tiles, mTileExpert)
                         state.advance()
                 else:
                     gA = cute.local_tile(mAt, (self.tile_m, self.tile_k), (bt, None))
@@ -135,6 +153,8 @@ class _HopperWs:
                         bar = pipe.producer_get_barrier(state)
                         cute.copy(tma_b, tBgB[None, kt], tBsB[None, state.index], tma_bar_ptr=bar)
                         cute.copy(tma_a, tAgA[None, kt], tAsA[None, state.index], tma_bar_ptr=bar)
+                        if kt == 1:
+                            upcoming[0] = self._expert_of(t + nctas, total, num_m_tiles, mTileExpert)
                         state.advance()
         if warp == 0:
             pipe.producer_tail(state)
@@ -152,10 +172,20 @@ class _HopperWs:
             cute.make_identity_tensor((self.tile_m, self.tile_n))).shape)
         read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        upcoming = cute.make_rmem_tensor(cute.make_layout(1), cutlass.Int32)
+        upcoming[0] = self._expert_of(bid, total, num_m_tiles, mTileExpert)
         for t in range(bid, total, nctas):
+            expert = upcoming[0]
             bn, bt = self._tile_of(t, num_m_tiles)
-            expert = mTileExpert[bt]
-            if expert >= 0:
+            if expert < 0:
+                upcoming[0] = self._expert_of(t + nctas, total, num_m_tiles, mTileExpert)
+            else:
+                # the epilogue's routing metadata, loaded now so that its latency hides under
+                # the mainloop: each row's pair here, GEMM2's routing weights (which need the
+                # pair) after the first k-tile
+                row0 = bt * self.tile_m
+                pairs = self._row_pairs(ctid, tiled_mma, mIds, row0)
+                scales = cute.make_rmem_tensor(cute.make_layout(2), Float32)
                 acc.fill(0.0)
                 tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
                 cute.nvgpu.warpgroup.fence()
@@ -172,11 +202,14 @@ class _HopperWs:
                     if kt > 0:
                         pipe.consumer_release(release)
                         release.advance()
+                    if kt == 1:
+                        self._load_scales(pairs, epi, scales)
+                        upcoming[0] = self._expert_of(t + nctas, total, num_m_tiles, mTileExpert)
                     read.advance()
                 cute.nvgpu.warpgroup.wait_group(0)
                 pipe.consumer_release(release)
                 release.advance()
-                self._epilogue_regs(ctid, tiled_mma, acc, mIds, epi, bt * self.tile_m, bn)
+                self._epilogue_regs(ctid, tiled_mma, acc, pairs, scales, epi, row0, bn)
 
 
 class HopperGluGemm(_HopperWs, GroupedGluGemm):

@@ -20,6 +20,7 @@ from moe_aot.runtime.reference import moe_reference, rel_err  # noqa: E402
 from moe_aot.runtime.store import KernelMissingError, KernelStore  # noqa: E402
 from moe_aot.runtime.verify import TOLERANCE, check_stages, random_routing, random_weights  # noqa: E402
 from moe_aot.spec import PRESETS, make_spec  # noqa: E402
+from moe_aot.variants import default_variant  # noqa: E402
 
 MODELS = os.environ.get("MOE_AOT_TEST_MODELS", ",".join(PRESETS)).split(",")
 
@@ -53,6 +54,21 @@ def test_stages_match_reference(layer_and_weights, tokens, routing):
     rows = check_stages(layer, x, w13, w2, tw, ids)
     bad = [row for row in rows if not row["ok"]]
     assert not bad, f"{spec.label()} tokens={tokens} {routing}: {bad}"
+
+
+@pytest.mark.parametrize("tokens", [1, 64, 1024, 4096, 16384])
+def test_default_variants_match_reference(layer_and_weights, tokens):
+    """The documented default of each bucket (what a GPU without tuned picks runs; at >64 rows
+    per expert the persistent TMA core "hopws"), whole output and every row, two routings."""
+    layer, w13, w2 = layer_and_weights
+    spec = layer.spec
+    dl = MoeLayer(spec, layer.store, device=layer.device.index,
+                  variants={tokens: default_variant(spec, tokens)})
+    for routing in ("uniform", "skewed"):
+        x = torch.randn(tokens, spec.hidden, device=layer.device, dtype=torch.bfloat16)
+        tw, ids = random_routing(tokens, spec, layer.device, skew=routing == "skewed")
+        bad = [row for row in check_stages(dl, x, w13, w2, tw, ids) if not row["ok"]]
+        assert not bad, f"{spec.label()} tokens={tokens} {routing}: {bad}"
 
 
 def test_invalid_ids_are_dropped(store):

@@ -9,9 +9,15 @@ different routings are replayed in turn so that consecutive replays do not find 
 one's experts in L2; every row is checked against the fp32 reference.
 
     python3 tools/bench.py --out DIR [--models a,b] [--tokens 1,16,...] [--replays 100] [--pdl]
+                           [--alts default,default_pdl] [--peers peers_h200.json]
 
 --pdl also checks and times, at every point and in the same run, the twin of our variant with
 programmatic dependent launch flipped (build the database with `moe-aot build --pdl-twins`).
+--alts times other variants beside the one served: `default` (the documented default of the
+bucket, when the served variant is a tuned pick), `default_pdl` (its PDL twin).
+Per row also: each grouped GEMM alone (a CUDA graph of that one kernel on the row's first
+input set), as µs, TFLOP/s of useful (routed) FLOPs and TB/s of the selected experts' weights;
+with --peers, the ratio of the peer's (vLLM's) time at that point to ours.
 
 Writes DIR/bench_h200.json and DIR/bench_h200.md.
 """
@@ -34,6 +40,7 @@ from moe_aot.runtime.reference import moe_reference, rel_err, split_gate_up  # n
 from moe_aot.runtime.store import KernelStore  # noqa: E402
 from moe_aot.runtime.verify import random_weights  # noqa: E402
 from moe_aot.spec import BENCH_TOKENS, PRESETS, make_spec  # noqa: E402
+from moe_aot.variants import default_variant  # noqa: E402
 
 HBM_BYTES_PER_S = 4.8e12
 
@@ -78,7 +85,34 @@ def graph_time_us(fns, replays: int) -> float:
     return statistics.median(graph_times_us(fns, replays))
 
 
-def bench_model(name: str, tokens_list, replays: int, rate: float, store, pdl: bool = False) -> list[dict]:
+def gemm_times(layer, M, replays: int, spec, selected: float) -> dict:
+    """GEMM1 and GEMM2 each alone, replayed from a CUDA graph on the last forward's arguments."""
+    kernels = layer.launchers(M)
+    out = {}
+    for role, flops, weights in (("glu", 4 * M * spec.top_k * spec.hidden * spec.intermediate,
+                                  selected * 2 * spec.hidden * spec.intermediate * 2),
+                                 ("down", 2 * M * spec.top_k * spec.hidden * spec.intermediate,
+                                  selected * spec.hidden * spec.intermediate * 2)):
+        k = kernels[role]
+        us = statistics.median(graph_times_us(
+            [lambda k=k: k(torch.cuda.current_stream().cuda_stream)], replays))
+        out[role] = {"us": round(us, 2), "tflops": round(flops / us / 1e6, 1),
+                     "weight_tbps": round(weights / us / 1e6, 2)}
+    return out
+
+
+def time_alt(layer, variant, M, w13, w2, replays, sets, ours) -> dict:
+    try:
+        m = measure_variant(layer, variant, M, w13, w2, replays, sets)
+        return {"variant": variant.name(layer.spec), "rel_err": m["rel_err"],
+                "us": round(m["median_us"], 2) if m["ok"] else None,
+                "over_ours": round(m["median_us"] / ours, 3) if m["ok"] else None}
+    except Exception as exc:  # kernels not in the database, launch failure: reported
+        return {"variant": variant.name(layer.spec), "error": f"{type(exc).__name__}: {exc}"[:300]}
+
+
+def bench_model(name: str, tokens_list, replays: int, rate: float, store, pdl: bool = False,
+                alts=(), peers=None) -> list[dict]:
     spec = make_spec(name, target="sm_90a")
     layer = MoeLayer(spec, store)
     dev = layer.device
@@ -110,6 +144,20 @@ def bench_model(name: str, tokens_list, replays: int, rate: float, store, pdl: b
                "torch_us": round(theirs, 2), "rel_err": err, "torch_rel_err": t_err,
                "ours_over_floor": round(ours / floor, 3), "torch_over_ours": round(theirs / ours, 3),
                "variant": layer.variant_for(M).name(spec), "experts_selected": selected}
+        row["gemms"] = gemm_times(layer, M, replays, spec, selected)
+        peer = (peers or {}).get((name, M))
+        if peer:
+            row["vllm_us"] = peer
+            row["vllm_over_ours"] = round(peer / ours, 3)
+        served = layer.variant_for(M)
+        dflt = default_variant(spec, M)
+        for alt in alts:
+            v = {"default": dflt, "default_pdl": dflt.pdl_twin()}[alt]
+            if v == served:
+                continue
+            row.setdefault("alts", {})[alt] = a = time_alt(layer, v, M, w13, w2, replays, sets, ours)
+            print(f"  {alt} {a['variant']}: {a.get('us')} us ({a.get('over_ours')} of ours)"
+                  f"{', ' + a['error'] if 'error' in a else ''}", flush=True)
         if pdl:
             twin = layer.variant_for(M).pdl_twin()
             row["twin_variant"] = twin.name(spec)
@@ -134,15 +182,21 @@ def markdown(result: dict) -> str:
              f"Command: `{result['command']}`; bf16 matmul rate measured in the run: "
              f"{result['matmul_tflops']:.0f} TFLOP/s; HBM 4.8 TB/s. Times are medians of CUDA-graph replays "
              "(µs); ratios below 1 in `torch/ours` mean PyTorch was faster.", "",
-             "| model | tokens | ours µs | floor µs | ours/floor | torch µs | torch/ours | rel err |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| model | tokens | ours µs | floor µs | ours/floor | torch µs | torch/ours | vLLM/ours | rel err "
+             "| GEMM1 µs, TFLOP/s, TB/s | GEMM2 µs, TFLOP/s, TB/s | variant |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     twins = any("twin_variant" in r for r in result["rows"])
     if twins:
         lines[-2] += " PDL-flipped twin µs | twin/ours | twin rel err |"
         lines[-1] += "---|---|---|"
     for r in result["rows"]:
+        gm = r.get("gemms", {})
+        gtxt = [f"{gm[k]['us']:.0f}, {gm[k]['tflops']:.0f}, {gm[k]['weight_tbps']:.2f}" if k in gm else "-"
+                for k in ("glu", "down")]
         line = (f"| {r['model']} | {r['tokens']} | {r['ours_us']:.1f} | {r['floor_us']:.1f} | "
-                f"{r['ours_over_floor']:.2f} | {r['torch_us']:.1f} | {r['torch_over_ours']:.2f} | {r['rel_err']:.1e} |")
+                f"{r['ours_over_floor']:.2f} | {r['torch_us']:.1f} | {r['torch_over_ours']:.2f} | "
+                f"{r.get('vllm_over_ours', float('nan')):.2f} | {r['rel_err']:.1e} | {gtxt[0]} | {gtxt[1]} | "
+                f"`{r['variant'].split('_', 6)[-1]}` |")
         if twins:
             ok = r.get("twin_us") is not None
             err = r.get("twin_rel_err")
@@ -150,6 +204,15 @@ def markdown(result: dict) -> str:
                      f" {r.get('twin_error', 'wrong result')[:60]} | - |") + (f" {err:.1e} |" if err is not None else " - |")
         lines.append(line)
     g = result["summary"]
+    if "geomean_vllm_over_ours" in g:
+        lines += ["", f"vLLM fused_moe (../shared/bench/peers_h200.json, measured 2026-12-01 08:05 on this H200 "
+                  f"model) over ours: geomean {g['geomean_vllm_over_ours']:.3f}; we are faster at "
+                  f"{g['points_faster_than_vllm']} of {g['points_with_vllm']} points."]
+    alts = sorted({a for r in result["rows"] for a in r.get("alts", {})})
+    for a in alts:
+        lines += ["", f"`{a}` beside ours (same run): "
+                  + "; ".join(f"{r['model']} {r['tokens']}: {r['alts'][a].get('over_ours')}"
+                              for r in result["rows"] if a in r.get("alts", {}))]
     lines += ["", f"Geometric mean ours/floor {g['geomean_ours_over_floor']:.2f}; "
               f"geometric mean torch/ours {g['geomean_torch_over_ours']:.2f}; max rel err {g['max_rel_err']:.1e}."]
     return "\n".join(lines) + "\n"
@@ -162,7 +225,12 @@ def main():
     ap.add_argument("--tokens", default=",".join(map(str, BENCH_TOKENS)))
     ap.add_argument("--replays", type=int, default=100)
     ap.add_argument("--pdl", action="store_true", help="also time each point's twin with PDL flipped")
+    ap.add_argument("--alts", default="", help="also time these variants beside ours: default,default_pdl")
+    ap.add_argument("--peers", default=None, help="peer timings (../shared/bench/peers_h200.json) for vllm_over_ours")
     ns = ap.parse_args()
+    peers = None
+    if ns.peers:
+        peers = {(r["model"], r["tokens"]): r["vllm_us"] for r in json.loads(Path(ns.peers).read_text())["rows"]}
     torch.manual_seed(0)
     store = KernelStore()
     rate = matmul_rate()
@@ -170,7 +238,8 @@ def main():
     rows = []
     t0 = time.time()
     for name in ns.models.split(","):
-        rows += bench_model(name, [int(t) for t in ns.tokens.split(",")], ns.replays, rate, store, ns.pdl)
+        rows += bench_model(name, [int(t) for t in ns.tokens.split(",")], ns.replays, rate, store, ns.pdl,
+                            [a for a in ns.alts.split(",") if a], peers)
     geo = lambda xs: math.exp(statistics.mean(math.log(v) for v in xs))  # noqa: E731
     result = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "device": torch.cuda.get_device_name(),
@@ -180,6 +249,10 @@ def main():
                     "geomean_torch_over_ours": geo([r["torch_over_ours"] for r in rows]),
                     "max_rel_err": max(r["rel_err"] for r in rows)},
     }
+    vl = [r["vllm_over_ours"] for r in rows if "vllm_over_ours" in r]
+    if vl:
+        result["summary"].update(geomean_vllm_over_ours=geo(vl), points_faster_than_vllm=sum(v > 1 for v in vl),
+                                 points_with_vllm=len(vl))
     out = Path(ns.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench_h200.json").write_text(json.dumps(result, indent=1))

@@ -183,6 +183,15 @@ class MoeLayer:
 
     __call__ = forward
 
+    def launchers(self, tokens: int, workspace: Workspace | None = None) -> dict:
+        """The four kernels of the last forward at `tokens`, bound to its arguments (each is
+        called with a stream): for tools that time the kernels one by one."""
+        ws = workspace or self.workspace(tokens)
+        plan = self._plans.get((tokens, self.variant_for(tokens).name(self.spec), id(ws)))
+        if plan is None:
+            raise KeyError(f"no forward at {tokens} tokens with this workspace yet")
+        return dict(zip(("routing", "glu", "down", "combine"), plan[1:]))
+
     def route(self, topk_ids, tile_m: int | None = None):
         """Routing alone (for tests and tools): returns counts, offsets, sorted_ids, tile_expert."""
         M = topk_ids.shape[0]

@@ -6,10 +6,11 @@ import torch
 
 from ..spec import LayerSpec
 from .layer import MoeLayer
-from .reference import glu_reference, max_tiles, moe_reference, rel_err, routing_reference
+from .reference import glu_reference, max_tiles, moe_reference, rel_err, routing_reference, row_rel_err
 from .store import KernelStore
 
 TOLERANCE = 1e-2
+ROW_TOLERANCE = 3e-2  # worst single row (bf16 rows land near 5e-3; one wrong routed pair of 8 is ~0.3)
 
 
 def random_routing(tokens: int, spec: LayerSpec, device, skew: bool = False, only_even: bool = False,
@@ -58,13 +59,15 @@ def check_stages(layer: MoeLayer, x, w13, w2, topk_weights, topk_ids) -> list[di
     used = torch.arange(sorted_ids.numel(), device=x.device) < offsets[-1]
     pad = used & ~valid
     pad_ok = bool((h[pad] == 0).all()) if pad.any() else True
-    e = rel_err(got, href)
-    rows.append({"stage": "glu", "rel_err": e, "ok": e <= TOLERANCE and pad_ok, "pad_rows_zero": pad_ok,
-                 "variant": v.name(spec)})
+    e, er = rel_err(got, href), row_rel_err(got, href)
+    rows.append({"stage": "glu", "rel_err": e, "row_rel_err": er, "pad_rows_zero": pad_ok,
+                 "ok": e <= TOLERANCE and er <= ROW_TOLERANCE and pad_ok, "variant": v.name(spec)})
     out = torch.full((M, spec.hidden), float("nan"), device=x.device, dtype=torch.bfloat16)
     layer.forward(x, w13, w2, topk_weights, topk_ids, out=out)
-    e = rel_err(out, moe_reference(x, w13, w2, topk_weights, topk_ids, spec.activation))
-    rows.append({"stage": "layer", "rel_err": e, "ok": e <= TOLERANCE, "variant": v.name(spec)})
+    ref = moe_reference(x, w13, w2, topk_weights, topk_ids, spec.activation)
+    e, er = rel_err(out, ref), row_rel_err(out, ref)
+    rows.append({"stage": "layer", "rel_err": e, "row_rel_err": er, "ok": e <= TOLERANCE and er <= ROW_TOLERANCE,
+                 "variant": v.name(spec)})
     return rows
 
 
