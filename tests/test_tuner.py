@@ -58,7 +58,14 @@ def test_tune_records_every_trial_and_commits_the_minimum(url):
     rec = db.records()[0]
     assert rec.gpu == GPU and rec.driver.startswith("999") and rec.toolchain == toolchain("sm_90a")
     rows = tuner.summary(db, SPEC, GPU, (1, 4096))
-    assert rows[0]["ok"] and rows[0]["best_us"] >= rows[0]["floor_us"] / 1e3
+    for row, tokens in zip(rows, (1, 4096)):
+        recs = db.records(SPEC.workload_key, SPEC.target, GPU, tokens)
+        ok = [r for r in recs if r.status == "ok"]
+        best = min(ok, key=lambda r: r.median_us)
+        assert (row["records"], row["ok"], row["failed"]) == (len(recs), len(ok), len(recs) - len(ok))
+        assert (row["best_us"], row["variant"]) == (best.median_us, best.variant)
+        assert row["floor_us"] == tuner.roofline_floor_us(SPEC, tokens)
+        assert row["of_floor"] == pytest.approx(row["floor_us"] / best.median_us)
     assert "floor us" in tuner.format_summary(SPEC, GPU, rows)
 
 
@@ -452,3 +459,25 @@ def test_build_refuses_a_text_pick_slower_than_its_default(tmp_path):
     with Database(f"sqlite:///{tmp_path / 'fresh.sqlite'}") as db:
         with pytest.raises(ValueError, match="slower than the default"):
             tuner.build_plan(db, [SPEC], (64,), GPU, tmp_path / "tuned")
+
+
+# -- the GPU measurer's driver version, parsed on the CPU --
+
+PROPRIETARY = ("NVRM version: NVIDIA UNIX x86_64 Kernel Module  570.86.15  Fri Jan 24 18:39:31 UTC 2025\n"
+               "GCC version:  gcc version 12.3.0 (Ubuntu 12.3.0-1ubuntu1~22.04)\n")
+OPEN = ("NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  580.95.05  Release Build  "
+        "(dvs-builder@U22-I3-AF03-09-1)  Tue Sep 23 09:59:53 UTC 2025\n"
+        "GCC version:  gcc version 13.3.0 (Ubuntu 13.3.0-6ubuntu2~24.04)\n")
+OPEN_ARM = ("NVRM version: NVIDIA UNIX Open Kernel Module for aarch64  580.82.07  Release Build  "
+            "(dvs-builder@U16-I1-N07-12-3)  Wed Aug 27 14:23:18 UTC 2025\n")
+
+
+@pytest.mark.parametrize("text, version", [(PROPRIETARY, "570.86.15"), (OPEN, "580.95.05"),
+                                           (OPEN_ARM, "580.82.07"), ("", None), ("garbage\n", None)])
+def test_driver_version_of_both_kernel_module_flavours(text, version, tmp_path, monkeypatch):
+    assert measure_worker.parse_driver_version(text) == version
+    proc = tmp_path / "version"
+    proc.write_text(text)
+    monkeypatch.setattr("moe_aot.runtime.store.driver_cuda_version", lambda: (13, 0))
+    assert measure_worker.driver_version(str(proc)) == f"{version or 'unknown'} (CUDA 13.0)"
+    assert measure_worker.driver_version(str(tmp_path / "missing")).startswith("unknown")
