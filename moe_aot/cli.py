@@ -386,7 +386,8 @@ def measure_cmd(models, target, tokens, trials, timeout_s, wait_s, replays, expo
 @click.option("--dir", "export_dir", default=None, help=EXPORT_HELP)
 @click.option("--db", "db_url", default=None, help=DB_HELP)
 def export_cmd(gpu, export_dir, db_url):
-    """Write the tuned picks as reviewable text (one JSON object per line) for the repository."""
+    """Write the tuned picks, derived from the records, as reviewable text (one JSON object per
+    line, the default's record beside each pick) for the repository."""
     from .tuner import export_tuned
 
     db = _open(db_url, readonly=True)
@@ -425,7 +426,13 @@ def build_cmd(models, spec_file, target, experts, top_k, hidden, intermediate, a
     db = _open(db_url)
     t0 = time.perf_counter()
     try:
-        pairs, picks = build_plan(db, specs, _tokens(tokens), gpu, Path(tuned_dir) if tuned_dir else env.tuned_dir())
+        skipped: list[dict] = []
+        pairs, picks = build_plan(db, specs, _tokens(tokens), gpu, Path(tuned_dir) if tuned_dir else env.tuned_dir(),
+                                  skipped)
+        for e in skipped:
+            click.echo(f"left out the tuned pick for {e['gpu']} tokens={e['tokens']} ({e['workload']}): it was "
+                       f"measured against the default {e['default']}, which is no longer this bucket's default; "
+                       "tune again to compare it with today's", err=True)
         if pdl_twins:
             pairs = list(dict.fromkeys(pairs + [(s, v.pdl_twin()) for s, v in pairs]))
 
@@ -438,10 +445,11 @@ def build_cmd(models, spec_file, target, experts, top_k, hidden, intermediate, a
         tools = {s.target: toolchain_key(s.target) for s in specs}
         gpus = set()
         for spec, g, n, v, us in picks:
-            # The picks point at binaries of this build's toolchain, which the runtime then finds.
+            # The picks point at binaries of this build's toolchain, which the runtime then finds;
+            # they replace what was deployed there (each was checked against its default).
             if all(db.has_artifact(kv.name, tools[spec.target]) for kv in v.kernels(spec)):
                 db.commit_best(workload=spec.workload_key, target=spec.target, gpu=g, toolchain=tools[spec.target],
-                               tokens=n, variant=v.name(spec), median_us=us)
+                               tokens=n, variant=v.name(spec), median_us=us, force=True)
                 gpus.add(g)
     except (ValueError, DatabaseError) as exc:
         raise _fail(exc) from None

@@ -1,8 +1,15 @@
-"""The kernel database: workloads, compiled artifacts, tuning records and best picks.
+"""The kernel database: workloads, compiled artifacts, tuning records and deployed picks.
 
 SQLite in cache/ by default (env.default_db_url()); any SQLAlchemy URL works, so a team can
 share one PostgreSQL server. Keys fail closed: a different schema version, a corrupt file or a
 library whose sha256 no longer matches raises DatabaseError instead of handing out a kernel.
+
+A tuning record is keyed by what was measured: the measured binaries' content (a digest of the
+variant's kernels' cubin sha256s), the GPU, the driver and the toolchain without its templates'
+source hash (`measurement_toolchain`), so a cubin-identical template refactor keeps every
+measurement. Which variant is fastest is derived from the records when asked (`top_k`); the
+best table only holds what `moe-aot build` deployed for the runtime to read, each pick checked
+against the default's record first (tuner.derive_picks).
 """
 from __future__ import annotations
 
@@ -67,6 +74,7 @@ _records_t = Table(T_RECORDS, _md,
                    Column("driver", String(64), nullable=False),
                    Column("tokens", Integer, nullable=False),
                    Column("variant", String(255), nullable=False),
+                   Column("content", String(64), nullable=True),
                    Column("status", String(32), nullable=False),
                    Column("median_us", Float, nullable=True),
                    Column("stats", Text, nullable=False),
@@ -116,6 +124,8 @@ class ArtifactSummary:
     compile_s: float | None
     error: str | None  # first line only
     created_at: datetime
+    sha256: str | None = None
+    cubin_sha256: str | None = None
 
 
 @dataclass(frozen=True)
@@ -128,12 +138,25 @@ class RecordRow:
     driver: str
     tokens: int
     variant: str
+    content: str | None  # digest of the measured binaries; None where not known
     status: str
     median_us: float | None
     stats: dict
     rel_err: float | None
     error: str | None
     created_at: datetime
+
+    @property
+    def context(self) -> tuple[str, str, str]:
+        """Where it was measured: records of one context are comparable with each other."""
+        return self.gpu, self.driver, measurement_toolchain(self.toolchain)
+
+
+def measurement_toolchain(toolchain: str) -> str:
+    """The toolchain as far as it matters to a measurement: without the `|src<hash>` of the
+    templates' sources, which the measured content (the cubins) already covers."""
+    parts = toolchain.split("|")
+    return "|".join(p for p in parts if not p.startswith("src")) if len(parts) > 1 else toolchain
 
 
 def _now() -> datetime:
@@ -397,7 +420,8 @@ class Database:
                        status: str | None = None, name: str | None = None) -> list[ArtifactSummary]:
         t = _artifacts_t
         q = select(t.c.name, t.c.workload, t.c.role, t.c.target, t.c.toolchain, t.c.status,
-                   t.c.library_size, t.c.compile_s, t.c.error, t.c.created_at)
+                   t.c.library_size, t.c.compile_s, t.c.error, t.c.created_at, t.c.sha256,
+                   t.c.cubin_sha256)
         q = _filter(q, t, workload=workload, target=target, status=status, name=name)
         rows = self._run("list artifacts", lambda c: c.execute(
             q.order_by(t.c.name, t.c.toolchain)).mappings().all())
@@ -407,12 +431,12 @@ class Database:
     # -- tuning records ----------------------------------------------------------------------
 
     def add_record(self, *, workload: str, target: str, toolchain: str, gpu: str, driver: str,
-                   tokens: int, variant: str, status: str, median_us: float | None = None,
-                   stats: dict | None = None, rel_err: float | None = None,
-                   error: str | None = None) -> int:
+                   tokens: int, variant: str, status: str, content: str | None = None,
+                   median_us: float | None = None, stats: dict | None = None,
+                   rel_err: float | None = None, error: str | None = None) -> int:
         row = dict(workload=workload, target=target, toolchain=toolchain, gpu=gpu, driver=driver,
-                   tokens=tokens, variant=variant, status=status, median_us=median_us,
-                   stats=stats, rel_err=rel_err, error=error)
+                   tokens=tokens, variant=variant, content=content, status=status,
+                   median_us=median_us, stats=stats, rel_err=rel_err, error=error)
         return self._run("store a tuning record", lambda conn: self._insert_record(conn, **row),
                          write=True)
 
@@ -425,37 +449,42 @@ class Database:
             **row, tokens=int(tokens), status=status, stats=_dumps(stats),
             created_at=_now())).inserted_primary_key[0]
 
-    _RECORD_KEY = ("workload", "target", "gpu", "toolchain", "tokens", "variant")
-
     @staticmethod
     def _record_row(r) -> RecordRow:
         return RecordRow(**{**r, "stats": json.loads(r["stats"]), "created_at": _utc(r["created_at"])})
 
     def _first_record(self, conn: Connection, key: dict):
+        """The first record measured of `key`'s content in its context (see the module doc)."""
+        if not key.get("content"):
+            raise ValueError("a measurement key needs the measured content (tuner.variant_content)")
         t = _records_t
-        return conn.execute(select(t).where(*(t.c[k] == key[k] for k in self._RECORD_KEY))
-                            .order_by(t.c.id).limit(1)).mappings().first()
+        rows = conn.execute(select(t).where(
+            *(t.c[k] == key[k] for k in ("workload", "target", "gpu", "driver", "tokens", "content")))
+            .order_by(t.c.id)).mappings().all()
+        base = measurement_toolchain(key["toolchain"])
+        return next((r for r in rows if measurement_toolchain(r["toolchain"]) == base), None)
 
-    def find_record(self, *, workload: str, target: str, gpu: str, toolchain: str, tokens: int,
-                    variant: str) -> RecordRow | None:
-        """The first record of this variant at this bucket, GPU and toolchain, if any."""
-        key = dict(workload=workload, target=target, gpu=gpu, toolchain=toolchain, tokens=tokens,
-                   variant=variant)
+    def find_record(self, *, workload: str, target: str, gpu: str, driver: str, toolchain: str,
+                    tokens: int, content: str) -> RecordRow | None:
+        """The first record of this content at this bucket, GPU, driver and toolchain, if any."""
+        key = dict(workload=workload, target=target, gpu=gpu, driver=driver, toolchain=toolchain,
+                   tokens=int(tokens), content=content)
         r = self._run("read a tuning record", lambda c: self._first_record(c, key))
         return None if r is None else self._record_row(r)
 
     def add_record_once(self, **row) -> tuple[int, RecordRow | None]:
-        """add_record unless a record of the same workload, target, GPU, toolchain, token count
-        and variant exists; then that record's (id, row) comes back instead. Concurrent tuning
-        workers that both measured one variant thus keep one record: the workload's row is
-        locked first (FOR UPDATE on servers; SQLite's write transaction is already exclusive)."""
+        """add_record unless a record of the same content, workload, target, GPU, driver,
+        toolchain and token count exists; then that record's (id, row) comes back instead.
+        Concurrent tuning workers that both measured one variant thus keep one record: the
+        workload's row is locked first (FOR UPDATE on servers; SQLite's write transaction is
+        already exclusive)."""
         if row.get("status") not in RECORD_STATUSES:
             raise ValueError(f"record status must be one of {RECORD_STATUSES}, not {row.get('status')!r}")
 
         def add(conn: Connection):
             w = _workloads_t
             conn.execute(select(w.c.key).where(w.c.key == row["workload"]).with_for_update()).first()
-            r = self._first_record(conn, row)
+            r = self._first_record(conn, {**row, "tokens": int(row["tokens"])})
             if r is not None:
                 return r["id"], self._record_row(r)
             return self._insert_record(conn, **row), None
@@ -469,7 +498,16 @@ class Database:
             q.order_by(t.c.id)).mappings().all())
         return [self._record_row(r) for r in rows]
 
-    # -- best picks --------------------------------------------------------------------------
+    def top_k(self, workload: str, target: str, gpu: str, tokens: int, k: int = 1,
+              driver: str | None = None, toolchain: str | None = None) -> list[RecordRow]:
+        """The k fastest valid ("ok") records of a bucket, fastest first (earlier on ties);
+        with driver and toolchain, only those measured in that context."""
+        ok = [r for r in self.records(workload, target, gpu, tokens) if r.status == "ok"
+              and (driver is None or r.driver == driver) and (toolchain is None or
+              measurement_toolchain(r.toolchain) == measurement_toolchain(toolchain))]
+        return sorted(ok, key=lambda r: (r.median_us, r.id))[:k]
+
+    # -- deployed picks: what the runtime reads (written by `moe-aot build` and after tuning) --
 
     def commit_best(self, *, workload: str, target: str, gpu: str, toolchain: str, tokens: int,
                     variant: str, median_us: float, record_id: int | None = None,

@@ -1,7 +1,7 @@
 """Read-only access to the kernel database with the Python standard library alone.
 
 The runtime only ever reads three things: which toolchains hold a kernel of a given name, one
-kernel's library and metadata, and the best picks of a layer. For a SQLite file (the default)
+kernel's library and metadata, and the deployed picks of a layer. For a SQLite file (the default)
 this module reads them with `sqlite3`, so a serving process never imports SQLAlchemy (its
 import was most of the runtime's cold start). Any other URL goes through `database.Database`.
 
@@ -21,7 +21,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 from urllib.parse import quote, unquote
 
-SCHEMA_VERSION = 1
+# 2: tuning records carry the measured content (a digest of the kernels' cubins), the key that
+# measurements are found by; picks are derived from records, the best table holds deployed picks.
+SCHEMA_VERSION = 2
 BUSY_TIMEOUT_S = 30
 # Table names carry a prefix because optuna's RDB storage may live in the same database.
 T_VERSION, T_WORKLOADS = "moe_aot_schema_version", "moe_aot_workloads"
@@ -139,7 +141,8 @@ class ArtifactVersion:
 
 @dataclass(frozen=True)
 class BestRow:
-    """The best pick of one (workload, target, GPU, toolchain, token bucket)."""
+    """The deployed pick of one (workload, target, GPU, toolchain, token bucket): written only
+    after it was derived from the records (or a text export) and checked against the default."""
     workload: str
     target: str
     gpu: str

@@ -19,20 +19,35 @@ from optuna.trial import TrialState
 
 from .database import Database
 from .spec import LayerSpec
-from .tuner import (Outcome, finish, known_outcome, line, open_storage, parse_study_name, requeue_stale,
-                    search_space, study_spec, suggest, worker_id)
+from .tuner import (baseline_trial, commit_picks, default_recorded, line, measure_trial, open_storage,
+                    parse_study_name, requeue_stale, search_space, study_spec, suggest, variant_content,
+                    worker_id)
 from .variants import LayerVariant
 
 
-def driver_version() -> str:
-    """The NVIDIA kernel driver and the CUDA version it supports, e.g. '570.86.15 (CUDA 12.8)'."""
-    parts = []
+# The first line of /proc/driver/nvidia/version, by kernel module flavour:
+#   NVRM version: NVIDIA UNIX x86_64 Kernel Module  570.86.15  Fri Jan 24 18:39:31 UTC 2025
+#   NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  580.95.05  Release Build  (dvs-builder@...)  Tue ...
+# The open one has "for <arch>" after "Kernel Module", which a parser taking the next word read as
+# the version ("for"); the version is the first dotted number after "Kernel Module".
+_NVRM = re.compile(r"^NVRM version:.*?Kernel Module\b.*?\s(\d+\.\d+(?:\.\d+)*)(?=\s|$)", re.MULTILINE)
+
+
+def parse_driver_version(text: str) -> str | None:
+    """The kernel driver version in the text of /proc/driver/nvidia/version, or None."""
+    m = _NVRM.search(text)
+    return m[1] if m else None
+
+
+def driver_version(proc_file: str = "/proc/driver/nvidia/version") -> str:
+    """The NVIDIA kernel driver and the CUDA version it supports, e.g. '570.86.15 (CUDA 12.8)'.
+    Part of every measurement's key, so an unreadable driver version says "unknown" rather than
+    passing for another driver's."""
     try:
-        m = re.search(r"Kernel Module\s+(\S+)", Path("/proc/driver/nvidia/version").read_text())
-        if m:
-            parts.append(m[1])
+        version = parse_driver_version(Path(proc_file).read_text())
     except OSError:
-        pass
+        version = None
+    parts = [version or "unknown"]
     try:
         from .runtime.store import driver_cuda_version
 
@@ -40,7 +55,7 @@ def driver_version() -> str:
         parts.append(f"(CUDA {major}.{minor})")
     except (OSError, RuntimeError):
         pass
-    return " ".join(parts) or "unknown"
+    return " ".join(parts)
 
 
 class GpuMeasurer:
@@ -141,9 +156,22 @@ def measure(db_url: str, measurer, workloads=None, target: str | None = None, bu
     for study in studies:
         requeue_stale(study)  # trials a killed measurer held
     specs: dict[str, tuple[LayerSpec, dict, int]] = {}
+
+    def study_of(study):
+        if study.study_name not in specs:
+            spec = study_spec(study)
+            specs[study.study_name] = (spec, search_space(spec), parse_study_name(study.study_name)["tokens"])
+        return specs[study.study_name]
+
     done, idle_since = 0, time.monotonic()
+    checked: set[str] = set()
     try:
         while (max_trials is None or done < max_trials) and time.monotonic() < deadline:
+            for study in studies:
+                if study.study_name not in checked:
+                    checked.add(study.study_name)
+                    spec, _, tokens = study_of(study)
+                    _measure_default(db, study, spec, tokens, measurer, progress)
             got = next(((s, c) for s in studies if (c := claim(s))), None)
             if got is None:
                 if time.monotonic() - idle_since >= wait_s:
@@ -152,16 +180,10 @@ def measure(db_url: str, measurer, workloads=None, target: str | None = None, bu
                 studies = find_studies(storage, measurer.gpu, workloads, target, buckets)
                 continue
             study, (trial, attrs) = got
-            if study.study_name not in specs:
-                spec = study_spec(study)
-                specs[study.study_name] = (spec, search_space(spec), parse_study_name(study.study_name)["tokens"])
-            spec, space, tokens = specs[study.study_name]
+            spec, space, tokens = study_of(study)
             try:
                 variant = suggest(trial, space)
-                out = (known_outcome(db, spec, measurer.gpu, attrs["toolchain"], tokens, variant)
-                       or measurer(spec, variant, tokens))
-                finish(db, study, trial, spec, tokens, variant, attrs["toolchain"], measurer.gpu,
-                       measurer.driver, out)
+                out = measure_trial(db, study, trial, spec, tokens, variant, attrs["toolchain"], None, measurer)
             except BaseException:
                 try:  # hand it back so another worker (or the next run) measures it
                     storage.set_trial_state_values(trial._trial_id, TrialState.WAITING)
@@ -170,10 +192,43 @@ def measure(db_url: str, measurer, workloads=None, target: str | None = None, bu
                 raise
             done += 1
             idle_since = time.monotonic()
-            best = db.best(spec.workload_key, spec.target, measurer.gpu, attrs["toolchain"]).get(tokens)
-            took = f"{out.median_us:9.1f}us" if out.median_us else f"{'-':>11}"
-            progress(f"[{done}] {spec.label()} tokens={tokens:<6} trial {trial.number:<4} {out.status:14} {took}"
-                     f"  best {best.median_us if best else float('nan'):9.1f}us  {variant.name(spec)}")
+            progress(_line(db, spec, tokens, trial, out, variant, measurer, f"[{done}]"))
+        commit_picks(db, measurer.gpu)
     finally:
         db.close()
     return done
+
+
+def _line(db, spec, tokens, trial, out, variant, measurer, tag) -> str:
+    best = next(iter(db.top_k(spec.workload_key, spec.target, measurer.gpu, tokens, driver=measurer.driver)), None)
+    took = f"{out.median_us:9.1f}us" if out.median_us else f"{'-':>11}"
+    return (f"{tag} {spec.label()} tokens={tokens:<6} trial {trial.number:<4} {out.status:14} {took}"
+            f"  best {best.median_us if best else float('nan'):9.1f}us  {variant.name(spec)}")
+
+
+def _measure_default(db: Database, study: optuna.Study, spec: LayerSpec, tokens: int, measurer,
+                     progress) -> None:
+    """Measure the bucket's default first when its binaries have no record under this GPU and
+    driver and no ready trial of it is waiting (a new driver, or candidates compiled under a new
+    toolchain): every pick is compared with the default measured beside it."""
+    from .variants import default_variant
+
+    if default_recorded(db, spec, measurer.gpu, tokens, measurer.driver):
+        return
+    name = default_variant(spec, tokens).name(spec)
+    if any(t.user_attrs.get("variant") == name and t.user_attrs.get("ready")
+           for t in study.get_trials(deepcopy=False, states=(TrialState.WAITING,))):
+        return
+    try:
+        variant_content(db, spec, default_variant(spec, tokens))
+    except LookupError as exc:
+        progress(f"[default] {spec.label()} tokens={tokens}: not measured, {exc} "
+                 "(`moe-aot tune --compile-only` compiles it)")
+        return
+    trial, variant = baseline_trial(study, spec, tokens)
+    try:
+        out = measure_trial(db, study, trial, spec, tokens, variant, "-", None, measurer)
+    except BaseException:
+        study._storage.set_trial_state_values(trial._trial_id, TrialState.FAIL)
+        raise
+    progress(_line(db, spec, tokens, trial, out, variant, measurer, "[default]"))

@@ -12,6 +12,7 @@ module for the search space, the study names and the way results are told and re
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 import os
@@ -32,7 +33,7 @@ import optuna
 from optuna.distributions import CategoricalDistribution
 from optuna.trial import TrialState, create_trial
 
-from .database import Database
+from .database import Database, RecordRow, measurement_toolchain
 from .spec import LayerSpec
 from .variants import LayerVariant, can_implement, candidate_space
 
@@ -210,25 +211,51 @@ class Compiled:
     seconds: float
 
 
-def known_outcome(db: Database, spec: LayerSpec, gpu: str, toolchain: str, tokens: int,
-                  variant: LayerVariant) -> Outcome | None:
-    """The recorded outcome of this variant at this bucket, GPU and toolchain: the sampler
-    proposing a point again (or two studies' trials naming one variant) costs a lookup, not a
-    second measurement of scarce GPU time."""
-    r = db.find_record(workload=spec.workload_key, target=spec.target, gpu=gpu, toolchain=toolchain,
-                       tokens=tokens, variant=variant.name(spec))
+def variant_content(db: Database, spec: LayerSpec, variant: LayerVariant) -> tuple[str, str]:
+    """(content, toolchain) of what the runtime would load for `variant` from `db`: a digest of
+    its kernels' cubin sha256s (a kernel stored without a cubin: its library's), each kernel's
+    newest compiled version as `KernelStore.load` picks it, and the newest of their toolchains.
+    This is a measurement's key, so a kernel that is missing raises LookupError (fails closed)."""
+    parts, newest = [], None
+    for kv in variant.kernels(spec):
+        rows = [a for a in db.list_artifacts(name=kv.name, status="ok") if a.target == spec.target]
+        a = max(rows, key=lambda a: a.created_at, default=None)
+        digest = a and (a.cubin_sha256 or a.sha256)
+        if not digest:
+            raise LookupError(f"kernel {kv.name} is not compiled in the database, so what would be "
+                              f"measured for {variant.name(spec)} is unknown; compile it first")
+        parts.append(f"{kv.role}:{digest}")
+        newest = a if newest is None or a.created_at > newest.created_at else newest
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest(), newest.toolchain
+
+
+def uncompiled_content(variant_name: str, toolchain: str) -> str:
+    """The key of a variant that did not compile: its name under that exact toolchain (a fixed
+    template makes it a new key)."""
+    return hashlib.sha256(f"uncompiled|{toolchain}|{variant_name}".encode()).hexdigest()
+
+
+def known_outcome(db: Database, spec: LayerSpec, gpu: str, driver: str, toolchain: str, tokens: int,
+                  content: str) -> Outcome | None:
+    """The recorded outcome of these binaries at this bucket, GPU, driver and toolchain: the
+    sampler proposing a point again (or two studies' trials naming one variant, or a template
+    refactor that left the cubins alone) costs a lookup, not a second measurement."""
+    r = db.find_record(workload=spec.workload_key, target=spec.target, gpu=gpu, driver=driver,
+                       toolchain=toolchain, tokens=tokens, content=content)
     return None if r is None else Outcome(r.status, r.median_us, r.stats, r.rel_err, r.error)
 
 
 def finish(db: Database, study: optuna.Study, trial: optuna.Trial, spec: LayerSpec, tokens: int,
-           variant: LayerVariant, toolchain: str, gpu: str, driver: str, out: Outcome) -> int | None:
-    """Record the outcome, tell the study, commit the best. A variant already recorded for this
-    bucket, GPU and toolchain (the sampler proposing a point again, or two workers measuring it
-    at once) keeps its first record, and the trial is told that record's outcome."""
+           variant: LayerVariant, toolchain: str, gpu: str, driver: str, out: Outcome,
+           content: str) -> int | None:
+    """Record the outcome and tell the study. Binaries already recorded for this bucket, GPU,
+    driver and toolchain (the sampler proposing a point again, or two workers measuring it at
+    once) keep their first record, and the trial is told that record's outcome. Nothing is
+    stored as "best": picks are derived from the records (derive_picks)."""
     name = variant.name(spec)
     stats = {**out.stats, "study": study.study_name, "trial": trial.number, "worker": worker_id()}
     rid, prev = db.add_record_once(workload=spec.workload_key, target=spec.target, toolchain=toolchain,
-                                   gpu=gpu, driver=driver, tokens=tokens, variant=name,
+                                   gpu=gpu, driver=driver, tokens=tokens, variant=name, content=content,
                                    status=out.status, median_us=out.median_us, stats=stats,
                                    rel_err=out.rel_err, error=out.error)
     if prev is not None:
@@ -240,14 +267,60 @@ def finish(db: Database, study: optuna.Study, trial: optuna.Trial, spec: LayerSp
     if out.error:
         trial.set_user_attr("error", out.error[:500])
     if out.status == "ok":
-        db.commit_best(workload=spec.workload_key, target=spec.target, gpu=gpu, toolchain=toolchain,
-                       tokens=tokens, variant=name, median_us=out.median_us, record_id=rid)
         study.tell(trial, out.median_us)
     elif out.status in ("compile_error", "resource_error"):
         study.tell(trial, FAILED_US)
     else:  # a wrong result or a failed launch says nothing about speed
         study.tell(trial, state=TrialState.FAIL)
     return rid
+
+
+def measure_trial(db: Database, study: optuna.Study, trial: optuna.Trial, spec: LayerSpec, tokens: int,
+                  variant: LayerVariant, compiled_toolchain: str, compile_error: str | None,
+                  measurer) -> Outcome:
+    """Key the trial by the binaries the runtime will load, reuse a record of them or measure,
+    then finish(). Returns the outcome told."""
+    name = variant.name(spec)
+    try:
+        content, toolchain = (variant_content(db, spec, variant) if compile_error is None
+                              else (uncompiled_content(name, compiled_toolchain), compiled_toolchain))
+    except LookupError as exc:
+        compile_error = str(exc)
+        content, toolchain = uncompiled_content(name, compiled_toolchain), compiled_toolchain
+    out = (Outcome("compile_error", error=compile_error) if compile_error else
+           known_outcome(db, spec, measurer.gpu, measurer.driver, toolchain, tokens, content)
+           or measurer(spec, variant, tokens))
+    finish(db, study, trial, spec, tokens, variant, toolchain, measurer.gpu, measurer.driver, out, content)
+    return out
+
+
+def default_recorded(db: Database, spec: LayerSpec, gpu: str, tokens: int, driver: str | None = None) -> bool:
+    """Whether the binaries the runtime would load for this bucket's default have a record on
+    this GPU (and driver, when known): every tuned pick is compared with that record."""
+    from .variants import default_variant
+
+    try:
+        content, toolchain = variant_content(db, spec, default_variant(spec, tokens))
+    except LookupError:
+        return False
+    base = measurement_toolchain(toolchain)
+    return any(r.content == content and measurement_toolchain(r.toolchain) == base
+               and (driver is None or r.driver == driver)
+               for r in db.records(spec.workload_key, spec.target, gpu, tokens))
+
+
+def baseline_trial(study: optuna.Study, spec: LayerSpec, tokens: int) -> tuple[optuna.Trial, LayerVariant]:
+    """A RUNNING trial of the bucket's default, outside the study's budget, for a measurer that
+    finds the default unmeasured under its key (a new driver or toolchain)."""
+    from .variants import default_variant
+
+    v = default_variant(spec, tokens)
+    tid = study._storage.create_new_trial(study._study_id)
+    study._storage.set_trial_system_attr(tid, "fixed_params", params_of(v))
+    trial = optuna.Trial(study, tid)
+    for k, val in {"worker": worker_id(), "variant": v.name(spec), "tokens": tokens, "baseline": True}.items():
+        trial.set_user_attr(k, val)
+    return trial, v
 
 
 # -- compiling -----------------------------------------------------------------------------------
@@ -296,6 +369,11 @@ class Slot:
     study: optuna.Study
     space: dict
     pending: int = 0  # compiling in `prepare`, not yet a trial in the study
+    # Every session first compiles the default (a no-op when its binaries are there) and, when
+    # they have no record under this session's key (GPU, driver, toolchain), measures it (or
+    # leaves it ready for measuring) before anything else, outside the budget: every pick is
+    # compared with the default measured beside it.
+    baseline_due: bool = True
 
     def remaining(self, trials: int) -> int:
         return trials - len(self.study.get_trials(deepcopy=False)) - self.pending
@@ -315,7 +393,7 @@ def open_slots(storage, specs, gpu: str, buckets, seed=None, stale_after_s=STALE
 def _next_slot(slots: list[Slot], trials: int, turn: list[int]) -> Slot | None:
     for i in range(len(slots)):
         s = slots[(turn[0] + i) % len(slots)]
-        if s.remaining(trials) > 0:
+        if s.baseline_due or s.remaining(trials) > 0:
             turn[0] = (turn[0] + i + 1) % len(slots)
             return s
     return None
@@ -335,7 +413,7 @@ def line(msg: str) -> None:
 @dataclass
 class _Job:
     slot: Slot
-    trial: optuna.Trial
+    trial: optuna.Trial | None  # None: the default, a trial only once it needs measuring
     variant: LayerVariant
     compiled: Compiled | None = None
 
@@ -370,40 +448,46 @@ def tune(db_url: str, specs, buckets, measurer, trials: int = 30, timeout_s: flo
             for fut in [f for f in compiling if f.done()] if ready else wait(compiling, return_when=FIRST_COMPLETED)[0]:
                 job = compiling.pop(fut)
                 job.compiled = fut.result()
+                if job.trial is None:
+                    if job.compiled.error is None and default_recorded(
+                            db, job.slot.spec, measurer.gpu, job.slot.tokens, measurer.driver):
+                        continue
+                    job.trial, _ = baseline_trial(job.slot.study, job.slot.spec, job.slot.tokens)
                 job.trial.set_user_attr("toolchain", job.compiled.toolchain)
                 job.trial.set_user_attr("ready", True)
                 ready.append(job)
             if ready:
                 job = ready[0]
                 c = job.compiled
-                out = (Outcome("compile_error", error=c.error) if c.error else
-                       known_outcome(db, job.slot.spec, measurer.gpu, c.toolchain, job.slot.tokens, job.variant)
-                       or measurer(job.slot.spec, job.variant, job.slot.tokens))
+                out = measure_trial(db, job.slot.study, job.trial, job.slot.spec, job.slot.tokens,
+                                    job.variant, c.toolchain, c.error, measurer)
                 ready.popleft()
-                finish(db, job.slot.study, job.trial, job.slot.spec, job.slot.tokens, job.variant,
-                       c.toolchain, measurer.gpu, measurer.driver, out)
                 done += 1
-                progress(_progress_line(db, job, out, c.toolchain, measurer.gpu, done))
+                progress(_progress_line(db, job, out, measurer, done))
     except BaseException:
         # Hand unfinished trials back (WAITING) so the next run resumes them at once.
         pool.close(cancel=True)
         for job in list(compiling.values()) + list(ready):
+            if job.trial is None:
+                continue
             try:
                 storage.set_trial_state_values(job.trial._trial_id, TrialState.WAITING)
             except Exception:
                 pass
         raise
+    else:
+        commit_picks(db, measurer.gpu, specs)
     finally:
         pool.close()
         db.close()
 
 
 def _ask(slot: Slot) -> _Job | None:
-    if not slot.study.get_trials(deepcopy=False):
-        # The documented default is a new study's first trial: the tuned pick is measured against it.
+    if slot.baseline_due:
         from .variants import default_variant
 
-        slot.study.enqueue_trial(params_of(default_variant(slot.spec, slot.tokens)))
+        slot.baseline_due = False
+        return _Job(slot, None, default_variant(slot.spec, slot.tokens))
     trial = slot.study.ask()
     trial.set_user_attr("worker", worker_id())
     variant = suggest(trial, slot.space)
@@ -416,8 +500,9 @@ def _ask(slot: Slot) -> _Job | None:
     return _Job(slot, trial, variant)
 
 
-def _progress_line(db, job: _Job, out: Outcome, toolchain: str, gpu: str, done: int) -> str:
-    best = db.best(job.slot.spec.workload_key, job.slot.spec.target, gpu, toolchain).get(job.slot.tokens)
+def _progress_line(db, job: _Job, out: Outcome, measurer, done: int) -> str:
+    best = next(iter(db.top_k(job.slot.spec.workload_key, job.slot.spec.target, measurer.gpu,
+                              job.slot.tokens, driver=measurer.driver)), None)
     took = f"{out.median_us:9.1f}us" if out.median_us else f"{'-':>11}"
     return (f"[{done}] {job.slot.spec.label()} tokens={job.slot.tokens:<6} trial {job.trial.number:<4}"
             f" {out.status:14} {took}  best {best.median_us if best else float('nan'):9.1f}us"
@@ -495,7 +580,7 @@ def prepare(db_url: str, specs, buckets, gpu: str, trials: int = 30, timeout_s: 
     rng = random.Random(seed)
     deadline = time.monotonic() + timeout_s if timeout_s else math.inf
     pool = CompilePool(jobs, compile_fn)
-    compiling: dict[Future, tuple[Slot, LayerVariant]] = {}
+    compiling: dict[Future, tuple[Slot, LayerVariant, bool]] = {}
     turn, added = [0], 0
     try:
         while True:
@@ -503,20 +588,29 @@ def prepare(db_url: str, specs, buckets, gpu: str, trials: int = 30, timeout_s: 
                 slot = _next_slot(slots, trials, turn)
                 if slot is None:
                     break
-                exclude = _seen(slot) | {v.name(s.spec) for s, v in compiling.values() if s is slot}
-                variant = propose(slot, exclude, rng)
+                exclude = _seen(slot) | {v.name(s.spec) for s, v, _ in compiling.values() if s is slot}
+                baseline = slot.baseline_due
+                if baseline:
+                    from .variants import default_variant
+
+                    slot.baseline_due = False
+                    variant = default_variant(slot.spec, slot.tokens)
+                else:
+                    variant = propose(slot, exclude, rng)
                 if variant is None:  # the whole space is tried
                     slot.pending = trials
                     continue
                 slot.pending += 1
-                compiling[pool.submit(db_url, slot.spec, variant)] = (slot, variant)
+                compiling[pool.submit(db_url, slot.spec, variant)] = (slot, variant, baseline)
             if not compiling:
                 break
             for fut in wait(compiling, return_when=FIRST_COMPLETED)[0]:
-                slot, variant = compiling.pop(fut)
+                slot, variant, baseline = compiling.pop(fut)
                 c = fut.result()
-                _enqueue(db, slot, variant, c, gpu)
                 slot.pending -= 1
+                if baseline and c.error is None and default_recorded(db, slot.spec, gpu, slot.tokens):
+                    continue  # these binaries of the default were measured on this GPU already
+                _enqueue(db, slot, variant, c, gpu)
                 added += 1
                 status = "compile_error" if c.error else "ready"
                 progress(f"[{added}] {slot.spec.label()} tokens={slot.tokens:<6} {status:14} "
@@ -536,7 +630,8 @@ def _enqueue(db: Database, slot: Slot, variant: LayerVariant, c: Compiled, gpu: 
         return
     rid, _ = db.add_record_once(workload=slot.spec.workload_key, target=slot.spec.target,
                                 toolchain=c.toolchain, gpu=gpu, driver="-", tokens=slot.tokens,
-                                variant=name, status="compile_error", median_us=None, rel_err=None,
+                                variant=name, content=uncompiled_content(name, c.toolchain),
+                                status="compile_error", median_us=None, rel_err=None,
                                 stats={"study": slot.study.study_name, "compile_s": round(c.seconds, 3)},
                                 error=c.error)
     slot.study.add_trial(create_trial(
@@ -585,30 +680,138 @@ def tuned_path(directory: Path, gpu: str) -> Path:
     return Path(directory) / f"{gpu.replace(' ', '_')}.jsonl"
 
 
+# -- deployment: picks derived from the records, their text export, the build plan --------------
+
+@dataclass(frozen=True)
+class Pick:
+    """The variant to run for one (workload, target, GPU, bucket), derived from the records: the
+    fastest valid record in the newest context (GPU, driver, toolchain) that holds a record of
+    the default, so it is never slower than the default's record (default_us; None when the
+    default did not run correctly, which any valid record beats)."""
+    workload: str
+    target: str
+    gpu: str
+    tokens: int
+    variant: str
+    median_us: float
+    record_id: int | None
+    toolchain: str
+    default: str
+    default_us: float | None
+
+
+def choose_pick(records, default: str, default_content: str | None = None) -> tuple[RecordRow, RecordRow] | None:
+    """TVM's get_top_k with the default as the bar: records are of one (workload, target, GPU,
+    bucket). The default's records are those of its content where known, else of its name.
+    Returns (best record, default's record), or None when no context has both."""
+    is_default = ((lambda r: r.content == default_content) if default_content
+                  else (lambda r: r.variant == default))
+    defaults = [r for r in records if is_default(r)]
+    if not defaults:
+        return None
+    base = max(defaults, key=lambda r: r.id)  # the newest measurement of the default
+    ctx = [r for r in records if r.context == base.context]
+    ok = [r for r in ctx if r.status == "ok" and r.median_us is not None]
+    if not ok:
+        return None
+    best = min(ok, key=lambda r: (r.median_us, not is_default(r), r.id))
+    if base.status == "ok" and best.median_us >= base.median_us:
+        best = base
+    return best, base
+
+
+def derive_picks(db: Database, spec: LayerSpec, gpu: str | None = None, buckets=None) -> list[Pick]:
+    """The picks of one layer per GPU and bucket from `db`'s records. A record counts only while
+    its content is what the database would load for its variant today (a recompile that changed
+    the cubins makes it stale); a bucket whose default has no such record gets no pick."""
+    from .variants import default_variant
+
+    contents: dict[str, str | None] = {}
+
+    def current(name: str) -> str | None:
+        if name not in contents:
+            try:
+                contents[name] = variant_content(db, spec, LayerVariant.parse(name))[0]
+            except (LookupError, ValueError):
+                contents[name] = None
+        return contents[name]
+
+    groups: dict[tuple, list[RecordRow]] = {}
+    for r in db.records(spec.workload_key, spec.target, gpu):
+        if buckets is None or r.tokens in buckets:
+            groups.setdefault((r.gpu, r.tokens), []).append(r)
+    picks = []
+    for (g, tokens), recs in sorted(groups.items()):
+        dname = default_variant(spec, tokens).name(spec)
+        live = [r for r in recs if r.content is not None and r.content == current(r.variant)]
+        got = choose_pick(live, dname, current(dname))
+        if got is None:
+            continue
+        best, base = got
+        picks.append(Pick(spec.workload_key, spec.target, g, tokens, best.variant, best.median_us, best.id,
+                          best.toolchain, dname, base.median_us if base.status == "ok" else None))
+    return picks
+
+
+def _record_specs(db: Database, gpu: str | None, specs=None) -> list[LayerSpec]:
+    if specs is not None:
+        return list(specs)
+    out = []
+    for w, t in sorted({(r.workload, r.target) for r in db.records(gpu=gpu)}):
+        wd = db.workload(w)
+        if wd is not None:
+            out.append(LayerSpec(**wd, target=t))
+    return out
+
+
+def commit_picks(db: Database, gpu: str, specs=None) -> int:
+    """Deploy the derived picks for the runtime (the best table, which it reads): one toolchain
+    per layer and GPU (the newest the picks were measured with; the runtime loads each kernel's
+    newest usable build by name), replacing what was deployed there. Returns how many."""
+    n = 0
+    for spec in _record_specs(db, gpu, specs):
+        picks = derive_picks(db, spec, gpu)
+        if not picks:
+            continue
+        tc = max(picks, key=lambda p: p.record_id or 0).toolchain
+        for p in picks:
+            db.commit_best(workload=p.workload, target=p.target, gpu=p.gpu, toolchain=tc, tokens=p.tokens,
+                           variant=p.variant, median_us=p.median_us, record_id=p.record_id, force=True)
+            n += 1
+    return n
+
+
+TUNED_FIELDS = ("workload", "target", "gpu", "tokens", "variant", "median_us", "default", "default_us")
+
+
+def pick_line(p: Pick) -> dict:
+    return {"workload": p.workload, "target": p.target, "gpu": p.gpu, "tokens": p.tokens,
+            "variant": p.variant, "median_us": round(p.median_us, 3), "default": p.default,
+            "default_us": None if p.default_us is None else round(p.default_us, 3)}
+
+
 def export_tuned(db: Database, directory: Path, gpu: str | None = None) -> list[Path]:
-    """Write the best picks as reviewable text, one file per GPU, one JSON object per line, sorted
-    so a re-export of unchanged results is byte-identical. Picks of the newest toolchain win."""
-    newest: dict[tuple, object] = {}
-    for b in db.all_best(gpu=gpu):
-        key = (b.gpu, b.workload, b.target, b.tokens)
-        if key not in newest or b.updated_at > newest[key].updated_at:
-            newest[key] = b
+    """Write the picks derived from the records as reviewable text, one file per GPU, one JSON
+    object per line with the default's record beside the pick, sorted so a re-export of
+    unchanged results is byte-identical. Lines of other layers already in a file are kept."""
     by_gpu: dict[str, list[dict]] = {}
-    for (g, w, t, n), b in sorted(newest.items()):
-        by_gpu.setdefault(g, []).append({"workload": w, "target": t, "gpu": g, "tokens": n,
-                                         "variant": b.variant, "median_us": round(b.median_us, 3)})
-    paths = []
-    for g, entries in by_gpu.items():
-        path = tuned_path(directory, g)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        keep = [e for e in read_tuned_file(path) if (e["workload"], e["target"], e["tokens"]) not in
-                {(x["workload"], x["target"], x["tokens"]) for x in entries}] if path.exists() else []
-        merged = sorted(keep + entries, key=lambda e: (e["workload"], e["target"], e["tokens"]))
-        tmp = path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(json.dumps(e, sort_keys=True) + "\n" for e in merged))
-        os.replace(tmp, path)
-        paths.append(path)
-    return paths
+    for spec in _record_specs(db, gpu):
+        for p in derive_picks(db, spec, gpu):
+            by_gpu.setdefault(p.gpu, []).append(pick_line(p))
+    return [write_tuned(directory, g, entries) for g, entries in sorted(by_gpu.items())]
+
+
+def write_tuned(directory: Path, gpu: str, entries: list[dict]) -> Path:
+    path = tuned_path(directory, gpu)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    new = {(x["workload"], x["target"], x["tokens"]) for x in entries}
+    keep = [e for e in read_tuned_file(path) if (e["workload"], e["target"], e["tokens"]) not in new] \
+        if path.exists() else []
+    merged = sorted(keep + entries, key=lambda e: (e["workload"], e["target"], e["tokens"]))
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(json.dumps(e, sort_keys=True) + "\n" for e in merged))
+    os.replace(tmp, path)
+    return path
 
 
 def read_tuned_file(path: Path) -> list[dict]:
@@ -619,10 +822,17 @@ def read_tuned_file(path: Path) -> list[dict]:
         try:
             e = json.loads(text)
             LayerVariant.parse(e["variant"])
-            out.append({k: e[k] for k in ("workload", "target", "gpu", "tokens", "variant", "median_us")})
+            LayerVariant.parse(e["default"])
+            entry = {k: e[k] for k in TUNED_FIELDS}
+            if not (entry["median_us"] > 0 and (entry["default_us"] is None or entry["default_us"] > 0)):
+                raise ValueError("times must be positive")
         except (ValueError, KeyError, TypeError) as exc:
             raise ValueError(f"{path}:{i}: not a tuned pick ({exc}); expected one JSON object with "
-                             "workload, target, gpu, tokens, variant, median_us") from None
+                             f"{', '.join(TUNED_FIELDS)} (re-export it with `moe-aot export`)") from None
+        if entry["default_us"] is not None and entry["median_us"] > entry["default_us"]:
+            raise ValueError(f"{path}:{i}: the pick {entry['variant']} ({entry['median_us']} us) is slower than "
+                             f"the default's record ({entry['default_us']} us); re-export it with `moe-aot export`")
+        out.append(entry)
     return out
 
 
@@ -631,10 +841,13 @@ def read_tuned(directory: Path, gpu: str | None = None) -> list[dict]:
     return [e for f in files if f.exists() for e in read_tuned_file(f)]
 
 
-def build_plan(db: Database, specs, buckets, gpu: str | None, tuned_dir: Path) -> tuple[list, list]:
+def build_plan(db: Database, specs, buckets, gpu: str | None, tuned_dir: Path,
+               skipped: list | None = None) -> tuple[list, list]:
     """What `moe-aot build` compiles: per spec and bucket the default variant, plus every tuned
-    pick for the target (one GPU or all) from the database's best table and the text export.
-    Returns (spec, variant) pairs to compile and the picks to (re)commit under the build's
+    pick for the target (one GPU or all): derived from the database's records where it has them,
+    else from the text export. Every pick is no slower than its default's record; a text pick
+    measured against another default than today's is left out (appended to `skipped`).
+    Returns (spec, variant) pairs to compile and the picks to deploy under the build's
     toolchain, as (spec, gpu, tokens, variant, median_us)."""
     from .variants import default_variant
 
@@ -643,13 +856,15 @@ def build_plan(db: Database, specs, buckets, gpu: str | None, tuned_dir: Path) -
     for spec in specs:
         for tokens in buckets:
             pairs.append((spec, default_variant(spec, tokens)))
-        found, when = {}, {}
-        for b in db.all_best(workload=spec.workload_key, target=spec.target, gpu=gpu):
-            if (b.gpu, b.tokens) not in when or b.updated_at > when[(b.gpu, b.tokens)]:
-                found[(b.gpu, b.tokens)], when[(b.gpu, b.tokens)] = (b.variant, b.median_us), b.updated_at
+        found = {(p.gpu, p.tokens): (p.variant, p.median_us) for p in derive_picks(db, spec, gpu)}
         for e in text:
-            if e["workload"] == spec.workload_key and e["target"] == spec.target:
-                found.setdefault((e["gpu"], e["tokens"]), (e["variant"], e["median_us"]))
+            if e["workload"] != spec.workload_key or e["target"] != spec.target or (e["gpu"], e["tokens"]) in found:
+                continue
+            if e["default"] != default_variant(spec, e["tokens"]).name(spec):
+                if skipped is not None:
+                    skipped.append(e)
+                continue
+            found[(e["gpu"], e["tokens"])] = (e["variant"], e["median_us"])
         for (g, tokens), (name, us) in sorted(found.items()):
             v = LayerVariant.parse(name)
             ok, why = can_implement(spec, v)

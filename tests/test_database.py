@@ -226,7 +226,7 @@ def _record_once_many(url: str, worker: int, n: int) -> None:
         d.put_workload("w", SPEC)
         for i in (range(n) if worker == 0 else reversed(range(n))):
             d.add_record_once(workload="w", target="sm_90a", toolchain=TC, gpu="H200", driver="580",
-                              tokens=16, variant=f"once_{i}", status="ok", median_us=1.0 + worker,
+                              tokens=16, variant=f"once_{i}", content=f"c{i}", status="ok", median_us=1.0 + worker,
                               stats={"worker": worker}, rel_err=None, error=None)
 
 
@@ -237,16 +237,34 @@ def _check_record_once(url: str, n: int) -> None:
 
 
 def test_add_record_once_keeps_the_first_record(db):
-    kw = dict(workload="w", target="sm_90a", toolchain=TC, gpu="H200", driver="580", tokens=16,
-              variant="v", rel_err=None, error=None)
+    tc = "nvidia-cutlass-dsl==4.8.1|cu13.0|sm_90a|x86-64|fmt1|srcaaaa"
+    kw = dict(workload="w", target="sm_90a", toolchain=tc, gpu="H200", driver="580", tokens=16,
+              variant="v", content="c1", rel_err=None, error=None)
     rid, prev = db.add_record_once(**kw, status="ok", median_us=5.0, stats={"n": 1})
     assert prev is None
     rid2, prev2 = db.add_record_once(**kw, status="ok", median_us=9.0, stats={"n": 2})
     assert rid2 == rid and prev2.median_us == 5.0 and prev2.stats == {"n": 1}
-    other, prev3 = db.add_record_once(**{**kw, "toolchain": "other"}, status="ok", median_us=7.0, stats={})
-    assert prev3 is None and other != rid and len(db.records()) == 2
+    # A template refactor that left the cubins alone: new source hash, same content, same record.
+    refactor = {**kw, "toolchain": tc.replace("srcaaaa", "srcbbbb")}
+    assert db.add_record_once(**refactor, status="ok", median_us=7.0, stats={})[0] == rid
+    assert db.find_record(**{k: refactor[k] for k in ("workload", "target", "gpu", "driver", "toolchain",
+                                                       "tokens", "content")}).id == rid
+    # Other binaries under the same name, another driver, another DSL: each a measurement of its own.
+    ids = {db.add_record_once(**{**kw, **change}, status="ok", median_us=7.0, stats={})[0]
+           for change in ({"content": "c2"}, {"driver": "590"}, {"toolchain": tc.replace("4.8.1", "4.9.0")})}
+    assert rid not in ids and len(ids) == 3 and len(db.records()) == 4
+    assert dbmod.measurement_toolchain(tc) == "nvidia-cutlass-dsl==4.8.1|cu13.0|sm_90a|x86-64|fmt1"
     with pytest.raises(ValueError, match="record status"):
         db.add_record_once(**kw, status="fast", median_us=1.0, stats={})
+    with pytest.raises(ValueError, match="content"):
+        db.add_record_once(**{**kw, "content": None}, status="ok", median_us=1.0, stats={})
+
+
+def test_top_k_is_the_fastest_valid_record_not_the_newest(db):
+    for i, (us, status) in enumerate([(9.0, "ok"), (4.0, "ok"), (1.0, "wrong_result"), (6.0, "ok")]):
+        _record(db, variant=f"v{i}", median_us=us, status=status)
+    assert [r.variant for r in db.top_k("w", "sm_90a", "H200", 16, k=2)] == ["v1", "v3"]
+    assert db.top_k("w", "sm_90a", "H200", 16, driver="other") == []
 
 
 def test_two_processes_add_record_once_keep_one_record_each(tmp_path):

@@ -191,3 +191,20 @@ def test_pdl_twin_in_a_graph_back_to_back(layer_and_weights, tokens):
         # the second layer against the reference on the first layer's actual (bf16) output
         e = rel_err(out, moe_reference(mid, w13, w2, tw2, ids2, spec.activation))
         assert e <= TOLERANCE, e
+
+
+def test_gpu_measurer_measures_the_default_on_this_gpu(store):
+    """The tuner's measuring half with real CUDA: the default at 16 tokens, checked against the
+    reference and timed, with this machine's GPU and a parsed driver version in its key."""
+    import re
+
+    from moe_aot import env
+    from moe_aot.measure_worker import GpuMeasurer
+    from moe_aot.variants import default_variant
+
+    spec = make_spec(MODELS[0], target="sm_90a")
+    m = GpuMeasurer(env.default_db_url(), replays=20)
+    assert m.gpu == torch.cuda.get_device_name() and re.match(r"^\d+\.\d+(\.\d+)? \(CUDA \d+\.\d+\)$", m.driver), m.driver
+    out = m(spec, default_variant(spec, 16), 16)
+    assert out.status == "ok", out.error
+    assert out.median_us > 0 and out.rel_err < TOLERANCE

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from moe_aot.compiler import compile_into
+from moe_aot import dbread
 from moe_aot.database import Database
 from moe_aot.runtime.layer import MoeLayer, prepare_weights
 from moe_aot.runtime.library import KernelArgumentError, check_tensor
@@ -273,7 +274,7 @@ def test_stdlib_reader_fails_closed(small_db, tmp_path):
     con.execute("UPDATE moe_aot_schema_version SET version = 999")
     con.commit()
     con.close()
-    with pytest.raises(DatabaseError, match="schema version 999 .*uses schema version 1"):
+    with pytest.raises(DatabaseError, match=f"schema version 999 .*uses schema version {dbread.SCHEMA_VERSION}"):
         KernelStore(f"sqlite:///{path}")
     # truncated: half the file gone
     trunc = tmp_path / "t.sqlite"

@@ -15,7 +15,7 @@ from moe_aot import measure_worker, tuner
 from moe_aot.cli import main
 from moe_aot.database import Database
 from moe_aot.spec import make_spec
-from moe_aot.variants import LayerVariant, can_implement, candidate_space
+from moe_aot.variants import LayerVariant, can_implement, candidate_space, default_variant
 from tuner_fakes import GPU, FakeMeasurer, check_records_and_best, fake_compile, fake_time_us, toolchain
 
 SPEC = make_spec("qwen3-30b-a3b")
@@ -58,7 +58,14 @@ def test_tune_records_every_trial_and_commits_the_minimum(url):
     rec = db.records()[0]
     assert rec.gpu == GPU and rec.driver.startswith("999") and rec.toolchain == toolchain("sm_90a")
     rows = tuner.summary(db, SPEC, GPU, (1, 4096))
-    assert rows[0]["ok"] and rows[0]["best_us"] >= rows[0]["floor_us"] / 1e3
+    for row, tokens in zip(rows, (1, 4096)):
+        recs = db.records(SPEC.workload_key, SPEC.target, GPU, tokens)
+        ok = [r for r in recs if r.status == "ok"]
+        best = min(ok, key=lambda r: r.median_us)
+        assert (row["records"], row["ok"], row["failed"]) == (len(recs), len(ok), len(recs) - len(ok))
+        assert (row["best_us"], row["variant"]) == (best.median_us, best.variant)
+        assert row["floor_us"] == tuner.roofline_floor_us(SPEC, tokens)
+        assert row["of_floor"] == pytest.approx(row["floor_us"] / best.median_us)
     assert "floor us" in tuner.format_summary(SPEC, GPU, rows)
 
 
@@ -99,7 +106,7 @@ def test_invalid_suggestions_are_pruned_with_the_reason(url):
     params.update(glu_stages=5, glu_tile_k=64)
     assert not can_implement(SPEC, tuner.variant_of(params))[0]
     study.enqueue_trial(params)
-    job = tuner._ask(tuner.Slot(SPEC, 1, study, space))
+    job = tuner._ask(tuner.Slot(SPEC, 1, study, space, baseline_due=False))
     assert job is None
     t = study.trials[0]
     assert t.state == TrialState.PRUNED and "shared memory" in t.user_attrs["pruned"]
@@ -187,7 +194,8 @@ def test_export_is_stable_text_and_build_plan_reads_it(url, tmp_path):
     text = path.read_text()
     rows = [json.loads(x) for x in text.splitlines()]
     assert [r["tokens"] for r in rows] == [1, 256]
-    assert set(rows[0]) == {"workload", "target", "gpu", "tokens", "variant", "median_us"}
+    assert set(rows[0]) == set(tuner.TUNED_FIELDS)
+    assert all(r["median_us"] <= r["default_us"] for r in rows)
     tuner.export_tuned(db, out)
     assert path.read_text() == text
     # A fresh database (a container build) gets the picks from the text alone.
@@ -202,7 +210,7 @@ def test_fake_measurer_minimum_is_found_by_the_sampler(url):
     best of the whole candidate space."""
     tuner.tune(url, [SPEC], (4096,), FakeMeasurer(), trials=40, jobs=0, compile_fn=fake_compile, seed=8,
                progress=lambda s: None)
-    best = Database(url, readonly=True).best(SPEC.workload_key, "sm_90a", GPU, toolchain("sm_90a"))[4096]
+    best = {p.tokens: p for p in tuner.derive_picks(Database(url, readonly=True), SPEC, GPU)}[4096]
     floor = min(fake_time_us(SPEC, v, 4096) for v in candidate_space(SPEC))
     assert best.median_us <= floor * 1.15
 
@@ -349,3 +357,127 @@ def test_a_variant_already_recorded_is_not_measured_again(url):
     repeats = [t for t in study.trials if "repeat_of_record" in t.user_attrs]
     assert len(repeats) == 1 and repeats[0].state == TrialState.COMPLETE
     check_records_and_best(url, SPEC, GPU, (64,))
+
+
+# -- picks: derived from records keyed by the measured binaries, never slower than the default --
+
+class _Times(FakeMeasurer):
+    """The default takes `default_us`, every other variant `other_us`; remembers what it ran."""
+
+    def __init__(self, default_us=10.0, other_us=30.0, driver="999.0 (CUDA 13.0)"):
+        super().__init__()
+        self.default_us, self.other_us, self.driver, self.calls = default_us, other_us, driver, []
+
+    def __call__(self, spec, variant, tokens):
+        self.calls.append(variant.name(spec))
+        t = self.default_us if variant == default_variant(spec, tokens) else self.other_us
+        return tuner.Outcome("ok", median_us=t, stats={"median_us": t}, rel_err=1e-3)
+
+
+def _refactored_compile(db_url, spec, variant):
+    """fake_compile after a template refactor that left every cubin as it was: the toolchain's
+    source hash changes, the binaries do not."""
+    tc = toolchain(spec.target).replace("srcfake", "srcrefactored")
+    with Database(db_url) as db:
+        for kv in variant.kernels(spec):
+            if not db.has_artifact(kv.name, tc):
+                db.put_artifact(name=kv.name, workload=spec.workload_key, role=kv.role, target=spec.target,
+                                toolchain=tc, status="ok", library=b"fake:" + kv.name.encode(), meta={})
+    return tuner.Compiled(tc, None, 0.01)
+
+
+def _exported(url, tmp_path):
+    with Database(url) as db:
+        [path] = tuner.export_tuned(db, tmp_path / "tuned")
+    return [json.loads(x) for x in path.read_text().splitlines()]
+
+
+def test_a_cubin_identical_refactor_keeps_the_defaults_record_and_the_pick(url, tmp_path):
+    """Old key / new key: round 2 runs under a new source hash with slower candidates. The
+    default's record still counts (the binaries are the same), so the pick stays the default."""
+    d = default_variant(SPEC, 64).name(SPEC)
+    m1 = _Times()
+    tuner.tune(url, [SPEC], (64,), m1, trials=1, jobs=0, compile_fn=fake_compile, seed=1, progress=lambda s: None)
+    assert m1.calls == [d]
+    m2 = _Times()
+    tuner.tune(url, [SPEC], (64,), m2, trials=4, jobs=0, compile_fn=_refactored_compile, seed=2,
+               progress=lambda s: None)
+    assert m2.calls and d not in m2.calls  # same binaries: not measured again
+    [row] = _exported(url, tmp_path)
+    assert (row["variant"], row["median_us"]) == (d, 10.0)
+    with Database(url) as db:
+        [(_, _, _, v, us)] = tuner.build_plan(db, [SPEC], (64,), GPU, tmp_path / "none")[1]
+    assert (v.name(SPEC), us) == (d, 10.0)
+
+
+def test_the_pick_is_the_fastest_record_not_the_newest(url, tmp_path):
+    tuner.tune(url, [SPEC], (64,), _Times(other_us=8.0), trials=3, jobs=0, compile_fn=fake_compile, seed=3,
+               progress=lambda s: None)
+    m2 = _Times(other_us=9.0)
+    tuner.tune(url, [SPEC], (64,), m2, trials=20, jobs=0, compile_fn=_refactored_compile, seed=4,
+               progress=lambda s: None)
+    assert m2.calls  # round 2 measured candidates, newer and slower than round 1's
+    [row] = _exported(url, tmp_path)
+    assert row["median_us"] == 8.0  # round 1, not round 2's 9.0
+    assert row["default_us"] == 10.0
+    with Database(url) as db:
+        assert [us for *_, us in tuner.build_plan(db, [SPEC], (64,), GPU, tmp_path / "none")[1]] == [8.0]
+        assert db.top_k(SPEC.workload_key, SPEC.target, GPU, 64)[0].median_us == 8.0
+
+
+def test_the_default_is_measured_again_under_a_new_driver_split(url, tmp_path):
+    d = default_variant(SPEC, 64).name(SPEC)
+    tuner.prepare(url, [SPEC], (64,), GPU, trials=2, jobs=0, compile_fn=fake_compile, seed=5, progress=lambda s: None)
+    m1 = _Times(default_us=10.0, other_us=9.0, driver="570.86.15 (CUDA 12.8)")
+    measure_worker.measure(url, m1, progress=lambda s: None)
+    assert d in m1.calls
+    tuner.prepare(url, [SPEC], (64,), GPU, trials=4, jobs=0, compile_fn=fake_compile, seed=6, progress=lambda s: None)
+    m2 = _Times(default_us=12.0, other_us=14.0, driver="580.95.05 (CUDA 13.0)")  # a driver update
+    measure_worker.measure(url, m2, progress=lambda s: None)
+    assert d in m2.calls and len(m2.calls) >= 2
+    [row] = _exported(url, tmp_path)  # the newest context: the default beats the new candidates
+    assert (row["variant"], row["median_us"], row["default_us"]) == (d, 12.0, 12.0)
+    check_records_and_best(url, SPEC, GPU, ())
+
+
+def test_the_default_is_measured_again_under_a_new_driver_tune(url):
+    d = default_variant(SPEC, 64).name(SPEC)
+    tuner.tune(url, [SPEC], (64,), _Times(driver="570.86.15 (CUDA 12.8)"), trials=2, jobs=0,
+               compile_fn=fake_compile, seed=7, progress=lambda s: None)
+    m2 = _Times(driver="580.95.05 (CUDA 13.0)")
+    tuner.tune(url, [SPEC], (64,), m2, trials=4, jobs=0, compile_fn=fake_compile, seed=8, progress=lambda s: None)
+    assert m2.calls[0] == d
+
+
+def test_build_refuses_a_text_pick_slower_than_its_default(tmp_path):
+    d = default_variant(SPEC, 64)
+    other = LayerVariant(128, d.glu, d.down, d.route_cluster)
+    line = {"workload": SPEC.workload_key, "target": SPEC.target, "gpu": GPU, "tokens": 64,
+            "variant": other.name(SPEC), "median_us": 12.0, "default": d.name(SPEC), "default_us": 10.0}
+    (tmp_path / "tuned").mkdir()
+    tuner.tuned_path(tmp_path / "tuned", GPU).write_text(json.dumps(line) + "\n")
+    with Database(f"sqlite:///{tmp_path / 'fresh.sqlite'}") as db:
+        with pytest.raises(ValueError, match="slower than the default"):
+            tuner.build_plan(db, [SPEC], (64,), GPU, tmp_path / "tuned")
+
+
+# -- the GPU measurer's driver version, parsed on the CPU --
+
+PROPRIETARY = ("NVRM version: NVIDIA UNIX x86_64 Kernel Module  570.86.15  Fri Jan 24 18:39:31 UTC 2025\n"
+               "GCC version:  gcc version 12.3.0 (Ubuntu 12.3.0-1ubuntu1~22.04)\n")
+OPEN = ("NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  580.95.05  Release Build  "
+        "(dvs-builder@U22-I3-AF03-09-1)  Tue Sep 23 09:59:53 UTC 2025\n"
+        "GCC version:  gcc version 13.3.0 (Ubuntu 13.3.0-6ubuntu2~24.04)\n")
+OPEN_ARM = ("NVRM version: NVIDIA UNIX Open Kernel Module for aarch64  580.82.07  Release Build  "
+            "(dvs-builder@U16-I1-N07-12-3)  Wed Aug 27 14:23:18 UTC 2025\n")
+
+
+@pytest.mark.parametrize("text, version", [(PROPRIETARY, "570.86.15"), (OPEN, "580.95.05"),
+                                           (OPEN_ARM, "580.82.07"), ("", None), ("garbage\n", None)])
+def test_driver_version_of_both_kernel_module_flavours(text, version, tmp_path, monkeypatch):
+    assert measure_worker.parse_driver_version(text) == version
+    proc = tmp_path / "version"
+    proc.write_text(text)
+    monkeypatch.setattr("moe_aot.runtime.store.driver_cuda_version", lambda: (13, 0))
+    assert measure_worker.driver_version(str(proc)) == f"{version or 'unknown'} (CUDA 13.0)"
+    assert measure_worker.driver_version(str(tmp_path / "missing")).startswith("unknown")

@@ -12,6 +12,7 @@ from optuna.trial import TrialState
 from moe_aot import measure_worker, tuner
 from moe_aot.database import Database
 from moe_aot.tuner import Compiled, Outcome
+from moe_aot.variants import default_variant
 
 GPU = "Fake GPU 80GB"
 
@@ -61,7 +62,8 @@ class FakeMeasurer:
 
 
 def check_records_and_best(url, spec, gpu, buckets):
-    """No duplicates, every told trial has its record, the best is the minimum over records."""
+    """No duplicates, every told trial has its record, the derived pick is the minimum over the
+    records and the default was measured beside it."""
     db = Database(url, readonly=True)
     storage = tuner.open_storage(url)
     for tokens in buckets:
@@ -73,9 +75,12 @@ def check_records_and_best(url, spec, gpu, buckets):
         assert ids == {r.id for r in recs}
         assert [t for t in study.trials if t.state == TrialState.RUNNING] == []
         ok = [r for r in recs if r.status == "ok"]
-        best = db.best(spec.workload_key, spec.target, gpu, toolchain(spec.target))[tokens]
+        best = {p.tokens: p for p in tuner.derive_picks(db, spec, gpu)}[tokens]
         assert best.median_us == min(r.median_us for r in ok)
         assert best.variant == min(ok, key=lambda r: r.median_us).variant
+        default = default_variant(spec, tokens).name(spec)
+        assert best.default == default and default in {r.variant for r in recs}
+        assert best.default_us is None or best.median_us <= best.default_us
     db.close()
 
 
