@@ -312,10 +312,13 @@ EXPORT_HELP = "Folder of the tuned picks' text export, one <GPU>.jsonl per GPU (
               "ready for `moe-aot measure` on the GPU machine.")
 @click.option("--replays", type=int, default=100, show_default=True, help="CUDA-graph replays per measurement.")
 @click.option("--seed", type=int, default=None, help="Sampler seed.")
+@click.option("--seed-picks", "seed_dir", default=None,
+              help="With --compile-only: after each bucket's default, try first the committed pick for --gpu "
+                   "in this folder of tuned picks (e.g. cache/tuned), its PDL twin and the default's PDL twin.")
 @click.option("--export-dir", default=None, help=EXPORT_HELP)
 @click.option("--db", "db_url", default=None, help=DB_HELP)
 def tune_cmd(models, spec_file, target, experts, top_k, hidden, intermediate, activation, precision, tokens, gpu,
-             trials, timeout_s, jobs, compile_only, replays, seed, export_dir, db_url):
+             trials, timeout_s, jobs, compile_only, replays, seed, seed_dir, export_dir, db_url):
     """Search tile configurations with optuna per token bucket: compile in a CPU pool, measure on the
     GPU (CUDA-graph replays, median, after a check against the reference), record every trial and
     keep the best. With --compile-only, only the compiling half (see `moe-aot measure`)."""
@@ -333,9 +336,19 @@ def tune_cmd(models, spec_file, target, experts, top_k, hidden, intermediate, ac
             if not gpu:
                 raise click.UsageError("--compile-only needs --gpu NAME: the GPU the candidates will be measured on "
                                        "(as torch.cuda.get_device_name() spells it, e.g. \"NVIDIA H200\")")
-            n = tuner.prepare(url, specs, buckets, gpu, trials=trials, timeout_s=timeout_s, jobs=jobs, seed=seed)
+            seeds = None
+            if seed_dir:
+                from pathlib import Path
+
+                if not Path(seed_dir).is_dir():
+                    raise click.BadParameter(f"{seed_dir!r} is not a folder of tuned picks", param_hint="--seed-picks")
+                seeds = tuner.seed_variants(Path(seed_dir), gpu, specs, buckets)
+            n = tuner.prepare(url, specs, buckets, gpu, trials=trials, timeout_s=timeout_s, jobs=jobs, seed=seed,
+                              seeds=seeds)
             click.echo(f"{n} trial(s) compiled and left ready for `moe-aot measure` on {gpu}", err=True)
             return
+        if seed_dir:
+            raise click.UsageError("--seed-picks goes with --compile-only")
         measurer = _gpu_measurer(url, replays)
         if gpu and gpu != measurer.gpu:
             raise click.ClickException(f"--gpu {gpu!r} but this machine's GPU is {measurer.gpu!r}")

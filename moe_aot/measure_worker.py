@@ -19,7 +19,7 @@ from optuna.trial import TrialState
 
 from .database import Database
 from .spec import LayerSpec
-from .tuner import (baseline_trial, commit_picks, default_recorded, line, measure_trial, open_storage,
+from .tuner import (Outcome, baseline_trial, commit_picks, default_recorded, line, measure_trial, open_storage,
                     parse_study_name, requeue_stale, search_space, study_spec, suggest, variant_content,
                     worker_id)
 from .variants import LayerVariant

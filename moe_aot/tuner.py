@@ -374,6 +374,8 @@ class Slot:
     # leaves it ready for measuring) before anything else, outside the budget: every pick is
     # compared with the default measured beside it.
     baseline_due: bool = True
+    # Variants to try right after the default, before any proposal (see `seed_variants`).
+    seeds: list = dataclasses.field(default_factory=list)
 
     def remaining(self, trials: int) -> int:
         return trials - len(self.study.get_trials(deepcopy=False)) - self.pending
@@ -568,15 +570,40 @@ def _seen(slot: Slot) -> set[str]:
     return {t.user_attrs["variant"] for t in slot.study.get_trials(deepcopy=False) if "variant" in t.user_attrs}
 
 
+def seed_variants(tuned_dir: Path, gpu: str, specs, buckets) -> dict[tuple[str, int], list[LayerVariant]]:
+    """Per (workload, bucket): the committed pick for `gpu` in `tuned_dir`, its twin with
+    programmatic dependent launch flipped, and the default's twin. After a template change these
+    are what a new default must be measured against first."""
+    from .variants import default_variant
+
+    path = tuned_path(tuned_dir, gpu)
+    picks = {(r["workload"], r["tokens"]): r["variant"] for r in read_tuned_file(path)} if path.exists() else {}
+    out = {}
+    for spec in specs:
+        for tokens in buckets:
+            base = default_variant(spec, tokens)
+            seeds = [base.pdl_twin()]
+            name = picks.get((spec.workload_key, tokens))
+            if name:
+                pick = LayerVariant.parse(name)
+                seeds = [pick, pick.pdl_twin()] + seeds
+            out[(spec.workload_key, tokens)] = [v for v in dict.fromkeys(seeds)
+                                               if v != base and can_implement(spec, v)[0]]
+    return out
+
+
 def prepare(db_url: str, specs, buckets, gpu: str, trials: int = 30, timeout_s: float | None = None,
             jobs: int = 2, compile_fn: Callable = compile_variant, seed: int | None = None,
-            progress: Callable[[str], None] = line) -> int:
+            progress: Callable[[str], None] = line, seeds: dict | None = None) -> int:
     """Compile candidates for `gpu`'s studies and enqueue them as ready WAITING trials, until each
-    study holds `trials` trials. A compile failure becomes a finished trial and a record here.
-    Returns the number of trials added."""
+    study holds `trials` trials: the default first, then `seeds` of the bucket (see
+    `seed_variants`), then proposals. A compile failure becomes a finished trial and a record
+    here. Returns the number of trials added."""
     db = Database(db_url)
     storage = open_storage(db_url)
     slots = open_slots(storage, specs, gpu, buckets, seed)
+    for slot in slots:
+        slot.seeds = list((seeds or {}).get((slot.spec.workload_key, slot.tokens), ()))
     rng = random.Random(seed)
     deadline = time.monotonic() + timeout_s if timeout_s else math.inf
     pool = CompilePool(jobs, compile_fn)
@@ -596,7 +623,11 @@ def prepare(db_url: str, specs, buckets, gpu: str, trials: int = 30, timeout_s: 
                     slot.baseline_due = False
                     variant = default_variant(slot.spec, slot.tokens)
                 else:
-                    variant = propose(slot, exclude, rng)
+                    variant = None
+                    while slot.seeds and variant is None:
+                        v = slot.seeds.pop(0)
+                        variant = v if v.name(slot.spec) not in exclude else None
+                    variant = variant or propose(slot, exclude, rng)
                 if variant is None:  # the whole space is tried
                     slot.pending = trials
                     continue

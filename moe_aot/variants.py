@@ -227,14 +227,15 @@ def default_variant(spec: LayerSpec, tokens: int) -> LayerVariant:
     From the H200 kernel measurements (tools/results/gemm_check_h200_2026-11-29.txt): few routed
     rows per expert (decode) stream weights best with 16-row tiles and deep pipelines; many rows
     per expert need wgmma 128-row tiles (the persistent TMA core "hopws" where the target has it,
-    tools/results/NOTES.md 2026-12-01); in between, 64-row mma.sync tiles."""
+    from 33 rows per expert: at 64 rows per expert it beat 64-row mma.sync tiles by 14-23% in the
+    kernel check of 2026-12-01, tools/results/NOTES.md); in between, 64-row mma.sync tiles."""
     cluster = 1 if tokens <= 256 else max(TARGET_LIMITS[spec.target]["clusters"])
     rows_per_expert = tokens * spec.top_k / spec.experts
     W, G, P = "warp", "wgmma", "hopws"
     if rows_per_expert <= 2:
         prefs = [(16, GemmTiles(32, 64, 8, W), GemmTiles(32, 64, 8, W)),
                  (16, GemmTiles(64, 128, 2, W), GemmTiles(64, 128, 2, W))]
-    elif rows_per_expert <= 64:
+    elif rows_per_expert <= 32 or "hopws" not in TARGET_LIMITS[spec.target]["mma"]:
         prefs = [(64, GemmTiles(128, 64, 4, W), GemmTiles(128, 64, 4, W))]
     else:
         prefs = [(128, GemmTiles(n, 64, 4, mma), GemmTiles(n2, 64, 4, mma)) for mma in (P, G)

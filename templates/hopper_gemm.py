@@ -33,12 +33,13 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import BFloat16, Float32, Int64, const_expr
+from cutlass import BFloat16, Float32, Int32, Int64, const_expr
 from cutlass.tensor_utils import LayoutEnum
 
 from .grouped_gemm import _LOAD_THREADS, GroupedDownGemm, GroupedGluGemm
 
 MMA = "hopws"
+SCHED_SLOTS = 2  # tiles the producer may publish ahead of the consumers
 
 
 class _HopperWs:
@@ -71,11 +72,32 @@ class _HopperWs:
             tx_count=tx, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)))
 
     @cute.jit
+    def _make_schedule(self):
+        """The tile schedule from the producer to the consumers: SCHED_SLOTS slots in shared
+        memory, each the linear tile index (-1: no more tiles) and, per tile row, its routed
+        pair and (GEMM2) routing weight, loaded by producer warp 0 while it runs ahead of the
+        consumers, so that the consumers make no global load but their epilogue's stores."""
+        alloc = cutlass.memory.SmemAllocator()
+        bars = alloc.allocate_array(Int64, 2 * SCHED_SLOTS, byte_alignment=8)
+        tiles = cute.make_tensor(alloc.allocate_array(Int32, SCHED_SLOTS, byte_alignment=16),
+                                 cute.make_layout(SCHED_SLOTS))
+        pairs = cute.make_tensor(alloc.allocate_array(Int32, SCHED_SLOTS * self.tile_m, byte_alignment=16),
+                                 cute.make_layout((self.tile_m, SCHED_SLOTS)))
+        scales = cute.make_tensor(alloc.allocate_array(Float32, SCHED_SLOTS * self.tile_m, byte_alignment=16),
+                                  cute.make_layout((self.tile_m, SCHED_SLOTS)))
+        sched = pipeline.PipelineAsync.create(
+            barrier_storage=bars, num_stages=SCHED_SLOTS,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.mma_threads))
+        return sched, tiles, pairs, scales
+
+    @cute.jit
     def _ws_tiles(self, tidx, tma_a, mAt, tma_b, mWt, mA, mIds, mTileExpert, epi):
         self._grid_dependency_wait()
         tiled_mma = self._make_tiled_mma()
         sA, sB, _ = self._smem_tensors()
         pipe = self._make_pipeline()
+        sched = self._make_schedule()
         num_m_tiles = cute.size(mTileExpert, mode=[0])
         total = num_m_tiles * (self.n // self.tile_n)
         bid, _, _ = cute.arch.block_idx()
@@ -84,33 +106,45 @@ class _HopperWs:
         if warp < _LOAD_THREADS // 32:
             self._set_regs(True)
             if const_expr(self.glu):
-                self._produce_ws(tidx, warp, pipe, tma_a, mAt, tma_b, mWt, mA, mIds, mTileExpert,
-                                 sA, sB, bid, nctas, total, num_m_tiles)
+                self._produce_ws(tidx, warp, pipe, sched, tma_a, mAt, tma_b, mWt, mA, mIds, mTileExpert,
+                                 sA, sB, epi, bid, nctas, total, num_m_tiles)
             elif warp == 0:
-                self._produce_ws(tidx, warp, pipe, tma_a, mAt, tma_b, mWt, mA, mIds, mTileExpert,
-                                 sA, sB, bid, nctas, total, num_m_tiles)
+                self._produce_ws(tidx, warp, pipe, sched, tma_a, mAt, tma_b, mWt, mA, mIds, mTileExpert,
+                                 sA, sB, epi, bid, nctas, total, num_m_tiles)
         else:
             self._set_regs(False)
-            self._consume_ws(tidx - _LOAD_THREADS, pipe, tiled_mma, sA, sB, mIds, mTileExpert, epi,
-                             bid, nctas, total, num_m_tiles)
+            self._consume_ws(tidx - _LOAD_THREADS, pipe, sched, tiled_mma, sA, sB, epi, num_m_tiles)
 
     @cute.jit
-    def _expert_of(self, t, total, num_m_tiles, mTileExpert):
-        """Expert of linear tile ``t`` (-1 for an unused tile or past the end). Both roles read
-        the next tile's expert during the current tile's second k-tile, with a wgmma batch or
-        the stages ahead in flight, so that this load's latency does not stall every tile's
-        start (ncu showed long-scoreboard stalls as the top stall reason)."""
-        expert = cutlass.Int32(-1)
-        if t < total:
-            _, bt = self._tile_of(t, num_m_tiles)
-            expert = mTileExpert[bt]
-        return expert
+    def _publish(self, sched, sstate, t, row0, mIds, epi):
+        """Producer warp 0: hand tile ``t`` (or -1) and its rows' pairs and routing weights to
+        the consumers through the schedule slot of ``sstate`` (the caller advances it)."""
+        pipe_s, tiles, pairs, scales = sched
+        lane = cute.arch.lane_idx()
+        pipe_s.sync_object_empty.wait(sstate.index, sstate.phase)
+        if t >= 0:
+            for i in cutlass.range_constexpr(self.tile_m // 32):
+                r = i * 32 + lane
+                p = mIds[row0 + r]
+                pairs[r, sstate.index] = p
+                if const_expr(not self.glu):
+                    _, mTopkW, _ = epi
+                    w = Float32(0.0)
+                    if p >= 0:
+                        w = mTopkW[p // self.top_k, p % self.top_k]
+                    scales[r, sstate.index] = w
+        if lane == 0:
+            tiles[sstate.index] = t
+        cute.arch.sync_warp()
+        if lane == 0:
+            pipe_s.producer_commit(sstate)
 
     @cute.jit
-    def _produce_ws(self, tidx, warp, pipe, tma_a, mAt, tma_b, mWt, mA, mIds, mTileExpert, sA, sB,
-                    bid, nctas, total, num_m_tiles):
+    def _produce_ws(self, tidx, warp, pipe, sched, tma_a, mAt, tma_b, mWt, mA, mIds, mTileExpert, sA, sB,
+                    epi, bid, nctas, total, num_m_tiles):
         k_tiles = self.k // self.tile_k
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+        sstate = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, SCHED_SLOTS)
         if warp == 0:
             cute.nvgpu.cpasync.prefetch_descriptor(tma_b)
             if const_expr(not self.glu):
@@ -119,14 +153,13 @@ class _HopperWs:
         thr_copy = tiled_copy.get_slice(tidx)
         tAsA_cp = thr_copy.partition_D(sA)  # GEMM1: (CPY, CPY_M, CPY_K, PIPE)
         tAcA = thr_copy.partition_S(cute.make_identity_tensor((self.tile_m, self.tile_k)))
-        upcoming = cute.make_rmem_tensor(cute.make_layout(1), cutlass.Int32)
-        upcoming[0] = self._expert_of(bid, total, num_m_tiles, mTileExpert)
         for t in range(bid, total, nctas):
-            expert = upcoming[0]
             bn, bt = self._tile_of(t, num_m_tiles)
-            if expert < 0:
-                upcoming[0] = self._expert_of(t + nctas, total, num_m_tiles, mTileExpert)
-            else:
+            expert = mTileExpert[bt]
+            if expert >= 0:
+                if warp == 0:
+                    self._publish(sched, sstate, t, bt * self.tile_m, mIds, epi)
+                    sstate.advance()
                 gB = cute.local_tile(mWt, (self.tile_n, self.tile_k),
                                      (expert * (self.n // self.tile_n) + bn, None))
                 tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
@@ -141,8 +174,6 @@ class _HopperWs:
                                       tma_bar_ptr=pipe.producer_get_barrier(state))
                         self._load_a(kt, state.index, tiled_copy, mA, a_rows, tAsA_cp, tAcA)
                         cute.arch.cp_async_mbarrier_arrive_noinc(pipe.producer_get_barrier(state))
-                        if kt == 1:
-                            upcoming[0] = self._expert_of(t + nctas, total, num_m_tiles, mTileExpert)
                         state.advance()
                 else:
                     gA = cute.local_tile(mAt, (self.tile_m, self.tile_k), (bt, None))
@@ -153,15 +184,14 @@ class _HopperWs:
                         bar = pipe.producer_get_barrier(state)
                         cute.copy(tma_b, tBgB[None, kt], tBsB[None, state.index], tma_bar_ptr=bar)
                         cute.copy(tma_a, tAgA[None, kt], tAsA[None, state.index], tma_bar_ptr=bar)
-                        if kt == 1:
-                            upcoming[0] = self._expert_of(t + nctas, total, num_m_tiles, mTileExpert)
                         state.advance()
         if warp == 0:
+            self._publish(sched, sstate, cutlass.Int32(-1), 0, mIds, epi)
             pipe.producer_tail(state)
 
     @cute.jit
-    def _consume_ws(self, ctid, pipe, tiled_mma, sA, sB, mIds, mTileExpert, epi, bid, nctas, total,
-                    num_m_tiles):
+    def _consume_ws(self, ctid, pipe, sched, tiled_mma, sA, sB, epi, num_m_tiles):
+        pipe_s, tiles, s_pairs, s_scales = sched
         k_tiles = self.k // self.tile_k
         warp_group = cute.arch.make_warp_uniform(ctid // 128)
         thr_mma = tiled_mma.get_slice(warp_group * 128)
@@ -170,46 +200,44 @@ class _HopperWs:
         num_kb = cute.size(tCrA, mode=[2])
         acc = tiled_mma.make_fragment_C(tiled_mma.get_slice(ctid).partition_C(
             cute.make_identity_tensor((self.tile_m, self.tile_n))).shape)
+        tCcC = self._acc_coords(ctid, tiled_mma)
+        pairs = cute.make_rmem_tensor(cute.make_layout(2), Int32)
+        scales = cute.make_rmem_tensor(cute.make_layout(2), Float32)
         read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
-        upcoming = cute.make_rmem_tensor(cute.make_layout(1), cutlass.Int32)
-        upcoming[0] = self._expert_of(bid, total, num_m_tiles, mTileExpert)
-        for t in range(bid, total, nctas):
-            expert = upcoming[0]
+        sstate = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, SCHED_SLOTS)
+        pipe_s.consumer_wait(sstate)
+        t = tiles[sstate.index]
+        while t >= 0:
             bn, bt = self._tile_of(t, num_m_tiles)
-            if expert < 0:
-                upcoming[0] = self._expert_of(t + nctas, total, num_m_tiles, mTileExpert)
-            else:
-                # the epilogue's routing metadata, loaded now so that its latency hides under
-                # the mainloop: each row's pair here, GEMM2's routing weights (which need the
-                # pair) after the first k-tile
-                row0 = bt * self.tile_m
-                pairs = self._row_pairs(ctid, tiled_mma, mIds, row0)
-                scales = cute.make_rmem_tensor(cute.make_layout(2), Float32)
-                acc.fill(0.0)
-                tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
-                cute.nvgpu.warpgroup.fence()
-                for kt in range(k_tiles):
-                    pipe.consumer_wait(read)
-                    if const_expr(self.glu):
-                        # A arrived by cp.async (generic proxy); wgmma reads through the async proxy
-                        cute.arch.fence_proxy("async.shared", space="cta")
-                    for kb in cutlass.range_constexpr(num_kb):
-                        cute.gemm(tiled_mma, acc, tCrA[None, None, kb, read.index],
-                                  tCrB[None, None, kb, read.index], acc)
-                    cute.nvgpu.warpgroup.commit_group()
-                    cute.nvgpu.warpgroup.wait_group(1)
-                    if kt > 0:
-                        pipe.consumer_release(release)
-                        release.advance()
-                    if kt == 1:
-                        self._load_scales(pairs, epi, scales)
-                        upcoming[0] = self._expert_of(t + nctas, total, num_m_tiles, mTileExpert)
-                    read.advance()
-                cute.nvgpu.warpgroup.wait_group(0)
-                pipe.consumer_release(release)
-                release.advance()
-                self._epilogue_regs(ctid, tiled_mma, acc, pairs, scales, epi, row0, bn)
+            acc.fill(0.0)
+            tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+            cute.nvgpu.warpgroup.fence()
+            for kt in range(k_tiles):
+                pipe.consumer_wait(read)
+                if const_expr(self.glu):
+                    # A arrived by cp.async (generic proxy); wgmma reads through the async proxy
+                    cute.arch.fence_proxy("async.shared", space="cta")
+                for kb in cutlass.range_constexpr(num_kb):
+                    cute.gemm(tiled_mma, acc, tCrA[None, None, kb, read.index],
+                              tCrB[None, None, kb, read.index], acc)
+                cute.nvgpu.warpgroup.commit_group()
+                cute.nvgpu.warpgroup.wait_group(1)
+                if kt > 0:
+                    pipe.consumer_release(release)
+                    release.advance()
+                read.advance()
+            cute.nvgpu.warpgroup.wait_group(0)
+            pipe.consumer_release(release)
+            release.advance()
+            for hrow in cutlass.range_constexpr(2):
+                pairs[hrow] = s_pairs[tCcC[2 * hrow][0], sstate.index]
+                scales[hrow] = s_scales[tCcC[2 * hrow][0], sstate.index]
+            pipe_s.consumer_release(sstate)
+            sstate.advance()
+            self._epilogue_regs(ctid, tiled_mma, acc, pairs, scales, epi, bt * self.tile_m, bn)
+            pipe_s.consumer_wait(sstate)
+            t = tiles[sstate.index]
 
 
 class HopperGluGemm(_HopperWs, GroupedGluGemm):

@@ -481,3 +481,40 @@ def test_driver_version_of_both_kernel_module_flavours(text, version, tmp_path, 
     monkeypatch.setattr("moe_aot.runtime.store.driver_cuda_version", lambda: (13, 0))
     assert measure_worker.driver_version(str(proc)) == f"{version or 'unknown'} (CUDA 13.0)"
     assert measure_worker.driver_version(str(tmp_path / "missing")).startswith("unknown")
+
+
+def test_gpu_measurer_turns_each_result_into_a_typed_outcome(monkeypatch):
+    """GpuMeasurer.__call__ without a GPU: the layer and the measurement are stand-ins, so every
+    branch that builds an Outcome runs here (a missing name in one of them once failed only on
+    the GPU machine)."""
+    import torch
+
+    from moe_aot import measure_worker
+    from moe_aot.runtime import layer as layer_mod
+    from moe_aot.runtime import measure as measure_mod
+    from moe_aot.runtime.store import KernelMissingError
+    from moe_aot.spec import make_spec
+    from moe_aot.tuner import Outcome
+    from moe_aot.variants import default_variant
+
+    m = object.__new__(measure_worker.GpuMeasurer)
+    m.device, m.store, m.replays, m._weights = torch.device("cpu"), None, 3, None
+    monkeypatch.setattr(m, "weights", lambda spec: (None, None))
+    monkeypatch.setattr(layer_mod, "MoeLayer", lambda *a, **k: object())
+    spec = make_spec("qwen3-30b-a3b")
+    v = default_variant(spec, 16)
+    results = {"ok": {"ok": True, "rel_err": 3e-3, "median_us": 12.5, "min_us": 12.0},
+               "wrong": {"ok": False, "rel_err": 0.5}}
+    for key, want in (("ok", "ok"), ("wrong", "wrong_result")):
+        monkeypatch.setattr(measure_mod, "measure_variant", lambda *a, r=results[key], **k: r)
+        out = m(spec, v, 16)
+        assert isinstance(out, Outcome) and out.status == want
+    assert out.rel_err == 0.5
+    monkeypatch.setattr(measure_mod, "measure_variant", lambda *a, **k: 1 / 0)
+
+    def missing(*a, **k):
+        raise KernelMissingError("no kernel moe_glu_x")
+
+    monkeypatch.setattr(layer_mod, "MoeLayer", missing)
+    out = m(spec, v, 16)
+    assert out.status == "compile_error" and "moe_glu_x" in out.error

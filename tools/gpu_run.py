@@ -75,6 +75,16 @@ def sh(cmd, log=None, env=None, timeout=None):
     return proc.returncode, out, time.perf_counter() - t0
 
 
+DUMP_RECORDS = r"""
+import dataclasses, json, sys
+from moe_aot.database import Database
+with Database(sys.argv[1]) as db:
+    rows = [dataclasses.asdict(r) for r in db.records()]
+for r in rows:
+    r["created_at"] = r["created_at"].isoformat()
+json.dump(rows, open(sys.argv[2], "w"), indent=1)
+print(len(rows), "records written to", sys.argv[2])
+"""
 NCU_SECTIONS = ["SpeedOfLight", "ComputeWorkloadAnalysis", "MemoryWorkloadAnalysis", "WarpStateStats",
                 "SchedulerStats", "Occupancy", "LaunchStats", "InstructionStats"]
 NCU_METRICS = ["regex:smsp__average_warps_issue_stalled_.*_per_issue_active\\.ratio",
@@ -129,6 +139,11 @@ def main():
                     help="ncu over check_gemm_kernels.py configs in --gemm-check DIR, e.g. "
                          "'wg128,hw128@4096' (one launch of each GEMM per point, clocks untouched)")
     ap.add_argument("--profile-models", default="qwen3_30b_a3b,deepseek_v3")
+    ap.add_argument("--measure", action="store_true",
+                    help="moe-aot measure on --db (trials left ready by `tune --compile-only`), then the "
+                         "records as JSON and the picks as cache/tuned text under --out")
+    ap.add_argument("--sanitize", default=None, metavar="MODELS",
+                    help="compute-sanitizer memcheck over tools/sanitize_check.py for these presets")
     ap.add_argument("--skip-check", action="store_true", help="with --profile: do not run the whole check first")
     ns = ap.parse_args()
     out = Path(ns.out)
@@ -152,6 +167,17 @@ def main():
     rc, dsl, _ = sh([sys.executable, "-c", "import cutlass"], env=env)
     summary["dsl_installed_here"] = rc == 0
     print(f"device: {summary['device']}; torch {summary['torch']}; DSL installed here: {rc == 0}", flush=True)
+
+    if ns.measure:
+        (out / "tuned").mkdir(exist_ok=True)
+        cmd = [sys.executable, "-c", "from moe_aot.cli import main; main()", "measure", "--db", env["MOE_AOT_DB"],
+               "--export-dir", str(out / "tuned")]
+        rc, log, secs = sh(cmd, log=out / "measure.log", env=env, timeout=420)
+        summary["measure"] = {"rc": rc, "seconds": round(secs, 1)}
+        print(log[-3000:], flush=True)
+        rc2, log2, _ = sh([sys.executable, "-c", DUMP_RECORDS, env["MOE_AOT_DB"], str(out / "records.json")], env=env)
+        summary["measure"]["records_dump_rc"] = rc2
+        print(log2[-1500:], flush=True)
 
     if ns.coldstart:
         rows = []
@@ -185,6 +211,16 @@ def main():
 
     if ns.profile is not None:
         summary["profile"] = profile(ns, out, env)
+
+    if ns.sanitize:
+        summary["sanitize"] = {}
+        for model in ns.sanitize.split(","):
+            cmd = ["compute-sanitizer", "--tool", "memcheck", "--error-exitcode", "9", sys.executable,
+                   "tools/sanitize_check.py", model]
+            rc, log, secs = sh(cmd, log=out / f"sanitize_{model}.log", env=env, timeout=400)
+            summary["sanitize"][model] = {"rc": rc, "seconds": round(secs, 1),
+                                          "summary": [ln for ln in log.splitlines() if "ERROR SUMMARY" in ln][-1:]}
+            print(f"sanitize {model}: rc {rc} in {secs:.0f} s", log[-1200:], flush=True)
 
     (out / "gpu_run.json").write_text(json.dumps(summary, indent=1))
     print(json.dumps(summary, indent=1)[-3000:])

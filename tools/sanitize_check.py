@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """Run under `compute-sanitizer --tool memcheck`: the whole layer on inputs at the edges
 (out-of-range and negative topk_ids, one token, a token count not a multiple of any tile,
-all pairs on one expert). Any out-of-bounds access makes the sanitizer report an error.
+all pairs on one expert), with the database's picks and again with each bucket's documented
+default (the persistent TMA core "hopws" from 1024 tokens). Any out-of-bounds access makes the
+sanitizer report an error.
 
     compute-sanitizer --tool memcheck --error-exitcode 9 python3 tools/sanitize_check.py [model]
 """
@@ -16,12 +18,17 @@ from moe_aot.runtime.reference import moe_reference, rel_err  # noqa: E402
 from moe_aot.runtime.store import KernelStore  # noqa: E402
 from moe_aot.runtime.verify import random_routing, random_weights  # noqa: E402
 from moe_aot.spec import make_spec  # noqa: E402
+from moe_aot.variants import default_variant  # noqa: E402
 
 spec = make_spec(sys.argv[1] if len(sys.argv) > 1 else "qwen3-30b-a3b")
-layer = MoeLayer(spec, KernelStore())
+store = KernelStore()
+layer = MoeLayer(spec, store)
 w13, w2 = random_weights(spec, layer.device)
 worst = 0.0
-for M, case in ((1, "invalid"), (37, "invalid"), (300, "one_expert"), (1100, "invalid"), (4096, "invalid")):
+CASES = ((1, "invalid"), (37, "invalid"), (300, "one_expert"), (1100, "invalid"), (4096, "invalid"))
+for M, case, source in [c + ("picks",) for c in CASES] + [c + ("defaults",) for c in CASES]:
+    if source == "defaults":
+        layer = MoeLayer(spec, store, variants={M: default_variant(spec, M)})
     x = torch.randn(M, spec.hidden, device=layer.device, dtype=torch.bfloat16)
     tw, ids = random_routing(M, spec, layer.device)
     if case == "invalid":
@@ -34,5 +41,5 @@ for M, case in ((1, "invalid"), (37, "invalid"), (300, "one_expert"), (1100, "in
     torch.cuda.synchronize()
     e = rel_err(out, moe_reference(x, w13, w2, tw, ids, spec.activation))
     worst = max(worst, e)
-    print(f"M={M} {case}: rel err {e:.2e}", flush=True)
+    print(f"M={M} {case} {source} {layer.variant_for(M).name(spec)}: rel err {e:.2e}", flush=True)
 print("SANITIZE_CHECK_DONE worst rel err", worst)
