@@ -16,7 +16,9 @@ from moe_aot.variants import LayerVariant, can_implement, default_variant
 
 ROOT = Path(__file__).resolve().parents[1]
 TUNED = ROOT / "cache" / "tuned" / "NVIDIA_H200.jsonl"
-RECORDS = ROOT / "tools" / "results" / "tuning_2026-11-29" / "all_records.json"
+# every record of the H200 tuning session of 2026-12-01 (`moe-aot tune --compile-only --seed-picks`
+# + `moe-aot measure`), dumped from its database
+RECORDS = ROOT / "tools" / "results" / "tuning_2026-12-01" / "all_records.json"
 MODELS = ("qwen3-30b-a3b", "qwen3-235b-a22b", "gpt-oss-120b", "deepseek-v3", "mixtral-8x7b")
 
 
@@ -25,13 +27,12 @@ def _spec(workload):
 
 
 def derive_from_committed_records() -> list[dict]:
-    """The H200 picks from the session's records (which predate content keys: the default is
-    found by its name), as `moe-aot export` writes them."""
-    recs = [RecordRow(id=r["id"], workload=r["workload"], target="sm_90a", toolchain="", gpu=r["gpu"],
-                      driver=r["driver"], tokens=r["tokens"], variant=r["variant"], content=None,
-                      status=r["status"], median_us=r["median_us"], stats={}, rel_err=r["rel_err"], error=None,
-                      created_at=datetime.fromisoformat(r["created_at"]))
+    """The H200 picks from the session's records, as `moe-aot export` writes them (here without
+    the database, so the default's records are found by its name; in one session the name and
+    the content of a variant go together)."""
+    recs = [RecordRow(**{**r, "created_at": datetime.fromisoformat(r["created_at"])})
             for r in json.loads(RECORDS.read_text())]
+    assert all(r.content for r in recs) and len({r.driver for r in recs}) == 1
     lines = []
     for w, g, n in sorted({(r.workload, r.gpu, r.tokens) for r in recs}):
         spec = _spec(w)
@@ -68,8 +69,17 @@ def test_build_turns_the_committed_picks_into_binaries(tmp_path):
     res = CliRunner().invoke(main, ["build", "--models", "qwen3-30b-a3b", "--target", "sm_90a", "--gpu",
                                     "NVIDIA H200", "--tuned-dir", str(TUNED.parent), "--db", url, "-j", "1"])
     assert res.exit_code == 0, res.output
-    picks = KernelStore(url).picks(make_spec("qwen3-30b-a3b"), "NVIDIA H200")
+    spec = make_spec("qwen3-30b-a3b")
+    picks = KernelStore(url).picks(spec, "NVIDIA H200")
     assert sorted(picks) == [1, 16, 64, 256, 1024, 4096, 16384]
+    # the binaries built here are the ones that were measured: same content digest as the pick's record
+    from moe_aot.database import Database
+
+    measured = {(r["variant"], r["tokens"]): r["content"] for r in json.loads(RECORDS.read_text())
+                if r["workload"] == spec.workload_key}
+    with Database(url) as db:
+        for tokens, v in picks.items():
+            assert tuner.variant_content(db, spec, v)[0] == measured[(v.name(spec), tokens)], (tokens, v)
     again = CliRunner().invoke(main, ["build", "--models", "qwen3-30b-a3b", "--target", "sm_90a", "--gpu",
                                       "NVIDIA H200", "--tuned-dir", str(TUNED.parent), "--db", url])
     assert again.exit_code == 0 and "0 compiled" in again.output
