@@ -52,6 +52,16 @@ PERSISTENT_CTAS = 132  # wgmmap's default grid: one CTA per SM of an H100 SXM / 
 _REGS_LOAD, _REGS_MMA = 40, 232
 
 
+@cute.jit
+def glu_act(g, activation: cutlass.Constexpr):
+    """The gate's activation: "swiglu" SiLU(g), "geglu" GELU(g) with the tanh approximation."""
+    if const_expr(activation == "swiglu"):
+        return g * cute.math.rcp(1.0 + cute.math.exp(-g, fastmath=True), fastmath=True)
+    else:
+        inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+        return 0.5 * g * (1.0 + cute.math.tanh(inner, fastmath=True))
+
+
 def interleave_gate_up(w_gate, w_up, interleave: int = 16):
     """[E, I, H] gate and up weights -> [E, 2I, H] in blocks of ``interleave`` rows:
     rows [2jg, 2jg+g) are gate rows [jg, jg+g), rows [2jg+g, 2jg+2g) the matching up rows."""
@@ -910,11 +920,7 @@ class GroupedGluGemm(_GroupedGemmBase):
 
     @cute.jit
     def _act(self, g):
-        if const_expr(self.activation == "swiglu"):
-            return g * cute.math.rcp(1.0 + cute.math.exp(-g, fastmath=True), fastmath=True)
-        else:
-            inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)
-            return 0.5 * g * (1.0 + cute.math.tanh(inner, fastmath=True))
+        return glu_act(g, self.activation)
 
 
 class GroupedDownGemm(_GroupedGemmBase):

@@ -142,6 +142,8 @@ def main():
     ap.add_argument("--measure", action="store_true",
                     help="moe-aot measure on --db (trials left ready by `tune --compile-only`), then the "
                          "records as JSON and the picks as cache/tuned text under --out")
+    ap.add_argument("--decode", default=None, metavar="DIR",
+                    help="tools/check_decode.py on the one-launch decode kernels compiled into DIR")
     ap.add_argument("--sanitize", default=None, metavar="MODELS",
                     help="compute-sanitizer memcheck over tools/sanitize_check.py for these presets")
     ap.add_argument("--skip-check", action="store_true", help="with --profile: do not run the whole check first")
@@ -208,6 +210,12 @@ def main():
         rc, log, secs = sh(cmd, log=out / "gemm_check.log", env=env, timeout=560)
         summary["gemm_check"] = {"rc": rc, "seconds": round(secs, 1)}
         print(log[-8000:], flush=True)
+
+    if ns.decode is not None:
+        cmd = [sys.executable, "tools/check_decode.py", "--run", ns.decode, "--out", str(out)]
+        rc, log, secs = sh(cmd, log=out / "decode_check.log", env=env, timeout=400)
+        summary["decode"] = {"rc": rc, "seconds": round(secs, 1)}
+        print(log[-4000:], flush=True)
 
     if ns.profile is not None:
         summary["profile"] = profile(ns, out, env)

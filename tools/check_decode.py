@@ -1,0 +1,118 @@
+#!/usr/bin/env python3
+"""Check the one-launch decode kernel (templates/decode.py) on a GPU against the fp32 reference
+and time it beside the four-kernel layer the database serves, in the same run.
+
+  --compile DIR              (CPU, needs the DSL) compile MoeDecode for the five models into DIR/<model>/
+  --run DIR --out OUT        (GPU, torch + the runtime) for 1-4 tokens: NaN-poisoned output and
+                             workspace, whole-output and worst-row error against moe_reference on
+                             fresh inputs (twice, so the reusable grid barrier is exercised), then
+                             CUDA-graph replay times of MoeDecode and of MoeLayer (MOE_AOT_DB's picks)
+                             over the same input sets; writes OUT/decode.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+MODELS = ["qwen3-30b-a3b", "qwen3-235b-a22b", "gpt-oss-120b", "deepseek-v3", "mixtral-8x7b"]
+MAX_TOKENS = 4
+
+
+def compile_all(out: Path) -> None:
+    from moe_aot.kernel_build import compile_kernel
+    from moe_aot.spec import make_spec
+    from templates.decode import MoeDecode
+
+    out.mkdir(parents=True, exist_ok=True)
+    for model in MODELS:
+        s = make_spec(model)
+        obj = MoeDecode(s.experts, s.hidden, s.intermediate, s.top_k, s.activation, max_tokens=MAX_TOKENS)
+        art = compile_kernel(obj, "sm_90a", f"moe_decode_{model.replace('-', '_')}")
+        art.write_dir(out / model)
+        print(f"{model:16} compile {art.meta['timing_s']['compile']:.2f}s cubin {len(art.cubin)} B", flush=True)
+
+
+def run_all(kdir: Path, out: Path, replays: int) -> int:
+    import torch
+
+    from moe_aot.runtime.layer import MoeLayer
+    from moe_aot.runtime.library import KernelLibrary
+    from moe_aot.runtime.measure import graph_times_us, input_sets
+    from moe_aot.runtime.reference import moe_reference, rel_err, row_rel_err
+    from moe_aot.runtime.store import KernelStore
+    from moe_aot.runtime.verify import random_weights
+    from moe_aot.spec import make_spec
+
+    out.mkdir(parents=True, exist_ok=True)
+    store = KernelStore()
+    rows, failures = [], 0
+    for model in MODELS:
+        spec = make_spec(model, target="sm_90a")
+        dec = KernelLibrary.from_dir(kdir / model)
+        layer = MoeLayer(spec, store)
+        dev = layer.device
+        w13, w2 = random_weights(spec, dev)
+        P = MAX_TOKENS * spec.top_k
+        h = torch.empty(P, spec.intermediate, device=dev, dtype=torch.bfloat16)
+        y = torch.empty(P, spec.hidden, device=dev, dtype=torch.float32)
+        bar = torch.zeros(2, device=dev, dtype=torch.int32)
+        for M in range(1, MAX_TOKENS + 1):
+            sets = input_sets(spec, M, dev)
+            errs = []
+            for x, tw, ids, o in sets[:2]:
+                o.fill_(float("nan"))
+                h.fill_(float("nan"))
+                y.fill_(float("nan"))
+                dec(x, w13, w2, tw, ids, o, h, y, bar)
+                torch.cuda.synchronize()
+                ref = moe_reference(x, w13, w2, tw, ids, spec.activation)
+                errs.append((rel_err(o, ref), row_rel_err(o, ref)))
+            err = max(e for e, _ in errs)
+            row = max(r for _, r in errs)
+            ok = err <= 1e-2 and row <= 3e-2
+            res = {"model": model, "tokens": M, "rel_err": err, "row_rel_err": row, "ok": ok,
+                   "barrier_generation": int(bar[1].item()), "barrier_count": int(bar[0].item())}
+            if ok:
+                t_dec = statistics.median(graph_times_us(
+                    [lambda s=s: dec(s[0], w13, w2, s[1], s[2], s[3], h, y, bar) for s in sets], replays))
+                ws = layer.workspace(M)
+                t_layer = statistics.median(graph_times_us(
+                    [lambda s=s: layer.forward(s[0], w13, w2, s[1], s[2], out=s[3], workspace=ws) for s in sets],
+                    replays))
+                res.update(decode_us=round(t_dec, 2), layer_us=round(t_layer, 2),
+                           layer_over_decode=round(t_layer / t_dec, 3), layer_variant=layer.variant_for(M).name(spec))
+            failures += not ok
+            rows.append(res)
+            print(f"{'PASS' if ok else 'FAIL'} {model:16} M={M} err {err:.2e} row {row:.2e} "
+                  f"decode {res.get('decode_us')} us  layer {res.get('layer_us')} us  "
+                  f"layer/decode {res.get('layer_over_decode')}", flush=True)
+            (out / "decode.json").write_text(json.dumps(rows, indent=1))
+        del w13, w2
+        torch.cuda.empty_cache()
+    print(f"{len(rows) - failures}/{len(rows)} passed", flush=True)
+    return 1 if failures else 0
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--compile", metavar="DIR", type=Path)
+    ap.add_argument("--run", metavar="DIR", type=Path)
+    ap.add_argument("--out", type=Path, default=Path("decode_check_out"))
+    ap.add_argument("--replays", type=int, default=200)
+    ns = ap.parse_args()
+    if ns.compile:
+        compile_all(ns.compile)
+    if ns.run:
+        sys.exit(run_all(ns.run, ns.out, ns.replays))
+    if not ns.compile and not ns.run:
+        ap.error("give --compile DIR and/or --run DIR")
+
+
+if __name__ == "__main__":
+    main()
