@@ -361,6 +361,9 @@ class CompilePool:
 
 # -- budgets and the per-bucket slots ------------------------------------------------------------
 
+MAX_PRUNED_IN_A_ROW = 64
+
+
 @dataclass
 class Slot:
     """One bucket's study in this session."""
@@ -374,11 +377,23 @@ class Slot:
     # leaves it ready for measuring) before anything else, outside the budget: every pick is
     # compared with the default measured beside it.
     baseline_due: bool = True
+    # The default's job was asked but its trial is not created yet (it is, once compiled, unless
+    # its binaries were measured already): it counts against the budget meanwhile, so a study
+    # with room for it never ends one trial over `trials`.
+    baseline_pending: bool = False
     # Variants to try right after the default, before any proposal (see `seed_variants`).
     seeds: list = dataclasses.field(default_factory=list)
 
+    # Proposals can_implement refused in a row; a slot whose sampler keeps proposing only
+    # invalid points is given up (MAX_PRUNED_IN_A_ROW) instead of asked forever.
+    pruned_in_a_row: int = 0
+
     def remaining(self, trials: int) -> int:
-        return trials - len(self.study.get_trials(deepcopy=False)) - self.pending
+        """Trials still to ask: pruned proposals (refused before compiling) do not count."""
+        if self.pruned_in_a_row >= MAX_PRUNED_IN_A_ROW:
+            return 0
+        held = sum(t.state != TrialState.PRUNED for t in self.study.get_trials(deepcopy=False))
+        return trials - held - self.pending - self.baseline_pending
 
 
 def open_slots(storage, specs, gpu: str, buckets, seed=None, stale_after_s=STALE_AFTER_S) -> list[Slot]:
@@ -450,14 +465,19 @@ def tune(db_url: str, specs, buckets, measurer, trials: int = 30, timeout_s: flo
             for fut in [f for f in compiling if f.done()] if ready else wait(compiling, return_when=FIRST_COMPLETED)[0]:
                 job = compiling.pop(fut)
                 job.compiled = fut.result()
-                if job.trial is None:
+                baseline = job.trial is None
+                if baseline:
+                    job.slot.baseline_pending = False
                     if job.compiled.error is None and default_recorded(
                             db, job.slot.spec, measurer.gpu, job.slot.tokens, measurer.driver):
                         continue
                     job.trial, _ = baseline_trial(job.slot.study, job.slot.spec, job.slot.tokens)
                 job.trial.set_user_attr("toolchain", job.compiled.toolchain)
                 job.trial.set_user_attr("ready", True)
-                ready.append(job)
+                if baseline:  # the default is measured before anything else of its session
+                    ready.appendleft(job)
+                else:
+                    ready.append(job)
             if ready:
                 job = ready[0]
                 c = job.compiled
@@ -489,6 +509,7 @@ def _ask(slot: Slot) -> _Job | None:
         from .variants import default_variant
 
         slot.baseline_due = False
+        slot.baseline_pending = True
         return _Job(slot, None, default_variant(slot.spec, slot.tokens))
     trial = slot.study.ask()
     trial.set_user_attr("worker", worker_id())
@@ -496,7 +517,9 @@ def _ask(slot: Slot) -> _Job | None:
     ok, why = can_implement(slot.spec, variant)
     if not ok:
         _prune(trial, slot.study, why)
+        slot.pruned_in_a_row += 1
         return None
+    slot.pruned_in_a_row = 0
     trial.set_user_attr("variant", variant.name(slot.spec))
     trial.set_user_attr("tokens", slot.tokens)
     return _Job(slot, trial, variant)

@@ -19,10 +19,7 @@ from .spec import BENCH_TOKENS, LayerSpec
 
 # Per-block shared memory a kernel may opt into, and which MMA instructions exist. "hopws"
 # (sm_90a: templates/hopper_gemm.py, persistent warp-specialized CTAs on the DSL's TMA pipeline)
-# is the large-token default since its H200 check of 2026-12-01 (124/124 correct at 1-16384 tokens;
-# GEMM2 +7-34% over "wgmma", GEMM1 within -2..+15%: tools/results/NOTES.md). The template's
-# "wgmmatma" and "wgmmap" (hand-rolled pipelines, slower than "hopws" at every measured point) are
-# mirrored below but not listed.
+# is the large-token default since its H200 checks of 2026-12-01 (tools/results/NOTES.md).
 TARGET_LIMITS = {
     "sm_90a": {"smem": 232448, "mma": ("warp", "wgmma", "hopws"), "sms": 132, "clusters": (1, 2, 4, 8, 16)},
     "sm_100a": {"smem": 232448, "mma": ("warp",), "sms": 148, "clusters": (1, 2, 4, 8, 16)},
@@ -121,10 +118,10 @@ class LayerVariant:
 SMEM_CAPACITY = {"sm_90a": 227 * 1024, "sm_100a": 227 * 1024, "sm_121a": 99 * 1024}
 
 
-WGMMA_MMAS = ("wgmma", "wgmmatma", "wgmmap", "hopws")  # wgmmatma: TMA for B, a producer warpgroup
-# (+128 threads); wgmmap and hopws: the same, persistent, epilogue from registers (no fp32 staging)
-WARP_SPECIALIZED = ("wgmmatma", "wgmmap", "hopws")
-PERSISTENT = ("wgmmap", "hopws")
+WGMMA_MMAS = ("wgmma", "hopws")  # hopws: TMA, a producer warpgroup (+128 threads), persistent,
+# epilogue from registers (no fp32 staging)
+WARP_SPECIALIZED = ("hopws",)
+PERSISTENT = ("hopws",)
 
 
 def gemm_warps(tile_m: int, tile_n: int, mma: str) -> tuple[int, int]:
@@ -174,7 +171,8 @@ def gemm_can_implement(n: int, k: int, tile_m: int, t: GemmTiles, target: str) -
     staging = 0 if t.mma in PERSISTENT else tile_m * (t.tile_n + 8) * 4  # fp32 accumulator tile
     smem = max(t.stages * (tile_m + t.tile_n) * t.tile_k * 2, staging) + 1024
     if t.mma in WARP_SPECIALIZED:
-        smem += 16 * t.stages  # a full and an empty mbarrier per stage
+        # a full and an empty mbarrier per stage; the two-slot tile schedule (pairs, weights)
+        smem += 16 * t.stages + 64 + 16 * tile_m
     if smem > SMEM_CAPACITY[target]:
         return False, f"needs {smem} B of shared memory, {target} allows {SMEM_CAPACITY[target]}"
     return True, "ok"

@@ -12,17 +12,16 @@ Both read the routing layout built by the router: ``sorted_ids[r]`` is the route
 ``p = token * top_k + k`` of padded row ``r`` (or -1) and ``tile_expert[t]`` is the expert of
 M-tile ``t`` (or -1: the CTA exits).
 
-Three mainloops, chosen by ``mma``: "warp" (cp.async multi-stage pipeline, ldmatrix, mma.sync
-m16n8k16), which compiles unchanged for sm_80, sm_90a and sm_121a (DGX Spark has no wgmma),
-"wgmma" (sm_90a only: cp.async into the 128-byte-swizzled K-major layouts, A and B read
-by wgmma from shared memory, one warpgroup per 64 rows), "wgmmatma" (sm_90a only,
-warp-specialized: a producer warpgroup loads B by TMA and A by cp.async into an mbarrier
-pipeline while one consumer warpgroup per 64 rows runs wgmma without CTA-wide syncs) and
-"wgmmap" (the same roles in persistent CTAs, one per SM, walking the tiles: the producer runs
-into the next tile while the consumers write the epilogue straight from their registers, so
-neither the pipeline fill nor the epilogue of a tile is paid on its own).
-A is always loaded with per-row cp.async, which is what makes the token gather free: each
-thread keeps the source row of each A row it copies in a register for the whole K loop.
+Two mainloops here, chosen by ``mma``: "warp" (cp.async multi-stage pipeline, ldmatrix,
+mma.sync m16n8k16), which compiles unchanged for sm_80, sm_90a and sm_121a (DGX Spark has no
+wgmma), and "wgmma" (sm_90a only: one CTA per tile, cp.async into the 128-byte-swizzled K-major
+layouts, A and B read by wgmma from shared memory, one warpgroup per 64 rows). A is loaded with
+per-row cp.async, which is what makes the token gather free: each thread keeps the source row of
+each A row it copies in a register for the whole K loop.
+The persistent warp-specialized family "hopws" lives in hopper_gemm.py and shares this module's
+checks, tile order, A-row gather, TMA atom for B and register epilogue. (The hand-rolled
+warp-specialized mainloops "wgmmatma" and "wgmmap" were removed once hopws beat them at every
+measured point; their numbers are in tools/results/NOTES.md.)
 """
 
 import math
@@ -40,14 +39,14 @@ SMEM_CAPACITY = {"sm_80": 163 * 1024, "sm_90a": 227 * 1024, "sm_100a": 227 * 102
 _MMA_SHAPE = (16, 8, 16)
 _COPY_ELEMS = 8  # bf16 elements in one 16-byte cp.async / store
 RASTER_GROUP = 8  # M tiles walked per N tile by consecutive CTAs (L2 reuse of weight tiles)
-MMAS = ("warp", "wgmma", "wgmmatma", "wgmmap", "hopws")
-_WGMMA = ("wgmma", "wgmmatma", "wgmmap", "hopws")
-_WARP_SPECIALIZED = ("wgmmatma", "wgmmap", "hopws")
+MMAS = ("warp", "wgmma", "hopws")
+_WGMMA = ("wgmma", "hopws")
+_WARP_SPECIALIZED = ("hopws",)
 # persistent CTAs walking the tiles, epilogue from registers (hopws: templates/hopper_gemm.py)
-_PERSISTENT = ("wgmmap", "hopws")
-_LOAD_THREADS = 128  # wgmmatma, wgmmap: the producer warpgroup
-PERSISTENT_CTAS = 132  # wgmmap's default grid: one CTA per SM of an H100 SXM / H200
-# wgmmatma with two consumer warpgroups (384 threads, 168 registers each at entry): the producer
+_PERSISTENT = ("hopws",)
+_LOAD_THREADS = 128  # hopws: the producer warpgroup
+PERSISTENT_CTAS = 132  # hopws's default grid: one CTA per SM of an H100 SXM / H200
+# hopws with two consumer warpgroups (384 threads, 168 registers each at entry): the producer
 # gives registers back to the consumers' 128 fp32 accumulators (40*128 + 232*256 <= 64K)
 _REGS_LOAD, _REGS_MMA = 40, 232
 
@@ -84,6 +83,9 @@ class _GroupedGemmBase:
     def __init__(self, n: int, k: int, tile_m: int, tile_n: int, tile_k: int,
                  stages: int, mma: str, warps_m, warps_n, pdl: bool = False,
                  ctas: int = PERSISTENT_CTAS):
+        if mma in _WARP_SPECIALIZED and not getattr(self, "warp_specialized", False):
+            raise ValueError(f"mma={mma!r} is built by templates/hopper_gemm.py "
+                             f"(HopperGluGemm / HopperDownGemm), not {type(self).__name__}")
         warps_m, warps_n = self.default_warps(tile_m, tile_n, warps_m, warps_n, mma)
         ok, reason = self._check_tiles(n, k, tile_m, tile_n, tile_k, stages, mma, warps_m, warps_n)
         if not ok:
@@ -95,11 +97,11 @@ class _GroupedGemmBase:
         self.mma_threads = warps_m * warps_n * 32  # threads holding accumulators (epilogue too)
         tma = mma in _WARP_SPECIALIZED
         self.persistent = mma in _PERSISTENT
-        self.ctas = ctas  # wgmmap: the grid, at most one CTA per SM (each needs most of one)
+        self.ctas = ctas  # hopws: the grid, at most one CTA per SM (each needs most of one)
         self.load_threads = _LOAD_THREADS if tma else self.mma_threads  # threads issuing cp.async of A
         self.threads = self.mma_threads + (_LOAD_THREADS if tma else 0)
         # wgmma pipeline: k-tiles loaded ahead of the one being multiplied. One stage more is
-        # held by the wgmma still in flight, one by the tile being read. wgmmatma: how many
+        # held by the wgmma still in flight, one by the tile being read. hopws: how many
         # k-tiles of A cp.async the producer keeps in flight before it signals the oldest.
         self.prefetch = stages - 2
         self.out_cols = tile_n // 2 if self.glu else tile_n
@@ -118,8 +120,8 @@ class _GroupedGemmBase:
     def default_warps(tile_m, tile_n, warps_m=None, warps_n=None, mma="warp"):
         """Warp grid. mma.sync: 2 warps along M (1 for tile_m 16); 4 warps for tiles smaller
         than 128x128, 8 from there (a 128x128 tile on 4 warps spills on sm_121a), so a warp
-        owns at most 64x64 accumulators up to 128x256. wgmma and wgmmatma: one warpgroup (4
-        warps along M) per 64 rows of the tile (wgmmatma adds a producer warpgroup)."""
+        owns at most 64x64 accumulators up to 128x256. wgmma and hopws: one warpgroup (4
+        warps along M) per 64 rows of the tile (hopws adds a producer warpgroup)."""
         if mma in _WGMMA:
             return max(tile_m // 16, 1), 1
         if warps_m is None:
@@ -132,8 +134,8 @@ class _GroupedGemmBase:
     @staticmethod
     def _check_tiles(n, k, tile_m, tile_n, tile_k, stages, mma, warps_m, warps_n):
         if mma not in MMAS:
-            return False, (f"mma {mma!r} must be 'warp' (mma.sync), 'wgmma', 'wgmmatma', "
-                           f"'wgmmap' or 'hopws' (the last four sm_90a only)")
+            return False, (f"mma {mma!r} must be 'warp' (mma.sync), 'wgmma' or 'hopws' "
+                           f"(the last two sm_90a only)")
         threads = warps_m * warps_n * 32
         if mma in _WGMMA:
             if tile_m not in (64, 128):
@@ -174,11 +176,12 @@ class _GroupedGemmBase:
     @staticmethod
     def smem_bytes(tile_m, tile_n, tile_k, stages, mma="warp") -> int:
         """Dynamic shared memory of one CTA: the A/B pipeline, reused for the fp32 staging
-        (wgmmatma: and a full and an empty mbarrier per stage; wgmmap: no staging, its epilogue
-        stores from registers)."""
+        (hopws: no staging, its epilogue stores from registers; a full and an empty mbarrier
+        per stage, and the two-slot tile schedule: 4 mbarriers, 2 tile indices, and per slot
+        each row's pair and routing weight, 64 + 16 * tile_m bytes with alignment)."""
         ab = stages * (tile_m + tile_n) * tile_k * 2
         c = 0 if mma in _PERSISTENT else tile_m * (tile_n + 8) * 4
-        bars = 16 * stages if mma in _WARP_SPECIALIZED else 0
+        bars = 16 * stages + 64 + 16 * tile_m if mma in _WARP_SPECIALIZED else 0
         return max(ab, c) + 1024 + bars  # + the allocator's alignment slack
 
     @classmethod
@@ -406,7 +409,7 @@ class _GroupedGemmBase:
         cute.arch.cp_async_wait_group(0)
         cute.arch.sync_threads()
 
-    # ------------------------------------------------------------------ wgmmatma (warp-specialized)
+    # ------------------------------------------------------------------ shared with hopws (hopper_gemm.py)
     @cute.jit
     def _make_tma_b(self, mW):
         """TMA atom over all experts' weights seen as one [E*N, K] matrix: expert e's N-tile j
@@ -428,42 +431,12 @@ class _GroupedGemmBase:
             cute.arch.sync_threads()
 
     @cute.jit
-    def _init_barriers(self, tidx):
-        """full[s] (bars + s): the TMA bytes of B plus one arrival per producer thread once its
-        A copies of the stage landed; empty[s] (bars + stages + s): one arrival per consumer warp."""
-        bars = cutlass.memory.SmemAllocator().allocate_array(Int64, 2 * self.stages, byte_alignment=8)
-        if tidx == 0:
-            for s in cutlass.range_constexpr(self.stages):
-                cute.arch.mbarrier_init(bars + s, self.load_threads + 1)
-                cute.arch.mbarrier_init(bars + self.stages + s, self.mma_threads // 32)
-        cute.arch.mbarrier_init_fence()
-        cute.arch.sync_threads()
-        return bars
-
-    @cute.jit
     def _set_regs(self, producer: bool):
         if const_expr(self.threads == 384):
             if const_expr(producer):
                 cute.arch.setmaxregister_decrease(_REGS_LOAD)
             else:
                 cute.arch.setmaxregister_increase(_REGS_MMA)
-
-    @cute.jit
-    def _a_partitions(self, tidx, sA, a_rows):
-        """cp.async partition of A for this producer thread; padding rows zero-filled, except
-        in persistent CTAs, where the stages are in use by the previous tile: there a padding
-        row keeps stale values, which reach only that row's outputs (rows of a product are
-        independent), and the epilogue writes zeros or nothing for those rows."""
-        tiled_copy = self._make_g2s_copy()
-        thr_copy = tiled_copy.get_slice(tidx)
-        tAsA = thr_copy.partition_D(sA)  # (CPY, CPY_M, CPY_K, PIPE)
-        tAcA = thr_copy.partition_S(cute.make_identity_tensor((self.tile_m, self.tile_k)))
-        if const_expr(not self.persistent):
-            for m in cutlass.range_constexpr(cute.size(tAsA, mode=[1])):
-                if a_rows[m] < 0:
-                    for s in cutlass.range_constexpr(self.stages):
-                        tAsA[None, m, None, s].fill(0)
-        return tiled_copy, tAsA, tAcA
 
     @cute.jit
     def _load_a(self, kt, stage, tiled_copy, mA, a_rows, tAsA, tAcA):
@@ -476,87 +449,6 @@ class _GroupedGemmBase:
                 for kk in cutlass.range_constexpr(cute.size(tAsA, mode=[2])):
                     chunk = kt * (self.tile_k // _COPY_ELEMS) + tAcA[0, 0, kk][1] // _COPY_ELEMS
                     cute.copy(tiled_copy, src_row[None, chunk, 0], tAsA[None, m, kk, stage])
-
-    @cute.jit
-    def _produce(self, tidx, mA, a_rows, sA, tma_b, mWt, expert, bn, sB, bars, stage, phase):
-        """Producer warpgroup: per k-tile, wait until the consumers freed the stage, start the
-        TMA of B (warp 0: the copy elects its issuing lane with elect.sync over the full warp,
-        so a single-thread branch around it hangs) and every thread's cp.async of A. A thread signals a stage's A only
-        after cp.async.wait_group and a proxy fence (wgmma reads through the async proxy), so
-        it keeps ``prefetch`` newer k-tiles in flight while it waits for the oldest. ``stage``
-        and ``phase`` go on from the previous tile (persistent CTAs); returns them."""
-        tiled_copy, tAsA, tAcA = self._a_partitions(tidx, sA, a_rows)
-        gB = cute.local_tile(mWt, (self.tile_n, self.tile_k),
-                             (expert * (self.n // self.tile_n) + bn, None))
-        tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
-            tma_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2))
-        if tidx == 0:
-            cute.nvgpu.cpasync.prefetch_descriptor(tma_b)
-        k_tiles = self.k // self.tile_k
-        lag = self.prefetch
-        warp = cute.arch.make_warp_uniform(tidx // 32)
-        for kt in range(k_tiles):
-            cute.arch.mbarrier_wait(bars + self.stages + stage, phase)
-            if warp == 0:
-                with cute.arch.elect_one():
-                    cute.arch.mbarrier_arrive_and_expect_tx(bars + stage, self.tile_n * self.tile_k * 2)
-                cute.copy(tma_b, tBgB[None, kt], tBsB[None, stage], tma_bar_ptr=bars + stage)
-            self._load_a(kt, stage, tiled_copy, mA, a_rows, tAsA, tAcA)
-            cute.arch.cp_async_commit_group()
-            if kt >= lag:
-                cute.arch.cp_async_wait_group(lag)
-                cute.arch.fence_proxy("async.shared", space="cta")
-                cute.arch.mbarrier_arrive(bars + (stage + self.stages - lag) % self.stages)
-            stage = stage + 1
-            if stage == self.stages:
-                stage = Int32(0)
-                phase = phase ^ 1
-        cute.arch.cp_async_wait_group(0)
-        cute.arch.fence_proxy("async.shared", space="cta")
-        for j in cutlass.range_constexpr(lag):
-            cute.arch.mbarrier_arrive(bars + (stage + self.stages - lag + j) % self.stages)
-        return stage, phase
-
-    @cute.jit
-    def _consume(self, ctid, sA, sB, tiled_mma, acc, bars, stage, phase):
-        """Consumer warpgroups: wgmma on each full stage, one batch in flight; a stage is handed
-        back once the batch that read it has retired. ``stage`` and ``phase`` go on from the
-        previous tile (persistent CTAs); returns them."""
-        warp_group = cute.arch.make_warp_uniform(ctid // 128)
-        thr_mma = tiled_mma.get_slice(warp_group * 128)
-        tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
-        tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
-        num_kb = cute.size(tCrA, mode=[2])
-        if const_expr(not self.persistent):  # persistent: set once, outside the tile loop
-            tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)  # acc starts at zero
-        lane = cute.arch.lane_idx()
-        k_tiles = self.k // self.tile_k
-        prev = stage
-        for kt in range(k_tiles):
-            cute.arch.mbarrier_wait(bars + stage, phase)
-            cute.nvgpu.warpgroup.fence()
-            for kb in cutlass.range_constexpr(num_kb):
-                cute.gemm(tiled_mma, acc, tCrA[None, None, kb, stage], tCrB[None, None, kb, stage], acc)
-            cute.nvgpu.warpgroup.commit_group()
-            cute.nvgpu.warpgroup.wait_group(1)
-            if kt > 0:
-                if lane == 0:
-                    cute.arch.mbarrier_arrive(bars + self.stages + prev)
-            prev = stage
-            stage = stage + 1
-            if stage == self.stages:
-                stage = Int32(0)
-                phase = phase ^ 1
-        cute.nvgpu.warpgroup.wait_group(0)
-        if const_expr(self.persistent):
-            # the last stage goes back too: the producer is already filling the next tile
-            if lane == 0:
-                cute.arch.mbarrier_arrive(bars + self.stages + prev)
-        else:
-            # both consumer warpgroups are done reading A/B before the fp32 staging overwrites
-            # them; every producer write has landed (each stage was waited for as full)
-            self._sync_mma()
-        return stage, phase
 
     @cute.jit
     def _row(self, mT, row, ncols: int):
@@ -636,56 +528,6 @@ class _GroupedGemmBase:
             self._epilogue(tidx, sC, *epi, row0, bn)
 
     @cute.jit
-    def _tile_tma(self, tidx, tma_b, mWt, mA, mIds, mTileExpert, epi):
-        """mma="wgmmatma": warpgroup 0 loads, the others multiply and run the epilogue."""
-        self._grid_dependency_wait()
-        if const_expr(self.persistent):
-            self._tiles_persistent(tidx, tma_b, mWt, mA, mIds, mTileExpert, epi)
-        else:
-            self._tile_tma_one(tidx, tma_b, mWt, mA, mIds, mTileExpert, epi)
-
-    @cute.jit
-    def _tiles_persistent(self, tidx, tma_b, mWt, mA, mIds, mTileExpert, epi):
-        """mma="wgmmap": CTA b takes tiles b, b + grid, ... (the raster order of _tile_coords,
-        so the CTAs at work at any moment share weight tiles in L2 as a wave would). Both
-        roles walk the same tiles; the pipeline's stage and phase run on across tiles."""
-        tiled_mma = self._make_tiled_mma()
-        sA, sB, _ = self._smem_tensors()
-        bars = self._init_barriers(tidx)
-        num_m_tiles = cute.size(mTileExpert, mode=[0])
-        total = num_m_tiles * (self.n // self.tile_n)
-        bid, _, _ = cute.arch.block_idx()
-        nctas, _, _ = cute.arch.grid_dim()
-        stage = Int32(0)
-        if cute.arch.make_warp_uniform(tidx // 128) == 0:
-            self._set_regs(True)
-            phase = Int32(1)  # a fresh barrier counts as having completed the phase before phase 0
-            for t in range(bid, total, nctas):
-                bn, bt = self._tile_of(t, num_m_tiles)
-                expert = mTileExpert[bt]
-                if expert >= 0:
-                    a_rows = self._a_rows(tidx, mIds, bt * self.tile_m)
-                    stage, phase = self._produce(tidx, mA, a_rows, sA, tma_b, mWt, expert, bn, sB, bars,
-                                                 stage, phase)
-        else:
-            self._set_regs(False)
-            ctid = tidx - _LOAD_THREADS
-            acc = tiled_mma.make_fragment_C(tiled_mma.get_slice(ctid).partition_C(
-                cute.make_identity_tensor((self.tile_m, self.tile_n))).shape)
-            tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)  # acc is zeroed per tile
-            phase = Int32(0)
-            for t in range(bid, total, nctas):
-                bn, bt = self._tile_of(t, num_m_tiles)
-                expert = mTileExpert[bt]
-                if expert >= 0:
-                    acc.fill(0.0)
-                    stage, phase = self._consume(ctid, sA, sB, tiled_mma, acc, bars, stage, phase)
-                    pairs = self._row_pairs(ctid, tiled_mma, mIds, bt * self.tile_m)
-                    scales = cute.make_rmem_tensor(cute.make_layout(2), Float32)
-                    self._load_scales(pairs, epi, scales)
-                    self._epilogue_regs(ctid, tiled_mma, acc, pairs, scales, epi, bt * self.tile_m, bn)
-
-    @cute.jit
     def _acc_coords(self, ctid, tiled_mma):
         """(row, column) in the tile of each accumulator element of this consumer thread. A
         warpgroup's wgmma fragment is ((2, 2, tile_n/8), 1, 1): element v + 2h + 4j holds row
@@ -700,51 +542,6 @@ class _GroupedGemmBase:
         frag[0] = acc[i]
         frag[1] = acc[i + 1]
         return frag.load()
-
-    @cute.jit
-    def _row_pairs(self, ctid, tiled_mma, mIds, row0):
-        """The routed pair p (or -1) of each of this consumer thread's two accumulator rows."""
-        tCcC = self._acc_coords(ctid, tiled_mma)
-        pairs = cute.make_rmem_tensor(cute.make_layout(2), Int32)
-        for hrow in cutlass.range_constexpr(2):
-            pairs[hrow] = mIds[row0 + tCcC[2 * hrow][0]]
-        return pairs
-
-    @cute.jit
-    def _load_scales(self, pairs, epi, scales):
-        """GEMM2: the routing weight of each row's pair into ``scales`` (0 for padding rows);
-        GEMM1 has none."""
-        if const_expr(not self.glu):
-            _, mTopkW, _ = epi
-            for hrow in cutlass.range_constexpr(2):
-                p = pairs[hrow]
-                scales[hrow] = 0.0
-                if p >= 0:
-                    scales[hrow] = mTopkW[p // self.top_k, p % self.top_k]
-
-    @cute.jit
-    def _tile_tma_one(self, tidx, tma_b, mWt, mA, mIds, mTileExpert, epi):
-        bn, bt = self._tile_coords(cute.size(mTileExpert, mode=[0]))
-        expert = mTileExpert[bt]
-        if expert >= 0:
-            tiled_mma = self._make_tiled_mma()
-            sA, sB, sC_ptr = self._smem_tensors()
-            bars = self._init_barriers(tidx)
-            row0 = bt * self.tile_m
-            if cute.arch.make_warp_uniform(tidx // 128) == 0:
-                self._set_regs(True)
-                a_rows = self._a_rows(tidx, mIds, row0)
-                # a fresh barrier counts as having completed the phase before phase 0
-                self._produce(tidx, mA, a_rows, sA, tma_b, mWt, expert, bn, sB, bars, Int32(0), Int32(1))
-            else:
-                self._set_regs(False)
-                ctid = tidx - _LOAD_THREADS
-                acc = tiled_mma.make_fragment_C(tiled_mma.get_slice(ctid).partition_C(
-                    cute.make_identity_tensor((self.tile_m, self.tile_n))).shape)
-                acc.fill(0.0)
-                self._consume(ctid, sA, sB, tiled_mma, acc, bars, Int32(0), Int32(0))
-                sC = self._stage_acc(ctid, tiled_mma, acc, sC_ptr)
-                self._epilogue(ctid, sC, *epi, row0, bn)
 
     def _launch_common(self, grid_n, mTileExpert):
         if const_expr(self.persistent):
@@ -776,10 +573,9 @@ class GroupedGluGemm(_GroupedGemmBase):
         <= 256, 1..8 warps, at most 128 fp32 accumulators per thread.
       * mma="wgmma" (sm_90a only): tile_m in {64, 128} (one warpgroup per 64 rows), tile_n a
         multiple of 32 up to 256, tile_k == 64, 3 <= stages <= 8.
-      * mma="wgmmatma" (sm_90a only): as "wgmma", plus a 128-thread producer warpgroup (A's
-        cp.async pass covers 16 rows) and 16 bytes of mbarriers per stage in shared memory.
-      * mma="wgmmap" (sm_90a only): as "wgmmatma" in min(tiles, ctas) persistent CTAs (grid
-        (min(2I / tile_n * T, ctas),)); shared memory is the pipeline alone (no fp32 staging).
+      * mma="hopws" is built by hopper_gemm.HopperGluGemm (this class refuses it): as "wgmma",
+        plus a 128-thread producer warpgroup and 16 bytes of mbarriers per stage, in
+        min(tiles, ctas) persistent CTAs; shared memory is the pipeline alone (no fp32 staging).
       * pdl=True: launched as a programmatic dependent of the previous kernel in the stream
         (sm_90+); it waits for that grid before reading sorted_ids / tile_expert.
     """
@@ -840,25 +636,14 @@ class GroupedGluGemm(_GroupedGemmBase):
     def __call__(self, x: cute.Tensor, w13: cute.Tensor, sorted_ids: cute.Tensor,
                  tile_expert: cute.Tensor, h: cute.Tensor, stream: cuda.CUstream):
         grid, block = self._launch_common(self.n // self.tile_n, tile_expert)
-        if const_expr(self.mma in _WARP_SPECIALIZED):
-            tma_b, mWt = self._make_tma_b(w13)
-            self.kernel_tma(tma_b, mWt, x, sorted_ids, tile_expert, h).launch(
-                grid=grid, block=block, stream=stream, use_pdl=self.pdl)
-        else:
-            self.kernel(x, w13, sorted_ids, tile_expert, h).launch(grid=grid, block=block,
-                                                                   stream=stream, use_pdl=self.pdl)
+        self.kernel(x, w13, sorted_ids, tile_expert, h).launch(grid=grid, block=block,
+                                                               stream=stream, use_pdl=self.pdl)
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mW: cute.Tensor, mIds: cute.Tensor,
                mTileExpert: cute.Tensor, mH: cute.Tensor):
         tidx, _, _ = cute.arch.thread_idx()
         self._tile(tidx, mX, mW, mIds, mTileExpert, (mH,))
-
-    @cute.kernel
-    def kernel_tma(self, tma_b: cute.CopyAtom, mWt: cute.Tensor, mX: cute.Tensor,
-                   mIds: cute.Tensor, mTileExpert: cute.Tensor, mH: cute.Tensor):
-        tidx, _, _ = cute.arch.thread_idx()
-        self._tile_tma(tidx, tma_b, mWt, mX, mIds, mTileExpert, (mH,))
 
     @cute.jit
     def _a_rows(self, tidx, mIds, row0):
@@ -987,26 +772,14 @@ class GroupedDownGemm(_GroupedGemmBase):
                  tile_expert: cute.Tensor, topk_weights: cute.Tensor, y: cute.Tensor,
                  stream: cuda.CUstream):
         grid, block = self._launch_common(self.n // self.tile_n, tile_expert)
-        if const_expr(self.mma in _WARP_SPECIALIZED):
-            tma_b, mWt = self._make_tma_b(w2)
-            self.kernel_tma(tma_b, mWt, h, sorted_ids, tile_expert, topk_weights, y).launch(
-                grid=grid, block=block, stream=stream, use_pdl=self.pdl)
-        else:
-            self.kernel(h, w2, sorted_ids, tile_expert, topk_weights, y).launch(
-                grid=grid, block=block, stream=stream, use_pdl=self.pdl)
+        self.kernel(h, w2, sorted_ids, tile_expert, topk_weights, y).launch(
+            grid=grid, block=block, stream=stream, use_pdl=self.pdl)
 
     @cute.kernel
     def kernel(self, mH: cute.Tensor, mW: cute.Tensor, mIds: cute.Tensor,
                mTileExpert: cute.Tensor, mTopkW: cute.Tensor, mY: cute.Tensor):
         tidx, _, _ = cute.arch.thread_idx()
         self._tile(tidx, mH, mW, mIds, mTileExpert, (mIds, mTopkW, mY))
-
-    @cute.kernel
-    def kernel_tma(self, tma_b: cute.CopyAtom, mWt: cute.Tensor, mH: cute.Tensor,
-                   mIds: cute.Tensor, mTileExpert: cute.Tensor, mTopkW: cute.Tensor,
-                   mY: cute.Tensor):
-        tidx, _, _ = cute.arch.thread_idx()
-        self._tile_tma(tidx, tma_b, mWt, mH, mIds, mTileExpert, (mIds, mTopkW, mY))
 
     @cute.jit
     def _a_rows(self, tidx, mIds, row0):

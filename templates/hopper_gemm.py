@@ -14,7 +14,7 @@ layout in the raster order of the other kernels. Per CTA:
 - one consumer warpgroup per 64 rows (two for 128-row tiles, cooperative on one tile) waits on
   each full stage, runs wgmma with one batch in flight and releases the stage the batch before
   read; the epilogue (GLU or routing-weight scale) is written straight from the accumulators
-  (``_epilogue_regs`` of the grouped_gemm kernels) while the producer already fills the next
+  (``_epilogue_regs`` of grouped_gemm.py) while the producer already fills the next
   tile's stages.
 
 The stage/phase state runs on across tiles. Padding rows of A (GEMM1) are never loaded: they hold
@@ -44,6 +44,8 @@ SCHED_SLOTS = 2  # tiles the producer may publish ahead of the consumers
 
 class _HopperWs:
     """The persistent producer/consumer loop shared by both GEMMs (see the module docstring)."""
+
+    warp_specialized = True
 
     @cute.jit
     def _make_tma_a(self, mA):

@@ -99,24 +99,6 @@ def test_wgmma_compiles_for_sm90a_only():
     assert not ok and "tile_m" in reason
 
 
-@pytest.mark.parametrize("cls, tile_m, stages", [(GroupedGluGemm, 128, 4), (GroupedDownGemm, 64, 5)])
-def test_wgmmatma_compiles_for_sm90a_only(cls, tile_m, stages, tmp_path):
-    """The warp-specialized TMA mainloop: a producer warpgroup plus one per 64 rows; the TMA
-    descriptor of B is built by the host launcher, so the kernel takes the same tensors."""
-    obj = cls(**QWEN3_30B, tile_m=tile_m, tile_n=128, tile_k=64, stages=stages, mma="wgmmatma")
-    assert obj.threads == 128 + 2 * tile_m and obj.mma_threads == 2 * tile_m
-    compiled = cute.compile(obj, *[f for _, f in obj.fake_arguments()],
-                            options=f"--gpu-arch sm_90a --keep-ptx --dump-dir {tmp_path}")
-    ptx = compiled.__ptx__
-    assert "cp.async.bulk.tensor" in ptx and "wgmma.mma_async" in ptx
-    assert ("setmaxnreg" in ptx) == (tile_m == 128)  # only 384 threads need registers moved
-    ok, reason = cls.can_implement(**QWEN3_30B, tile_m=tile_m, tile_k=64, stages=stages,
-                                   mma="wgmmatma", arch="sm_121a")
-    assert not ok and "sm_90a" in reason
-    ok, reason = cls.can_implement(**QWEN3_30B, tile_m=tile_m, tile_k=32, mma="wgmmatma")
-    assert not ok and "tile_k" in reason
-
-
 @pytest.mark.parametrize("mma", ["warp", "wgmma"])
 def test_pdl_waits_before_reading_other_kernels_outputs(mma, tmp_path):
     """pdl=True: each GEMM waits for the previous grid (griddepcontrol.wait) and then lets the
@@ -145,32 +127,6 @@ def test_pdl_waits_before_reading_other_kernels_outputs(mma, tmp_path):
             assert copies_before == ahead * 128 * 64 // 8 // 128
             assert "ld.global" in body[:wait]  # tile_expert and sorted_ids, from the routing
             assert body[:wait].count("st.global") == 0
-
-
-@pytest.mark.parametrize("cls, tile_m, tile_n, stages", [(GroupedGluGemm, 128, 256, 4),
-                                                         (GroupedDownGemm, 128, 256, 4),
-                                                         (GroupedGluGemm, 64, 128, 5)])
-def test_persistent_wgmmap_compiles_with_a_register_epilogue(cls, tile_m, tile_n, stages, tmp_path):
-    """mma="wgmmap": persistent warp-specialized CTAs; no fp32 staging in shared memory (the
-    pipeline alone), the epilogue stores bf16 pairs straight from the accumulators, no spills."""
-    obj = cls(**QWEN3_30B, tile_m=tile_m, tile_n=tile_n, tile_k=64, stages=stages, mma="wgmmap")
-    assert obj.persistent and obj.threads == 128 + 2 * tile_m
-    assert cls.smem_bytes(tile_m, tile_n, 64, stages, "wgmmap") == \
-        stages * (tile_m + tile_n) * 64 * 2 + 1024 + 16 * stages
-    ptx = cute.compile(obj, *[f for _, f in obj.fake_arguments()],
-                       options=f"--gpu-arch sm_90a --keep-ptx --dump-dir {tmp_path}").__ptx__
-    body = ptx[ptx.index(".entry"):]
-    assert "cp.async.bulk.tensor" in body and "wgmma.mma_async" in body
-    assert "ld.local" not in body and "st.local" not in body
-    stores = body.count("st.global")
-    if cls is GroupedDownGemm:  # two rows per thread, tile_n/8 column pairs each
-        assert stores == 2 * tile_n // 8
-    else:  # gate pairs only (half the columns), plus the zeros of padding rows
-        assert 2 * tile_n // 16 <= stores <= 2 * 2 * tile_n // 16
-    assert "st.shared.f32" not in body and "st.shared.v2.f32" not in body  # no staging
-    ok, reason = cls.can_implement(**QWEN3_30B, tile_m=tile_m, tile_n=tile_n, stages=stages,
-                                   mma="wgmmap", arch="sm_121a")
-    assert not ok and "sm_90a" in reason
 
 
 @pytest.mark.parametrize("role, tile_m, tile_n, stages", [("glu", 128, 256, 4), ("down", 128, 256, 4),
@@ -206,6 +162,11 @@ def test_hopws_core_uses_tma_pipelines_and_never_waits_on_its_own_loads(role, ti
     assert ("setmaxnreg" in body) == (tile_m == 128)
     with pytest.raises(ValueError, match="hopws"):
         cls(**QWEN3_30B, tile_m=tile_m, tile_n=tile_n, tile_k=64, stages=stages, mma="wgmma")
+    base = GroupedGluGemm if role == "glu" else GroupedDownGemm
+    with pytest.raises(ValueError, match="hopper_gemm"):  # its mainloop would not be hopws's
+        base(**QWEN3_30B, tile_m=tile_m, tile_n=tile_n, tile_k=64, stages=stages, mma="hopws")
+    assert cls.smem_bytes(tile_m, tile_n, 64, stages, "hopws") == \
+        stages * (tile_m + tile_n) * 64 * 2 + 1024 + 16 * stages + 64 + 16 * tile_m
     ok, reason = GroupedGluGemm.can_implement(**QWEN3_30B, tile_m=tile_m, tile_n=tile_n, stages=stages,
                                               mma="hopws", arch="sm_121a")
     assert not ok and "sm_90a" in reason

@@ -55,16 +55,6 @@ CONFIGS = [
      TOKENS),
     ("wgdec", "wgmma", ["qwen3_30b_a3b", "deepseek_v3"], "swiglu", 64, (64, 64, 8), (64, 64, 8),
      [1, 16, 256]),
-    # warp-specialized TMA mainloop, same tiles as wg128 / wgbig / wg64 for side-by-side timing
-    ("tma128", "wgmmatma", ALL, "swiglu", 128, (256, 64, 4), (256, 64, 4), TOKENS),
-    ("tmabig", "wgmmatma", ["qwen3_30b_a3b", "mixtral_8x7b"], "swiglu", 128, (256, 64, 4),
-     (256, 64, 4), [16384]),
-    ("tma64", "wgmmatma", ALL, "geglu", 64, (128, 64, 4), (128, 64, 4), [1, 256, 4096]),
-    # persistent warp-specialized CTAs, epilogue from registers: same tiles again
-    ("p128", "wgmmap", ALL, "swiglu", 128, (256, 64, 4), (256, 64, 4), TOKENS),
-    ("pbig", "wgmmap", ["qwen3_30b_a3b", "mixtral_8x7b"], "swiglu", 128, (256, 64, 4),
-     (256, 64, 4), [16384]),
-    ("p64", "wgmmap", ALL, "geglu", 64, (128, 64, 4), (128, 64, 4), [1, 256, 4096]),
     # the DSL-machinery core (templates/hopper_gemm.py): TMA + PipelineTmaAsync, persistent
     ("hw128", "hopws", ALL, "swiglu", 128, (256, 64, 4), (256, 64, 4), TOKENS),
     ("hwbig", "hopws", ["qwen3_30b_a3b", "mixtral_8x7b"], "swiglu", 128, (256, 64, 4),
