@@ -57,8 +57,16 @@ class MoeDecode:
         # 16-byte chunks per lane of one row, and rows whose chunks are all in flight at once
         self.ch1 = -(-hidden // _VEC // _WARP)
         self.ch2 = -(-intermediate // _VEC // _WARP)
-        self.inflight1 = max(1, min(self.rows1 // self.warps, 16 // self.ch1))
-        self.inflight2 = max(1, min(self.rows2 // self.warps, 16 // self.ch2))
+        # rows per warp whose loads are all in flight at once: up to 32 chunks (128 registers)
+        self.inflight1 = self._inflight(self.rows1 // self.warps, self.ch1)
+        self.inflight2 = self._inflight(self.rows2 // self.warps, self.ch2)
+
+    @staticmethod
+    def _inflight(rows_per_warp: int, chunks: int) -> int:
+        n = max(1, min(rows_per_warp, 32 // chunks))
+        while rows_per_warp % n:
+            n -= 1
+        return n
 
     @staticmethod
     def can_implement(num_experts, hidden, intermediate, top_k, activation="swiglu", interleave=16,
@@ -155,25 +163,33 @@ class MoeDecode:
         return q
 
     @cute.jit
-    def _dots(self, mRow, n, chunks, lane, vec_of, s_dot, col, tok_pairs):
-        """s_dot[m, col] = <mRow, vec_of(m, pair, chunk)> for every filled group slot m, one warp
-        per row: the lane's chunks of the row are loaded first (all in flight), then used per slot."""
-        w = cute.make_rmem_tensor(cute.make_layout((_VEC, chunks)), BFloat16)
-        for i in cutlass.range_constexpr(chunks):
-            c = lane + i * _WARP
-            if const_expr((i + 1) * _WARP * _VEC <= n) or c * _VEC < n:
-                w[None, i].store(cute.local_tile(mRow, (_VEC,), (c,)).load())
+    def _dots(self, rows, n, chunks, lane, vec_of, s_dot, cols, tok_pairs):
+        """s_dot[m, cols[r]] = <rows[r], vec_of(m, pair, chunk)> for every filled group slot m:
+        one warp per row, several rows per warp at once. Every chunk of every row is loaded
+        before any is used (all in flight), then each slot's vector chunk is loaded once and
+        multiplied into every row's sum."""
+        nr = len(rows)
+        w = cute.make_rmem_tensor(cute.make_layout((_VEC, chunks, nr)), BFloat16)
+        for r in cutlass.range_constexpr(nr):
+            for i in cutlass.range_constexpr(chunks):
+                c = lane + i * _WARP
+                if const_expr((i + 1) * _WARP * _VEC <= n) or c * _VEC < n:
+                    w[None, i, r].store(cute.local_tile(rows[r], (_VEC,), (c,)).load())
+        acc = cute.make_rmem_tensor(cute.make_layout(nr), Float32)
         for m in cutlass.range_constexpr(self.max_tokens):
             if tok_pairs[m] >= 0:
-                acc = Float32(0.0)
+                acc.fill(0.0)
                 for i in cutlass.range_constexpr(chunks):
                     c = lane + i * _WARP
                     if const_expr((i + 1) * _WARP * _VEC <= n) or c * _VEC < n:
-                        prod = w[None, i].load().to(Float32) * vec_of(m, tok_pairs[m], c)
-                        acc = acc + prod.reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
-                acc = cute.arch.warp_reduction(acc, lambda a, b: a + b)
-                if lane == 0:
-                    s_dot[m, col] = acc
+                        v = vec_of(m, tok_pairs[m], c)
+                        for r in cutlass.range_constexpr(nr):
+                            prod = w[None, i, r].load().to(Float32) * v
+                            acc[r] = acc[r] + prod.reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+                for r in cutlass.range_constexpr(nr):
+                    total = cute.arch.warp_reduction(acc[r], lambda a, b: a + b)
+                    if lane == 0:
+                        s_dot[m, cols[r]] = total
 
     # ------------------------------------------------------------------ the kernel
     @cute.kernel
@@ -215,12 +231,12 @@ class MoeDecode:
             if e >= 0:
                 for m in cutlass.range_constexpr(self.max_tokens):
                     tok_pairs[m] = self._slot_pair(s_ids, p, e, m, P)
-                for r in cutlass.range_constexpr(rows_per_warp):
-                    col = warp * rows_per_warp + r
-                    row = j * self.rows1 + col
-                    self._dots(self._weight_row(mW13, e, row, 2 * I, H), H, self.ch1, lane,
+                for r0 in cutlass.range_constexpr(0, rows_per_warp, self.inflight1):
+                    cols = [warp * rows_per_warp + r for r in range(r0, r0 + self.inflight1)]
+                    self._dots([self._weight_row(mW13, e, j * self.rows1 + c, 2 * I, H) for c in cols], H,
+                               self.ch1, lane,
                                lambda m, q, c: cute.local_tile(s_x[q // K, None], (_VEC,), (c,)).load().to(Float32),
-                               s_dot, col, tok_pairs)
+                               s_dot, cols, tok_pairs)
                 cute.arch.sync_threads()
                 if tidx < self.max_tokens * g:
                     m, c = tidx // g, tidx % g
@@ -240,11 +256,12 @@ class MoeDecode:
             if e >= 0:
                 for m in cutlass.range_constexpr(self.max_tokens):
                     tok_pairs[m] = self._slot_pair(s_ids, p, e, m, P)
-                for r in cutlass.range_constexpr(rows2_per_warp):
-                    col = warp * rows2_per_warp + r
-                    self._dots(self._weight_row(mW2, e, j * self.rows2 + col, H, I), I, self.ch2, lane,
+                for r0 in cutlass.range_constexpr(0, rows2_per_warp, self.inflight2):
+                    cols = [warp * rows2_per_warp + r for r in range(r0, r0 + self.inflight2)]
+                    self._dots([self._weight_row(mW2, e, j * self.rows2 + c, H, I) for c in cols], I,
+                               self.ch2, lane,
                                lambda m, q, c: cute.local_tile(mH[q, None], (_VEC,), (c,)).load().to(Float32),
-                               s_dot, col, tok_pairs)
+                               s_dot, cols, tok_pairs)
                 cute.arch.sync_threads()
                 if tidx < self.max_tokens * self.rows2:
                     m, c = tidx // self.rows2, tidx % self.rows2

@@ -143,7 +143,9 @@ def main():
                     help="moe-aot measure on --db (trials left ready by `tune --compile-only`), then the "
                          "records as JSON and the picks as cache/tuned text under --out")
     ap.add_argument("--decode", default=None, metavar="DIR",
-                    help="tools/check_decode.py on the one-launch decode kernels compiled into DIR")
+                    help="tools/check_decode.py on the one-launch decode kernels compiled into DIR "
+                         "(several: DIR1,DIR2, each timed beside the layer)")
+    ap.add_argument("--decode-profile", action="store_true", help="with --decode: ncu of one launch per model")
     ap.add_argument("--sanitize", default=None, metavar="MODELS",
                     help="compute-sanitizer memcheck over tools/sanitize_check.py for these presets")
     ap.add_argument("--skip-check", action="store_true", help="with --profile: do not run the whole check first")
@@ -212,10 +214,22 @@ def main():
         print(log[-8000:], flush=True)
 
     if ns.decode is not None:
-        cmd = [sys.executable, "tools/check_decode.py", "--run", ns.decode, "--out", str(out)]
-        rc, log, secs = sh(cmd, log=out / "decode_check.log", env=env, timeout=400)
-        summary["decode"] = {"rc": rc, "seconds": round(secs, 1)}
-        print(log[-4000:], flush=True)
+        summary["decode"] = {}
+        for i, kdir in enumerate(ns.decode.split(",")):
+            cmd = [sys.executable, "tools/check_decode.py", "--run", kdir, "--out", str(out / f"decode{i}")]
+            rc, log, secs = sh(cmd, log=out / f"decode{i}.log", env=env, timeout=300)
+            summary["decode"][kdir] = {"rc": rc, "seconds": round(secs, 1)}
+            print(log[-2500:], flush=True)
+        if ns.decode_profile:
+            kdir = ns.decode.split(",")[0]
+            cmd = ["ncu", "--clock-control", "none", "--nvtx", "--nvtx-include", "regex:prof_.*/", "--csv",
+                   "--page", "details", *[a for sec in NCU_SECTIONS for a in ("--section", sec)],
+                   "--metrics", ",".join(NCU_METRICS), "--log-file", str(out / "ncu_decode.csv"),
+                   sys.executable, "tools/check_decode.py", "--run", kdir, "--out", str(out / "decode_prof"),
+                   "--profile"]
+            rc, log, secs = sh(cmd, env=env, timeout=300)
+            summary["decode"]["ncu"] = {"rc": rc, "seconds": round(secs, 1)}
+            print("ncu decode", rc, log[-800:] if rc else "", flush=True)
 
     if ns.profile is not None:
         summary["profile"] = profile(ns, out, env)
