@@ -1,19 +1,50 @@
-import csv, io, collections, sys
-def load(path):
-    txt=open(path).read(); i=txt.index('"ID"')
-    rows=list(csv.DictReader(io.StringIO(txt[i:])))
-    nv=[k for k in rows[0] if k.startswith('thread Domain')][0]
-    kern=collections.OrderedDict()
+#!/usr/bin/env python3
+"""Summarise Nsight Compute CSV logs (`ncu --csv --page details`, as tools/gpu_run.py --profile
+writes them): per profiled kernel its NVTX range, grid and block, the headline throughputs and the
+top warp-stall reasons per issued instruction.
+
+    python3 tools/ncu_summary.py tools/results/gpu_2026-12-01/ncu_gemms_4096_v3.csv [more.csv ...]
+"""
+from __future__ import annotations
+
+import collections
+import csv
+import io
+import sys
+
+WANT = ["Duration", "SM Frequency", "Compute (SM) Throughput", "L2 Cache Throughput", "DRAM Throughput",
+        "Issue Slots Busy", "Eligible Warps Per Scheduler", "Warp Cycles Per Issued Instruction",
+        "L2 Hit Rate", "Achieved Occupancy", "l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum"]
+STALL = "smsp__average_warps_issue_stalled_"
+
+
+def load(path: str) -> dict:
+    """Kernel id -> {nvtx, grid, block, metrics: name -> (value, unit)}."""
+    text = open(path).read()
+    rows = list(csv.DictReader(io.StringIO(text[text.index('"ID"'):])))
+    nvtx = next(k for k in rows[0] if k.startswith("thread Domain"))
+    kernels = collections.OrderedDict()
     for r in rows:
-        d=kern.setdefault(r['ID'],{'_nvtx':r[nv],'_name':r['Kernel Name'],'_grid':r['Grid Size'],'_block':r['Block Size'],'m':{}})
-        d['m'][r['Metric Name']]=(r['Metric Value'],r['Metric Unit'])
-    return kern
-want=['Duration','SM Frequency','Compute (SM) Throughput','L2 Cache Throughput','DRAM Throughput','Issue Slots Busy','Eligible Warps Per Scheduler','Warp Cycles Per Issued Instruction','L2 Hit Rate','Achieved Occupancy','sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active','l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum']
-for path in sys.argv[1:]:
-    for id_,d in load(path).items():
-        print(id_, d['_nvtx'][-40:], d['_grid'], d['_block'])
-        m=d['m']
-        print('   ', '; '.join(f"{k.replace('sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active','gmma%').replace('l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum','smem_conflicts')}={m[k][0]}{m[k][1]}" for k in want if k in m))
-        st={k.replace('smsp__average_warps_issue_stalled_','').replace('_per_issue_active.ratio',''):float(v[0]) for k,v in m.items() if k.startswith('smsp__average_warps_issue_stalled')}
-        top=sorted(st.items(), key=lambda kv:-kv[1])[:6]
-        print('    stalls:', ', '.join(f"{k}={v:.2f}" for k,v in top))
+        k = kernels.setdefault(r["ID"], {"nvtx": r[nvtx], "grid": r["Grid Size"], "block": r["Block Size"],
+                                         "metrics": {}})
+        k["metrics"][r["Metric Name"]] = (r["Metric Value"], r["Metric Unit"])
+    return kernels
+
+
+def main(paths) -> None:
+    for path in paths:
+        for kid, k in load(path).items():
+            m = k["metrics"]
+            rng = k["nvtx"][k["nvtx"].find("prof_"):].split(":")[0] if "prof_" in k["nvtx"] else k["nvtx"][:48]
+            print(kid, rng, k["grid"], k["block"])
+            print("   ", "; ".join(f"{name}={m[name][0]}{m[name][1]}" for name in WANT if name in m))
+            stalls = {n[len(STALL):].replace("_per_issue_active.ratio", ""): float(v[0])
+                      for n, v in m.items() if n.startswith(STALL)}
+            top = sorted(stalls.items(), key=lambda kv: -kv[1])[:6]
+            print("    stalls:", ", ".join(f"{n}={v:.2f}" for n, v in top))
+
+
+if __name__ == "__main__":
+    if len(sys.argv) < 2:
+        sys.exit(__doc__)
+    main(sys.argv[1:])
