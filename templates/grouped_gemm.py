@@ -416,11 +416,20 @@ class _GroupedGemmBase:
         is row tile e*(N/tile_n)+j. The host launcher encodes the descriptor."""
         flat = cute.make_tensor(mW.iterator, cute.make_layout(
             (self.num_experts * self.n, self.k), stride=(self.k, 1)))
-        sB_layout = sm90_utils.make_smem_layout_b(
-            LayoutEnum.ROW_MAJOR, (self.tile_m, self.tile_n, self.tile_k), BFloat16, self.stages)
+        return self._tma_atom(flat, "b")
+
+    @cute.jit
+    def _tma_atom(self, mT, operand: cutlass.Constexpr):
+        """TMA atom loading (tile_m or tile_n, tile_k) boxes of the row-major [rows, K] matrix
+        ``mT`` into one stage of the canonical wgmma layout of ``operand`` ("a" or "b")."""
+        tile = (self.tile_m, self.tile_n, self.tile_k)
+        if const_expr(operand == "a"):
+            layout, rows = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, tile, BFloat16, self.stages), self.tile_m
+        else:
+            layout, rows = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, tile, BFloat16, self.stages), self.tile_n
         return cute.nvgpu.cpasync.make_tiled_tma_atom(
-            cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), flat,
-            cute.slice_(sB_layout, (None, None, 0)), (self.tile_n, self.tile_k))
+            cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), mT,
+            cute.slice_(layout, (None, None, 0)), (rows, self.tile_k))
 
     @cute.jit
     def _sync_mma(self):

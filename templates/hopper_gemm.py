@@ -32,9 +32,7 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import BFloat16, Float32, Int32, Int64, const_expr
-from cutlass.tensor_utils import LayoutEnum
+from cutlass import Float32, Int32, Int64, const_expr
 
 from .grouped_gemm import _LOAD_THREADS, GroupedDownGemm, GroupedGluGemm
 
@@ -50,11 +48,7 @@ class _HopperWs:
     @cute.jit
     def _make_tma_a(self, mA):
         """TMA atom over A as a [R, K] matrix, one (tile_m, tile_k) box per k-tile of an M tile."""
-        sA_layout = sm90_utils.make_smem_layout_a(
-            LayoutEnum.ROW_MAJOR, (self.tile_m, self.tile_n, self.tile_k), BFloat16, self.stages)
-        return cute.nvgpu.cpasync.make_tiled_tma_atom(
-            cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), mA,
-            cute.slice_(sA_layout, (None, None, 0)), (self.tile_m, self.tile_k))
+        return self._tma_atom(mA, "a")
 
     @cute.jit
     def _make_pipeline(self):
