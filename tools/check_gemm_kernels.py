@@ -121,7 +121,8 @@ def build_routing(topk_ids, num_experts: int, tile_m: int):
     return routing_reference(topk_ids, num_experts, tile_m)[2:]
 
 
-def run_all(kdir: Path, out_dir: Path, iters: int, tokens=None, only=None, models=None) -> int:
+def run_all(kdir: Path, out_dir: Path, iters: int, tokens=None, only=None, models=None,
+            graph: bool = False) -> int:
     import torch
 
     from moe_aot.runtime.library import KernelLibrary
@@ -141,6 +142,12 @@ def run_all(kdir: Path, out_dir: Path, iters: int, tokens=None, only=None, model
     results, failures = [], 0
     gen = torch.Generator(device=dev)
     gen.manual_seed(0)
+
+    def timed_graph(fn):
+        """Back-to-back CUDA-graph replays, warm L2, as tools/bench.py times a kernel alone."""
+        from moe_aot.runtime.measure import graph_times_us
+
+        return sorted(graph_times_us([fn], max(iters, 20)))[max(iters, 20) // 2]
 
     def timed(fn):
         times = []
@@ -237,6 +244,10 @@ def run_all(kdir: Path, out_dir: Path, iters: int, tokens=None, only=None, model
 
             t_glu = timed(lambda: glu(x, w13, sorted_ids, tile_expert, h))
             t_down = timed(lambda: down(h, w2, sorted_ids, tile_expert, topk_w, y))
+            if graph:
+                g_glu = timed_graph(lambda: glu(x, w13, sorted_ids, tile_expert, h))
+                g_down = timed_graph(lambda: down(h, w2, sorted_ids, tile_expert, topk_w, y))
+                print(f"      graph replays (warm): glu {g_glu:9.1f}us  down {g_down:9.1f}us", flush=True)
             n_exp = int(torch.unique(topk_ids).numel())
             mk = m * k
             res = {"variant": v["tag"], "mma": v["mma"], "tile_m": tm, "glu_tiles": v["glu"],
@@ -273,6 +284,8 @@ def main():
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--only", help="comma-separated config tags to compile or run (default: all)")
     ap.add_argument("--models", help="comma-separated model names to run (default: each config's)")
+    ap.add_argument("--graph", action="store_true",
+                    help="also time each kernel by back-to-back CUDA-graph replays (warm L2), as the bench does")
     ap.add_argument("--tokens", help="comma-separated token counts to run (default: each config's)")
     ns = ap.parse_args()
     if ns.compile:
@@ -281,7 +294,7 @@ def main():
         sys.exit(run_all(ns.run, ns.out, ns.iters,
                          [int(t) for t in ns.tokens.split(",")] if ns.tokens else None,
                          ns.only.split(",") if ns.only else None,
-                         ns.models.split(",") if ns.models else None))
+                         ns.models.split(",") if ns.models else None, ns.graph))
     if not ns.compile and not ns.run:
         ap.error("give --compile DIR and/or --run DIR")
 
