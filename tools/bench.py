@@ -134,9 +134,12 @@ def bench_model(name: str, tokens_list, replays: int, rate: float, store, pdl: b
         del ref
         ours = graph_time_us([lambda s=s: layer.forward(s[0], w13, w2, s[1], s[2], out=s[3],
                                                         workspace=layer.workspace(M)) for s in sets], replays)
+        selected = statistics.mean(int(torch.unique(s[2]).numel()) for s in sets)
+        # each GEMM alone right after the layer, before the unfused path runs: timed after it, GEMM2
+        # read 17-20% slower than the same launch in isolation (tools/bisect_gemm2.py)
+        gemms = gemm_times(layer, M, replays, spec, selected)
         theirs = graph_time_us([lambda s=s: torch_unfused(s[0], w_gu_t, w2_t, s[1], s[2], spec.experts)
                                 for s in sets], replays)
-        selected = statistics.mean(int(torch.unique(s[2]).numel()) for s in sets)
         flops = 6 * M * spec.top_k * spec.hidden * spec.intermediate
         bytes_ = selected * 3 * spec.hidden * spec.intermediate * 2 + 2 * M * spec.hidden * 2
         floor = max(flops / rate, bytes_ / HBM_BYTES_PER_S) * 1e6
@@ -144,7 +147,7 @@ def bench_model(name: str, tokens_list, replays: int, rate: float, store, pdl: b
                "torch_us": round(theirs, 2), "rel_err": err, "torch_rel_err": t_err,
                "ours_over_floor": round(ours / floor, 3), "torch_over_ours": round(theirs / ours, 3),
                "variant": layer.variant_for(M).name(spec), "experts_selected": selected}
-        row["gemms"] = gemm_times(layer, M, replays, spec, selected)
+        row["gemms"] = gemms
         peer = (peers or {}).get((name, M))
         if peer:
             row["vllm_us"] = peer
