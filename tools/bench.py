@@ -135,8 +135,7 @@ def bench_model(name: str, tokens_list, replays: int, rate: float, store, pdl: b
         ours = graph_time_us([lambda s=s: layer.forward(s[0], w13, w2, s[1], s[2], out=s[3],
                                                         workspace=layer.workspace(M)) for s in sets], replays)
         selected = statistics.mean(int(torch.unique(s[2]).numel()) for s in sets)
-        # each GEMM alone right after the layer, before the unfused path runs: timed after it, GEMM2
-        # read 17-20% slower than the same launch in isolation (tools/bisect_gemm2.py)
+        # each GEMM alone, right after the layer's replays (the same sustained clock state)
         gemms = gemm_times(layer, M, replays, spec, selected)
         theirs = graph_time_us([lambda s=s: torch_unfused(s[0], w_gu_t, w2_t, s[1], s[2], spec.experts)
                                 for s in sets], replays)
