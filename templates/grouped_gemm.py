@@ -432,14 +432,6 @@ class _GroupedGemmBase:
             cute.slice_(layout, (None, None, 0)), (rows, self.tile_k))
 
     @cute.jit
-    def _sync_mma(self):
-        """Barrier of the accumulator-holding threads (all threads unless warp-specialized)."""
-        if const_expr(self.mma in _WARP_SPECIALIZED):
-            cute.arch.barrier(barrier_id=1, number_of_threads=self.mma_threads)
-        else:
-            cute.arch.sync_threads()
-
-    @cute.jit
     def _set_regs(self, producer: bool):
         if const_expr(self.threads == 384):
             if const_expr(producer):
@@ -487,7 +479,7 @@ class _GroupedGemmBase:
         sC = cute.make_tensor(sC_ptr, layout)
         tCsC = tiled_mma.get_slice(tidx).partition_C(sC)
         cute.autovec_copy(acc, tCsC)
-        self._sync_mma()
+        cute.arch.sync_threads()  # every thread holds accumulators here (warp, wgmma)
         return cute.make_tensor(
             sC_ptr, cute.make_layout((self.tile_m, self.tile_n), stride=(self.c_row_stride, 1)))
 

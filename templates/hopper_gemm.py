@@ -45,6 +45,11 @@ class _HopperWs:
 
     warp_specialized = True
 
+    def __init__(self, *args, mma: str = MMA, **kwargs):
+        if mma != MMA:
+            raise ValueError(f"{type(self).__name__} implements mma={MMA!r}, not {mma!r}")
+        super().__init__(*args, mma=mma, **kwargs)
+
     @cute.jit
     def _make_tma_a(self, mA):
         """TMA atom over A as a [R, K] matrix, one (tile_m, tile_k) box per k-tile of an M tile."""
@@ -239,11 +244,6 @@ class _HopperWs:
 class HopperGluGemm(_HopperWs, GroupedGluGemm):
     """GEMM1 + GLU with mma="hopws" (same arguments and results as ``GroupedGluGemm``)."""
 
-    def __init__(self, *args, mma: str = MMA, **kwargs):
-        if mma != MMA:
-            raise ValueError(f"HopperGluGemm implements mma={MMA!r}, not {mma!r}")
-        super().__init__(*args, mma=mma, **kwargs)
-
     @cute.jit
     def __call__(self, x: cute.Tensor, w13: cute.Tensor, sorted_ids: cute.Tensor,
                  tile_expert: cute.Tensor, h: cute.Tensor, stream: cuda.CUstream):
@@ -261,11 +261,6 @@ class HopperGluGemm(_HopperWs, GroupedGluGemm):
 
 class HopperDownGemm(_HopperWs, GroupedDownGemm):
     """GEMM2 with mma="hopws" (same arguments and results as ``GroupedDownGemm``)."""
-
-    def __init__(self, *args, mma: str = MMA, **kwargs):
-        if mma != MMA:
-            raise ValueError(f"HopperDownGemm implements mma={MMA!r}, not {mma!r}")
-        super().__init__(*args, mma=mma, **kwargs)
 
     @cute.jit
     def __call__(self, h: cute.Tensor, w2: cute.Tensor, sorted_ids: cute.Tensor,
