@@ -419,14 +419,19 @@ class _GroupedGemmBase:
         return self._tma_atom(flat, "b")
 
     @cute.jit
-    def _tma_atom(self, mT, operand: cutlass.Constexpr):
+    def _tma_atom(self, mT, operand: cutlass.Constexpr, multicast: cutlass.Constexpr = 1):
         """TMA atom loading (tile_m or tile_n, tile_k) boxes of the row-major [rows, K] matrix
-        ``mT`` into one stage of the canonical wgmma layout of ``operand`` ("a" or "b")."""
+        ``mT`` into one stage of the canonical wgmma layout of ``operand`` ("a" or "b");
+        ``multicast`` > 1: each of that many CTAs of a cluster loads a slice of the box into all."""
         tile = (self.tile_m, self.tile_n, self.tile_k)
         if const_expr(operand == "a"):
             layout, rows = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, tile, BFloat16, self.stages), self.tile_m
         else:
             layout, rows = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, tile, BFloat16, self.stages), self.tile_n
+        if const_expr(multicast > 1):
+            return cute.nvgpu.cpasync.make_tiled_tma_atom(
+                cute.nvgpu.cpasync.CopyBulkTensorTileG2SMulticastOp(), mT,
+                cute.slice_(layout, (None, None, 0)), (rows, self.tile_k), num_multicast=multicast)
         return cute.nvgpu.cpasync.make_tiled_tma_atom(
             cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), mT,
             cute.slice_(layout, (None, None, 0)), (rows, self.tile_k))

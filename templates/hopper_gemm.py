@@ -38,6 +38,7 @@ from .grouped_gemm import _LOAD_THREADS, GroupedDownGemm, GroupedGluGemm
 
 MMA = "hopws"
 SCHED_SLOTS = 2  # tiles the producer may publish ahead of the consumers
+CLUSTERS_M = (1, 2)  # CTAs per cluster along M; 2: the weight tile is multicast to both
 
 
 class _HopperWs:
@@ -45,10 +46,15 @@ class _HopperWs:
 
     warp_specialized = True
 
-    def __init__(self, *args, mma: str = MMA, **kwargs):
+    def __init__(self, *args, mma: str = MMA, cluster_m: int = 1, **kwargs):
         if mma != MMA:
             raise ValueError(f"{type(self).__name__} implements mma={MMA!r}, not {mma!r}")
+        if cluster_m not in CLUSTERS_M:
+            raise ValueError(f"cluster_m {cluster_m} must be one of {CLUSTERS_M}")
         super().__init__(*args, mma=mma, **kwargs)
+        self.cluster_m = cluster_m
+        if self.ctas % cluster_m:
+            raise ValueError(f"ctas {self.ctas} must be a multiple of cluster_m {cluster_m}")
 
     @cute.jit
     def _make_tma_a(self, mA):
@@ -66,11 +72,14 @@ class _HopperWs:
             producers = 1 + _LOAD_THREADS
         else:
             tx = tx + self.tile_m * self.tile_k * 2
+        # cluster_m 2: each consumer warp releases a stage in both CTAs (lane r arrives on CTA
+        # r's empty barrier), since either may multicast its half of B into the other's stage
         return pipeline.PipelineTmaAsync.create(
             barrier_storage=bars, num_stages=self.stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, producers),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.mma_threads // 32),
-            tx_count=tx, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)))
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
+                                                     self.cluster_m * self.mma_threads // 32),
+            tx_count=tx, cta_layout_vmnk=cute.make_layout((1, self.cluster_m, 1, 1)))
 
     @cute.jit
     def _make_schedule(self):
@@ -93,7 +102,7 @@ class _HopperWs:
         return sched, tiles, pairs, scales
 
     @cute.jit
-    def _ws_tiles(self, tidx, tma_a, mAt, tma_b, mWt, mA, mIds, mTileExpert, epi):
+    def _ws_tiles(self, tidx, tma_a, mAt, tma_b, mWt, mA, mIds, mTileExpert, epi, tma_bm=None):
         self._grid_dependency_wait()
         tiled_mma = self._make_tiled_mma()
         sA, sB, _ = self._smem_tensors()
@@ -106,7 +115,14 @@ class _HopperWs:
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp < _LOAD_THREADS // 32:
             self._set_regs(True)
-            if const_expr(self.glu):
+            if const_expr(self.cluster_m > 1):
+                if const_expr(self.glu):
+                    self._produce_mc(tidx, warp, pipe, sched, tma_a, mAt, tma_b, tma_bm, mWt, mA, mIds,
+                                     mTileExpert, sA, sB, epi, bid, nctas, num_m_tiles)
+                elif warp == 0:
+                    self._produce_mc(tidx, warp, pipe, sched, tma_a, mAt, tma_b, tma_bm, mWt, mA, mIds,
+                                     mTileExpert, sA, sB, epi, bid, nctas, num_m_tiles)
+            elif const_expr(self.glu):
                 self._produce_ws(tidx, warp, pipe, sched, tma_a, mAt, tma_b, mWt, mA, mIds, mTileExpert,
                                  sA, sB, epi, bid, nctas, total, num_m_tiles)
             elif warp == 0:
@@ -191,6 +207,121 @@ class _HopperWs:
             pipe.producer_tail(state)
 
     @cute.jit
+    def _produce_mc(self, tidx, warp, pipe, sched, tma_a, mAt, tma_b, tma_bm, mWt, mA, mIds, mTileExpert,
+                    sA, sB, epi, bid, nctas, num_m_tiles):
+        """cluster_m = C > 1: cluster c walks the units (N tile, M tiles C*j .. C*j+C-1) c,
+        c + clusters, ... in the raster order of _tile_of over M-tile groups; CTA r of the
+        cluster takes M tile C*j + r. When every tile of the unit has the same expert (or is
+        past the last tile), each CTA loads 1/C of the weight tile and multicasts it to all of
+        them (``tma_bm``); otherwise each loads its whole own tile (``tma_b``). The stage's
+        byte count is the same either way. A CTA whose M tile is past the last one recomputes
+        tile C*j (so that the cluster stays in step) and is published as a duplicate, whose
+        epilogue writes nothing (code -2 - t, see _consume_ws)."""
+        C = self.cluster_m
+        n_tiles = self.n // self.tile_n
+        k_tiles = self.k // self.tile_k
+        rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+        cta_layout = cute.make_layout((C, 1, 1))
+        mask = cute.make_layout_image_mask(cta_layout, cta_layout.get_flat_coord(rank), mode=0)
+        groups = (num_m_tiles + C - 1) // C
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+        sstate = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, SCHED_SLOTS)
+        if warp == 0:
+            cute.nvgpu.cpasync.prefetch_descriptor(tma_b)
+            cute.nvgpu.cpasync.prefetch_descriptor(tma_bm)
+            if const_expr(not self.glu):
+                cute.nvgpu.cpasync.prefetch_descriptor(tma_a)
+        tiled_copy = self._make_g2s_copy()
+        thr_copy = tiled_copy.get_slice(tidx)
+        tAsA_cp = thr_copy.partition_D(sA)
+        tAcA = thr_copy.partition_S(cute.make_identity_tensor((self.tile_m, self.tile_k)))
+        for u in range(bid // C, groups * n_tiles, nctas // C):
+            bn, bg = self._tile_of(u, groups)
+            bt0 = bg * C
+            e0 = mTileExpert[bt0]
+            if e0 >= 0:
+                bt = bt0 + rank
+                expert = e0
+                shared = True
+                dup = False
+                for r in cutlass.range_constexpr(1, C):
+                    er = Int32(-1)
+                    if bt0 + r < num_m_tiles:
+                        er = mTileExpert[bt0 + r]
+                    if er >= 0 and er != e0:
+                        shared = False
+                    if rank == r:
+                        expert = er
+                if expert < 0:
+                    bt = bt0
+                    expert = e0
+                    dup = True
+                if warp == 0:
+                    code = bt * n_tiles + bn
+                    if dup:
+                        code = -2 - code
+                    self._publish(sched, sstate, code, bt * self.tile_m, mIds, epi)
+                    sstate.advance()
+                gB = cute.local_tile(mWt, (self.tile_n, self.tile_k), (expert * n_tiles + bn, None))
+                tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
+                    tma_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2))
+                tBsBm, tBgBm = cute.nvgpu.cpasync.tma_partition(
+                    tma_bm, rank, cute.make_layout(C), cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2))
+                if const_expr(self.glu):
+                    a_rows = self._a_rows(tidx, mIds, bt * self.tile_m)
+                    for kt in range(k_tiles):
+                        pipe.sync_object_empty.wait(state.index, state.phase)
+                        if warp == 0:
+                            pipe.sync_object_full.arrive(state.index, None)  # elected: expect B's bytes
+                            self._load_b(shared, tma_b, tBgB, tBsB, tma_bm, tBgBm, tBsBm, mask, kt,
+                                         state, pipe)
+                        self._load_a(kt, state.index, tiled_copy, mA, a_rows, tAsA_cp, tAcA)
+                        cute.arch.cp_async_mbarrier_arrive_noinc(pipe.producer_get_barrier(state))
+                        state.advance()
+                else:
+                    gA = cute.local_tile(mAt, (self.tile_m, self.tile_k), (bt, None))
+                    tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
+                        tma_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2))
+                    for kt in range(k_tiles):
+                        pipe.producer_acquire(state)
+                        self._load_b(shared, tma_b, tBgB, tBsB, tma_bm, tBgBm, tBsBm, mask, kt, state, pipe)
+                        cute.copy(tma_a, tAgA[None, kt], tAsA[None, state.index],
+                                  tma_bar_ptr=pipe.producer_get_barrier(state))
+                        state.advance()
+        if warp == 0:
+            self._publish(sched, sstate, cutlass.Int32(-1), 0, mIds, epi)
+            pipe.producer_tail(state)
+
+    @cute.jit
+    def _load_b(self, shared, tma_b, tBgB, tBsB, tma_bm, tBgBm, tBsBm, mask, kt, state, pipe):
+        """k-tile ``kt`` of the weight tile into stage ``state``: this CTA's slice multicast to
+        the cluster when ``shared``, else the whole tile into this CTA alone."""
+        bar = pipe.producer_get_barrier(state)
+        if shared:
+            cute.copy(tma_bm, tBgBm[None, kt], tBsBm[None, state.index], tma_bar_ptr=bar, mcast_mask=mask)
+        else:
+            cute.copy(tma_b, tBgB[None, kt], tBsB[None, state.index], tma_bar_ptr=bar)
+
+    @cute.jit
+    def _more(self, t):
+        """Whether a published schedule code is a tile (-1 ends the schedule)."""
+        if const_expr(self.cluster_m == 1):
+            return t >= 0
+        return t != -1
+
+    @cute.jit
+    def _decode(self, t, num_m_tiles):
+        """(N tile, M tile) of a published code: the linear raster index (cluster_m 1), or
+        M tile * N tiles + N tile, as -2 - code for a duplicate (cluster_m > 1)."""
+        if const_expr(self.cluster_m == 1):
+            return self._tile_of(t, num_m_tiles)
+        n_tiles = self.n // self.tile_n
+        code = t
+        if t < 0:
+            code = -2 - t
+        return code % n_tiles, code // n_tiles
+
+    @cute.jit
     def _consume_ws(self, ctid, pipe, sched, tiled_mma, sA, sB, epi, num_m_tiles):
         pipe_s, tiles, s_pairs, s_scales = sched
         k_tiles = self.k // self.tile_k
@@ -209,8 +340,8 @@ class _HopperWs:
         sstate = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, SCHED_SLOTS)
         pipe_s.consumer_wait(sstate)
         t = tiles[sstate.index]
-        while t >= 0:
-            bn, bt = self._tile_of(t, num_m_tiles)
+        while self._more(t):
+            bn, bt = self._decode(t, num_m_tiles)
             acc.fill(0.0)
             tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
             cute.nvgpu.warpgroup.fence()
@@ -236,9 +367,38 @@ class _HopperWs:
                 scales[hrow] = s_scales[tCcC[2 * hrow][0], sstate.index]
             pipe_s.consumer_release(sstate)
             sstate.advance()
-            self._epilogue_regs(ctid, tiled_mma, acc, pairs, scales, epi, bt * self.tile_m, bn)
+            if const_expr(self.cluster_m == 1):
+                self._epilogue_regs(ctid, tiled_mma, acc, pairs, scales, epi, bt * self.tile_m, bn)
+            elif t >= 0:  # not a duplicate (see _produce_mc)
+                self._epilogue_regs(ctid, tiled_mma, acc, pairs, scales, epi, bt * self.tile_m, bn)
             pipe_s.consumer_wait(sstate)
             t = tiles[sstate.index]
+
+
+    def _launch_common(self, grid_n, mTileExpert):
+        """cluster_m = C > 1: C CTAs per unit of C M tiles, at most ctas CTAs in all."""
+        if const_expr(self.cluster_m == 1):
+            return super()._launch_common(grid_n, mTileExpert)
+        C = self.cluster_m
+        units = grid_n * ((cute.size(mTileExpert, mode=[0]) + C - 1) // C)
+        return [cutlass.min(units, self.ctas // C) * C, 1, 1], [self.threads, 1, 1]
+
+    def _launch_kw(self):
+        """Keyword arguments of the kernel launch beyond grid and block."""
+        kw = dict(use_pdl=self.pdl, min_blocks_per_mp=1)
+        if self.cluster_m > 1:
+            kw["cluster"] = [self.cluster_m, 1, 1]
+        return kw
+
+    @cute.jit
+    def _make_tma_bm(self, mW):
+        """cluster_m > 1: the weights' TMA atom that multicasts 1/cluster_m of each box to
+        every CTA of the cluster (None for cluster_m 1)."""
+        if const_expr(self.cluster_m == 1):
+            return None
+        flat = cute.make_tensor(mW.iterator, cute.make_layout(
+            (self.num_experts * self.n, self.k), stride=(self.k, 1)))
+        return self._tma_atom(flat, "b", self.cluster_m)[0]
 
 
 class HopperGluGemm(_HopperWs, GroupedGluGemm):
@@ -249,14 +409,24 @@ class HopperGluGemm(_HopperWs, GroupedGluGemm):
                  tile_expert: cute.Tensor, h: cute.Tensor, stream: cuda.CUstream):
         grid, block = self._launch_common(self.n // self.tile_n, tile_expert)
         tma_b, mWt = self._make_tma_b(w13)
-        self.kernel_ws(tma_b, mWt, x, sorted_ids, tile_expert, h).launch(
-            grid=grid, block=block, stream=stream, use_pdl=self.pdl, min_blocks_per_mp=1)
+        if const_expr(self.cluster_m == 1):
+            self.kernel_ws(tma_b, mWt, x, sorted_ids, tile_expert, h).launch(
+                grid=grid, block=block, stream=stream, use_pdl=self.pdl, min_blocks_per_mp=1)
+        else:
+            self.kernel_mc(tma_b, self._make_tma_bm(w13), mWt, x, sorted_ids, tile_expert, h).launch(
+                grid=grid, block=block, stream=stream, **self._launch_kw())
 
     @cute.kernel
     def kernel_ws(self, tma_b: cute.CopyAtom, mWt: cute.Tensor, mX: cute.Tensor, mIds: cute.Tensor,
                   mTileExpert: cute.Tensor, mH: cute.Tensor):
         tidx, _, _ = cute.arch.thread_idx()
         self._ws_tiles(tidx, None, None, tma_b, mWt, mX, mIds, mTileExpert, (mH,))
+
+    @cute.kernel
+    def kernel_mc(self, tma_b: cute.CopyAtom, tma_bm: cute.CopyAtom, mWt: cute.Tensor, mX: cute.Tensor,
+                  mIds: cute.Tensor, mTileExpert: cute.Tensor, mH: cute.Tensor):
+        tidx, _, _ = cute.arch.thread_idx()
+        self._ws_tiles(tidx, None, None, tma_b, mWt, mX, mIds, mTileExpert, (mH,), tma_bm)
 
 
 class HopperDownGemm(_HopperWs, GroupedDownGemm):
@@ -269,8 +439,12 @@ class HopperDownGemm(_HopperWs, GroupedDownGemm):
         grid, block = self._launch_common(self.n // self.tile_n, tile_expert)
         tma_a, mAt = self._make_tma_a(h)
         tma_b, mWt = self._make_tma_b(w2)
-        self.kernel_ws(tma_a, mAt, tma_b, mWt, sorted_ids, tile_expert, topk_weights, y).launch(
-            grid=grid, block=block, stream=stream, use_pdl=self.pdl, min_blocks_per_mp=1)
+        if const_expr(self.cluster_m == 1):
+            self.kernel_ws(tma_a, mAt, tma_b, mWt, sorted_ids, tile_expert, topk_weights, y).launch(
+                grid=grid, block=block, stream=stream, use_pdl=self.pdl, min_blocks_per_mp=1)
+        else:
+            self.kernel_mc(tma_a, mAt, tma_b, self._make_tma_bm(w2), mWt, sorted_ids, tile_expert,
+                           topk_weights, y).launch(grid=grid, block=block, stream=stream, **self._launch_kw())
 
     @cute.kernel
     def kernel_ws(self, tma_a: cute.CopyAtom, mAt: cute.Tensor, tma_b: cute.CopyAtom,
@@ -278,3 +452,10 @@ class HopperDownGemm(_HopperWs, GroupedDownGemm):
                   mTopkW: cute.Tensor, mY: cute.Tensor):
         tidx, _, _ = cute.arch.thread_idx()
         self._ws_tiles(tidx, tma_a, mAt, tma_b, mWt, None, mIds, mTileExpert, (mIds, mTopkW, mY))
+
+    @cute.kernel
+    def kernel_mc(self, tma_a: cute.CopyAtom, mAt: cute.Tensor, tma_b: cute.CopyAtom,
+                  tma_bm: cute.CopyAtom, mWt: cute.Tensor, mIds: cute.Tensor, mTileExpert: cute.Tensor,
+                  mTopkW: cute.Tensor, mY: cute.Tensor):
+        tidx, _, _ = cute.arch.thread_idx()
+        self._ws_tiles(tidx, tma_a, mAt, tma_b, mWt, None, mIds, mTileExpert, (mIds, mTopkW, mY), tma_bm)
