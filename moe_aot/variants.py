@@ -39,10 +39,22 @@ class GemmTiles:
     tile_k: int = 64
     stages: int = 3
     mma: str = "warp"
+    # CTAs per cluster along M (hopws only): 2 multicasts each weight tile to two M tiles of one
+    # expert. Named only when > 1, so every cluster-1 name (and database key) is unchanged.
+    cluster: int = 1
 
     @property
     def tag(self) -> str:
-        return f"n{self.tile_n}k{self.tile_k}s{self.stages}{self.mma}"
+        return f"n{self.tile_n}k{self.tile_k}s{self.stages}{self.mma}{self.cluster_tag}"
+
+    @property
+    def cluster_tag(self) -> str:
+        return f"c{self.cluster}" if self.cluster > 1 else ""
+
+    def params(self) -> tuple:
+        """The template constructor arguments these tunables set (cluster_m only when > 1)."""
+        return ((("tile_n", self.tile_n), ("tile_k", self.tile_k), ("stages", self.stages), ("mma", self.mma))
+                + ((("cluster_m", self.cluster),) if self.cluster > 1 else ()))
 
 
 @dataclass(frozen=True)
@@ -90,14 +102,14 @@ class LayerVariant:
                           + pdl),
             KernelVariant(
                 "glu", f"moe_glu_{a}_{p}_{s}_{spec.activation}_t{m}x{g.tile_n}x{g.tile_k}_s{g.stages}_{g.mma}"
-                       f"_g{INTERLEAVE}{x}",
+                       f"{_c(g)}_g{INTERLEAVE}{x}",
                 (("num_experts", e), ("top_k", k), ("hidden", h), ("intermediate", i),
-                 ("activation", spec.activation), ("tile_m", m), ("tile_n", g.tile_n), ("tile_k", g.tile_k),
-                 ("stages", g.stages), ("mma", g.mma), ("interleave", INTERLEAVE)) + pdl),
+                 ("activation", spec.activation), ("tile_m", m)) + g.params() + (("interleave", INTERLEAVE),)
+                + pdl),
             KernelVariant(
-                "down", f"moe_down_{a}_{p}_{s}_t{m}x{d.tile_n}x{d.tile_k}_s{d.stages}_{d.mma}{x}",
-                (("num_experts", e), ("top_k", k), ("hidden", h), ("intermediate", i), ("tile_m", m),
-                 ("tile_n", d.tile_n), ("tile_k", d.tile_k), ("stages", d.stages), ("mma", d.mma)) + pdl),
+                "down", f"moe_down_{a}_{p}_{s}_t{m}x{d.tile_n}x{d.tile_k}_s{d.stages}_{d.mma}{_c(d)}{x}",
+                (("num_experts", e), ("top_k", k), ("hidden", h), ("intermediate", i), ("tile_m", m))
+                + d.params() + pdl),
             KernelVariant("combine", f"moe_combine_{a}_{p}_e{e}k{k}h{h}{x}",
                           (("num_experts", e), ("hidden", h), ("top_k", k)) + pdl),
         ]
@@ -107,12 +119,18 @@ class LayerVariant:
         """Inverse of the tunable part of name(): ..._m64r1_glun128k64s3warp_downn128k64s3warp[_pdl]."""
         import re
 
-        m = re.search(r"_m(\d+)r(\d+)_glu(n(\d+)k(\d+)s(\d+)([a-z]+))_down(n(\d+)k(\d+)s(\d+)([a-z]+))"
-                      r"(_pdl)?$", name)
+        t = r"n(\d+)k(\d+)s(\d+)([a-z]+?)(?:c(\d+))?"
+        m = re.search(rf"_m(\d+)r(\d+)_glu{t}_down{t}(_pdl)?$", name)
         if not m:
             raise ValueError(f"{name!r} is not a layer variant name")
-        return cls(int(m[1]), GemmTiles(int(m[4]), int(m[5]), int(m[6]), m[7]),
-                   GemmTiles(int(m[9]), int(m[10]), int(m[11]), m[12]), int(m[2]), m[13] is not None)
+
+        def tiles(i):
+            return GemmTiles(int(m[i]), int(m[i + 1]), int(m[i + 2]), m[i + 3], int(m[i + 4] or 1))
+        return cls(int(m[1]), tiles(3), tiles(8), int(m[2]), m[13] is not None)
+
+
+def _c(t: GemmTiles) -> str:
+    return f"_{t.cluster_tag}" if t.cluster > 1 else ""
 
 
 SMEM_CAPACITY = {"sm_90a": 227 * 1024, "sm_100a": 227 * 1024, "sm_121a": 99 * 1024}
@@ -138,6 +156,10 @@ def gemm_can_implement(n: int, k: int, tile_m: int, t: GemmTiles, target: str) -
     """Mirror of the grouped-GEMM template's checks (tests compare the two on the whole space)."""
     if t.mma not in TARGET_LIMITS[target]["mma"]:
         return False, f"{t.mma} MMA is not available on {target} (has {', '.join(TARGET_LIMITS[target]['mma'])})"
+    if t.cluster not in GEMM_CLUSTERS:
+        return False, f"cluster {t.cluster} not in {GEMM_CLUSTERS}"
+    if t.cluster > 1 and (t.mma not in WARP_SPECIALIZED or tile_m != 128):
+        return False, f"cluster {t.cluster} needs mma hopws with tile_m 128, got {t.mma} with tile_m {tile_m}"
     wm, wn = gemm_warps(tile_m, t.tile_n, t.mma)
     threads = wm * wn * 32
     if t.mma in WGMMA_MMAS:
@@ -197,6 +219,7 @@ def can_implement(spec: LayerSpec, variant: LayerVariant) -> tuple[bool, str]:
 
 
 TILE_M = (16, 32, 64, 128)
+GEMM_CLUSTERS = (1, 2)  # CTAs per cluster along M of a grouped GEMM (hopws: B multicast)
 TILE_N = (32, 64, 128, 192, 256)
 TILE_K = (32, 64, 128)
 STAGES = (2, 3, 4, 5, 6, 8)
@@ -211,8 +234,8 @@ def candidate_space(spec: LayerSpec) -> list[LayerVariant]:
         tiles = {}
         for role, n_dim, k_dim in (("glu", 2 * spec.intermediate, spec.hidden),
                                    ("down", spec.hidden, spec.intermediate)):
-            tiles[role] = [t for t in (GemmTiles(n, k, st, mma) for n, k, st, mma in
-                                       itertools.product(TILE_N, TILE_K, STAGES, lim["mma"]))
+            tiles[role] = [t for t in (GemmTiles(n, k, st, mma, c) for n, k, st, mma, c in
+                                       itertools.product(TILE_N, TILE_K, STAGES, lim["mma"], GEMM_CLUSTERS))
                            if gemm_can_implement(n_dim, k_dim, m, t, spec.target)[0]
                            and (role == "down" or t.tile_n % (2 * INTERLEAVE) == 0)]
         for g, d, c, pdl in itertools.product(tiles["glu"], tiles["down"], clusters, (False, True)):

@@ -19,7 +19,7 @@ def test_every_compile_time_field_changes_the_names():
     # Layer variant fields: each one must change the name of every kernel built with it.
     for role, t in (("glu", base.glu), ("down", base.down)):
         for f in dataclasses.fields(GemmTiles):
-            other = {"tile_n": 64, "tile_k": 32, "stages": 5, "mma": "wgmma"}[f.name]
+            other = {"tile_n": 64, "tile_k": 32, "stages": 5, "mma": "wgmma", "cluster": 2}[f.name]
             v = dataclasses.replace(base, **{role: dataclasses.replace(t, **{f.name: other})})
             assert _kernel_names(SPEC, v)[role] != names[role], (role, f.name)
             assert v.name(SPEC) != base.name(SPEC)
@@ -53,7 +53,8 @@ def _name_tokens(kv) -> dict:
     tokens = {"num_experts": f"_e{p['num_experts']}k", "top_k": f"k{p['top_k']}",
               "cluster_size": f"_c{p.get('cluster_size')}", "pdl": "_pdl" if p.get("pdl") else None,
               "interleave": f"_g{p.get('interleave')}", "stages": f"_s{p.get('stages')}_",
-              "mma": f"_{p.get('mma')}", "activation": f"_{p.get('activation')}_"}
+              "mma": f"_{p.get('mma')}", "activation": f"_{p.get('activation')}_",
+              "cluster_m": f"_{p.get('mma')}_c{p.get('cluster_m')}"}
     if "hidden" in p:
         tokens["hidden"] = f"h{p['hidden']}"
     if "intermediate" in p:
@@ -69,7 +70,8 @@ def test_name_covers_every_constructor_argument():
     # Every constructor argument value appears in the name, in its place (so equal names mean
     # equal kernels). Distinct values, so no token can be matched by another argument's value.
     v = LayerVariant(16, GemmTiles(128, 64, 3), GemmTiles(256, 32, 5), route_cluster=8, pdl=True)
-    for kv in v.kernels(SPEC):
+    clustered = LayerVariant(128, GemmTiles(192, 64, 4, "hopws", 2), GemmTiles(256, 64, 3, "hopws", 2))
+    for kv in v.kernels(SPEC) + clustered.kernels(SPEC):
         for key, token in _name_tokens(kv).items():
             assert token is None or token in kv.name, (kv.name, key, token)
     # The check can fail: a name that lost its tile_m is caught, though "64" (the old token for
@@ -82,7 +84,9 @@ def test_name_covers_every_constructor_argument():
 def test_parse_round_trip():
     space = candidate_space(SPEC)
     assert {v.pdl for v in space} == {False, True}
-    for v in space[:50] + space[-50:]:
+    clustered = [v for v in space if v.glu.cluster > 1 or v.down.cluster > 1]
+    assert clustered and all(v.tile_m == 128 for v in clustered)
+    for v in space[:50] + space[-50:] + clustered[:50]:
         assert LayerVariant.parse(v.name(SPEC)) == v
     with pytest.raises(ValueError):
         LayerVariant.parse("moe_layer_nonsense")

@@ -56,12 +56,17 @@ CONFIGS = [
     ("wgdec", "wgmma", ["qwen3_30b_a3b", "deepseek_v3"], "swiglu", 64, (64, 64, 8), (64, 64, 8),
      [1, 16, 256]),
     # the DSL-machinery core (templates/hopper_gemm.py): TMA + PipelineTmaAsync, persistent
-    ("hw128", "hopws", ALL, "swiglu", 128, (256, 64, 4), (256, 64, 4), TOKENS),
+    ("hw128", "hopws", ALL, "swiglu", 128, (256, 64, 4), (256, 64, 4), TOKENS + [1024]),
     ("hwbig", "hopws", ["qwen3_30b_a3b", "mixtral_8x7b"], "swiglu", 128, (256, 64, 4),
      (256, 64, 4), [16384]),
     ("hw64", "hopws", ALL, "geglu", 64, (128, 64, 4), (128, 64, 4), [1, 256, 4096]),
     ("hw64d", "hopws", ALL, "swiglu", 64, (256, 64, 4), (256, 64, 4), [16, 256, 4096]),
     ("hw128n128", "hopws", ALL, "swiglu", 128, (128, 64, 6), (128, 64, 6), [1024, 4096]),
+    # 2-CTA clusters along M, weight tiles multicast to both CTAs when their M tiles share an expert
+    ("hc2", "hopws:c2", ALL, "swiglu", 128, (256, 64, 4), (256, 64, 4), [1, 16, 256, 1024, 4096]),
+    ("hc2big", "hopws:c2", ["qwen3_30b_a3b", "mixtral_8x7b"], "swiglu", 128, (256, 64, 4),
+     (256, 64, 4), [16384]),
+    ("hc2geglu", "hopws:c2", ["qwen3_30b_a3b"], "geglu", 128, (128, 64, 6), (192, 64, 4), [256, 4096]),
 ]
 
 
@@ -94,14 +99,16 @@ def compile_all(out_dir: Path, arch: str, only=None) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     manifest = []
     for v in variants(only):
-        hop = v["mma"] == "hopws"
+        mma, _, cluster = v["mma"].partition(":c")  # "hopws:c2": cluster_m 2
+        hop = mma == "hopws"
         glu_cls, down_cls = (HopperGluGemm, HopperDownGemm) if hop else (GroupedGluGemm, GroupedDownGemm)
+        extra = {"cluster_m": int(cluster)} if cluster else {}
         g = glu_cls(v["E"], v["H"], v["I"], v["k"], activation=v["act"],
-                           interleave=INTERLEAVE, tile_m=v["tile_m"], tile_n=v["glu"][0],
-                           tile_k=v["glu"][1], stages=v["glu"][2], mma=v["mma"])
+                    interleave=INTERLEAVE, tile_m=v["tile_m"], tile_n=v["glu"][0],
+                    tile_k=v["glu"][1], stages=v["glu"][2], mma=mma, **extra)
         d = down_cls(v["E"], v["H"], v["I"], v["k"], tile_m=v["tile_m"],
-                            tile_n=v["down"][0], tile_k=v["down"][1], stages=v["down"][2],
-                            mma=v["mma"])
+                     tile_n=v["down"][0], tile_k=v["down"][1], stages=v["down"][2],
+                     mma=mma, **extra)
         for obj, name in ((g, v["glu_name"]), (d, v["down_name"])):
             t0 = time.perf_counter()
             art = compile_kernel(obj, arch, name)

@@ -67,12 +67,18 @@ print(json.dumps({"model": sys.argv[1], "cuda_context_ms": 1e3 * (t_cuda - t0),
 
 
 def sh(cmd, log=None, env=None, timeout=None):
+    """Run cmd; a command past `timeout` is killed and returns rc 124 with what it printed."""
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    out = proc.stdout + proc.stderr
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+        rc, out = proc.returncode, proc.stdout + proc.stderr
+    except subprocess.TimeoutExpired as exc:
+        def text(b):
+            return b.decode(errors="replace") if isinstance(b, bytes) else (b or "")
+        rc, out = 124, text(exc.stdout) + text(exc.stderr) + f"\n[killed after {timeout} s]\n"
     if log:
         Path(log).write_text(out)
-    return proc.returncode, out, time.perf_counter() - t0
+    return rc, out, time.perf_counter() - t0
 
 
 DUMP_RECORDS = r"""
@@ -149,6 +155,12 @@ def main():
     ap.add_argument("--sanitize", default=None, metavar="MODELS",
                     help="compute-sanitizer memcheck over tools/sanitize_check.py for these presets")
     ap.add_argument("--skip-check", action="store_true", help="with --profile: do not run the whole check first")
+    ap.add_argument("--gemm-check-args", default="", help="extra check_gemm_kernels.py arguments (--only ...)")
+    ap.add_argument("--gemm-check-timeout", type=int, default=560)
+    ap.add_argument("--gemm-smoke", default="", metavar="ARGS",
+                    help="check_gemm_kernels.py arguments of one quick point run first (e.g. '--only hc2 "
+                         "--models qwen3_30b_a3b --tokens 4096'); if it fails or hangs, the rest is skipped")
+    ap.add_argument("--gemm-smoke-timeout", type=int, default=90)
     ns = ap.parse_args()
     out = Path(ns.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -208,10 +220,20 @@ def main():
         print(log[-8000:], flush=True)
 
     if ns.gemm_check is not None and not ns.skip_check:
-        cmd = [sys.executable, "tools/check_gemm_kernels.py", "--run", ns.gemm_check, "--out", str(out / "gemm")]
-        rc, log, secs = sh(cmd, log=out / "gemm_check.log", env=env, timeout=560)
-        summary["gemm_check"] = {"rc": rc, "seconds": round(secs, 1)}
-        print(log[-8000:], flush=True)
+        check = [sys.executable, "tools/check_gemm_kernels.py", "--run", ns.gemm_check]
+        if ns.gemm_smoke:
+            # one point first, under a short limit: a kernel that hangs costs seconds, not the call
+            rc, log, secs = sh(check + ["--out", str(out / "gemm_smoke"), *ns.gemm_smoke.split()],
+                               log=out / "gemm_smoke.log", env=env, timeout=ns.gemm_smoke_timeout)
+            summary["gemm_smoke"] = {"rc": rc, "seconds": round(secs, 1)}
+            print("smoke:", log[-3000:], flush=True)
+            if rc:
+                ns.profile = None
+        if not ns.gemm_smoke or summary["gemm_smoke"]["rc"] == 0:
+            cmd = check + ["--out", str(out / "gemm"), *ns.gemm_check_args.split()]
+            rc, log, secs = sh(cmd, log=out / "gemm_check.log", env=env, timeout=ns.gemm_check_timeout)
+            summary["gemm_check"] = {"rc": rc, "seconds": round(secs, 1)}
+            print(log[-8000:], flush=True)
 
     if ns.decode is not None:
         summary["decode"] = {}
