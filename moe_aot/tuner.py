@@ -595,8 +595,9 @@ def _seen(slot: Slot) -> set[str]:
 
 def seed_variants(tuned_dir: Path, gpu: str, specs, buckets) -> dict[tuple[str, int], list[LayerVariant]]:
     """Per (workload, bucket): the committed pick for `gpu` in `tuned_dir`, its twin with
-    programmatic dependent launch flipped, and the default's twin. After a template change these
-    are what a new default must be measured against first."""
+    programmatic dependent launch flipped, and the default's twin; then the 2-CTA-cluster twins
+    (LayerVariant.cluster_twins) of the pick, or of the default where there is none. After a
+    template change these are what a new default must be measured against first."""
     from .variants import default_variant
 
     path = tuned_path(tuned_dir, gpu)
@@ -610,6 +611,7 @@ def seed_variants(tuned_dir: Path, gpu: str, specs, buckets) -> dict[tuple[str, 
             if name:
                 pick = LayerVariant.parse(name)
                 seeds = [pick, pick.pdl_twin()] + seeds
+            seeds += (LayerVariant.parse(name) if name else base).cluster_twins()
             out[(spec.workload_key, tokens)] = [v for v in dict.fromkeys(seeds)
                                                if v != base and can_implement(spec, v)[0]]
     return out

@@ -91,6 +91,17 @@ class LayerVariant:
         """The same kernels with programmatic dependent launch flipped (measured side by side)."""
         return dataclasses.replace(self, pdl=not self.pdl)
 
+    def cluster_twins(self) -> list["LayerVariant"]:
+        """hopws GEMMs at cluster 1 -> the same with GEMM2, then both GEMMs, in 2-CTA clusters
+        (weight tiles multicast; measured side by side by the tuner's seeds). [] otherwise."""
+        if self.down.mma not in WARP_SPECIALIZED or self.down.cluster != 1 or self.tile_m != 128:
+            return []
+        down = dataclasses.replace(self, down=dataclasses.replace(self.down, cluster=2))
+        out = [down]
+        if self.glu.mma in WARP_SPECIALIZED and self.glu.cluster == 1:
+            out.append(dataclasses.replace(down, glu=dataclasses.replace(self.glu, cluster=2)))
+        return out
+
     def kernels(self, spec: LayerSpec) -> list[KernelVariant]:
         a, p, s = arch_tag(spec.target), spec.precision, spec.shape_tag
         e, k, h, i = spec.experts, spec.top_k, spec.hidden, spec.intermediate

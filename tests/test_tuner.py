@@ -523,3 +523,25 @@ def test_gpu_measurer_turns_each_result_into_a_typed_outcome(monkeypatch):
     monkeypatch.setattr(layer_mod, "MoeLayer", missing)
     out = m(spec, v, 16)
     assert out.status == "compile_error" and "moe_glu_x" in out.error
+
+
+def test_seed_variants_measure_the_pick_its_twins_and_its_cluster_twins(tmp_path):
+    """--seed-picks: per bucket the committed pick, its PDL twin, the default's PDL twin and the
+    2-CTA-cluster twins of the pick (GEMM2, then both GEMMs) -- all implementable, none the
+    default itself (that one is always measured first anyway)."""
+    pick = LayerVariant.parse("moe_layer_sm90a_bf16_e128k8h2048i768_swiglu_m128r16_glun192k64s4hopws"
+                              "_downn256k64s4hopws_pdl")
+    entry = {"workload": SPEC.workload_key, "target": SPEC.target, "tokens": 4096, "gpu": GPU,
+             "variant": pick.name(SPEC), "default": default_variant(SPEC, 4096).name(SPEC), "median_us": 1.0,
+             "default_us": 1.1}
+    tuner.write_tuned(tmp_path, GPU, [entry])
+    seeds = tuner.seed_variants(tmp_path, GPU, [SPEC], [16, 4096])
+    got = seeds[(SPEC.workload_key, 4096)]
+    assert got[:2] == [pick, pick.pdl_twin()]
+    clustered = [v for v in got if v.down.cluster == 2]
+    assert [(v.glu.cluster, v.down.cluster, v.pdl) for v in clustered] == [(1, 2, True), (2, 2, True)]
+    base = default_variant(SPEC, 4096)
+    assert base.pdl_twin() in got and base not in got
+    assert all(can_implement(SPEC, v)[0] for v in got)
+    # no pick for 16 tokens: the default's PDL twin, and no cluster twin for its mma.sync tiles
+    assert seeds[(SPEC.workload_key, 16)] == [default_variant(SPEC, 16).pdl_twin()]
