@@ -16,9 +16,21 @@ from moe_aot.variants import LayerVariant, can_implement, default_variant
 
 ROOT = Path(__file__).resolve().parents[1]
 TUNED = ROOT / "cache" / "tuned" / "NVIDIA_H200.jsonl"
-# every record of the H200 tuning session of 2026-12-01 (`moe-aot tune --compile-only --seed-picks`
-# + `moe-aot measure`), dumped from its database
-RECORDS = ROOT / "tools" / "results" / "tuning_2026-12-01" / "all_records.json"
+# every record of the H200 tuning sessions of 2026-12-01 (`moe-aot tune --compile-only --seed-picks`
+# + `moe-aot measure`), each dumped from its database, oldest first: a bucket's picks come from the
+# newest session that measured it (the second one re-measured the 256-16384-token buckets with
+# the 2-CTA-cluster twins as seeds)
+RECORD_FILES = [ROOT / "tools" / "results" / d / "all_records.json" for d in ("tuning_2026-12-01", "tuning_2026-12-01b")]
+
+
+def _records() -> list[dict]:
+    """Each bucket's records from the newest session that has it (ids are per session)."""
+    sessions = [json.loads(p.read_text()) for p in RECORD_FILES]
+    out = []
+    for i, recs in enumerate(sessions):
+        later = {(r["workload"], r["gpu"], r["tokens"]) for s in sessions[i + 1:] for r in s}
+        out += [r for r in recs if (r["workload"], r["gpu"], r["tokens"]) not in later]
+    return out
 MODELS = ("qwen3-30b-a3b", "qwen3-235b-a22b", "gpt-oss-120b", "deepseek-v3", "mixtral-8x7b")
 
 
@@ -30,9 +42,10 @@ def derive_from_committed_records() -> list[dict]:
     """The H200 picks from the session's records, as `moe-aot export` writes them (here without
     the database, so the default's records are found by its name; in one session the name and
     the content of a variant go together)."""
-    recs = [RecordRow(**{**r, "created_at": datetime.fromisoformat(r["created_at"])})
-            for r in json.loads(RECORDS.read_text())]
-    assert all(r.content for r in recs) and len({r.driver for r in recs}) == 1
+    recs = [RecordRow(**{**r, "created_at": datetime.fromisoformat(r["created_at"])}) for r in _records()]
+    assert all(r.content for r in recs)
+    for bucket in {(r.workload, r.gpu, r.tokens) for r in recs}:  # one session, one driver per bucket
+        assert len({r.driver for r in recs if (r.workload, r.gpu, r.tokens) == bucket}) == 1
     lines = []
     for w, g, n in sorted({(r.workload, r.gpu, r.tokens) for r in recs}):
         spec = _spec(w)
@@ -46,7 +59,7 @@ def derive_from_committed_records() -> list[dict]:
 def test_committed_picks_are_derived_from_the_records_and_never_slower_than_the_default():
     rows = tuner.read_tuned_file(TUNED)  # refuses a pick slower than its default's record
     assert rows == derive_from_committed_records()
-    recs = json.loads(RECORDS.read_text())
+    recs = _records()
     for r in rows:
         bucket = [x for x in recs if (x["workload"], x["tokens"]) == (r["workload"], r["tokens"]) and x["status"] == "ok"]
         spec = _spec(r["workload"])
@@ -75,7 +88,7 @@ def test_build_turns_the_committed_picks_into_binaries(tmp_path):
     # the binaries built here are the ones that were measured: same content digest as the pick's record
     from moe_aot.database import Database
 
-    measured = {(r["variant"], r["tokens"]): r["content"] for r in json.loads(RECORDS.read_text())
+    measured = {(r["variant"], r["tokens"]): r["content"] for r in _records()
                 if r["workload"] == spec.workload_key}
     with Database(url) as db:
         for tokens, v in picks.items():
