@@ -302,3 +302,19 @@ def test_store_sees_kernels_written_after_it_opened(tmp_path):
         db.commit_best(workload="w", target="sm_90a", gpu="G", toolchain="tc", tokens=16, variant="v",
                        median_us=3.0)
         assert [p.variant for p in store.db.best("w", "sm_90a")] == ["v"]
+
+
+@pytest.mark.parametrize("model", ["qwen3-30b-a3b", "deepseek-v3", "mixtral-8x7b"])
+def test_untuned_layer_only_asks_for_the_buckets_defaults(model, small_db):
+    """Without picks, any token count runs its nearest bucket's default: those are exactly the
+    kernels `moe-aot compile`/`build` put in the database (a default computed for 300 tokens
+    would ask for a 16-CTA routing kernel no bucket has, and fail with KernelMissingError)."""
+    from moe_aot.variants import bucket_for, token_buckets
+
+    spec = make_spec(model)
+    layer = MoeLayer(spec, KernelStore(small_db[0]), device=torch.device("cpu"), variants={})
+    built = {default_variant(spec, b) for b in token_buckets()}
+    if model == "qwen3-30b-a3b":
+        assert default_variant(spec, 300) not in built  # the case that failed
+    for tokens in (1, 2, 7, 37, 255, 300, 1100, 5000, 20000, 100000):
+        assert layer.variant_for(tokens) == default_variant(spec, bucket_for(tokens)) in built

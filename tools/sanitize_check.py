@@ -18,7 +18,7 @@ from moe_aot.runtime.reference import moe_reference, rel_err  # noqa: E402
 from moe_aot.runtime.store import KernelStore  # noqa: E402
 from moe_aot.runtime.verify import random_routing, random_weights  # noqa: E402
 from moe_aot.spec import make_spec  # noqa: E402
-from moe_aot.variants import default_variant  # noqa: E402
+from moe_aot.variants import default_variant, token_buckets  # noqa: E402
 
 spec = make_spec(sys.argv[1] if len(sys.argv) > 1 else "qwen3-30b-a3b")
 store = KernelStore()
@@ -28,7 +28,7 @@ worst = 0.0
 CASES = ((1, "invalid"), (37, "invalid"), (300, "one_expert"), (1100, "invalid"), (4096, "invalid"))
 for M, case, source in [c + ("picks",) for c in CASES] + [c + ("defaults",) for c in CASES]:
     if source == "defaults":
-        layer = MoeLayer(spec, store, variants={M: default_variant(spec, M)})
+        layer = MoeLayer(spec, store, variants={b: default_variant(spec, b) for b in token_buckets()})
     x = torch.randn(M, spec.hidden, device=layer.device, dtype=torch.bfloat16)
     tw, ids = random_routing(M, spec, layer.device)
     if case == "invalid":

@@ -72,9 +72,13 @@ class MoeLayer:
 
     # -- kernel selection ----------------------------------------------------------------------
     def variant_for(self, tokens: int) -> LayerVariant:
+        """The tuned pick of the nearest bucket, else that bucket's default: `build` and
+        `compile` put exactly the buckets' variants in the database, so another token count
+        must not ask for a variant of its own (300 tokens would want a 16-CTA routing cluster
+        that the 256-token bucket's default does not have)."""
         if self.variants:
             return self.variants[bucket_for(tokens, tuple(sorted(self.variants)))]
-        return default_variant(self.spec, tokens)
+        return default_variant(self.spec, bucket_for(tokens))
 
     def _lib(self, kv) -> KernelLibrary:
         lib = self._libs.get(kv.name)
