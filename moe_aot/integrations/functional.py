@@ -103,7 +103,7 @@ def fused_experts(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tenso
     for name, value in unsupported.items():
         if name not in _UNSUPPORTED:
             raise KernelArgumentError(f"fused_experts got an unknown argument {name!r}")
-        if value not in (None, False):
+        if value is not None and value is not False:
             raise KernelArgumentError(f"{name} asks for {_UNSUPPORTED[name]}, which the moe-aot kernels do not "
                                       "compute yet (bf16 weights without biases only)")
     if activation not in ACTIVATION_NAMES:
