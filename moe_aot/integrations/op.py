@@ -56,7 +56,16 @@ def check_op_inputs(x, w13, w2, topk_weights, topk_ids, activation: str = "swigl
             raise KernelArgumentError(f"{name} must be contiguous (call .contiguous() first)")
 
 
-@torch.library.custom_op("moe_aot::fused_moe", mutates_args=(), device_types="cpu")
+def _layout_tags() -> tuple:
+    # The kernels need contiguous operands: tell inductor not to hand the op padded or permuted
+    # buffers (its comprehensive padding is on for CUDA). The tag's name depends on the torch version.
+    for name in ("needs_contiguous_strides", "needs_exact_strides", "needs_fixed_stride_order"):
+        if hasattr(torch.Tag, name):
+            return (getattr(torch.Tag, name),)
+    return ()
+
+
+@torch.library.custom_op("moe_aot::fused_moe", mutates_args=(), device_types="cpu", tags=_layout_tags())
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, activation: str = "swiglu") -> torch.Tensor:
     """sum_k topk_weights[m, k] * FFN_{topk_ids[m, k]}(x[m]); see the module docstring."""
