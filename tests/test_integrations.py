@@ -409,3 +409,15 @@ def test_transformers_gpt_oss_is_refused():
     with pytest.raises(PatchError, match=r"model.layers.0.mlp \(GptOssMLP\) is a GPT-OSS block"):
         patch(model)
     assert patch(model, gpt_oss="keep") == []
+
+
+# -- the README's examples run as written -------------------------------------------------------
+@pytest.mark.parametrize("name", ["level1", "level2"])
+def test_readme_example_runs(name):
+    import re
+
+    text = (Path(__file__).parent.parent / "README.md").read_text()
+    m = re.search(rf"<!-- example: {name} -->\n```python\n(.*?)```", text, re.S)
+    assert m, f"README has no example {name}"
+    torch._dynamo.reset()
+    exec(compile(m.group(1), f"README:{name}", "exec"), {})
