@@ -1,0 +1,142 @@
+"""A vLLM/SGLang-compatible functional form over the custom op.
+
+    out = fused_experts(hidden_states, w1, w2, topk_weights, topk_ids)
+
+w1 is the engines' [E, 2I, H] layout with the gate rows first, then the up rows
+(`torch.cat([w_gate, w_up], 1)`, SiLU applied to the first half). It is interleaved into the
+kernels' layout once and cached by the weight tensor: a weak reference to it, its data_ptr,
+version counter, shape, stride, dtype and device; the cache entry goes when the tensor does, and an
+in-place update of the weight (which bumps its version) prepares it again. The cache holds one
+prepared copy per weight (as much memory as w1): to avoid it, prepare once with
+prepare_fused_gate_up() and call torch.ops.moe_aot.fused_moe, or use MoeExperts.
+
+The cache is a Python dict, so fused_experts is for eager code and CUDA graphs (call it once
+before capture so that the preparation happens outside the graph). Under torch.compile call the
+op with prepared weights, or MoeExperts, instead.
+"""
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from ..runtime.layer import prepare_weights
+from ..runtime.library import KernelArgumentError
+from . import op  # noqa: F401  (registers torch.ops.moe_aot.fused_moe)
+from .routing import map_experts
+
+# vLLM / SGLang activation names -> the spec's activation.
+ACTIVATION_NAMES = {"silu": "swiglu", "swiglu": "swiglu", "gelu_tanh": "geglu", "geglu": "geglu"}
+
+
+def prepare_fused_gate_up(w1: torch.Tensor) -> torch.Tensor:
+    """[E, 2I, H] with the gate rows first -> the kernels' interleaved [E, 2I, H] (a new tensor)."""
+    if not isinstance(w1, torch.Tensor) or w1.dim() != 3 or w1.shape[1] % 2:
+        got = tuple(w1.shape) if isinstance(w1, torch.Tensor) else type(w1).__name__
+        raise KernelArgumentError(f"w1 must be an [experts, 2*intermediate, hidden] tensor with the gate rows "
+                                  f"first, got {got}")
+    gate, up = w1.chunk(2, dim=1)
+    try:
+        return prepare_weights(gate, up)
+    except ValueError as exc:
+        raise KernelArgumentError(f"w1 {tuple(w1.shape)} cannot be prepared: {exc}") from None
+
+
+class PreparedCache:
+    """Prepared w13 per weight tensor, keyed weakly (see the module docstring)."""
+
+    def __init__(self):
+        self._entries: dict[int, tuple[weakref.ref, tuple, torch.Tensor]] = {}
+
+    @staticmethod
+    def _key(w: torch.Tensor) -> tuple:
+        return (w.data_ptr(), w._version, tuple(w.shape), tuple(w.stride()), w.dtype, w.device)
+
+    def get(self, w1: torch.Tensor) -> torch.Tensor:
+        key = self._key(w1)
+        hit = self._entries.get(id(w1))
+        if hit is not None and hit[0]() is w1 and hit[1] == key:
+            return hit[2]
+        prepared = prepare_fused_gate_up(w1)
+        ident = id(w1)
+
+        def drop(ref, ident=ident, entries=self._entries):
+            entry = entries.get(ident)
+            if entry is not None and entry[0] is ref:
+                del entries[ident]
+
+        self._entries[ident] = (weakref.ref(w1, drop), key, prepared)
+        return prepared
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+
+PREPARED = PreparedCache()
+
+_UNSUPPORTED = {  # argument -> what it asks for, refused when not at its default
+    "use_fp8_w8a8": "fp8 weights", "use_int8_w8a8": "int8 weights", "use_int8_w8a16": "int8 weights",
+    "use_int4_w4a16": "int4 weights", "use_mxfp4_w4a4": "mxfp4 weights", "per_channel_quant": "quantized weights",
+    "w1_scale": "quantized weights", "w2_scale": "quantized weights", "w1_zp": "quantized weights",
+    "w2_zp": "quantized weights", "a1_scale": "quantized activations", "a2_scale": "quantized activations",
+    "block_shape": "block-quantized weights", "w1_bias": "expert biases", "w2_bias": "expert biases",
+    "no_combine": "uncombined per-expert outputs",
+}
+
+
+def fused_experts(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+                  topk_weights: torch.Tensor, topk_ids: torch.Tensor, inplace: bool = False,
+                  activation: str = "silu", apply_router_weight_on_input: bool = False,
+                  global_num_experts: int = -1, expert_map: torch.Tensor | None = None,
+                  routed_scaling_factor: float | None = None, **unsupported) -> torch.Tensor:
+    """vLLM's/SGLang's fused_experts on the moe-aot kernels.
+
+    hidden_states [M, H] bf16; w1 [E, 2I, H] bf16, gate rows first; w2 [E, H, I] bf16;
+    topk_weights [M, K] (any float dtype, used as fp32); topk_ids [M, K] int32 or int64, global
+    ids when expert_map ([global_num_experts] int, -1 for experts on other ranks) is given.
+    inplace writes the result into hidden_states and returns it. routed_scaling_factor (SGLang)
+    scales the output. Quantization, expert biases and uncombined output are refused.
+    """
+    for name, value in unsupported.items():
+        if name not in _UNSUPPORTED:
+            raise KernelArgumentError(f"fused_experts got an unknown argument {name!r}")
+        if value is not None and value is not False:
+            raise KernelArgumentError(f"{name} asks for {_UNSUPPORTED[name]}, which the moe-aot kernels do not "
+                                      "compute yet (bf16 weights without biases only)")
+    if activation not in ACTIVATION_NAMES:
+        raise KernelArgumentError(f"activation must be one of {', '.join(ACTIVATION_NAMES)}, got {activation!r} "
+                                  "(GeGLU is the tanh approximation: 'gelu_tanh')")
+    if not isinstance(hidden_states, torch.Tensor) or not isinstance(topk_ids, torch.Tensor) or \
+            not isinstance(topk_weights, torch.Tensor):
+        raise KernelArgumentError("hidden_states, topk_weights and topk_ids must be torch.Tensors")
+    if topk_ids.dtype not in (torch.int32, torch.int64):
+        raise KernelArgumentError(f"topk_ids must be int32 or int64, got {topk_ids.dtype}")
+    if not topk_weights.is_floating_point():
+        raise KernelArgumentError(f"topk_weights must be a floating-point tensor, got {topk_weights.dtype}")
+    if apply_router_weight_on_input:
+        if topk_ids.dim() != 2 or topk_ids.shape[1] != 1:
+            raise KernelArgumentError("apply_router_weight_on_input needs top_k == 1, got topk_ids of shape "
+                                      f"{tuple(topk_ids.shape)}")
+        hidden_states_in = (hidden_states.float() * topk_weights.float()).to(hidden_states.dtype)
+        weights = torch.ones_like(topk_weights, dtype=torch.float32)
+    else:
+        hidden_states_in = hidden_states
+        weights = topk_weights.float()
+    if routed_scaling_factor is not None:
+        weights = weights * routed_scaling_factor
+    ids = topk_ids
+    if expert_map is not None:
+        if global_num_experts not in (-1, expert_map.shape[0]):
+            raise KernelArgumentError(f"global_num_experts ({global_num_experts}) must equal the length of "
+                                      f"expert_map ({expert_map.shape[0]})")
+        ids = map_experts(topk_ids, expert_map)
+    ids = ids.to(torch.int32).contiguous()
+    w13 = PREPARED.get(w1)
+    out = torch.ops.moe_aot.fused_moe(hidden_states_in.contiguous(), w13, w2, weights.contiguous(), ids,
+                                      ACTIVATION_NAMES[activation])
+    if inplace:
+        return hidden_states.copy_(out)
+    return out

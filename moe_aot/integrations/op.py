@@ -1,0 +1,89 @@
+"""Level 1: the fused MoE layer as a PyTorch custom op, `torch.ops.moe_aot.fused_moe`.
+
+    out = torch.ops.moe_aot.fused_moe(x, w13, w2, topk_weights, topk_ids, activation="swiglu")
+
+- x [M, H] bf16; w13 [E, 2I, H] bf16 from prepare_weights() (gate/up interleaved in blocks of
+  16 rows); w2 [E, H, I] bf16; topk_weights [M, K] fp32; topk_ids [M, K] int32; out [M, H] bf16,
+  a new tensor. Ids outside [0, E) contribute nothing. All tensors contiguous, on one device.
+- CUDA: the AOT kernels from the database (runtime.layer.moe_forward), launched on the current
+  stream with no host sync, so the op captures in CUDA graphs (warm up once at the largest token
+  count first: that call loads the kernels and allocates the layer's workspace).
+- CPU: the fp32 reference (runtime.reference.moe_reference), rounded to bf16; it exists so that
+  registration, fake tensors, opcheck and torch.compile can be tested without a GPU.
+- Meta / fake tensors: the same checks, then an empty [M, H] bf16 output.
+No autograd formula is registered (forward only); calling backward through it raises.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..runtime.library import KernelArgumentError
+from ..runtime.reference import moe_reference
+from ..spec import ACTIVATIONS
+from ..variants import INTERLEAVE
+
+
+def check_op_inputs(x, w13, w2, topk_weights, topk_ids, activation: str = "swiglu") -> None:
+    """The op's contract, checked on real and fake tensors alike (shapes, dtypes, devices)."""
+    for name, t, rank in (("x", x, 2), ("w13", w13, 3), ("w2", w2, 3), ("topk_weights", topk_weights, 2),
+                          ("topk_ids", topk_ids, 2)):
+        if not isinstance(t, torch.Tensor) or t.dim() != rank:
+            got = f"shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise KernelArgumentError(f"{name} must be a {rank}-D tensor, got {got}")
+    for name, t, dtype in (("x", x, torch.bfloat16), ("w13", w13, torch.bfloat16), ("w2", w2, torch.bfloat16),
+                           ("topk_weights", topk_weights, torch.float32), ("topk_ids", topk_ids, torch.int32)):
+        if t.dtype != dtype:
+            raise KernelArgumentError(f"{name} must be {dtype}, got {t.dtype}")
+    M, H = x.shape
+    E, I2, H1 = w13.shape
+    I = I2 // 2
+    if H1 != H or I2 % (2 * INTERLEAVE):
+        raise KernelArgumentError(f"w13 must have shape (experts, 2*intermediate, {H}) with intermediate a "
+                                  f"multiple of {INTERLEAVE} (from prepare_weights), got {tuple(w13.shape)}")
+    if tuple(w2.shape) != (E, H, I):
+        raise KernelArgumentError(f"w2 must have shape ({E}, {H}, {I}) to match w13 {tuple(w13.shape)}, "
+                                  f"got {tuple(w2.shape)}")
+    if topk_ids.shape[0] != M or topk_weights.shape != topk_ids.shape:
+        raise KernelArgumentError(f"topk_weights and topk_ids must both have shape ({M}, top_k) for x of "
+                                  f"{M} tokens, got {tuple(topk_weights.shape)} and {tuple(topk_ids.shape)}")
+    if activation not in ACTIVATIONS:
+        raise KernelArgumentError(f"activation must be one of {', '.join(ACTIVATIONS)}, got {activation!r}")
+    for name, t in (("w13", w13), ("w2", w2), ("topk_weights", topk_weights), ("topk_ids", topk_ids)):
+        if t.device != x.device:
+            raise KernelArgumentError(f"{name} must be on {x.device} like x, got {t.device}")
+    for name, t in (("x", x), ("w13", w13), ("w2", w2), ("topk_weights", topk_weights), ("topk_ids", topk_ids)):
+        if not t.is_contiguous():
+            raise KernelArgumentError(f"{name} must be contiguous (call .contiguous() first)")
+
+
+def _layout_tags() -> tuple:
+    # The kernels need contiguous operands: tell inductor not to hand the op padded or permuted
+    # buffers (its comprehensive padding is on for CUDA). The tag's name depends on the torch version.
+    for name in ("needs_contiguous_strides", "needs_exact_strides", "needs_fixed_stride_order"):
+        if hasattr(torch.Tag, name):
+            return (getattr(torch.Tag, name),)
+    return ()
+
+
+@torch.library.custom_op("moe_aot::fused_moe", mutates_args=(), device_types="cpu", tags=_layout_tags())
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor, activation: str = "swiglu") -> torch.Tensor:
+    """sum_k topk_weights[m, k] * FFN_{topk_ids[m, k]}(x[m]); see the module docstring."""
+    check_op_inputs(x, w13, w2, topk_weights, topk_ids, activation)
+    if x.shape[0] == 0:
+        return x.new_empty(0, x.shape[1])
+    return moe_reference(x, w13, w2, topk_weights, topk_ids, activation, INTERLEAVE).to(torch.bfloat16)
+
+
+@fused_moe.register_kernel("cuda")
+def _fused_moe_cuda(x, w13, w2, topk_weights, topk_ids, activation="swiglu"):
+    from ..runtime.layer import moe_forward  # loads kernels lazily; CPU use never opens a database
+
+    check_op_inputs(x, w13, w2, topk_weights, topk_ids, activation)
+    return moe_forward(x, w13, w2, topk_weights, topk_ids, activation=activation)
+
+
+@fused_moe.register_fake
+def _fused_moe_fake(x, w13, w2, topk_weights, topk_ids, activation="swiglu"):
+    check_op_inputs(x, w13, w2, topk_weights, topk_ids, activation)
+    return x.new_empty(x.shape)

@@ -1,0 +1,255 @@
+"""GPU tests of the integration levels: the custom op on the AOT kernels (opcheck,
+torch.compile fullgraph, CUDA-graph replay with new inputs), fused_experts against the fp32
+reference on every row, and tiny transformers models of each family, patched against unpatched.
+Skipped without a GPU or without compiled kernels (set MOE_AOT_DB; tools/gpu_run.py does the
+whole run); the transformers tests also without transformers."""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA GPU visible", allow_module_level=True)
+
+import torch.nn.functional as F  # noqa: E402
+
+from moe_aot.integrations import (GatedMLP, MoeBlock, MoeExperts, Router, fused_experts,  # noqa: E402
+                                  prepare_fused_gate_up, softmax_topk)
+from moe_aot.runtime.reference import moe_reference, rel_err, row_rel_err  # noqa: E402
+from moe_aot.runtime.store import KernelStore  # noqa: E402
+from moe_aot.runtime.verify import ROW_TOLERANCE, TOLERANCE, random_routing  # noqa: E402
+from moe_aot.spec import PRESETS, make_spec  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+MODELS = os.environ.get("MOE_AOT_TEST_MODELS", ",".join(PRESETS)).split(",")
+DEV = torch.device("cuda")
+
+
+@pytest.fixture(scope="module")
+def store():
+    try:
+        return KernelStore()
+    except Exception as exc:  # no database: nothing was compiled for this machine
+        pytest.skip(f"no kernel database: {exc}")
+
+
+def gate_first_weights(spec, scale=1.0):
+    H, I, E = spec.hidden, spec.intermediate, spec.experts
+    w1 = torch.randn(E, 2 * I, H, device=DEV, dtype=torch.bfloat16) * (scale / H ** 0.5)
+    w2 = torch.randn(E, H, I, device=DEV, dtype=torch.bfloat16) * (scale / I ** 0.5)
+    return w1, w2
+
+
+def block_for(spec, shared=True):
+    """A MoeBlock of the spec's shape: softmax top-k router, the experts, a gated shared expert."""
+    H, I = spec.hidden, spec.intermediate
+    w1, w2 = gate_first_weights(spec)
+    bf = dict(device=DEV, dtype=torch.bfloat16)
+    shared_mlp = GatedMLP(torch.randn(I, H, **bf) * H ** -0.5, torch.randn(I, H, **bf) * H ** -0.5,
+                          torch.randn(H, I, **bf) * I ** -0.5) if shared else None
+    return MoeBlock(Router(torch.randn(spec.experts, H, **bf) * H ** -0.5 * 4, spec.top_k, "softmax_topk",
+                           renormalize=True),
+                    MoeExperts.from_fused(w1, w2), shared=shared_mlp,
+                    shared_gate=torch.randn(1, H, **bf) * H ** -0.5 if shared else None)
+
+
+def block_reference(block, h):
+    """The block in fp32 from its own routing: the experts by moe_reference, the shared MLP in fp32."""
+    x = h.reshape(-1, h.shape[-1])
+    tw, ids = block.router(x)
+    out = moe_reference(x, block.experts.w13, block.experts.w2, tw, ids)
+    if block.shared is not None:
+        s = block.shared
+        xf = x.float()
+        sh = F.linear(F.silu(F.linear(xf, s.w_gate.float())) * F.linear(xf, s.w_up.float()), s.w_down.float())
+        out = out + torch.sigmoid(F.linear(xf, block.shared_gate.float())) * sh
+    return out
+
+
+@pytest.mark.parametrize("tokens", [1, 64])
+def test_opcheck_on_cuda(store, tokens):
+    spec = make_spec(MODELS[0], target="sm_90a")
+    w1, w2 = gate_first_weights(spec)
+    x = torch.randn(tokens, spec.hidden, device=DEV, dtype=torch.bfloat16)
+    tw, ids = random_routing(tokens, spec, DEV)
+    torch.library.opcheck(torch.ops.moe_aot.fused_moe.default, (x, prepare_fused_gate_up(w1), w2, tw, ids))
+
+
+@pytest.fixture(scope="module", params=MODELS)
+def gate_first_layer(request, store):
+    spec = make_spec(request.param, target="sm_90a")
+    w1, w2 = gate_first_weights(spec)
+    return spec, w1, w2, prepare_fused_gate_up(w1)
+
+
+@pytest.mark.parametrize("tokens", [1, 200, 4096])
+def test_fused_experts_matches_reference_every_row(gate_first_layer, tokens):
+    spec, w1, w2, w13 = gate_first_layer
+    x = torch.randn(tokens, spec.hidden, device=DEV, dtype=torch.bfloat16)
+    tw, ids = random_routing(tokens, spec, DEV, skew=tokens > 1)
+    ref = moe_reference(x, w13, w2, tw, ids, spec.activation)
+    out = fused_experts(x, w1, w2, tw, ids.long())
+    assert rel_err(out, ref) <= TOLERANCE and row_rel_err(out, ref) <= ROW_TOLERANCE, spec.label()
+    # expert parallelism: this rank holds global experts E..2E-1 of 2E; the rest contribute nothing
+    E = spec.experts
+    emap = torch.cat([torch.full((E,), -1, dtype=torch.int32), torch.arange(E, dtype=torch.int32)]).to(DEV)
+    gids = torch.where(torch.rand(ids.shape, device=DEV) < 0.5, ids + E, ids)
+    local = torch.where(gids >= E, gids - E, torch.full_like(gids, -1))
+    out = fused_experts(x, w1, w2, tw, gids, global_num_experts=2 * E, expert_map=emap)
+    ref = moe_reference(x, w13, w2, tw, local, spec.activation)
+    assert rel_err(out, ref) <= TOLERANCE and row_rel_err(out, ref) <= ROW_TOLERANCE, spec.label()
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_torch_compile_fullgraph_matches_eager(store, shared):
+    """Routed experts alone: the compiled graph runs the same kernels on the same routing, so it
+    matches eager to rounding; with the bf16 shared expert inductor fuses its SiLU and product
+    without eager's bf16 intermediates (~4e-3 apart), so that one is held to the layer tolerance."""
+    spec = make_spec(MODELS[0], target="sm_90a")
+    block = block_for(spec, shared=shared)
+    torch._dynamo.reset()
+    compiled = torch.compile(block, fullgraph=True)
+    for tokens in (16, 48, 300):  # a second size recompiles with a symbolic token count
+        h = torch.randn(tokens, spec.hidden, device=DEV, dtype=torch.bfloat16)
+        eager = block(h)
+        got = compiled(h)
+        assert got.shape == h.shape and got.dtype == h.dtype
+        assert rel_err(got, eager.float()) <= (TOLERANCE if shared else 1e-3), tokens
+        ref = block_reference(block, h)
+        assert rel_err(got, ref) <= TOLERANCE and row_rel_err(got, ref) <= ROW_TOLERANCE, tokens
+
+
+def test_cuda_graph_capture_and_replay_with_new_inputs(store):
+    spec = make_spec(MODELS[0], target="sm_90a")
+    block = block_for(spec)
+    M = 96
+    h = torch.randn(M, spec.hidden, device=DEV, dtype=torch.bfloat16)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up: kernels loaded, workspace and plans made
+        block(h)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = block(h)
+    for _ in range(3):
+        h.copy_(torch.randn_like(h))
+        out.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        ref = block_reference(block, h)
+        assert rel_err(out, ref) <= TOLERANCE and row_rel_err(out, ref) <= ROW_TOLERANCE
+        assert rel_err(out, block(h).float()) <= 1e-3
+
+
+def test_op_in_a_graph_with_new_routing(store):
+    """The op alone in a graph: new tokens, routing weights and ids written into the captured
+    buffers between replays."""
+    spec = make_spec(MODELS[0], target="sm_90a")
+    w1, w2 = gate_first_weights(spec)
+    w13 = prepare_fused_gate_up(w1)
+    M = 33
+    x = torch.randn(M, spec.hidden, device=DEV, dtype=torch.bfloat16)
+    tw, ids = random_routing(M, spec, DEV)
+    torch.ops.moe_aot.fused_moe(x, w13, w2, tw, ids)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = torch.ops.moe_aot.fused_moe(x, w13, w2, tw, ids)
+    for _ in range(3):
+        x.copy_(torch.randn_like(x))
+        tw2, ids2 = random_routing(M, spec, DEV)
+        tw.copy_(tw2)
+        ids.copy_(ids2)
+        out.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        ref = moe_reference(x, w13, w2, tw, ids, spec.activation)
+        assert rel_err(out, ref) <= TOLERANCE and row_rel_err(out, ref) <= ROW_TOLERANCE
+
+
+# -- transformers: tiny models of each family, random weights, patched against unpatched --------
+HF_SHAPES = {  # each family on a preset MoE shape that the database holds kernels for
+    "qwen3_moe": "qwen3-30b-a3b",
+    "qwen2_moe": "qwen3-30b-a3b",
+    "mixtral": "mixtral-8x7b",
+    "deepseek_v3": "deepseek-v3",
+}
+
+
+def _time_ms(fn, reps=10):
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+@pytest.mark.parametrize("family", list(HF_SHAPES))
+def test_patched_transformers_model_matches_unpatched(store, family, capsys):
+    pytest.importorskip("transformers")
+    from hf_tiny import tiny_model
+
+    from moe_aot.integrations.transformers import patch
+
+    preset = HF_SHAPES[family]
+    if preset not in MODELS:
+        pytest.skip(f"{preset} not among MOE_AOT_TEST_MODELS")
+    p = PRESETS[preset]
+    model = tiny_model(family, p["experts"], p["top_k"], p["hidden"], p["intermediate"], layers=2, vocab=1024,
+                       heads=16, head_dim=128, device=DEV, dtype=torch.bfloat16)
+    gen = torch.Generator(device=DEV).manual_seed(0)
+    prefill = torch.randint(0, 1024, (4, 128), device=DEV, generator=gen)
+    decode = prefill[:1, :1]
+    blocks_in = {}
+
+    def keep(name):
+        def hook(module, args, out):
+            blocks_in[name] = (args[0], out)
+        return hook
+
+    hooks = [m.register_forward_hook(keep(n)) for n, m in model.named_modules() if n.endswith(".mlp")]
+    with torch.no_grad():
+        ref = model(prefill).logits.float()
+        for hk in hooks:
+            hk.remove()
+        t_ref = (_time_ms(lambda: model(prefill)), _time_ms(lambda: model(decode)))
+        names = patch(model)
+        assert names and all(n in blocks_in for n in names)
+        for name in names:  # each block on the very input the original saw
+            x, want = blocks_in[name]
+            got = model.get_submodule(name)(x)
+            assert row_rel_err(got.reshape(-1, x.shape[-1]), want.reshape(-1, x.shape[-1])) <= ROW_TOLERANCE, name
+        out = model(prefill).logits.float()
+        t_new = (_time_ms(lambda: model(prefill)), _time_ms(lambda: model(decode)))
+    err = rel_err(out, ref)
+    top1 = (out.argmax(-1) == ref.argmax(-1)).float().mean().item()
+    with capsys.disabled():
+        print(f"\n{family} ({preset} MoE shape, 2 layers): logits rel err {err:.2e}, top-1 agreement {top1:.3f}; "
+              f"forward ms unpatched/patched: prefill 4x128 {t_ref[0]:.2f}/{t_new[0]:.2f}, "
+              f"decode 1 token {t_ref[1]:.2f}/{t_new[1]:.2f}")
+    assert err <= 2e-2
+    assert top1 >= 0.97
+
+
+def test_transformers_gpt_oss_is_refused():
+    pytest.importorskip("transformers")
+    from hf_tiny import tiny_model
+
+    from moe_aot.integrations.transformers import PatchError, patch
+
+    model = tiny_model("gpt_oss", 8, 2, 64, 32)
+    with pytest.raises(PatchError, match="clamped SwiGLU with biases"):
+        patch(model)

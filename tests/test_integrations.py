@@ -1,0 +1,423 @@
+"""The integration levels on the CPU: the custom op (registration, fake tensors, opcheck,
+torch.compile), fused_experts and its cache, the routing conventions, shared experts and
+expert_map against straightforward references, MoeExperts loading, and the transformers patch
+(on stand-in blocks; on real tiny transformers models where transformers is installed)."""
+from __future__ import annotations
+
+import gc
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moe_aot.integrations import (PREPARED, GatedMLP, MoeBlock, MoeExperts, Router, fused_experts, grouped_topk,
+                                  map_experts, prepare_fused_gate_up, softmax_topk, topk_softmax)
+from moe_aot.integrations.transformers import PatchError, patch
+from moe_aot.runtime.layer import prepare_weights
+from moe_aot.runtime.library import KernelArgumentError
+from moe_aot.runtime.reference import moe_reference, rel_err, row_rel_err
+
+sys.path.insert(0, str(Path(__file__).parent))
+import moe_fakes  # noqa: E402
+
+E, K, H, I = 8, 2, 64, 32
+
+
+def weights(E=E, H=H, I=I, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    gate, up = (torch.randn(E, I, H, generator=g) * H ** -0.5 for _ in range(2))
+    down = torch.randn(E, H, I, generator=g) * I ** -0.5
+    return gate.bfloat16(), up.bfloat16(), down.bfloat16()
+
+
+def inputs(M=6, E=E, K=K, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, H, generator=g).bfloat16()
+    tw, ids = softmax_topk(torch.randn(M, E, generator=g), K, renormalize=True)
+    return x, tw, ids
+
+
+def ffn_loop(x, gate, up, down, tw, ids):
+    """The layer one pair at a time in fp32 (ids outside [0, E) skipped)."""
+    out = torch.zeros(x.shape[0], down.shape[1])
+    for m in range(x.shape[0]):
+        for k in range(ids.shape[1]):
+            e = int(ids[m, k])
+            if 0 <= e < gate.shape[0]:
+                xm = x[m].float()
+                h = F.silu(gate[e].float() @ xm) * (up[e].float() @ xm)
+                out[m] += tw[m, k].float() * (down[e].float() @ h)
+    return out
+
+
+# -- level 1: the op ---------------------------------------------------------------------------
+def test_op_is_registered_and_matches_a_plain_loop():
+    gate, up, down = weights()
+    x, tw, ids = inputs()
+    ids[0, 1] = -1  # dropped
+    ids[3, 0] = E + 2  # dropped
+    out = torch.ops.moe_aot.fused_moe(x, prepare_weights(gate, up), down, tw, ids)
+    assert out.dtype == torch.bfloat16 and out.shape == (6, H)
+    assert row_rel_err(out, ffn_loop(x, gate, up, down, tw, ids)) < 1e-2
+
+
+@pytest.mark.parametrize("M", [1, 7])
+def test_opcheck_on_cpu(M):
+    gate, up, down = weights()
+    x, tw, ids = inputs(M)
+    torch.library.opcheck(torch.ops.moe_aot.fused_moe.default, (x, prepare_weights(gate, up), down, tw, ids))
+    torch.library.opcheck(torch.ops.moe_aot.fused_moe.default, (x, prepare_weights(gate, up), down, tw, ids),
+                          {"activation": "geglu"})
+
+
+def test_fake_and_meta_tensors_give_the_output_shape():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    gate, up, down = weights()
+    x, tw, ids = inputs(5)
+    w13 = prepare_weights(gate, up)
+    with FakeTensorMode() as mode:
+        fx, fw13, fdown, ftw, fids = (mode.from_tensor(t) for t in (x, w13, down, tw, ids))
+        out = torch.ops.moe_aot.fused_moe(fx, fw13, fdown, ftw, fids)
+        assert out.shape == (5, H) and out.dtype == torch.bfloat16
+        with pytest.raises(KernelArgumentError, match="topk_ids must be torch.int32"):
+            torch.ops.moe_aot.fused_moe(fx, fw13, fdown, ftw, fids.long())
+    meta = [t.to("meta") for t in (x, w13, down, tw, ids)]
+    out = torch.ops.moe_aot.fused_moe(*meta)
+    assert out.device.type == "meta" and out.shape == (5, H)
+
+
+def test_bad_inputs_are_refused_with_one_sentence():
+    gate, up, down = weights()
+    x, tw, ids = inputs()
+    w13 = prepare_weights(gate, up)
+    op = torch.ops.moe_aot.fused_moe
+    cases = [
+        ((x.float(), w13, down, tw, ids), "x must be torch.bfloat16, got torch.float32"),
+        ((x, w13, down, tw.bfloat16(), ids), "topk_weights must be torch.float32"),
+        ((x, w13, down, tw, ids.long()), "topk_ids must be torch.int32, got torch.int64"),
+        ((x[:, :32].contiguous(), w13, down, tw, ids), r"w13 must have shape \(experts, 2\*intermediate, 32\)"),
+        ((x, w13, down[:, :, :16].contiguous(), tw, ids), r"w2 must have shape \(8, 64, 32\)"),
+        ((x, w13, down, tw[:3].contiguous(), ids[:3].contiguous()), r"must both have shape \(6, top_k\)"),
+        ((x, w13, down, tw, ids.t().contiguous().t()), "topk_ids must be contiguous"),
+        ((x[0], w13, down, tw, ids), r"x must be a 2-D tensor, got shape \(64,\)"),
+    ]
+    for args, msg in cases:
+        with pytest.raises(KernelArgumentError, match=msg) as exc:
+            op(*args)
+        assert str(exc.value).count(". ") == 0 and "\n" not in str(exc.value)
+    with pytest.raises(KernelArgumentError, match="activation must be one of swiglu, geglu, got 'relu'"):
+        op(x, w13, down, tw, ids, "relu")
+
+
+class _Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        gate, up, down = weights(E=16)
+        self.moe = MoeBlock(
+            Router(torch.randn(16, H), 4, "grouped_topk", n_group=4, topk_group=2, logits_dtype=torch.float32,
+                   e_score_correction_bias=torch.rand(16) * 0.1, renormalize=True, routed_scaling_factor=2.5),
+            MoeExperts.from_gate_up(gate, up, down, expert_map=torch.tensor([-1, -1] + list(range(14)) + [14, 15])),
+            shared=GatedMLP(*(w[0].float() for w in weights(E=1, I=48, seed=3))), shared_gate=torch.randn(1, H))
+
+    def forward(self, h):
+        return self.moe(h) * 2
+
+
+def test_torch_compile_fullgraph_matches_eager():
+    torch._dynamo.reset()
+    block = _Block()
+    h = torch.randn(2, 5, H)
+    eager = block(h)
+    compiled = torch.compile(block, fullgraph=True, backend="inductor")(h)
+    assert compiled.shape == h.shape and compiled.dtype == h.dtype
+    assert rel_err(compiled, eager.float()) < 1e-5
+
+
+# -- fused_experts (vLLM / SGLang layout) -------------------------------------------------------
+def test_fused_experts_takes_the_gate_first_layout_and_matches_the_op():
+    gate, up, down = weights()
+    x, tw, ids = inputs()
+    w1 = torch.cat([gate, up], 1)
+    ref = torch.ops.moe_aot.fused_moe(x, prepare_weights(gate, up), down, tw, ids)
+    assert torch.equal(fused_experts(x, w1, down, tw, ids.long()), ref)  # int64 ids accepted
+    assert torch.equal(fused_experts(x, w1, down, tw.bfloat16().float(), ids),
+                       torch.ops.moe_aot.fused_moe(x, prepare_weights(gate, up), down, tw.bfloat16().float(), ids))
+    assert rel_err(fused_experts(x, w1, down, tw, ids, routed_scaling_factor=2.5), ref.float() * 2.5) < 1e-2
+    y = x.clone()
+    assert fused_experts(y, w1, down, tw, ids, inplace=True) is y and torch.equal(y, ref)
+    # swapping the halves (the kernels' gate read as up) must change the result
+    assert rel_err(fused_experts(x, torch.cat([up, gate], 1), down, tw, ids), ref.float()) > 0.1
+
+
+def test_fused_experts_caches_by_weight_and_forgets_it():
+    gate, up, down = weights()
+    x, tw, ids = inputs()
+    PREPARED.clear()
+    w1 = torch.cat([gate, up], 1)
+    a = fused_experts(x, w1, down, tw, ids)
+    prepared = PREPARED.get(w1)
+    fused_experts(x, w1, down, tw, ids)
+    assert len(PREPARED) == 1 and PREPARED.get(w1) is prepared
+    with torch.no_grad():
+        w1.mul_(2)  # an in-place update bumps the version: prepared again, result follows
+    b = fused_experts(x, w1, down, tw, ids)
+    assert PREPARED.get(w1) is not prepared and len(PREPARED) == 1
+    assert rel_err(b, fused_experts(x, torch.cat([gate, up], 1) * 2, down, tw, ids).float()) == 0
+    assert rel_err(b, a.float()) > 0.1
+    del w1
+    gc.collect()
+    assert len(PREPARED) == 0
+
+
+def test_fused_experts_expert_map_and_refusals():
+    gate, up, down = weights()
+    x, tw, ids = inputs()
+    w1 = torch.cat([gate, up], 1)
+    # 16 global experts, this rank holds global 8..15 as local 0..7
+    expert_map = torch.tensor([-1] * 8 + list(range(8)), dtype=torch.int32)
+    out = fused_experts(x, w1, down, tw, ids + 8, global_num_experts=16, expert_map=expert_map)
+    assert torch.equal(out, fused_experts(x, w1, down, tw, ids))
+    assert fused_experts(x, w1, down, tw, ids, expert_map=expert_map).float().abs().max() == 0
+    with pytest.raises(KernelArgumentError, match="use_fp8_w8a8 asks for fp8 weights"):
+        fused_experts(x, w1, down, tw, ids, use_fp8_w8a8=True)
+    with pytest.raises(KernelArgumentError, match="w1_bias asks for expert biases"):
+        fused_experts(x, w1, down, tw, ids, w1_bias=torch.zeros(E, 2 * I))
+    with pytest.raises(KernelArgumentError, match="unknown argument 'foo'"):
+        fused_experts(x, w1, down, tw, ids, foo=1)
+    with pytest.raises(KernelArgumentError, match="activation must be one of .*got 'gelu'"):
+        fused_experts(x, w1, down, tw, ids, activation="gelu")
+    with pytest.raises(KernelArgumentError, match=r"w1 must be an \[experts, 2\*intermediate, hidden\]"):
+        fused_experts(x, w1[:, :-1], down, tw, ids)
+    assert fused_experts(x, w1, down, tw, ids, use_fp8_w8a8=False, w1_scale=None).shape == x.shape
+
+
+def test_fused_experts_router_weight_on_input():
+    gate, up, down = weights()
+    x, _, _ = inputs()
+    tw = torch.rand(6, 1)
+    ids = torch.randint(0, E, (6, 1), dtype=torch.int32)
+    w1 = torch.cat([gate, up], 1)
+    out = fused_experts(x, w1, down, tw, ids, apply_router_weight_on_input=True)
+    xs = (x.float() * tw).bfloat16()
+    assert row_rel_err(out, ffn_loop(xs, gate, up, down, torch.ones(6, 1), ids)) < 1e-2
+    with pytest.raises(KernelArgumentError, match="apply_router_weight_on_input needs top_k == 1"):
+        fused_experts(x, w1, down, *inputs()[1:], apply_router_weight_on_input=True)
+
+
+# -- routing conventions ------------------------------------------------------------------------
+def _by_id(w, ids):
+    order = ids.long().argsort(-1)
+    return w.gather(-1, order), ids.long().gather(-1, order)
+
+
+@pytest.mark.parametrize("renormalize", [False, True])
+def test_softmax_topk_against_a_loop(renormalize):
+    logits = torch.randn(9, 16)
+    w, ids = softmax_topk(logits, 4, renormalize)
+    assert w.dtype == torch.float32 and ids.dtype == torch.int32
+    for m in range(9):
+        p = [torch.exp(v).item() for v in logits[m]]
+        p = [v / sum(p) for v in p]
+        best = sorted(range(16), key=lambda e: -p[e])[:4]
+        want = [p[e] for e in best]
+        if renormalize:
+            want = [v / sum(want) for v in want]
+        assert ids[m].tolist() == best
+        assert torch.allclose(w[m], torch.tensor(want), rtol=1e-5)
+
+
+def test_topk_softmax_against_a_loop():
+    logits = torch.randn(5, 8)
+    w, ids = topk_softmax(logits, 3)
+    for m in range(5):
+        best = sorted(range(8), key=lambda e: -logits[m, e].item())[:3]
+        assert ids[m].tolist() == best
+        assert torch.allclose(w[m], torch.softmax(logits[m, best], 0))
+
+
+def test_grouped_topk_against_a_loop():
+    torch.manual_seed(0)
+    E_, G, TG, K_ = 32, 8, 3, 6
+    logits, bias = torch.randn(11, E_), torch.rand(E_) * 0.2
+    w, ids = grouped_topk(logits, K_, G, TG, bias, renormalize=True, routed_scaling_factor=2.5)
+    w, ids = _by_id(w, ids)
+    for m in range(11):
+        s = torch.sigmoid(logits[m])
+        c = s + bias
+        gs = [sum(sorted(c[j * 4:(j + 1) * 4].tolist(), reverse=True)[:2]) for j in range(G)]
+        groups = sorted(range(G), key=lambda j: -gs[j])[:TG]
+        allowed = [e for e in range(E_) if e // 4 in groups]
+        best = sorted(sorted(allowed, key=lambda e: -c[e].item())[:K_])
+        want = s[best] / s[best].sum() * 2.5
+        assert ids[m].tolist() == best
+        assert torch.allclose(w[m], want, rtol=1e-5)
+    # without the bias the choice differs for some token (the bias only moves the choice)
+    _, ids0 = grouped_topk(logits, K_, G, TG, torch.ones(E_) * torch.arange(E_) * 0.1, renormalize=True)
+    assert not torch.equal(_by_id(w, ids0)[1], ids)
+
+
+def test_routing_refusals():
+    with pytest.raises(KernelArgumentError, match="n_group must be a positive integer dividing the 10 experts"):
+        grouped_topk(torch.randn(2, 10), 2, 3, 1)
+    with pytest.raises(KernelArgumentError, match=r"top_k \(9\) must not exceed the experts of the chosen groups"):
+        grouped_topk(torch.randn(2, 16), 9, 4, 2)
+    with pytest.raises(KernelArgumentError, match=r"top_k must be an integer in \[1, 8\]"):
+        softmax_topk(torch.randn(2, 8), 9)
+    with pytest.raises(KernelArgumentError, match="routing must be one of"):
+        Router(torch.randn(8, H), 2, "sinkhorn")
+
+
+def test_map_experts_against_a_loop():
+    emap = torch.tensor([3, -1, 0, -1, 1, 2], dtype=torch.int32)
+    ids = torch.tensor([[0, 1], [2, 5], [4, 7], [-2, 3]], dtype=torch.int32)
+    want = [[emap[e].item() if 0 <= e < 6 else -1 for e in row] for row in ids.tolist()]
+    assert map_experts(ids, emap).tolist() == want
+
+
+def test_expert_parallel_ranks_sum_to_the_whole_layer():
+    gate, up, down = weights(E=8)
+    x, tw, ids = inputs(M=10, E=8, K=3)
+    whole = MoeExperts.from_gate_up(gate, up, down)(x, tw, ids)
+    parts = []
+    for rank in range(2):  # global experts 4*rank..4*rank+3 are local 0..3
+        emap = torch.full((8,), -1, dtype=torch.int32)
+        emap[4 * rank:4 * rank + 4] = torch.arange(4, dtype=torch.int32)
+        sl = slice(4 * rank, 4 * rank + 4)
+        parts.append(MoeExperts.from_gate_up(gate[sl], up[sl], down[sl], expert_map=emap)(x, tw, ids).float())
+    assert rel_err(parts[0] + parts[1], whole.float()) < 1e-2
+    assert rel_err(parts[0], whole.float()) > 0.2
+
+
+def test_moe_block_with_gated_shared_expert_against_a_loop():
+    gate, up, down = weights()
+    sg, su, sd = (w[0].float() for w in weights(E=1, I=48, seed=4))
+    rw, sgate = torch.randn(E, H), torch.randn(1, H)
+    block = MoeBlock(Router(rw, K, "softmax_topk"), MoeExperts.from_gate_up(gate, up, down),
+                     shared=GatedMLP(sg, su, sd), shared_gate=sgate)
+    h = torch.randn(3, 4, H).bfloat16().float()
+    out = block(h)
+    x = h.reshape(-1, H)
+    tw, ids = softmax_topk(x @ rw.t(), K)
+    want = ffn_loop(x.bfloat16(), gate, up, down, tw, ids)
+    for m in range(x.shape[0]):
+        want[m] += torch.sigmoid(sgate[0] @ x[m]) * (sd @ (F.silu(sg @ x[m]) * (su @ x[m])))
+    assert out.shape == h.shape
+    assert row_rel_err(out.reshape(-1, H), want) < 1e-2
+
+
+def test_moe_experts_loads_every_checkpoint_layout():
+    gate, up, down = weights()
+    ref = MoeExperts.from_gate_up(gate, up, down)
+    layouts = [
+        {"mlp.experts.gate_up_proj": torch.cat([gate, up], 1), "mlp.experts.down_proj": down},
+        {f"mlp.experts.{e}.{n}.weight": w[e] for e in range(E)
+         for n, w in (("gate_proj", gate), ("up_proj", up), ("down_proj", down))},
+        {f"mlp.experts.{e}.{n}.weight": w[e] for e in range(E) for n, w in (("w1", gate), ("w3", up), ("w2", down))},
+    ]
+    for sd in layouts:
+        sd["mlp.gate.weight"] = torch.zeros(E, H)  # other tensors of the block are ignored
+        got = MoeExperts.from_state_dict(sd, "mlp.experts.")
+        assert torch.equal(got.w13, ref.w13) and torch.equal(got.w2, ref.w2)
+    bad = dict(layouts[1])
+    del bad["mlp.experts.3.up_proj.weight"]
+    with pytest.raises(KernelArgumentError, match="missing mlp.experts.3.up_proj.weight"):
+        MoeExperts.from_state_dict(bad, "mlp.experts.")
+    with pytest.raises(KernelArgumentError, match="no expert weights under 'other.'"):
+        MoeExperts.from_state_dict(layouts[0], "other.")
+
+
+# -- transformers patch, on stand-in blocks -----------------------------------------------------
+@pytest.mark.parametrize("cls", ["Qwen3MoeSparseMoeBlock", "Qwen2MoeSparseMoeBlock", "MixtralSparseMoeBlock",
+                                 "DeepseekV3MoE"])
+def test_patch_replaces_known_blocks_with_the_same_function(cls):
+    torch.manual_seed(0)
+    model = moe_fakes.Decoder(getattr(moe_fakes, cls)(), getattr(moe_fakes, cls)())
+    h = torch.randn(2, 3, H)
+    with torch.no_grad():
+        ref = [layer.mlp(h) for layer in model.layers]
+        assert patch(model) == ["layers.0.mlp", "layers.1.mlp"]
+        got = [layer.mlp(h) for layer in model.layers]
+    assert all(isinstance(layer.mlp, MoeBlock) for layer in model.layers)
+    for r, g in zip(ref, got):
+        assert row_rel_err(g.reshape(-1, H), r.reshape(-1, H)) < 1.5e-2
+
+
+def test_patch_refuses_unknown_and_gpt_oss_blocks_before_replacing_anything():
+    model = moe_fakes.Decoder(moe_fakes.MixtralSparseMoeBlock(), moe_fakes.UnknownSparseMoeBlock())
+    with pytest.raises(PatchError, match=r"layers.1.mlp \(UnknownSparseMoeBlock\) looks like a MoE block that "
+                                         r"patch\(\) does not know; known blocks: Qwen3MoeSparseMoeBlock"):
+        patch(model)
+    assert isinstance(model.layers[0].mlp, moe_fakes.MixtralSparseMoeBlock)
+    model = moe_fakes.Decoder(moe_fakes.MixtralSparseMoeBlock(), moe_fakes.GptOssMLP())
+    with pytest.raises(PatchError, match="GPT-OSS block, whose experts compute a clamped SwiGLU with biases"):
+        patch(model)
+    assert isinstance(model.layers[0].mlp, moe_fakes.MixtralSparseMoeBlock)
+    assert patch(model, gpt_oss="keep") == ["layers.0.mlp"]
+    assert isinstance(model.layers[1].mlp, moe_fakes.GptOssMLP)
+    with pytest.raises(PatchError, match="has no sparse-MoE block"):
+        patch(torch.nn.Sequential(torch.nn.Linear(4, 4)))
+    model = moe_fakes.Decoder(moe_fakes.MixtralSparseMoeBlock(), hidden_act="relu")
+    with pytest.raises(PatchError, match="hidden_act 'relu' has no moe-aot kernel"):
+        patch(model)
+    assert isinstance(model.layers[0].mlp, moe_fakes.MixtralSparseMoeBlock)
+    assert patch(moe_fakes.Decoder(moe_fakes.MixtralSparseMoeBlock())) == ["layers.0.mlp"]
+
+
+# -- transformers patch, on tiny real models (where transformers is installed) ------------------
+HF_FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3"]
+
+
+@pytest.mark.parametrize("family", HF_FAMILIES)
+def test_patched_transformers_model_matches_unpatched(family):
+    pytest.importorskip("transformers")
+    from hf_tiny import tiny_model
+
+    model = tiny_model(family, 8, 2, H, I)
+    tokens = torch.randint(0, 512, (4, 64), generator=torch.Generator().manual_seed(0))
+    blocks_in = {}
+
+    def keep(name):
+        def hook(module, args, out):
+            blocks_in[name] = (args[0], out)
+        return hook
+
+    hooks = [m.register_forward_hook(keep(n)) for n, m in model.named_modules() if n.endswith(".mlp")]
+    with torch.no_grad():
+        ref = model(tokens).logits
+    for hk in hooks:
+        hk.remove()
+    names = patch(model)
+    assert names and all(n in blocks_in for n in names)
+    with torch.no_grad():
+        for name in names:  # each block on the very input the original saw
+            x, want = blocks_in[name]
+            got = model.get_submodule(name)(x)
+            assert row_rel_err(got.reshape(-1, H), want.reshape(-1, H)) < 1.5e-2, name
+        out = model(tokens).logits
+    assert rel_err(out, ref) <= 2e-2
+    assert (out.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.97
+
+
+def test_transformers_gpt_oss_is_refused():
+    pytest.importorskip("transformers")
+    from hf_tiny import tiny_model
+
+    model = tiny_model("gpt_oss", 8, 2, H, I)
+    with pytest.raises(PatchError, match=r"model.layers.0.mlp \(GptOssMLP\) is a GPT-OSS block"):
+        patch(model)
+    assert patch(model, gpt_oss="keep") == []
+
+
+# -- the README's examples run as written -------------------------------------------------------
+@pytest.mark.parametrize("name", ["level1", "level2"])
+def test_readme_example_runs(name):
+    import re
+
+    text = (Path(__file__).parent.parent / "README.md").read_text()
+    m = re.search(rf"<!-- example: {name} -->\n```python\n(.*?)```", text, re.S)
+    assert m, f"README has no example {name}"
+    torch._dynamo.reset()
+    exec(compile(m.group(1), f"README:{name}", "exec"), {})
