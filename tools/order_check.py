@@ -1,0 +1,75 @@
+#!/usr/bin/env python3
+"""Does the order of measurement change a timing? Per point, the served pick (A) and the bucket's
+default (B) timed as the tuner and the benchmark time them (runtime.measure.measure_variant: CUDA
+graphs over several routings, median) in the order A B A B B A on the same inputs, so a bias
+of the first (or of the later) measurement shows up as A1 != A2 or B1 != B2.
+
+    python3 tools/order_check.py --out DIR [--models m1,m2] [--tokens 1,16,1024] [--warmup-ms 0]
+
+Writes DIR/order_check.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from moe_aot.runtime import measure  # noqa: E402
+from moe_aot.runtime.layer import MoeLayer  # noqa: E402
+from moe_aot.runtime.store import KernelStore  # noqa: E402
+from moe_aot.runtime.verify import random_weights  # noqa: E402
+from moe_aot.spec import make_spec  # noqa: E402
+from moe_aot.variants import bucket_for, default_variant  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--models", default="qwen3-30b-a3b,qwen3-235b-a22b,gpt-oss-120b,deepseek-v3,mixtral-8x7b")
+    ap.add_argument("--tokens", default="1,16,1024")
+    ap.add_argument("--replays", type=int, default=100)
+    args = ap.parse_args()
+    store = KernelStore()
+    rows = []
+    for name in args.models.split(","):
+        spec = make_spec(name)
+        layer = MoeLayer(spec, store)
+        w13, w2 = random_weights(spec, layer.device)
+        for M in map(int, args.tokens.split(",")):
+            pick, dflt = layer.variant_for(M), default_variant(spec, bucket_for(M))
+            if pick == dflt:
+                dflt = dflt.pdl_twin()
+            sets = measure.input_sets(spec, M, layer.device)
+            times = []
+            try:
+                for tag, v in zip("ABABBA", (pick, dflt, pick, dflt, dflt, pick)):
+                    t0 = time.perf_counter()
+                    m = measure.measure_variant(layer, v, M, w13, w2, args.replays, sets)
+                    times.append((tag, round(m.get("median_us", float("nan")), 2),
+                                  round(time.perf_counter() - t0, 2)))
+            except LookupError as exc:  # a variant whose kernels the database lacks: reported, skipped
+                print(name, M, "skipped:", exc, flush=True)
+                continue
+            a = [t for tag, t, _ in times if tag == "A"]
+            b = [t for tag, t, _ in times if tag == "B"]
+            row = {"model": name, "tokens": M, "A": pick.name(spec), "B": dflt.name(spec), "order": times,
+                   "A_first_over_A_later": round(a[0] / min(a[1:]), 3), "B_first_over_B_later": round(b[0] / min(b[1:]), 3),
+                   "B_over_A_median": round(sorted(b)[1] / sorted(a)[1], 3)}
+            rows.append(row)
+            print(name, M, " ".join(f"{tag}{t}" for tag, t, _ in times),
+                  f"A1/A* {row['A_first_over_A_later']} B1/B* {row['B_first_over_B_later']} B/A {row['B_over_A_median']}",
+                  flush=True)
+        del w13, w2
+        torch.cuda.empty_cache()
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "order_check.json").write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
