@@ -99,10 +99,10 @@ def compile_all(out_dir: Path, arch: str, only=None) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     manifest = []
     for v in variants(only):
-        mma, _, cluster = v["mma"].partition(":c")  # "hopws:c2": cluster_m 2
+        mma, _, opt = v["mma"].partition(":")  # "hopws:c2": cluster_m 2
         hop = mma == "hopws"
         glu_cls, down_cls = (HopperGluGemm, HopperDownGemm) if hop else (GroupedGluGemm, GroupedDownGemm)
-        extra = {"cluster_m": int(cluster)} if cluster else {}
+        extra = {{"c": "cluster_m"}[opt[0]]: int(opt[1:])} if opt else {}
         g = glu_cls(v["E"], v["H"], v["I"], v["k"], activation=v["act"],
                     interleave=INTERLEAVE, tile_m=v["tile_m"], tile_n=v["glu"][0],
                     tile_k=v["glu"][1], stages=v["glu"][2], mma=mma, **extra)
