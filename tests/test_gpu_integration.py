@@ -150,6 +150,32 @@ def test_cuda_graph_capture_and_replay_with_new_inputs(store):
         assert rel_err(out, block(h).float()) <= 1e-3
 
 
+@pytest.mark.parametrize("routing", ["softmax_topk", "topk_softmax", "grouped_topk"])
+def test_no_host_sync_in_a_block(store, routing):
+    """torch's sync debug mode raises on any host-device synchronisation torch makes (.item(),
+    nonzero, a device-to-host copy): a whole block, routing, expert_map and shared expert
+    included, runs under it after its warm-up call."""
+    spec = make_spec(MODELS[0], target="sm_90a")
+    block = block_for(spec)
+    E = spec.experts
+    kw = dict(n_group=8, topk_group=4, e_score_correction_bias=torch.rand(E, device=DEV) * 0.1,
+              logits_dtype=torch.float32) if routing == "grouped_topk" else {}
+    block.router = Router(block.router.weight, spec.top_k, routing, renormalize=True, **kw)
+    block.experts.expert_map = torch.arange(E, dtype=torch.int32, device=DEV)  # identity map
+    h = torch.randn(40, spec.hidden, device=DEV, dtype=torch.bfloat16)
+    want = block(h)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = block(h)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert rel_err(got, want.float()) <= 1e-3
+    ref = block_reference(block, h)
+    assert rel_err(got, ref) <= TOLERANCE and row_rel_err(got, ref) <= ROW_TOLERANCE
+
+
 def test_op_in_a_graph_with_new_routing(store):
     """The op alone in a graph: new tokens, routing weights and ids written into the captured
     buffers between replays."""
