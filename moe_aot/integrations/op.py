@@ -15,6 +15,8 @@ No autograd formula is registered (forward only); calling backward through it ra
 """
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from ..runtime.library import KernelArgumentError
@@ -56,16 +58,19 @@ def check_op_inputs(x, w13, w2, topk_weights, topk_ids, activation: str = "swigl
             raise KernelArgumentError(f"{name} must be contiguous (call .contiguous() first)")
 
 
-def _layout_tags() -> tuple:
+def _layout_tags() -> dict:
     # The kernels need contiguous operands: tell inductor not to hand the op padded or permuted
-    # buffers (its comprehensive padding is on for CUDA). The tag's name depends on the torch version.
+    # buffers (its comprehensive padding is on for CUDA). The tag's name, and whether custom_op
+    # takes tags at all, depend on the torch version.
+    if "tags" not in inspect.signature(torch.library.custom_op).parameters:
+        return {}
     for name in ("needs_contiguous_strides", "needs_exact_strides", "needs_fixed_stride_order"):
         if hasattr(torch.Tag, name):
-            return (getattr(torch.Tag, name),)
-    return ()
+            return {"tags": (getattr(torch.Tag, name),)}
+    return {}
 
 
-@torch.library.custom_op("moe_aot::fused_moe", mutates_args=(), device_types="cpu", tags=_layout_tags())
+@torch.library.custom_op("moe_aot::fused_moe", mutates_args=(), device_types="cpu", **_layout_tags())
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, activation: str = "swiglu") -> torch.Tensor:
     """sum_k topk_weights[m, k] * FFN_{topk_ids[m, k]}(x[m]); see the module docstring."""
