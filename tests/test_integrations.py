@@ -172,6 +172,21 @@ def test_fused_experts_caches_by_weight_and_forgets_it():
     assert len(PREPARED) == 0
 
 
+def test_fused_experts_under_inference_mode():
+    """Inference tensors have no version counter; the cache still works on them."""
+    gate, up, down = weights()
+    x, tw, ids = inputs()
+    PREPARED.clear()
+    with torch.inference_mode():
+        w1 = torch.cat([gate, up], 1)
+        out = fused_experts(x, w1, down, tw, ids)
+        assert PREPARED.get(w1) is PREPARED.get(w1) and len(PREPARED) == 1
+    assert torch.equal(out, torch.ops.moe_aot.fused_moe(x, prepare_weights(gate, up), down, tw, ids))
+    del w1
+    gc.collect()
+    assert len(PREPARED) == 0
+
+
 def test_fused_experts_expert_map_and_refusals():
     gate, up, down = weights()
     x, tw, ids = inputs()
