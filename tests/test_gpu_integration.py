@@ -20,7 +20,7 @@ if not torch.cuda.is_available():
 import torch.nn.functional as F  # noqa: E402
 
 from moe_aot.integrations import (GatedMLP, MoeBlock, MoeExperts, Router, fused_experts,  # noqa: E402
-                                  prepare_fused_gate_up, softmax_topk)
+                                  grouped_topk, map_experts, prepare_fused_gate_up)
 from moe_aot.runtime.reference import moe_reference, rel_err, row_rel_err  # noqa: E402
 from moe_aot.runtime.store import KernelStore  # noqa: E402
 from moe_aot.runtime.verify import ROW_TOLERANCE, TOLERANCE, random_routing  # noqa: E402
@@ -174,6 +174,32 @@ def test_no_host_sync_in_a_block(store, routing):
     assert rel_err(got, want.float()) <= 1e-3
     ref = block_reference(block, h)
     assert rel_err(got, ref) <= TOLERANCE and row_rel_err(got, ref) <= ROW_TOLERANCE
+
+
+def test_routed_op_on_cuda(store):
+    """fused_moe_routed: grouped top-k routing and an expert map, then the kernels; eager equals
+    the composition, torch.compile(fullgraph=True) equals eager, every row against the reference."""
+    spec = make_spec(MODELS[0], target="sm_90a")
+    w1, w2 = gate_first_weights(spec)
+    w13 = prepare_fused_gate_up(w1)
+    E, M = spec.experts, 77
+    x = torch.randn(M, spec.hidden, device=DEV, dtype=torch.bfloat16)
+    logits, bias = torch.randn(M, E, device=DEV), torch.rand(E, device=DEV) * 0.1
+    emap = torch.randperm(E, device=DEV).to(torch.int32)
+    emap[:3] = -1
+
+    def routed(x, logits):
+        return torch.ops.moe_aot.fused_moe_routed(x, logits, w13, w2, spec.top_k, "grouped_topk", True, 8, 4, bias,
+                                                  2.5, emap)
+
+    eager = routed(x, logits)
+    tw, ids = grouped_topk(logits, spec.top_k, 8, 4, bias, True, 2.5)
+    ids = map_experts(ids, emap)
+    assert torch.equal(eager, torch.ops.moe_aot.fused_moe(x, w13, w2, tw, ids))
+    ref = moe_reference(x, w13, w2, tw, ids, spec.activation)
+    assert rel_err(eager, ref) <= TOLERANCE and row_rel_err(eager, ref) <= ROW_TOLERANCE
+    torch._dynamo.reset()
+    assert rel_err(torch.compile(routed, fullgraph=True)(x, logits), eager.float()) <= 1e-3
 
 
 def test_op_in_a_graph_with_new_routing(store):

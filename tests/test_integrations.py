@@ -112,6 +112,28 @@ def test_bad_inputs_are_refused_with_one_sentence():
         op(x, w13, down, tw, ids, "relu")
 
 
+@pytest.mark.parametrize("routing", ["softmax_topk", "topk_softmax", "grouped_topk"])
+def test_routed_op_is_routing_then_the_op(routing):
+    gate, up, down = weights(E=16)
+    w13 = prepare_weights(gate, up)
+    x = torch.randn(5, H).bfloat16()
+    logits, bias = torch.randn(5, 16), torch.rand(16) * 0.1
+    emap = torch.tensor([3, 2, 1, 0, -1, -1] + list(range(4, 14)), dtype=torch.int32)
+    kw = dict(renormalize=True, n_group=4, topk_group=2, e_score_correction_bias=bias, routed_scaling_factor=2.5,
+              expert_map=emap)
+    got = torch.ops.moe_aot.fused_moe_routed(x, logits, w13, down, 4, routing, **kw)
+    if routing == "softmax_topk":
+        tw, ids = softmax_topk(logits, 4, True)
+    elif routing == "topk_softmax":
+        tw, ids = topk_softmax(logits, 4)
+    else:
+        tw, ids = grouped_topk(logits, 4, 4, 2, bias, True, 2.5)
+    assert torch.equal(got, torch.ops.moe_aot.fused_moe(x, w13, down, tw, map_experts(ids, emap)))
+    torch.library.opcheck(torch.ops.moe_aot.fused_moe_routed.default, (x, logits, w13, down, 4, routing), kw)
+    with pytest.raises(KernelArgumentError, match="routing must be one of softmax_topk, topk_softmax, grouped_topk"):
+        torch.ops.moe_aot.fused_moe_routed(x, logits, w13, down, 4, "sinkhorn")
+
+
 class _Block(torch.nn.Module):
     def __init__(self):
         super().__init__()
@@ -134,6 +156,14 @@ def test_torch_compile_fullgraph_matches_eager():
     compiled = torch.compile(block, fullgraph=True, backend="inductor")(h)
     assert compiled.shape == h.shape and compiled.dtype == h.dtype
     assert rel_err(compiled, eager.float()) < 1e-5
+    # the routed op (composite: routing ops + fused_moe) traces into the same kind of graph
+    gate, up, down = weights(E=16)
+    w13, x, logits = prepare_weights(gate, up), torch.randn(7, H).bfloat16(), torch.randn(7, 16)
+
+    def routed(x, logits):
+        return torch.ops.moe_aot.fused_moe_routed(x, logits, w13, down, 4, "grouped_topk", True, 4, 2, None, 2.5)
+
+    assert torch.equal(torch.compile(routed, fullgraph=True)(x, logits), routed(x, logits))
 
 
 # -- fused_experts (vLLM / SGLang layout) -------------------------------------------------------
