@@ -390,6 +390,26 @@ def test_patch_replaces_known_blocks_with_the_same_function(cls):
         assert row_rel_err(g.reshape(-1, H), r.reshape(-1, H)) < 1.5e-2
 
 
+def test_convert_one_block():
+    from moe_aot.integrations.transformers import convert
+
+    torch.manual_seed(0)
+    block = moe_fakes.DeepseekV3MoE()
+    h = torch.randn(5, H)
+    with torch.no_grad():
+        assert row_rel_err(convert(block)(h), block(h)) < 1.5e-2
+    mixtral = moe_fakes.MixtralSparseMoeBlock()
+    with pytest.raises(PatchError, match=r"carries no config: pass the model's, convert\(block, model.config\)"):
+        convert(mixtral)
+    assert isinstance(convert(mixtral, moe_fakes.Decoder().config), MoeBlock)
+    with pytest.raises(PatchError, match="hidden_act 'gelu' has no moe-aot kernel"):
+        convert(mixtral, moe_fakes.Decoder(hidden_act="gelu").config)
+    with pytest.raises(PatchError, match="GptOssMLP is a GPT-OSS block"):
+        convert(moe_fakes.GptOssMLP())
+    with pytest.raises(PatchError, match="UnknownSparseMoeBlock is not a MoE block convert"):
+        convert(moe_fakes.UnknownSparseMoeBlock())
+
+
 def test_patch_refuses_unknown_and_gpt_oss_blocks_before_replacing_anything():
     model = moe_fakes.Decoder(moe_fakes.MixtralSparseMoeBlock(), moe_fakes.UnknownSparseMoeBlock())
     with pytest.raises(PatchError, match=r"layers.1.mlp \(UnknownSparseMoeBlock\) looks like a MoE block that "
