@@ -428,6 +428,10 @@ def test_patch_refuses_unknown_and_gpt_oss_blocks_before_replacing_anything():
     with pytest.raises(PatchError, match="hidden_act 'relu' has no moe-aot kernel"):
         patch(model)
     assert isinstance(model.layers[0].mlp, moe_fakes.MixtralSparseMoeBlock)
+    model = moe_fakes.Decoder(moe_fakes.MixtralSparseMoeBlock())
+    del model.config
+    with pytest.raises(PatchError, match="neither the block nor the model has a config"):
+        patch(model)
     assert patch(moe_fakes.Decoder(moe_fakes.MixtralSparseMoeBlock())) == ["layers.0.mlp"]
 
 

@@ -139,6 +139,9 @@ def patch(model: nn.Module, gpt_oss: str = "refuse") -> list[str]:
         raise PatchError(f"{type(model).__name__} has no sparse-MoE block patch() knows "
                          f"({', '.join(list(BLOCKS) + list(GPT_OSS))})")
     for name, module in targets:  # every block's activation is checked before any is replaced
+        if _config(module, config) is None:
+            raise PatchError(f"{name} ({type(module).__name__}): neither the block nor the model has a config to "
+                             "read hidden_act from")
         _activation(_config(module, config), f"{name} ({type(module).__name__})")
     names = []
     while targets:  # one block at a time: the original's weights can go before the next is prepared
