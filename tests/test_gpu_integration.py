@@ -322,12 +322,17 @@ def test_patched_transformers_model_matches_unpatched(store, family, capsys):
         if not sync_new:
             times = []
             for tokens in (prefill, decode):
-                g, static = _graph(lambda: model(tokens).logits)
+                try:
+                    g, static = _graph(lambda: model(tokens, use_cache=False).logits)
+                except RuntimeError as exc:  # something of transformers' that a graph cannot hold
+                    graphs = f"patched model did not capture: {str(exc).splitlines()[0][:120]}"
+                    break
                 g.replay()
                 torch.cuda.synchronize()
-                assert rel_err(static.float(), model(tokens).logits.float()) <= 1e-3
+                assert rel_err(static.float(), model(tokens, use_cache=False).logits.float()) <= 1e-3
                 times.append(_time_ms(g.replay))
-            graphs = f"patched as CUDA graph: prefill {times[0]:.2f}, decode {times[1]:.2f}"
+            else:
+                graphs = f"patched as CUDA graph: prefill {times[0]:.2f}, decode {times[1]:.2f}"
     err = rel_err(out, ref)
     top1 = (out.argmax(-1) == ref.argmax(-1)).float().mean().item()
     with capsys.disabled():
