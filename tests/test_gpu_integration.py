@@ -20,7 +20,7 @@ if not torch.cuda.is_available():
 import torch.nn.functional as F  # noqa: E402
 
 from moe_aot.integrations import (GatedMLP, MoeBlock, MoeExperts, Router, fused_experts,  # noqa: E402
-                                  prepare_fused_gate_up, softmax_topk)
+                                  grouped_topk, map_experts, prepare_fused_gate_up)
 from moe_aot.runtime.reference import moe_reference, rel_err, row_rel_err  # noqa: E402
 from moe_aot.runtime.store import KernelStore  # noqa: E402
 from moe_aot.runtime.verify import ROW_TOLERANCE, TOLERANCE, random_routing  # noqa: E402
@@ -150,6 +150,58 @@ def test_cuda_graph_capture_and_replay_with_new_inputs(store):
         assert rel_err(out, block(h).float()) <= 1e-3
 
 
+@pytest.mark.parametrize("routing", ["softmax_topk", "topk_softmax", "grouped_topk"])
+def test_no_host_sync_in_a_block(store, routing):
+    """torch's sync debug mode raises on any host-device synchronisation torch makes (.item(),
+    nonzero, a device-to-host copy): a whole block, routing, expert_map and shared expert
+    included, runs under it after its warm-up call."""
+    spec = make_spec(MODELS[0], target="sm_90a")
+    block = block_for(spec)
+    E = spec.experts
+    kw = dict(n_group=8, topk_group=4, e_score_correction_bias=torch.rand(E, device=DEV) * 0.1,
+              logits_dtype=torch.float32) if routing == "grouped_topk" else {}
+    block.router = Router(block.router.weight, spec.top_k, routing, renormalize=True, **kw)
+    block.experts.expert_map = torch.arange(E, dtype=torch.int32, device=DEV)  # identity map
+    h = torch.randn(40, spec.hidden, device=DEV, dtype=torch.bfloat16)
+    want = block(h)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = block(h)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert rel_err(got, want.float()) <= 1e-3
+    ref = block_reference(block, h)
+    assert rel_err(got, ref) <= TOLERANCE and row_rel_err(got, ref) <= ROW_TOLERANCE
+
+
+def test_routed_op_on_cuda(store):
+    """fused_moe_routed: grouped top-k routing and an expert map, then the kernels; eager equals
+    the composition, torch.compile(fullgraph=True) equals eager, every row against the reference."""
+    spec = make_spec(MODELS[0], target="sm_90a")
+    w1, w2 = gate_first_weights(spec)
+    w13 = prepare_fused_gate_up(w1)
+    E, M = spec.experts, 77
+    x = torch.randn(M, spec.hidden, device=DEV, dtype=torch.bfloat16)
+    logits, bias = torch.randn(M, E, device=DEV), torch.rand(E, device=DEV) * 0.1
+    emap = torch.randperm(E, device=DEV).to(torch.int32)
+    emap[:3] = -1
+
+    def routed(x, logits):
+        return torch.ops.moe_aot.fused_moe_routed(x, logits, w13, w2, spec.top_k, "grouped_topk", True, 8, 4, bias,
+                                                  2.5, emap)
+
+    eager = routed(x, logits)
+    tw, ids = grouped_topk(logits, spec.top_k, 8, 4, bias, True, 2.5)
+    ids = map_experts(ids, emap)
+    assert torch.equal(eager, torch.ops.moe_aot.fused_moe(x, w13, w2, tw, ids))
+    ref = moe_reference(x, w13, w2, tw, ids, spec.activation)
+    assert rel_err(eager, ref) <= TOLERANCE and row_rel_err(eager, ref) <= ROW_TOLERANCE
+    torch._dynamo.reset()
+    assert rel_err(torch.compile(routed, fullgraph=True)(x, logits), eager.float()) <= 1e-3
+
+
 def test_op_in_a_graph_with_new_routing(store):
     """The op alone in a graph: new tokens, routing weights and ids written into the captured
     buffers between replays."""
@@ -197,6 +249,33 @@ def _time_ms(fn, reps=10):
     return start.elapsed_time(end) / reps
 
 
+def _host_syncs(fn) -> str | None:
+    """None if fn makes no host-device synchronisation torch can see, else the first one's message."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        fn()
+    except RuntimeError as exc:
+        return str(exc).splitlines()[0][:120]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.synchronize()
+    return None
+
+
+def _graph(fn):
+    """fn captured in a CUDA graph after a warm-up on a side stream: (graph, its static output)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = fn()
+    return g, out
+
+
 @pytest.mark.parametrize("family", list(HF_SHAPES))
 def test_patched_transformers_model_matches_unpatched(store, family, capsys):
     pytest.importorskip("transformers")
@@ -226,6 +305,7 @@ def test_patched_transformers_model_matches_unpatched(store, family, capsys):
         for hk in hooks:
             hk.remove()
         t_ref = (_time_ms(lambda: model(prefill)), _time_ms(lambda: model(decode)))
+        sync_ref = _host_syncs(lambda: model(prefill))
         names = patch(model)
         assert names and all(n in blocks_in for n in names)
         for name in names:  # each block on the very input the original saw
@@ -234,12 +314,32 @@ def test_patched_transformers_model_matches_unpatched(store, family, capsys):
             assert row_rel_err(got.reshape(-1, x.shape[-1]), want.reshape(-1, x.shape[-1])) <= ROW_TOLERANCE, name
         out = model(prefill).logits.float()
         t_new = (_time_ms(lambda: model(prefill)), _time_ms(lambda: model(decode)))
+        # Eager times above are mostly the model's host work; the patched model's MoE blocks
+        # make no host sync, so where the rest of the model makes none either, it also runs as
+        # a CUDA graph (the unpatched experts' loop syncs on which experts were hit).
+        sync_new = _host_syncs(lambda: model(prefill))
+        graphs = "patched model syncs outside the MoE blocks: " + sync_new if sync_new else ""
+        if not sync_new:
+            times = []
+            for tokens in (prefill, decode):
+                try:
+                    g, static = _graph(lambda: model(tokens, use_cache=False).logits)
+                except RuntimeError as exc:  # something of transformers' that a graph cannot hold
+                    graphs = f"patched model did not capture: {str(exc).splitlines()[0][:120]}"
+                    break
+                g.replay()
+                torch.cuda.synchronize()
+                assert rel_err(static.float(), model(tokens, use_cache=False).logits.float()) <= 1e-3
+                times.append(_time_ms(g.replay))
+            else:
+                graphs = f"patched as CUDA graph: prefill {times[0]:.2f}, decode {times[1]:.2f}"
     err = rel_err(out, ref)
     top1 = (out.argmax(-1) == ref.argmax(-1)).float().mean().item()
     with capsys.disabled():
         print(f"\n{family} ({preset} MoE shape, 2 layers): logits rel err {err:.2e}, top-1 agreement {top1:.3f}; "
               f"forward ms unpatched/patched: prefill 4x128 {t_ref[0]:.2f}/{t_new[0]:.2f}, "
-              f"decode 1 token {t_ref[1]:.2f}/{t_new[1]:.2f}")
+              f"decode 1 token {t_ref[1]:.2f}/{t_new[1]:.2f}; {graphs}; "
+              f"unpatched host sync: {sync_ref or 'none'}")
     assert err <= 2e-2
     assert top1 >= 0.97
 

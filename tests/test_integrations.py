@@ -112,6 +112,28 @@ def test_bad_inputs_are_refused_with_one_sentence():
         op(x, w13, down, tw, ids, "relu")
 
 
+@pytest.mark.parametrize("routing", ["softmax_topk", "topk_softmax", "grouped_topk"])
+def test_routed_op_is_routing_then_the_op(routing):
+    gate, up, down = weights(E=16)
+    w13 = prepare_weights(gate, up)
+    x = torch.randn(5, H).bfloat16()
+    logits, bias = torch.randn(5, 16), torch.rand(16) * 0.1
+    emap = torch.tensor([3, 2, 1, 0, -1, -1] + list(range(4, 14)), dtype=torch.int32)
+    kw = dict(renormalize=True, n_group=4, topk_group=2, e_score_correction_bias=bias, routed_scaling_factor=2.5,
+              expert_map=emap)
+    got = torch.ops.moe_aot.fused_moe_routed(x, logits, w13, down, 4, routing, **kw)
+    if routing == "softmax_topk":
+        tw, ids = softmax_topk(logits, 4, True)
+    elif routing == "topk_softmax":
+        tw, ids = topk_softmax(logits, 4)
+    else:
+        tw, ids = grouped_topk(logits, 4, 4, 2, bias, True, 2.5)
+    assert torch.equal(got, torch.ops.moe_aot.fused_moe(x, w13, down, tw, map_experts(ids, emap)))
+    torch.library.opcheck(torch.ops.moe_aot.fused_moe_routed.default, (x, logits, w13, down, 4, routing), kw)
+    with pytest.raises(KernelArgumentError, match="routing must be one of softmax_topk, topk_softmax, grouped_topk"):
+        torch.ops.moe_aot.fused_moe_routed(x, logits, w13, down, 4, "sinkhorn")
+
+
 class _Block(torch.nn.Module):
     def __init__(self):
         super().__init__()
@@ -134,6 +156,14 @@ def test_torch_compile_fullgraph_matches_eager():
     compiled = torch.compile(block, fullgraph=True, backend="inductor")(h)
     assert compiled.shape == h.shape and compiled.dtype == h.dtype
     assert rel_err(compiled, eager.float()) < 1e-5
+    # the routed op (composite: routing ops + fused_moe) traces into the same kind of graph
+    gate, up, down = weights(E=16)
+    w13, x, logits = prepare_weights(gate, up), torch.randn(7, H).bfloat16(), torch.randn(7, 16)
+
+    def routed(x, logits):
+        return torch.ops.moe_aot.fused_moe_routed(x, logits, w13, down, 4, "grouped_topk", True, 4, 2, None, 2.5)
+
+    assert torch.equal(torch.compile(routed, fullgraph=True)(x, logits), routed(x, logits))
 
 
 # -- fused_experts (vLLM / SGLang layout) -------------------------------------------------------
@@ -167,6 +197,21 @@ def test_fused_experts_caches_by_weight_and_forgets_it():
     assert PREPARED.get(w1) is not prepared and len(PREPARED) == 1
     assert rel_err(b, fused_experts(x, torch.cat([gate, up], 1) * 2, down, tw, ids).float()) == 0
     assert rel_err(b, a.float()) > 0.1
+    del w1
+    gc.collect()
+    assert len(PREPARED) == 0
+
+
+def test_fused_experts_under_inference_mode():
+    """Inference tensors have no version counter; the cache still works on them."""
+    gate, up, down = weights()
+    x, tw, ids = inputs()
+    PREPARED.clear()
+    with torch.inference_mode():
+        w1 = torch.cat([gate, up], 1)
+        out = fused_experts(x, w1, down, tw, ids)
+        assert PREPARED.get(w1) is PREPARED.get(w1) and len(PREPARED) == 1
+    assert torch.equal(out, torch.ops.moe_aot.fused_moe(x, prepare_weights(gate, up), down, tw, ids))
     del w1
     gc.collect()
     assert len(PREPARED) == 0
@@ -345,6 +390,26 @@ def test_patch_replaces_known_blocks_with_the_same_function(cls):
         assert row_rel_err(g.reshape(-1, H), r.reshape(-1, H)) < 1.5e-2
 
 
+def test_convert_one_block():
+    from moe_aot.integrations.transformers import convert
+
+    torch.manual_seed(0)
+    block = moe_fakes.DeepseekV3MoE()
+    h = torch.randn(5, H)
+    with torch.no_grad():
+        assert row_rel_err(convert(block)(h), block(h)) < 1.5e-2
+    mixtral = moe_fakes.MixtralSparseMoeBlock()
+    with pytest.raises(PatchError, match=r"carries no config: pass the model's, convert\(block, model.config\)"):
+        convert(mixtral)
+    assert isinstance(convert(mixtral, moe_fakes.Decoder().config), MoeBlock)
+    with pytest.raises(PatchError, match="hidden_act 'gelu' has no moe-aot kernel"):
+        convert(mixtral, moe_fakes.Decoder(hidden_act="gelu").config)
+    with pytest.raises(PatchError, match="GptOssMLP is a GPT-OSS block"):
+        convert(moe_fakes.GptOssMLP())
+    with pytest.raises(PatchError, match="UnknownSparseMoeBlock is not a MoE block convert"):
+        convert(moe_fakes.UnknownSparseMoeBlock())
+
+
 def test_patch_refuses_unknown_and_gpt_oss_blocks_before_replacing_anything():
     model = moe_fakes.Decoder(moe_fakes.MixtralSparseMoeBlock(), moe_fakes.UnknownSparseMoeBlock())
     with pytest.raises(PatchError, match=r"layers.1.mlp \(UnknownSparseMoeBlock\) looks like a MoE block that "
@@ -363,6 +428,10 @@ def test_patch_refuses_unknown_and_gpt_oss_blocks_before_replacing_anything():
     with pytest.raises(PatchError, match="hidden_act 'relu' has no moe-aot kernel"):
         patch(model)
     assert isinstance(model.layers[0].mlp, moe_fakes.MixtralSparseMoeBlock)
+    model = moe_fakes.Decoder(moe_fakes.MixtralSparseMoeBlock())
+    del model.config
+    with pytest.raises(PatchError, match="neither the block nor the model has a config"):
+        patch(model)
     assert patch(moe_fakes.Decoder(moe_fakes.MixtralSparseMoeBlock())) == ["layers.0.mlp"]
 
 

@@ -1,7 +1,7 @@
 """Framework integrations of the fused MoE layer (design.md, "Integration levels").
 
-Level 1: torch.ops.moe_aot.fused_moe (op.py) and the vLLM/SGLang-style fused_experts
-(functional.py). Level 2: MoeExperts, Router, GatedMLP, MoeBlock (modules.py) and
+Level 1: torch.ops.moe_aot.fused_moe and fused_moe_routed (op.py) and the vLLM/SGLang-style
+fused_experts (functional.py). Level 2: MoeExperts, Router, GatedMLP, MoeBlock (modules.py) and
 moe_aot.integrations.transformers.patch(model). Routing conventions: routing.py.
 """
 from .functional import PREPARED, fused_experts, prepare_fused_gate_up

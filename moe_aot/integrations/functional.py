@@ -6,7 +6,8 @@ w1 is the engines' [E, 2I, H] layout with the gate rows first, then the up rows
 (`torch.cat([w_gate, w_up], 1)`, SiLU applied to the first half). It is interleaved into the
 kernels' layout once and cached by the weight tensor: a weak reference to it, its data_ptr,
 version counter, shape, stride, dtype and device; the cache entry goes when the tensor does, and an
-in-place update of the weight (which bumps its version) prepares it again. The cache holds one
+in-place update of the weight (which bumps its version) prepares it again. Tensors made under
+torch.inference_mode have no version counter: after updating one in place, PREPARED.clear(). The cache holds one
 prepared copy per weight (as much memory as w1): to avoid it, prepare once with
 prepare_fused_gate_up() and call torch.ops.moe_aot.fused_moe, or use MoeExperts.
 
@@ -50,7 +51,10 @@ class PreparedCache:
 
     @staticmethod
     def _key(w: torch.Tensor) -> tuple:
-        return (w.data_ptr(), w._version, tuple(w.shape), tuple(w.stride()), w.dtype, w.device)
+        # Inference tensors (made under torch.inference_mode) keep no version counter: for them an
+        # in-place update of the same storage goes unnoticed (call PREPARED.clear() after one).
+        version = None if w.is_inference() else w._version
+        return (w.data_ptr(), version, tuple(w.shape), tuple(w.stride()), w.dtype, w.device)
 
     def get(self, w1: torch.Tensor) -> torch.Tensor:
         key = self._key(w1)

@@ -23,9 +23,7 @@ from ..runtime.library import KernelArgumentError
 from ..spec import ACTIVATIONS
 from . import op  # noqa: F401  (registers torch.ops.moe_aot.fused_moe)
 from .functional import prepare_fused_gate_up
-from .routing import grouped_topk, map_experts, softmax_topk, topk_softmax
-
-ROUTINGS = ("softmax_topk", "topk_softmax", "grouped_topk")
+from .routing import ROUTINGS, grouped_topk, map_experts, softmax_topk, topk_softmax
 
 
 class MoeExperts(nn.Module):

@@ -15,12 +15,15 @@ No autograd formula is registered (forward only); calling backward through it ra
 """
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from ..runtime.library import KernelArgumentError
 from ..runtime.reference import moe_reference
 from ..spec import ACTIVATIONS
 from ..variants import INTERLEAVE
+from .routing import ROUTINGS, grouped_topk, map_experts, softmax_topk, topk_softmax
 
 
 def check_op_inputs(x, w13, w2, topk_weights, topk_ids, activation: str = "swiglu") -> None:
@@ -56,16 +59,19 @@ def check_op_inputs(x, w13, w2, topk_weights, topk_ids, activation: str = "swigl
             raise KernelArgumentError(f"{name} must be contiguous (call .contiguous() first)")
 
 
-def _layout_tags() -> tuple:
+def _layout_tags() -> dict:
     # The kernels need contiguous operands: tell inductor not to hand the op padded or permuted
-    # buffers (its comprehensive padding is on for CUDA). The tag's name depends on the torch version.
+    # buffers (its comprehensive padding is on for CUDA). The tag's name, and whether custom_op
+    # takes tags at all, depend on the torch version.
+    if "tags" not in inspect.signature(torch.library.custom_op).parameters:
+        return {}
     for name in ("needs_contiguous_strides", "needs_exact_strides", "needs_fixed_stride_order"):
         if hasattr(torch.Tag, name):
-            return (getattr(torch.Tag, name),)
-    return ()
+            return {"tags": (getattr(torch.Tag, name),)}
+    return {}
 
 
-@torch.library.custom_op("moe_aot::fused_moe", mutates_args=(), device_types="cpu", tags=_layout_tags())
+@torch.library.custom_op("moe_aot::fused_moe", mutates_args=(), device_types="cpu", **_layout_tags())
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, activation: str = "swiglu") -> torch.Tensor:
     """sum_k topk_weights[m, k] * FFN_{topk_ids[m, k]}(x[m]); see the module docstring."""
@@ -87,3 +93,34 @@ def _fused_moe_cuda(x, w13, w2, topk_weights, topk_ids, activation="swiglu"):
 def _fused_moe_fake(x, w13, w2, topk_weights, topk_ids, activation="swiglu"):
     check_op_inputs(x, w13, w2, topk_weights, topk_ids, activation)
     return x.new_empty(x.shape)
+
+
+# -- the routing variants: router logits in, the layer's output out ------------------------------
+# Composite (CompositeImplicitAutograd): the op is the routing convention's torch ops followed by
+# fused_moe, so torch.compile traces through it and needs no fake implementation of its own.
+torch.library.define(
+    "moe_aot::fused_moe_routed",
+    "(Tensor x, Tensor router_logits, Tensor w13, Tensor w2, int top_k, str routing='softmax_topk', "
+    "bool renormalize=False, int n_group=1, int topk_group=1, Tensor? e_score_correction_bias=None, "
+    "float routed_scaling_factor=1.0, Tensor? expert_map=None, str activation='swiglu') -> Tensor")
+
+
+@torch.library.impl("moe_aot::fused_moe_routed", "CompositeImplicitAutograd")
+def fused_moe_routed(x, router_logits, w13, w2, top_k, routing="softmax_topk", renormalize=False, n_group=1,
+                     topk_group=1, e_score_correction_bias=None, routed_scaling_factor=1.0, expert_map=None,
+                     activation="swiglu"):
+    """fused_moe after one of the built-in routing conventions (routing.py): routing is
+    softmax_topk (renormalize), topk_softmax, or grouped_topk (n_group, topk_group,
+    e_score_correction_bias, renormalize, routed_scaling_factor); expert_map as in map_experts."""
+    if routing == "softmax_topk":
+        weights, ids = softmax_topk(router_logits, top_k, renormalize)
+    elif routing == "topk_softmax":
+        weights, ids = topk_softmax(router_logits, top_k)
+    elif routing == "grouped_topk":
+        weights, ids = grouped_topk(router_logits, top_k, n_group, topk_group, e_score_correction_bias,
+                                    renormalize, routed_scaling_factor)
+    else:
+        raise KernelArgumentError(f"routing must be one of {', '.join(ROUTINGS)}, got {routing!r}")
+    if expert_map is not None:
+        ids = map_experts(ids, expert_map)
+    return torch.ops.moe_aot.fused_moe(x, w13, w2, weights.contiguous(), ids.contiguous(), activation)

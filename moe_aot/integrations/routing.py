@@ -20,6 +20,8 @@ import torch
 
 from ..runtime.library import KernelArgumentError
 
+ROUTINGS = ("softmax_topk", "topk_softmax", "grouped_topk")
+
 
 def _check_logits(logits: torch.Tensor, top_k: int) -> None:
     if not isinstance(logits, torch.Tensor) or logits.dim() != 2 or not logits.is_floating_point():

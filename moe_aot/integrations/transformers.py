@@ -82,6 +82,23 @@ BLOCKS = {
 }
 
 
+def convert(block: nn.Module, config=None) -> MoeBlock:
+    """One known block -> its MoeBlock (the block is left as it is); config (for hidden_act)
+    defaults to block.config, which only some blocks carry.
+    Raises PatchError for a GPT-OSS or unknown block."""
+    cls = type(block).__name__
+    if cls in GPT_OSS:
+        raise PatchError(f"{cls} is a GPT-OSS block, whose experts compute a clamped SwiGLU with biases that the "
+                         "moe-aot kernels do not compute yet")
+    if cls not in BLOCKS:
+        raise PatchError(f"{cls} is not a MoE block convert() knows; known blocks: {', '.join(BLOCKS)}")
+    config = _config(block, config)
+    if config is None:
+        raise PatchError(f"{cls} carries no config: pass the model's, convert(block, model.config)")
+    _activation(config, cls)
+    return BLOCKS[cls](block, config, cls).train(False)
+
+
 def _looks_like_moe(module: nn.Module) -> bool:
     children = dict(module.named_children())
     return "experts" in children and ("gate" in children or "router" in children)
@@ -122,6 +139,9 @@ def patch(model: nn.Module, gpt_oss: str = "refuse") -> list[str]:
         raise PatchError(f"{type(model).__name__} has no sparse-MoE block patch() knows "
                          f"({', '.join(list(BLOCKS) + list(GPT_OSS))})")
     for name, module in targets:  # every block's activation is checked before any is replaced
+        if _config(module, config) is None:
+            raise PatchError(f"{name} ({type(module).__name__}): neither the block nor the model has a config to "
+                             "read hidden_act from")
         _activation(_config(module, config), f"{name} ({type(module).__name__})")
     names = []
     while targets:  # one block at a time: the original's weights can go before the next is prepared
