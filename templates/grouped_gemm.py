@@ -802,18 +802,50 @@ class GroupedDownGemm(_GroupedGemmBase):
     @cute.jit
     def _epilogue_regs(self, ctid, tiled_mma, acc, pairs, scales, epi, row0, bn):
         """Persistent kernels: scaled rows straight from the accumulators to y (``pairs`` and
-        ``scales`` from _row_pairs / _load_scales); padding rows are not stored."""
+        ``scales`` from the schedule); padding rows are not stored.
+
+        The four lanes of a quad hold one row's 8-column block j as four bf16 pairs (lane q:
+        columns 8j + 2q, 2q + 1). Per group of four blocks the quad transposes its pairs with
+        shuffles, so lane q holds all of block 4g + q and stores it as one 16-byte vector: a
+        quarter of the store instructions of pair-wise stores (which filled the load/store
+        queue: ~20% of GEMM2's stall samples, tools/results/NOTES.md)."""
         _, _, mY = epi
         tCcC = self._acc_coords(ctid, tiled_mma)
+        lane = cute.arch.lane_idx()
+        q = lane % 4
+        quad0 = lane - q
         for hrow in cutlass.range_constexpr(2):
             p = pairs[hrow]
-            if p >= 0:
-                scale = scales[hrow]
-                dst_row = self._row(mY, p, self.hidden)
-                for j in cutlass.range_constexpr(self.tile_n // 8):
-                    i = 2 * hrow + 4 * j
-                    dst = cute.local_tile(dst_row, (2,), (bn * (self.tile_n // 2) + tCcC[i][1] // 2,))
-                    dst.store((self._pair(acc, i) * scale).to(BFloat16))
+            scale = scales[hrow]
+            packed = cute.make_rmem_tensor(cute.make_layout(self.tile_n // 8), Int32)
+            for j in cutlass.range_constexpr(self.tile_n // 8):
+                frag = cute.make_rmem_tensor(cute.make_layout(2), BFloat16)
+                frag.store((self._pair(acc, 2 * hrow + 4 * j) * scale).to(BFloat16))
+                packed[j] = cute.recast_tensor(frag, Int32)[0]
+            dst_row = self._row(mY, p, self.hidden)  # used only where p >= 0
+            # the tile column of this lane's pair in block 0 is 2q: block 4g + q starts at 32g + 8q
+            col0 = bn * self.tile_n + tCcC[2 * hrow][1] - 2 * q + 8 * q
+            for g in cutlass.range_constexpr(self.tile_n // 32):
+                got = cute.make_rmem_tensor(cute.make_layout(4), Int32)
+                for r in cutlass.range_constexpr(4):
+                    # round r: lane q sends its pair of block 4g + (q ^ r) to lane q ^ r
+                    send = self._pick4(packed, 4 * g, q ^ r)
+                    got[r] = cute.arch.shuffle_sync(send, quad0 + (q ^ r))
+                chunk = cute.make_rmem_tensor(cute.make_layout(4), Int32)
+                for src in cutlass.range_constexpr(4):
+                    chunk[src] = self._pick4(got, 0, q ^ src)  # lane src's pair came in round q ^ src
+                if p >= 0:
+                    dst = cute.local_tile(dst_row, (8,), ((col0 + 32 * g) // 8,))
+                    dst.store(cute.recast_tensor(chunk, BFloat16).load())
+
+    @cute.jit
+    def _pick4(self, t, base: cutlass.Constexpr, k):
+        """t[base + k] for a run-time k in 0..3, by selects (no dynamic register indexing)."""
+        v = t[base]
+        for i in cutlass.range_constexpr(1, 4):
+            if k == i:
+                v = t[base + i]
+        return v
 
     @cute.jit
     def _epilogue(self, etid, sC, mIds, mTopkW, mY, row0, bn):

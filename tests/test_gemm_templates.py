@@ -155,6 +155,10 @@ def test_hopws_core_uses_tma_pipelines_and_never_waits_on_its_own_loads(role, ti
     if role == "down":
         assert "cp.async.cg.shared.global" not in body and "cp.async.mbarrier.arrive" not in body
         assert body.count("cp.async.bulk.tensor.2d") >= 2  # A and B
+        # the epilogue stores whole 16-byte row chunks (quad transpose by shuffles), no 4-byte stores
+        stores = [ln for ln in body.splitlines() if "st.global" in ln]
+        assert stores and all(".v4." in ln for ln in stores), stores[:4]
+        assert len(stores) == 2 * tile_n // 32 and "shfl.sync" in body
     else:
         assert "cp.async.cg.shared.global" in body
         assert "cp.async.mbarrier.arrive.noinc.shared" in body
