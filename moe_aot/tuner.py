@@ -94,8 +94,23 @@ def suggest(trial: optuna.Trial, space: dict[str, CategoricalDistribution]) -> L
     One enqueued before a field joined the search space lacks that param; it keeps the field's
     default (what was compiled for it) instead of having the sampler pick a value."""
     fixed = trial.storage.get_trial_system_attrs(trial._trial_id).get("fixed_params")
-    return variant_of({k: trial.suggest_categorical(k, d.choices) for k, d in space.items()
-                       if fixed is None or k in fixed})
+    params = {}
+    for k, d in space.items():
+        if fixed is not None and k not in fixed:
+            continue
+        if fixed is None and k.endswith("_cluster") and not _cluster_applies(params, k):
+            continue  # a GEMM's cluster exists only for hopws 128-row tiles: keep the default 1
+        params[k] = trial.suggest_categorical(k, d.choices)
+    return variant_of(params)
+
+
+def _cluster_applies(params: dict, key: str) -> bool:
+    """Whether the sampler should choose `key` (glu_cluster / down_cluster) given the parameters
+    chosen so far: asked everywhere, it would make most proposals invalid and get them pruned."""
+    from .variants import WARP_SPECIALIZED
+
+    role = key[: -len("_cluster")]
+    return params.get(f"{role}_mma") in WARP_SPECIALIZED and params.get("tile_m") == 128
 
 
 # -- studies -----------------------------------------------------------------------------------

@@ -108,7 +108,7 @@ def test_invalid_suggestions_are_pruned_with_the_reason(url):
     # smem of 5 stages of 128x256x64 tiles exceeds sm_90a's limit: a point of the product space
     # that candidate_space excludes.
     params = {k: d.choices[-1] if k.startswith("glu") or k == "tile_m" else d.choices[0] for k, d in space.items()}
-    params.update(glu_stages=5, glu_tile_k=64)
+    params.update(glu_stages=5, glu_tile_k=64, glu_cluster=1)
     assert not can_implement(SPEC, tuner.variant_of(params))[0]
     study.enqueue_trial(params)
     job = tuner._ask(tuner.Slot(SPEC, 1, study, space, baseline_due=False))
