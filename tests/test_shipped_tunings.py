@@ -18,9 +18,11 @@ ROOT = Path(__file__).resolve().parents[1]
 TUNED = ROOT / "cache" / "tuned" / "NVIDIA_H200.jsonl"
 # every record of the H200 tuning sessions of 2026-12-01 (`moe-aot tune --compile-only --seed-picks`
 # + `moe-aot measure`), each dumped from its database, oldest first: a bucket's picks come from the
-# newest session that measured it (the second one re-measured the 256-16384-token buckets with
-# the 2-CTA-cluster twins as seeds)
-RECORD_FILES = [ROOT / "tools" / "results" / d / "all_records.json" for d in ("tuning_2026-12-01", "tuning_2026-12-01b")]
+# newest session that measured it (the second re-measured the 256-16384-token buckets with the
+# 2-CTA-cluster twins as seeds, the third the 14 buckets whose kernels the 16-byte GEMM2 epilogue
+# changed)
+SESSIONS = ("tuning_2026-12-01", "tuning_2026-12-01b", "tuning_2026-12-01c")
+RECORD_FILES = [ROOT / "tools" / "results" / d / "all_records.json" for d in SESSIONS]
 
 
 def _records() -> list[dict]:
