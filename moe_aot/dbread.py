@@ -1,7 +1,8 @@
 """Read-only access to the kernel database with the Python standard library alone.
 
-The runtime only ever reads three things: which toolchains hold a kernel of a given name, one
-kernel's library and metadata, and the deployed picks of a layer. For a SQLite file (the default)
+The runtime only ever reads a few things: which builds of a layer's kernels are stored (with
+their metadata and sha256, all four kernels in one query), one kernel's library when the on-disk
+cache does not hold it, and the deployed picks of a layer. For a SQLite file (the default)
 this module reads them with `sqlite3`, so a serving process never imports SQLAlchemy (its
 import was most of the runtime's cold start). Any other URL goes through `database.Database`.
 
@@ -19,6 +20,7 @@ import zlib
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import NamedTuple
 from urllib.parse import quote, unquote
 
 # 2: tuning records carry the measured content (a digest of the kernels' cubins), the key that
@@ -139,6 +141,18 @@ class ArtifactVersion:
     created_at: datetime
 
 
+class KernelVersion(NamedTuple):
+    """One stored build of a kernel without its binaries: what the store needs to choose a
+    version and to find its library in the on-disk cache. `meta` is the metadata's JSON text, or
+    None where the reader does not give it without the blobs (then `artifact` is read)."""
+    name: str
+    toolchain: str
+    status: str
+    created_at: datetime
+    sha256: str | None
+    meta: str | None
+
+
 @dataclass(frozen=True)
 class BestRow:
     """The deployed pick of one (workload, target, GPU, toolchain, token bucket): written only
@@ -159,7 +173,7 @@ def _when(value) -> datetime:
 
 
 class SqliteReader:
-    """The runtime's three reads on a SQLite file, standard library only."""
+    """The runtime's reads on a SQLite file, standard library only."""
 
     def __init__(self, path: Path):
         self.path = path
@@ -171,9 +185,11 @@ class SqliteReader:
                                         check_same_thread=False)
         except sqlite3.Error as e:
             raise self._error("open the file", e) from None
+        # No PRAGMA quick_check here: it reads the whole file (most of the time to open a
+        # deployment's database) yet vouches for no blob's content. What the runtime uses is
+        # guarded where it is read: SQLite reports a damaged page it touches (-> corrupt()), and
+        # every library is checked against its sha256.
         try:
-            check_quick_check([r[0] for r in self._query("check the file", "PRAGMA quick_check(1)")],
-                              self._where)
             has = self._query("check the schema", "SELECT 1 FROM sqlite_master WHERE type = 'table' "
                               "AND name = ?", (T_VERSION,))
             if not has:
@@ -211,6 +227,13 @@ class SqliteReader:
                            f"{T_ARTIFACTS} WHERE name = ? ORDER BY toolchain", (name,))
         return [ArtifactVersion(t, s, _when(c)) for t, s, c in rows]
 
+    def kernel_versions(self, names: list[str]) -> list[KernelVersion]:
+        """Every stored build of these kernels (a layer's four at once), in one query, no blobs."""
+        rows = self._query("look up kernels " + ", ".join(names), "SELECT name, toolchain, status, created_at, "
+                           f"sha256, meta FROM {T_ARTIFACTS} WHERE name IN ({', '.join('?' * len(names))}) "
+                           "ORDER BY name, toolchain", tuple(names))
+        return [KernelVersion(n, t, s, _when(c), h, m) for n, t, s, c, h, m in rows]
+
     def artifact(self, name: str, toolchain: str) -> tuple[bytes, dict]:
         rows = self._query(f"read artifact {name!r}", f"SELECT library, cubin, sha256, cubin_sha256, "
                            f"meta FROM {T_ARTIFACTS} WHERE name = ? AND toolchain = ?", (name, toolchain))
@@ -233,7 +256,7 @@ class SqliteReader:
 
 
 class SqlAlchemyReader:
-    """The same three reads on any SQLAlchemy URL (a team's PostgreSQL server, say)."""
+    """The same reads on any SQLAlchemy URL (a team's PostgreSQL server, say)."""
 
     def __init__(self, url: str):
         from .database import Database
@@ -243,6 +266,10 @@ class SqlAlchemyReader:
     def artifact_versions(self, name: str) -> list[ArtifactVersion]:
         return [ArtifactVersion(a.toolchain, a.status, a.created_at)
                 for a in self.db.list_artifacts(name=name)]
+
+    def kernel_versions(self, names: list[str]) -> list[KernelVersion]:
+        return [KernelVersion(a.name, a.toolchain, a.status, a.created_at, a.sha256, None)
+                for n in names for a in self.db.list_artifacts(name=n)]
 
     def artifact(self, name: str, toolchain: str) -> tuple[bytes, dict]:
         a = self.db.get_artifact(name, toolchain)

@@ -318,3 +318,108 @@ def test_untuned_layer_only_asks_for_the_buckets_defaults(model, small_db):
         assert default_variant(spec, 300) not in built  # the case that failed
     for tokens in (1, 2, 7, 37, 255, 300, 1100, 5000, 20000, 100000):
         assert layer.variant_for(tokens) == default_variant(spec, bucket_for(tokens)) in built
+
+
+class _Loaded:
+    """Stands in for KernelLibrary on a CPU machine (its CUDA init needs a GPU)."""
+
+    def __init__(self, so_path, meta, device=None):
+        self.path, self.meta, self.name = Path(so_path), meta, meta["name"]
+
+
+def test_layer_kernels_come_from_one_query_and_a_content_addressed_cache(small_db, tmp_path, monkeypatch):
+    import hashlib
+    import os
+
+    import moe_aot.runtime.store as store_mod
+    from moe_aot.runtime.library import KernelLaunchError
+
+    monkeypatch.setattr(store_mod, "KernelLibrary", _Loaded)
+    url, spec = small_db
+    folder = tmp_path / "libs"
+    names = [kv.name for kv in default_variant(spec, 16).kernels(spec)]
+
+    def counting(store):
+        calls = {"kernel_versions": 0, "artifact": 0, "artifact_versions": 0}
+        for m in calls:
+            def wrap(*a, _m=m, _f=getattr(store.db, m)):
+                calls[_m] += 1
+                return _f(*a)
+            setattr(store.db, m, wrap)
+        return calls
+
+    # first process: one query for the four kernels, each blob read once, files named by their sha256
+    store = KernelStore(url, unpack_dir=folder)
+    calls = counting(store)
+    layer = MoeLayer(spec, store, device=torch.device("cpu"), variants={})
+    v, *libs = layer.kernels(16)
+    assert [lib.name for lib in libs] == names
+    assert calls == {"kernel_versions": 1, "artifact": 4, "artifact_versions": 0}
+    for lib in libs:
+        digest = lib.meta["sha256"]["library"]
+        assert lib.path == folder / f"lib{lib.name}_{digest}.so"
+        assert hashlib.sha256(lib.path.read_bytes()).hexdigest() == digest
+    assert folder.stat().st_mode & 0o777 == 0o700
+    # a later process finds them cached: no blob is read
+    store = KernelStore(url, unpack_dir=folder)
+    calls = counting(store)
+    MoeLayer(spec, store, device=torch.device("cpu"), variants={}).kernels(16)
+    assert calls == {"kernel_versions": 1, "artifact": 0, "artifact_versions": 0}
+    # a cached file altered on disk is never used: its bytes are read back from the database
+    glu = libs[1].path
+    glu.write_bytes(b"\x7fELF not the kernel")
+    store = KernelStore(url, unpack_dir=folder)
+    calls = counting(store)
+    store.load_many(names, "sm_90a")
+    assert calls["artifact"] == 1
+    assert hashlib.sha256(glu.read_bytes()).hexdigest() == libs[1].meta["sha256"]["library"]
+    # a folder others may write into is refused
+    os.chmod(folder, 0o777)
+    with pytest.raises(KernelLaunchError, match="writable by no one else"):
+        KernelStore(url, unpack_dir=folder).load_many(names, "sm_90a")
+    os.chmod(folder, 0o700)
+    # the failures of the per-kernel lookup are kept
+    with pytest.raises(KernelMissingError, match="not in the database"):
+        store.load_many([names[0], "moe_route_sm90a_e999k1_m64"], "sm_90a")
+
+
+def test_cache_miss_refuses_a_corrupt_blob_or_disagreeing_metadata(small_db, tmp_path, monkeypatch):
+    import json
+    import sqlite3 as _sqlite3
+
+    import moe_aot.runtime.store as store_mod
+    from moe_aot.dbread import DatabaseError
+    from moe_aot.runtime.library import KernelLaunchError
+
+    monkeypatch.setattr(store_mod, "KernelLibrary", _Loaded)
+    url, spec = small_db
+    path = tmp_path / "k.sqlite"
+    path.write_bytes(Path(url[len("sqlite:///"):]).read_bytes())
+    glu = default_variant(spec, 16).kernels(spec)[1].name
+    con = _sqlite3.connect(path)
+    con.execute("UPDATE moe_aot_artifacts SET library = ? WHERE name = ?", (b"\x7fELF altered", glu))
+    con.commit()
+    with pytest.raises(DatabaseError, match=f"artifact {glu} .*corrupt.*sha256"):
+        KernelStore(f"sqlite:///{path}", unpack_dir=tmp_path / "a").load(glu, "sm_90a")
+    assert not list((tmp_path / "a").glob("*.so"))  # nothing was written
+    [(meta,)] = con.execute("SELECT meta FROM moe_aot_artifacts WHERE name = ?", (glu,)).fetchall()
+    meta = json.loads(meta)
+    meta["sha256"]["library"] = "0" * 64
+    con.execute("UPDATE moe_aot_artifacts SET meta = ? WHERE name = ?", (json.dumps(meta), glu))
+    con.commit()
+    con.close()
+    with pytest.raises(KernelLaunchError, match=f"{glu}: stored library is corrupt"):
+        KernelStore(f"sqlite:///{path}", unpack_dir=tmp_path / "b").load(glu, "sm_90a")
+
+
+def test_server_reader_loads_through_the_same_cache(small_db, tmp_path, monkeypatch):
+    import moe_aot.runtime.store as store_mod
+    from moe_aot.dbread import SqlAlchemyReader
+
+    monkeypatch.setattr(store_mod, "KernelLibrary", _Loaded)
+    monkeypatch.setattr(store_mod, "open_reader", SqlAlchemyReader)  # what a PostgreSQL URL opens
+    url, spec = small_db
+    names = [kv.name for kv in default_variant(spec, 16).kernels(spec)]
+    libs = KernelStore(url, unpack_dir=tmp_path / "libs").load_many(names, "sm_90a")
+    assert sorted(libs) == sorted(names)
+    assert all(lib.path.name == f"lib{n}_{lib.meta['sha256']['library']}.so" for n, lib in libs.items())

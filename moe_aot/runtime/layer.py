@@ -89,7 +89,11 @@ class MoeLayer:
 
     def kernels(self, tokens: int):
         v = self.variant_for(tokens)
-        route, glu, down, comb = (self._lib(kv) for kv in v.kernels(self.spec))
+        kvs = v.kernels(self.spec)
+        missing = [kv.name for kv in kvs if kv.name not in self._libs]
+        if missing:  # one database query for the bucket's kernels, not one per kernel
+            self._libs.update(self.store.load_many(missing, self.spec.target, self.device.index))
+        route, glu, down, comb = (self._libs[kv.name] for kv in kvs)
         return v, route, glu, down, comb
 
     def workspace(self, tokens: int) -> Workspace:
