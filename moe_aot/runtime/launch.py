@@ -172,3 +172,9 @@ class LayerPlan:
         down(stream)
         comb(stream)
         return out
+
+
+if __name__ == "__main__":  # prebuild the launcher (e.g. in a container build): python -m moe_aot.runtime.launch
+    fn = native_launcher()
+    print("native launcher ready" if fn else "no native launcher (no C compiler, or MOE_AOT_NATIVE_LAUNCH=0): "
+          "layers launch from Python")

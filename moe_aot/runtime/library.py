@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -122,7 +123,9 @@ class KernelLibrary:
     def __init__(self, so_path: os.PathLike, meta: dict, device: int | None = None):
         self.meta = meta
         self.name = meta["name"]
+        t0 = time.perf_counter()
         self._lib = ctypes.CDLL(str(so_path), mode=ctypes.RTLD_LOCAL)
+        t1 = time.perf_counter()
         abi = meta["host_abi"]
         self._handle = ctypes.c_void_p(0)
         self._handle_ptr = ctypes.c_void_p(ctypes.addressof(self._handle))
@@ -131,12 +134,16 @@ class KernelLibrary:
                                                                 ctypes.addressof(ret)))
         if ret.value != 0:
             raise KernelLaunchError(f"{self.name}: loading the kernel module failed (cudaError {ret.value})")
+        t2 = time.perf_counter()
         dev = ctypes.c_int32(torch.cuda.current_device() if device is None else device)
         getattr(self._lib, abi["load_to_device"])((ctypes.c_void_p * 3)(
             ctypes.addressof(self._handle_ptr), ctypes.addressof(dev), ctypes.addressof(ret)))
         if ret.value != 0:
             raise KernelLaunchError(f"{self.name}: loading onto device {dev.value} failed (cudaError {ret.value}); "
                                     "a cubin runs only on the exact arch it was built for")
+        # where a cold start goes, for tools/gpu_run.py --coldstart
+        self.load_ms = {"dlopen": 1e3 * (t1 - t0), "init": 1e3 * (t2 - t1),
+                        "load_to_device": 1e3 * (time.perf_counter() - t2)}
         self._run = getattr(self._lib, abi["run"])
         self._tensor_args = [a for a in meta["args"] if a["kind"] == "tensor"]
         # Argument structs are built once and refilled per call: fewer Python steps per launch.
