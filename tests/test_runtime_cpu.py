@@ -472,6 +472,7 @@ def recording_layer(small_db, tmp_path, monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: type("S", (), {"cuda_stream": 1234})())
     monkeypatch.setattr(launch, "_raw_stream", lambda index: 1234)
     monkeypatch.setattr(launch, "_native_fn", None)
+    monkeypatch.setattr(launch, "_building", None)
     layer = MoeLayer(spec, KernelStore(f"sqlite:///{path}", unpack_dir=tmp_path / "libs"), device=torch.device("cpu"),
                      variants={})
     M, bf = 16, torch.bfloat16
@@ -502,13 +503,17 @@ def test_repeated_forward_checks_everything_and_launches_with_the_new_pointers(r
     out = torch.zeros(16, 256, dtype=torch.bfloat16)
     layer.forward(*args, out=out)  # first call: bound with every per-kernel contract check
     [plan] = layer._fast.values()
-    assert plan.native is native and len(full_checks) == 1
+    # the first process on a machine does not wait for cc: the launcher compiles in the background
+    assert not plan.native and len(full_checks) == 1
+    if launch._building is not None:
+        launch._building.join()
     v, route, glu, down, comb = layer.kernels(16)
     ws = layer._workspace
     # new tensors of the same shapes: no slow-path check, and every kernel sees the new pointers
     new = [a.clone() for a in args]
     out2 = torch.zeros_like(out)
     assert layer.forward(*new, out=out2) is out2 and len(full_checks) == 1
+    assert plan.native is native  # attached once compiled
     x, w13, w2, tw, ids = (t.data_ptr() for t in new)
     assert _seen(route._lib, 6) == [ids, ws.counts.data_ptr(), ws.offsets.data_ptr(), ws.sorted_ids.data_ptr(),
                                     ws.tile_expert.data_ptr(), 1234]
@@ -544,3 +549,25 @@ def test_repeated_forward_checks_everything_and_launches_with_the_new_pointers(r
         layer.forward(*new, out=out2)
     assert ctypes.c_long.in_dll(comb._lib, "calls").value == comb_calls
     ctypes.c_int.in_dll(down._lib, "fail").value = 0
+
+
+def test_without_a_c_compiler_or_when_switched_off_layers_launch_from_python(tmp_path, monkeypatch):
+    import os
+    import shutil
+
+    import moe_aot.runtime.launch as launch
+
+    which = shutil.which
+    monkeypatch.setattr(launch, "_native_fn", None)
+    monkeypatch.setattr(launch, "_building", None)
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    assert launch.native_launcher(tmp_path / "a") is None and launch._native_fn is False
+    assert not list((tmp_path / "a").glob("*.so"))
+    monkeypatch.setattr(shutil, "which", which)
+    monkeypatch.setattr(launch, "_native_fn", None)
+    monkeypatch.setenv("MOE_AOT_NATIVE_LAUNCH", "0")
+    assert launch.native_launcher(tmp_path / "b") is None and not (tmp_path / "b").exists()
+    monkeypatch.delenv("MOE_AOT_NATIVE_LAUNCH")
+    monkeypatch.setattr(launch, "_native_fn", None)
+    if which(os.environ.get("CC", "cc")) or which("gcc"):
+        assert launch.native_launcher(tmp_path / "c") is not None

@@ -16,6 +16,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
 
 import torch
@@ -59,34 +60,57 @@ class _Plan(ctypes.Structure):
 # tensor in the order x, w13, w2, topk_weights, topk_ids, out.
 _FEEDS = (((1, 0),), ((1, 1),), ((2, 1),), ((2, 4),), ((0, 0), (3, 1)), ((3, 2),))
 
-_native_fn = None  # the loaded launcher, False once building it failed in this process
+_native_fn = None  # the loaded launcher; False once it is known to be unavailable here
+_building = None  # the thread compiling it, while it runs
 
 
-def native_launcher(unpack_dir=None):
+def native_launcher(unpack_dir=None, wait: bool = True):
     """The compiled launcher's entry point, or None where it cannot be had (no C compiler, a
-    compile error, MOE_AOT_NATIVE_LAUNCH=0): callers then launch from Python."""
-    global _native_fn
-    if _native_fn is None:
-        _native_fn = _build(unpack_dir) if env.native_launch() else False
+    compile error, MOE_AOT_NATIVE_LAUNCH=0): callers then launch from Python. With wait=False a
+    launcher not compiled yet is compiled in a background thread and None is returned meanwhile,
+    so the first process on a machine does not wait for the compiler in its first forward."""
+    global _native_fn, _building
+    if _native_fn is None and _building is None:
+        if not env.native_launch():
+            _native_fn = False
+        else:
+            try:
+                path = _path(library_dir(unpack_dir))
+            except (OSError, KernelLaunchError):
+                _native_fn = False
+                return None
+            if path.exists() or wait:
+                _native_fn = _build(path)
+            else:
+                def build():
+                    global _native_fn, _building
+                    _native_fn = _build(path)
+                    _building = None
+                _building = threading.Thread(target=build, name="moe_aot-launcher-cc", daemon=True)
+                _building.start()
+    if wait and _building is not None:
+        _building.join()
     return _native_fn or None
 
 
-def _build(unpack_dir):
+def _path(folder: Path) -> Path:
+    return folder / f"libmoe_aot_launch_{hashlib.sha256(_SOURCE.encode()).hexdigest()[:32]}.so"
+
+
+def _build(path: Path):
     try:
-        folder = library_dir(unpack_dir)
-        path = folder / f"libmoe_aot_launch_{hashlib.sha256(_SOURCE.encode()).hexdigest()[:32]}.so"
         if not path.exists():
             cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
             if cc is None:
                 return False
-            with tempfile.TemporaryDirectory(dir=folder) as tmp:
+            with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
                 src, so = Path(tmp) / "launch.c", Path(tmp) / "launch.so"
                 src.write_text(_SOURCE)
                 subprocess.run([cc, "-O2", "-shared", "-fPIC", "-o", str(so), str(src)], check=True,
                                capture_output=True, timeout=60)
                 os.replace(so, path)
         fn = ctypes.CDLL(str(path), mode=ctypes.RTLD_LOCAL).moe_aot_launch
-    except (OSError, subprocess.SubprocessError, KernelLaunchError):
+    except (OSError, subprocess.SubprocessError):
         return False
     fn.argtypes = [ctypes.c_void_p] * 8
     fn.restype = ctypes.c_int
@@ -114,9 +138,14 @@ class LayerPlan:
                        (spec.experts, spec.hidden, spec.intermediate), (M, spec.top_k), (M, spec.top_k),
                        (M, spec.hidden))
         self.out_shape = torch.Size(self.shapes[5])
-        self._fn = native_launcher(unpack_dir)
         self._plan = None
-        if self._fn is not None:
+        self._attach(native_launcher(unpack_dir, wait=False))
+
+    def _attach(self, fn) -> None:
+        """Point the native launcher at the bound structs (fn None: launch from Python)."""
+        self._fn = fn
+        if fn is not None:
+            bound = self.bound
             p = _Plan()
             for k, b in enumerate(bound):
                 p.run[k] = ctypes.cast(b._lib._run, ctypes.c_void_p).value
@@ -157,6 +186,8 @@ class LayerPlan:
         if (p[0] | p[1] | p[2] | p[3] | p[4] | p[5]) & 15:
             return None
         stream = current_stream(self.index if self.index is not None else torch.cuda.current_device())
+        if self._plan is None and _native_fn:  # compiled in the background since this plan was made
+            self._attach(_native_fn)
         if self._plan is not None:
             failed = self._fn(self._plan_ptr, *p, stream)
             if failed:
