@@ -1,7 +1,8 @@
 """Read-only access to the kernel database with the Python standard library alone.
 
-The runtime only ever reads three things: which toolchains hold a kernel of a given name, one
-kernel's library and metadata, and the deployed picks of a layer. For a SQLite file (the default)
+The runtime only ever reads a few things: which builds of a layer's kernels are stored (with
+their metadata and sha256, all four kernels in one query), one kernel's library when the on-disk
+cache does not hold it, and the deployed picks of a layer. For a SQLite file (the default)
 this module reads them with `sqlite3`, so a serving process never imports SQLAlchemy (its
 import was most of the runtime's cold start). Any other URL goes through `database.Database`.
 
@@ -14,11 +15,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import sqlite3
 import zlib
-from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import NamedTuple
 from urllib.parse import quote, unquote
 
 # 2: tuning records carry the measured content (a digest of the kernels' cubins), the key that
@@ -132,15 +132,27 @@ def sqlite_file(url: str) -> Path | None:
 
 # -- the runtime's view ----------------------------------------------------------------------
 
-@dataclass(frozen=True)
-class ArtifactVersion:
+# Row types are NamedTuples rather than frozen dataclasses: the same immutable values with
+# equality, at a third of the import cost (the runtime's import is part of every cold start).
+class ArtifactVersion(NamedTuple):
     toolchain: str
     status: str
     created_at: datetime
 
 
-@dataclass(frozen=True)
-class BestRow:
+class KernelVersion(NamedTuple):
+    """One stored build of a kernel without its binaries: what the store needs to choose a
+    version and to find its library in the on-disk cache. `meta` is the metadata's JSON text, or
+    None where the reader does not give it without the blobs (then `artifact` is read)."""
+    name: str
+    toolchain: str
+    status: str
+    created_at: datetime
+    sha256: str | None
+    meta: str | None
+
+
+class BestRow(NamedTuple):
     """The deployed pick of one (workload, target, GPU, toolchain, token bucket): written only
     after it was derived from the records (or a text export) and checked against the default."""
     workload: str
@@ -159,21 +171,26 @@ def _when(value) -> datetime:
 
 
 class SqliteReader:
-    """The runtime's three reads on a SQLite file, standard library only."""
+    """The runtime's reads on a SQLite file, standard library only."""
 
     def __init__(self, path: Path):
         self.path = path
         self._where = f"the kernel database {path}"
         if not path.is_file():
             raise no_database(path)
+        import sqlite3  # here, not at import time: importing the runtime opens no database
+
+        self._sqlite_error = sqlite3.Error
         try:
             self._con = sqlite3.connect(readonly_uri(path), uri=True, timeout=BUSY_TIMEOUT_S,
                                         check_same_thread=False)
         except sqlite3.Error as e:
             raise self._error("open the file", e) from None
+        # No PRAGMA quick_check here: it reads the whole file (most of the time to open a
+        # deployment's database) yet vouches for no blob's content. What the runtime uses is
+        # guarded where it is read: SQLite reports a damaged page it touches (-> corrupt()), and
+        # every library is checked against its sha256.
         try:
-            check_quick_check([r[0] for r in self._query("check the file", "PRAGMA quick_check(1)")],
-                              self._where)
             has = self._query("check the schema", "SELECT 1 FROM sqlite_master WHERE type = 'table' "
                               "AND name = ?", (T_VERSION,))
             if not has:
@@ -203,13 +220,20 @@ class SqliteReader:
             raise DatabaseError(f"cannot {action}: {self._where} is closed; open a new store")
         try:
             return self._con.execute(sql, args).fetchall()
-        except sqlite3.Error as e:
+        except self._sqlite_error as e:
             raise self._error(action, e) from None
 
     def artifact_versions(self, name: str) -> list[ArtifactVersion]:
         rows = self._query(f"look up kernel {name!r}", f"SELECT toolchain, status, created_at FROM "
                            f"{T_ARTIFACTS} WHERE name = ? ORDER BY toolchain", (name,))
         return [ArtifactVersion(t, s, _when(c)) for t, s, c in rows]
+
+    def kernel_versions(self, names: list[str]) -> list[KernelVersion]:
+        """Every stored build of these kernels (a layer's four at once), in one query, no blobs."""
+        rows = self._query("look up kernels " + ", ".join(names), "SELECT name, toolchain, status, created_at, "
+                           f"sha256, meta FROM {T_ARTIFACTS} WHERE name IN ({', '.join('?' * len(names))}) "
+                           "ORDER BY name, toolchain", tuple(names))
+        return [KernelVersion(n, t, s, _when(c), h, m) for n, t, s, c, h, m in rows]
 
     def artifact(self, name: str, toolchain: str) -> tuple[bytes, dict]:
         rows = self._query(f"read artifact {name!r}", f"SELECT library, cubin, sha256, cubin_sha256, "
@@ -233,7 +257,7 @@ class SqliteReader:
 
 
 class SqlAlchemyReader:
-    """The same three reads on any SQLAlchemy URL (a team's PostgreSQL server, say)."""
+    """The same reads on any SQLAlchemy URL (a team's PostgreSQL server, say)."""
 
     def __init__(self, url: str):
         from .database import Database
@@ -243,6 +267,10 @@ class SqlAlchemyReader:
     def artifact_versions(self, name: str) -> list[ArtifactVersion]:
         return [ArtifactVersion(a.toolchain, a.status, a.created_at)
                 for a in self.db.list_artifacts(name=name)]
+
+    def kernel_versions(self, names: list[str]) -> list[KernelVersion]:
+        return [KernelVersion(a.name, a.toolchain, a.status, a.created_at, a.sha256, None)
+                for n in names for a in self.db.list_artifacts(name=n)]
 
     def artifact(self, name: str, toolchain: str) -> tuple[bytes, dict]:
         a = self.db.get_artifact(name, toolchain)

@@ -3,6 +3,8 @@
 MOE_AOT_DB         SQLAlchemy URL of the kernel database (default: SQLite in <repo>/cache/).
 MOE_AOT_CACHE_DIR  folder of the default SQLite database, of unpacked kernel libraries and of
                    tuned/ (the tuned picks as text, one JSONL file per GPU).
+MOE_AOT_NATIVE_LAUNCH  0 to launch a layer's four kernels from Python instead of through the
+                   small C launcher built at first use (runtime/launch.py; default 1).
 MOE_AOT_CUDA_HOME  CUDA toolkit root whose lib64/libcudart_static.a links kernel libraries
                    (default: the pinned nvidia-cuda-runtime wheel, then CUDA_HOME, then
                    /usr/local/cuda); only the compiler needs it.
@@ -26,6 +28,10 @@ def default_db_url() -> str:
     if url:
         return url
     return f"sqlite:///{cache_dir() / 'moe_aot.sqlite'}"
+
+
+def native_launch() -> bool:
+    return os.environ.get("MOE_AOT_NATIVE_LAUNCH", "1") != "0"
 
 
 def cudart_static() -> Path:

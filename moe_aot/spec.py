@@ -6,7 +6,6 @@ field and what is allowed, before any compiler or kernel sees it.
 from __future__ import annotations
 
 import json
-import tomllib
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -142,6 +141,8 @@ def load_specs(path: str | Path, default_target: str | None = None) -> list[Laye
         text = path.read_text()
     except OSError as exc:
         raise SpecError(f"cannot read spec file {path}: {exc.strerror}") from None
+    import tomllib  # here, not at import time: the runtime never reads TOML
+
     try:
         data = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
     except (tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:

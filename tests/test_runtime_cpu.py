@@ -318,3 +318,256 @@ def test_untuned_layer_only_asks_for_the_buckets_defaults(model, small_db):
         assert default_variant(spec, 300) not in built  # the case that failed
     for tokens in (1, 2, 7, 37, 255, 300, 1100, 5000, 20000, 100000):
         assert layer.variant_for(tokens) == default_variant(spec, bucket_for(tokens)) in built
+
+
+class _Loaded:
+    """Stands in for KernelLibrary on a CPU machine (its CUDA init needs a GPU)."""
+
+    def __init__(self, so_path, meta, device=None):
+        self.path, self.meta, self.name = Path(so_path), meta, meta["name"]
+
+
+def test_layer_kernels_come_from_one_query_and_a_content_addressed_cache(small_db, tmp_path, monkeypatch):
+    import hashlib
+    import os
+
+    import moe_aot.runtime.store as store_mod
+    from moe_aot.runtime.library import KernelLaunchError
+
+    monkeypatch.setattr(store_mod, "KernelLibrary", _Loaded)
+    url, spec = small_db
+    folder = tmp_path / "libs"
+    names = [kv.name for kv in default_variant(spec, 16).kernels(spec)]
+
+    def counting(store):
+        calls = {"kernel_versions": 0, "artifact": 0, "artifact_versions": 0}
+        for m in calls:
+            def wrap(*a, _m=m, _f=getattr(store.db, m)):
+                calls[_m] += 1
+                return _f(*a)
+            setattr(store.db, m, wrap)
+        return calls
+
+    # first process: one query for the four kernels, each blob read once, files named by their sha256
+    store = KernelStore(url, unpack_dir=folder)
+    calls = counting(store)
+    layer = MoeLayer(spec, store, device=torch.device("cpu"), variants={})
+    v, *libs = layer.kernels(16)
+    assert [lib.name for lib in libs] == names
+    assert calls == {"kernel_versions": 1, "artifact": 4, "artifact_versions": 0}
+    for lib in libs:
+        digest = lib.meta["sha256"]["library"]
+        assert lib.path == folder / f"lib{lib.name}_{digest}.so"
+        assert hashlib.sha256(lib.path.read_bytes()).hexdigest() == digest
+    assert folder.stat().st_mode & 0o777 == 0o700
+    # a later process finds them cached: no blob is read
+    store = KernelStore(url, unpack_dir=folder)
+    calls = counting(store)
+    MoeLayer(spec, store, device=torch.device("cpu"), variants={}).kernels(16)
+    assert calls == {"kernel_versions": 1, "artifact": 0, "artifact_versions": 0}
+    # a cached file altered on disk is never used: its bytes are read back from the database
+    glu = libs[1].path
+    glu.write_bytes(b"\x7fELF not the kernel")
+    store = KernelStore(url, unpack_dir=folder)
+    calls = counting(store)
+    store.load_many(names, "sm_90a")
+    assert calls["artifact"] == 1
+    assert hashlib.sha256(glu.read_bytes()).hexdigest() == libs[1].meta["sha256"]["library"]
+    # a folder others may write into is refused
+    os.chmod(folder, 0o777)
+    with pytest.raises(KernelLaunchError, match="writable by no one else"):
+        KernelStore(url, unpack_dir=folder).load_many(names, "sm_90a")
+    os.chmod(folder, 0o700)
+    # the failures of the per-kernel lookup are kept
+    with pytest.raises(KernelMissingError, match="not in the database"):
+        store.load_many([names[0], "moe_route_sm90a_e999k1_m64"], "sm_90a")
+
+
+def test_cache_miss_refuses_a_corrupt_blob_or_disagreeing_metadata(small_db, tmp_path, monkeypatch):
+    import json
+    import sqlite3 as _sqlite3
+
+    import moe_aot.runtime.store as store_mod
+    from moe_aot.dbread import DatabaseError
+    from moe_aot.runtime.library import KernelLaunchError
+
+    monkeypatch.setattr(store_mod, "KernelLibrary", _Loaded)
+    url, spec = small_db
+    path = tmp_path / "k.sqlite"
+    path.write_bytes(Path(url[len("sqlite:///"):]).read_bytes())
+    glu = default_variant(spec, 16).kernels(spec)[1].name
+    con = _sqlite3.connect(path)
+    con.execute("UPDATE moe_aot_artifacts SET library = ? WHERE name = ?", (b"\x7fELF altered", glu))
+    con.commit()
+    with pytest.raises(DatabaseError, match=f"artifact {glu} .*corrupt.*sha256"):
+        KernelStore(f"sqlite:///{path}", unpack_dir=tmp_path / "a").load(glu, "sm_90a")
+    assert not list((tmp_path / "a").glob("*.so"))  # nothing was written
+    [(meta,)] = con.execute("SELECT meta FROM moe_aot_artifacts WHERE name = ?", (glu,)).fetchall()
+    meta = json.loads(meta)
+    meta["sha256"]["library"] = "0" * 64
+    con.execute("UPDATE moe_aot_artifacts SET meta = ? WHERE name = ?", (json.dumps(meta), glu))
+    con.commit()
+    con.close()
+    with pytest.raises(KernelLaunchError, match=f"{glu}: stored library is corrupt"):
+        KernelStore(f"sqlite:///{path}", unpack_dir=tmp_path / "b").load(glu, "sm_90a")
+
+
+def test_server_reader_loads_through_the_same_cache(small_db, tmp_path, monkeypatch):
+    import moe_aot.runtime.store as store_mod
+    from moe_aot.dbread import SqlAlchemyReader
+
+    monkeypatch.setattr(store_mod, "KernelLibrary", _Loaded)
+    monkeypatch.setattr(store_mod, "open_reader", SqlAlchemyReader)  # what a PostgreSQL URL opens
+    url, spec = small_db
+    names = [kv.name for kv in default_variant(spec, 16).kernels(spec)]
+    libs = KernelStore(url, unpack_dir=tmp_path / "libs").load_many(names, "sm_90a")
+    assert sorted(libs) == sorted(names)
+    assert all(lib.path.name == f"lib{n}_{lib.meta['sha256']['library']}.so" for n, lib in libs.items())
+
+
+_RECORDING_C = r"""
+void *seen[16]; int fail; long calls;
+void {init}(void **a) {{ *(int *)a[1] = 0; }}
+void {load}(void **a) {{ *(int *)a[2] = 0; }}
+void {run}(void **a) {{
+    for (int i = 0; i <= {nt}; i++) seen[i] = *(void **)a[i];  /* each struct's data pointer, then the stream */
+    calls++;
+    if (fail) *(int *)a[{nt} + 1] = fail;
+}}
+"""
+
+
+@pytest.fixture
+def recording_layer(small_db, tmp_path, monkeypatch):
+    """A layer on CPU tensors whose four kernels are libraries of the same ABI that record the
+    pointers they were launched with (gcc), with torch.cuda's answers stubbed."""
+    import json
+    import shutil
+    import sqlite3 as _sqlite3
+
+    import moe_aot.runtime.launch as launch
+    from moe_aot.dbread import pack, sha
+
+    if shutil.which("gcc") is None:
+        pytest.skip("needs gcc to build the stand-in libraries")
+    url, spec = small_db
+    path = tmp_path / "rec.sqlite"
+    path.write_bytes(Path(url[len("sqlite:///"):]).read_bytes())
+    con = _sqlite3.connect(path)
+    for kv in default_variant(spec, 16).kernels(spec):
+        [(tc, meta)] = con.execute("SELECT toolchain, meta FROM moe_aot_artifacts WHERE name = ?", (kv.name,)).fetchall()
+        meta = json.loads(meta)
+        abi, nt = meta["host_abi"], sum(a["kind"] == "tensor" for a in meta["args"])
+        c, so = tmp_path / f"{kv.role}.c", tmp_path / f"{kv.role}.so"
+        c.write_text(_RECORDING_C.format(init=abi["init"], load=abi["load_to_device"], run=abi["run"], nt=nt))
+        subprocess.run(["gcc", "-O1", "-shared", "-fPIC", "-o", str(so), str(c)], check=True)
+        lib = so.read_bytes()
+        meta["sha256"]["library"] = sha(lib)
+        con.execute("UPDATE moe_aot_artifacts SET library = ?, sha256 = ?, meta = ? WHERE name = ? AND toolchain = ?",
+                    (pack(lib), sha(lib), json.dumps(meta), kv.name, tc))
+    con.commit()
+    con.close()
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))  # CPU tensors stand in
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: type("S", (), {"cuda_stream": 1234})())
+    monkeypatch.setattr(launch, "_raw_stream", lambda index: 1234)
+    monkeypatch.setattr(launch, "_native_fn", None)
+    monkeypatch.setattr(launch, "_building", None)
+    layer = MoeLayer(spec, KernelStore(f"sqlite:///{path}", unpack_dir=tmp_path / "libs"), device=torch.device("cpu"),
+                     variants={})
+    M, bf = 16, torch.bfloat16
+    args = [torch.zeros(M, 256, dtype=bf), torch.zeros(8, 256, 256, dtype=bf), torch.zeros(8, 256, 128, dtype=bf),
+            torch.zeros(M, 2), torch.zeros(M, 2, dtype=torch.int32)]
+    return layer, args
+
+
+def _seen(lib, n):
+    import ctypes
+
+    return list((ctypes.c_void_p * 16).in_dll(lib, "seen"))[:n]
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_repeated_forward_checks_everything_and_launches_with_the_new_pointers(recording_layer, monkeypatch, native):
+    import ctypes
+
+    import moe_aot.runtime.launch as launch
+    from moe_aot.runtime.library import KernelLaunchError
+
+    if not native:
+        monkeypatch.setattr(launch, "_native_fn", False)
+    layer, args = recording_layer
+    full_checks = []
+    check = layer.check_inputs
+    layer.check_inputs = lambda *a: (full_checks.append(1), check(*a))[1]
+    out = torch.zeros(16, 256, dtype=torch.bfloat16)
+    layer.forward(*args, out=out)  # first call: bound with every per-kernel contract check
+    [plan] = layer._fast.values()
+    # the first process on a machine does not wait for cc: the launcher compiles in the background
+    assert not plan.native and len(full_checks) == 1
+    if launch._building is not None:
+        launch._building.join()
+    v, route, glu, down, comb = layer.kernels(16)
+    ws = layer._workspace
+    # new tensors of the same shapes: no slow-path check, and every kernel sees the new pointers
+    new = [a.clone() for a in args]
+    out2 = torch.zeros_like(out)
+    assert layer.forward(*new, out=out2) is out2 and len(full_checks) == 1
+    assert plan.native is native  # attached once compiled
+    x, w13, w2, tw, ids = (t.data_ptr() for t in new)
+    assert _seen(route._lib, 6) == [ids, ws.counts.data_ptr(), ws.offsets.data_ptr(), ws.sorted_ids.data_ptr(),
+                                    ws.tile_expert.data_ptr(), 1234]
+    assert _seen(glu._lib, 6) == [x, w13, ws.sorted_ids.data_ptr(), ws.tile_expert.data_ptr(), ws.h.data_ptr(), 1234]
+    assert _seen(down._lib, 7) == [ws.h.data_ptr(), w2, ws.sorted_ids.data_ptr(), ws.tile_expert.data_ptr(), tw,
+                                   ws.y.data_ptr(), 1234]
+    assert _seen(comb._lib, 4) == [ws.y.data_ptr(), ids, out2.data_ptr(), 1234]
+    allocated = layer.forward(*new)  # out allocated by the fast path
+    assert allocated.shape == (16, 256) and _seen(comb._lib, 3)[2] == allocated.data_ptr()
+    # every input the full check refuses is refused on the repeated path too, with its sentence
+    x_, w13_, w2_, tw_, ids_ = new
+    misaligned = torch.zeros(16 * 256 + 1, dtype=torch.bfloat16)[1:].view(16, 256)
+    bad = [((x_.float(), w13_, w2_, tw_, ids_), None, "x must be torch.bfloat16"),
+           ((x_, w13_[:, :128], w2_, tw_, ids_), None, "w13 must have shape"),
+           ((x_, w13_, w2_.transpose(1, 2).contiguous().transpose(1, 2), tw_, ids_), None, "w2 must be contiguous"),
+           ((x_, w13_, w2_, tw_.to("meta"), ids_), None, "topk_weights must be on cpu"),
+           ((x_, w13_, w2_, tw_, ids_.t().contiguous().t()), None, "topk_ids must be contiguous"),
+           ((misaligned, w13_, w2_, tw_, ids_), None, "x must be 16-byte aligned"),
+           ((x_, w13_, w2_, tw_, ids_), misaligned, "out must be 16-byte aligned"),
+           ((x_, w13_, w2_, tw_, ids_), torch.zeros(16, 256), "out must be torch.bfloat16"),
+           ((x_, w13_, w2_, tw_, ids_), torch.zeros(256, 16, dtype=torch.bfloat16).t(), "out must be contiguous"),
+           ((x_, "w13", w2_, tw_, ids_), None, "w13 must be a torch.Tensor")]
+    calls = ctypes.c_long.in_dll(glu._lib, "calls")
+    for a, o, msg in bad:
+        before = calls.value
+        with pytest.raises(KernelArgumentError, match=msg):
+            layer.forward(*a, out=o)
+        assert calls.value == before, msg  # nothing launched
+    # a launch error names the kernel and stops before the next one
+    ctypes.c_int.in_dll(down._lib, "fail").value = 7
+    comb_calls = ctypes.c_long.in_dll(comb._lib, "calls").value
+    with pytest.raises(KernelLaunchError, match=f"{down.name}: launch failed \\(cudaError 7\\)"):
+        layer.forward(*new, out=out2)
+    assert ctypes.c_long.in_dll(comb._lib, "calls").value == comb_calls
+    ctypes.c_int.in_dll(down._lib, "fail").value = 0
+
+
+def test_without_a_c_compiler_or_when_switched_off_layers_launch_from_python(tmp_path, monkeypatch):
+    import os
+    import shutil
+
+    import moe_aot.runtime.launch as launch
+
+    which = shutil.which
+    monkeypatch.setattr(launch, "_native_fn", None)
+    monkeypatch.setattr(launch, "_building", None)
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    assert launch.native_launcher(tmp_path / "a") is None and launch._native_fn is False
+    assert not list((tmp_path / "a").glob("*.so"))
+    monkeypatch.setattr(shutil, "which", which)
+    monkeypatch.setattr(launch, "_native_fn", None)
+    monkeypatch.setenv("MOE_AOT_NATIVE_LAUNCH", "0")
+    assert launch.native_launcher(tmp_path / "b") is None and not (tmp_path / "b").exists()
+    monkeypatch.delenv("MOE_AOT_NATIVE_LAUNCH")
+    monkeypatch.setattr(launch, "_native_fn", None)
+    if which(os.environ.get("CC", "cc")) or which("gcc"):
+        assert launch.native_launcher(tmp_path / "c") is not None

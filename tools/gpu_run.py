@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """A whole GPU run in one command, on a machine without the DSL (the product's AOT story).
 
-    python3 tools/gpu_run.py --out $OUT [--db cache/moe_aot.sqlite] [--tests] [--coldstart] [--bench ARGS]
+    python3 tools/gpu_run.py --out $OUT [--db cache/moe_aot.sqlite] [--tests] [--coldstart [--coldstart-compare DIR]] [--bench ARGS]
                              [--gemm-check DIR]
 
 1. installs the wheels brought along in .whl/ (sqlalchemy, ...) into /tmp/site;
@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SITE = "/tmp/site"
 
 COLD_START = r"""
-import time, json, sys
+import time, json, os, sys
 t0 = time.perf_counter()
 import torch
 torch.zeros(1, device="cuda"); torch.cuda.synchronize()
@@ -38,17 +38,22 @@ from moe_aot.runtime.layer import MoeLayer
 from moe_aot.runtime.store import KernelStore
 from moe_aot.spec import make_spec
 t_import = time.perf_counter()
+heavy = sorted({m.split(".")[0] for m in sys.modules if m.split(".")[0] in ("sqlalchemy", "optuna", "cutlass")})
 store = KernelStore()
 t_open = time.perf_counter()
 spec = make_spec(sys.argv[1])
 layer = MoeLayer(spec, store)
-layer.kernels(16)
+t_picks = time.perf_counter()
+_, *libs = layer.kernels(16)
 t_load = time.perf_counter()
+stages = {k: round(sum(getattr(l, "load_ms", {}).get(k, 0) for l in libs), 3)
+          for k in ("dlopen", "init", "load_to_device")}
 x = torch.randn(16, spec.hidden, device="cuda", dtype=torch.bfloat16)
 w13 = torch.randn(spec.experts, 2 * spec.intermediate, spec.hidden, device="cuda", dtype=torch.bfloat16)
 w2 = torch.randn(spec.experts, spec.hidden, spec.intermediate, device="cuda", dtype=torch.bfloat16)
 ids = torch.randint(0, spec.experts, (16, spec.top_k), device="cuda", dtype=torch.int32)
 tw = torch.rand(16, spec.top_k, device="cuda")
+out = torch.empty(16, spec.hidden, device="cuda", dtype=torch.bfloat16)
 torch.cuda.synchronize()
 t_data = time.perf_counter()
 layer.forward(x, w13, w2, tw, ids); torch.cuda.synchronize()
@@ -57,12 +62,26 @@ n = 200
 for _ in range(n):
     layer.forward(x, w13, w2, tw, ids)
 t_host = time.perf_counter(); torch.cuda.synchronize()
+med = {}
+for label, kw in (("out_allocated", {}), ("out_given", {"out": out})):
+    ts = []
+    for _ in range(20):  # 20 x 50 timed calls, synchronised between batches so launches never queue up
+        for _ in range(50):
+            t = time.perf_counter_ns()
+            layer.forward(x, w13, w2, tw, ids, **kw)
+            ts.append(time.perf_counter_ns() - t)
+        torch.cuda.synchronize()
+    ts.sort()
+    med[f"eager_host_us_median_1000_{label}"] = ts[len(ts) // 2] / 1e3
+plan = next(iter(getattr(layer, "_fast", {}).values()), None)
 print(json.dumps({"model": sys.argv[1], "cuda_context_ms": 1e3 * (t_cuda - t0),
                   "import_runtime_ms": 1e3 * (t_import - t_cuda), "open_db_ms": 1e3 * (t_open - t_import),
-                  "load_4_kernels_ms": 1e3 * (t_load - t_open), "first_forward_ms": 1e3 * (t_first - t_data),
+                  "picks_ms": 1e3 * (t_picks - t_open), "load_4_kernels_ms": 1e3 * (t_load - t_picks),
+                  "load_stages_ms": stages, "first_forward_ms": 1e3 * (t_first - t_data),
                   "cold_start_ms_excluding_cuda_context": 1e3 * ((t_import - t_cuda) + (t_open - t_import)
                                                                  + (t_load - t_open) + (t_first - t_data)),
-                  "eager_host_us_per_forward": 1e6 * (t_host - t_first) / n}))
+                  "eager_host_us_per_forward": 1e6 * (t_host - t_first) / n, **med,
+                  "native_launch": getattr(plan, "native", None), "heavy_modules": heavy}))
 """
 
 
@@ -137,6 +156,9 @@ def main():
     ap.add_argument("--tests", action="store_true")
     ap.add_argument("--test-args", default="", help="extra pytest arguments, e.g. '-k qwen3'")
     ap.add_argument("--coldstart", action="store_true")
+    ap.add_argument("--coldstart-compare", default=None, metavar="DIR",
+                    help="with --coldstart: also time the moe_aot package under DIR (e.g. scratch/before from "
+                         "`git archive main moe_aot | tar -x -C scratch/before`), alternating with this checkout's")
     ap.add_argument("--bench", default=None, help="arguments for tools/bench.py ('' for defaults)")
     ap.add_argument("--gemm-check", default=None, metavar="DIR",
                     help="run tools/check_gemm_kernels.py on the kernels compiled into DIR "
@@ -199,11 +221,16 @@ def main():
         rows = []
         # The first process also pays for writing .pyc files of the brought packages; the second
         # is what every later process start costs.
+        checkouts = {"this": env}
+        if ns.coldstart_compare:
+            checkouts["compare"] = dict(env, PYTHONPATH=f"{SITE}:{Path(ns.coldstart_compare).resolve()}")
         for model in ("qwen3-30b-a3b", "qwen3-30b-a3b", "deepseek-v3"):
-            rc, log, _ = sh([sys.executable, "-c", COLD_START, model], env=env, timeout=300)
-            line = [x for x in log.splitlines() if x.startswith("{")]
-            rows.append(json.loads(line[-1]) if rc == 0 and line else {"model": model, "error": log[-2000:]})
-            print("coldstart", rows[-1], flush=True)
+            for label, cenv in checkouts.items():
+                rc, log, _ = sh([sys.executable, "-c", COLD_START, model], env=cenv, timeout=300)
+                line = [x for x in log.splitlines() if x.startswith("{")]
+                rows.append(json.loads(line[-1]) if rc == 0 and line else {"model": model, "error": log[-2000:]})
+                rows[-1]["checkout"] = label
+                print("coldstart", rows[-1], flush=True)
         summary["coldstart"] = rows
 
     if ns.tests:

@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -78,13 +79,53 @@ def check_tensor(arg: dict, t: torch.Tensor, kernel: str = "") -> None:
         raise KernelArgumentError(f"{where} must be a CUDA tensor, got device {t.device}")
 
 
+def library_dir(unpack_dir: os.PathLike | None = None) -> Path:
+    """The folder of extracted kernel libraries (created private). Refused when another user
+    could write into it: a library there is loaded into this process after its hash check."""
+    folder = Path(unpack_dir) if unpack_dir else Path(tempfile.gettempdir()) / f"moe_aot_{os.getuid()}"
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = folder.stat()
+    if st.st_uid != os.getuid() or st.st_mode & 0o022:
+        raise KernelLaunchError(f"refusing to load kernel libraries from {folder}: it must belong to this "
+                                "user and be writable by no one else (pass another unpack_dir)")
+    return folder
+
+
+def cached_library(folder: Path, name: str, digest: str, fetch) -> Path:
+    """The path of kernel library `name` whose bytes have sha256 `digest`, in a content-addressed
+    cache shared by every process of this user: a file there is used only after its bytes are
+    hashed again; otherwise (absent or altered) `fetch()` gives the bytes, which are checked and
+    written atomically. So a process whose libraries are cached reads no blob from the database
+    and decompresses nothing."""
+    path = folder / f"lib{name}_{digest}.so"
+    try:
+        if hashlib.sha256(path.read_bytes()).hexdigest() == digest:
+            return path
+    except FileNotFoundError:
+        pass
+    library = fetch()
+    if hashlib.sha256(library).hexdigest() != digest:
+        raise KernelLaunchError(f"{name}: stored library is corrupt (sha256 mismatch)")
+    fd, tmp = tempfile.mkstemp(dir=folder, suffix=".so.tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(library)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
 class KernelLibrary:
     """One kernel library loaded into this process and onto the current CUDA device."""
 
     def __init__(self, so_path: os.PathLike, meta: dict, device: int | None = None):
         self.meta = meta
         self.name = meta["name"]
+        t0 = time.perf_counter()
         self._lib = ctypes.CDLL(str(so_path), mode=ctypes.RTLD_LOCAL)
+        t1 = time.perf_counter()
         abi = meta["host_abi"]
         self._handle = ctypes.c_void_p(0)
         self._handle_ptr = ctypes.c_void_p(ctypes.addressof(self._handle))
@@ -93,12 +134,16 @@ class KernelLibrary:
                                                                 ctypes.addressof(ret)))
         if ret.value != 0:
             raise KernelLaunchError(f"{self.name}: loading the kernel module failed (cudaError {ret.value})")
+        t2 = time.perf_counter()
         dev = ctypes.c_int32(torch.cuda.current_device() if device is None else device)
         getattr(self._lib, abi["load_to_device"])((ctypes.c_void_p * 3)(
             ctypes.addressof(self._handle_ptr), ctypes.addressof(dev), ctypes.addressof(ret)))
         if ret.value != 0:
             raise KernelLaunchError(f"{self.name}: loading onto device {dev.value} failed (cudaError {ret.value}); "
                                     "a cubin runs only on the exact arch it was built for")
+        # where a cold start goes, for tools/gpu_run.py --coldstart
+        self.load_ms = {"dlopen": 1e3 * (t1 - t0), "init": 1e3 * (t2 - t1),
+                        "load_to_device": 1e3 * (time.perf_counter() - t2)}
         self._run = getattr(self._lib, abi["run"])
         self._tensor_args = [a for a in meta["args"] if a["kind"] == "tensor"]
         # Argument structs are built once and refilled per call: fewer Python steps per launch.
@@ -119,19 +164,9 @@ class KernelLibrary:
     @classmethod
     def from_bytes(cls, library: bytes, meta: dict, device: int | None = None,
                    unpack_dir: os.PathLike | None = None) -> "KernelLibrary":
-        """dlopen needs a file: write the blob (after checking its hash) to a private file."""
-        digest = hashlib.sha256(library).hexdigest()
-        if digest != meta["sha256"]["library"]:
-            raise KernelLaunchError(f"{meta['name']}: stored library is corrupt (sha256 mismatch)")
-        folder = Path(unpack_dir) if unpack_dir else Path(tempfile.gettempdir()) / f"moe_aot_{os.getuid()}"
-        folder.mkdir(parents=True, exist_ok=True)
-        path = folder / f"lib{meta['name']}_{digest[:16]}.so"
-        if not path.exists() or hashlib.sha256(path.read_bytes()).hexdigest() != digest:
-            fd, tmp = tempfile.mkstemp(dir=folder, suffix=".so.tmp")
-            with os.fdopen(fd, "wb") as f:
-                f.write(library)
-            os.replace(tmp, path)
-        return cls(path, meta, device)
+        """dlopen needs a file: the blob (after checking its hash) goes to the on-disk cache."""
+        digest = meta["sha256"]["library"]
+        return cls(cached_library(library_dir(unpack_dir), meta["name"], digest, lambda: library), meta, device)
 
     @property
     def arg_names(self) -> list[str]:

@@ -6,13 +6,14 @@ SQLAlchemy; other URLs go through `database.Database`."""
 from __future__ import annotations
 
 import ctypes
+import json
 import warnings
 
 from .. import env
 from ..dbread import open_reader
 from ..spec import LayerSpec
 from ..variants import LayerVariant
-from .library import KernelLibrary
+from .library import KernelLaunchError, KernelLibrary, cached_library, library_dir
 
 ARTIFACT_FORMATS = {1}
 
@@ -64,21 +65,46 @@ class KernelStore:
             self._driver = None
 
     def load(self, name: str, target: str, device: int | None = None) -> KernelLibrary:
-        rows = self.db.artifact_versions(name)
-        why = []
-        for a in sorted(rows, key=lambda a: a.created_at, reverse=True):
-            ok, reason = usable(a.toolchain, target, self._driver)
-            if a.status != "ok":
-                why.append(f"{a.toolchain}: compile failed")
-                continue
-            if not ok:
-                why.append(f"{a.toolchain}: {reason}")
-                continue
-            library, meta = self.db.artifact(name, a.toolchain)
-            return KernelLibrary.from_bytes(library, meta, device, self.unpack_dir)
-        detail = "; ".join(why) if why else "not in the database"
-        raise KernelMissingError(f"kernel {name} for {target}: {detail}. Run `moe-aot compile` or "
-                                 f"`moe-aot build` for this model and target first.")
+        return self.load_many([name], target, device)[name]
+
+    def load_many(self, names: list[str], target: str, device: int | None = None) -> dict[str, KernelLibrary]:
+        """The newest usable build of each kernel (a layer's four: one query for all), loaded
+        from the on-disk cache of extracted libraries; the database's blob is read only when the
+        cache does not hold the library's exact bytes."""
+        names = list(dict.fromkeys(names))
+        versions = self.db.kernel_versions(names)
+        chosen = {}
+        for name in names:
+            why = []
+            for a in sorted((v for v in versions if v.name == name), key=lambda a: a.created_at, reverse=True):
+                ok, reason = usable(a.toolchain, target, self._driver)
+                if a.status != "ok":
+                    why.append(f"{a.toolchain}: compile failed")
+                    continue
+                if not ok:
+                    why.append(f"{a.toolchain}: {reason}")
+                    continue
+                chosen[name] = a
+                break
+            else:
+                detail = "; ".join(why) if why else "not in the database"
+                raise KernelMissingError(f"kernel {name} for {target}: {detail}. Run `moe-aot compile` or "
+                                         f"`moe-aot build` for this model and target first.")
+        folder = library_dir(self.unpack_dir)
+        libs = {}
+        for name, a in chosen.items():
+            if a.meta is None:  # a reader that gives metadata only with the blobs
+                library, meta = self.db.artifact(name, a.toolchain)
+                fetch = lambda library=library: library  # noqa: E731
+            else:
+                meta = json.loads(a.meta)
+                fetch = lambda name=name, a=a: self.db.artifact(name, a.toolchain)[0]  # noqa: E731
+            digest = meta["sha256"]["library"]
+            if a.sha256 is not None and a.sha256 != digest:
+                raise KernelLaunchError(f"{name}: stored library is corrupt (its sha256 and its metadata's "
+                                        "disagree); recompile it with `moe-aot compile ...`")
+            libs[name] = KernelLibrary(cached_library(folder, name, digest, fetch), meta, device)
+        return libs
 
     def picks(self, spec: LayerSpec, gpu: str) -> dict[int, LayerVariant]:
         """Tuned picks per token bucket for this GPU, or {} (defaults) with a warning that says
