@@ -329,7 +329,10 @@ def test_patched_transformers_model_matches_unpatched(store, family, capsys):
                     break
                 g.replay()
                 torch.cuda.synchronize()
-                assert rel_err(static.float(), model(tokens, use_cache=False).logits.float()) <= 1e-3
+                # the same function, not the same bits: under capture cuBLAS may pick other GEMM
+                # algorithms for the model's own layers (measured 2.5e-3..3.9e-3 on the H200,
+                # 2026-12-01); a graph replaying stale inputs or buffers is off by O(1)
+                assert rel_err(static.float(), model(tokens, use_cache=False).logits.float()) <= 1e-2
                 times.append(_time_ms(g.replay))
             else:
                 graphs = f"patched as CUDA graph: prefill {times[0]:.2f}, decode {times[1]:.2f}"
