@@ -81,7 +81,8 @@ print(json.dumps({"model": sys.argv[1], "cuda_context_ms": 1e3 * (t_cuda - t0),
                   "cold_start_ms_excluding_cuda_context": 1e3 * ((t_import - t_cuda) + (t_open - t_import)
                                                                  + (t_load - t_open) + (t_first - t_data)),
                   "eager_host_us_per_forward": 1e6 * (t_host - t_first) / n, **med,
-                  "native_launch": getattr(plan, "native", None), "heavy_modules": heavy}))
+                  "native_launch": getattr(plan, "native", None), "heavy_modules": heavy,
+                  "moe_aot_from": sys.modules["moe_aot"].__file__}))
 """
 
 
@@ -221,9 +222,12 @@ def main():
         rows = []
         # The first process also pays for writing .pyc files of the brought packages; the second
         # is what every later process start costs.
-        checkouts = {"this": env}
+        # PYTHONSAFEPATH: `python -c` would otherwise put the working directory (this checkout)
+        # first on sys.path, and the compared checkout would import this one's moe_aot
+        checkouts = {"this": dict(env, PYTHONSAFEPATH="1")}
         if ns.coldstart_compare:
-            checkouts["compare"] = dict(env, PYTHONPATH=f"{SITE}:{Path(ns.coldstart_compare).resolve()}")
+            checkouts["compare"] = dict(env, PYTHONSAFEPATH="1",
+                                        PYTHONPATH=f"{SITE}:{Path(ns.coldstart_compare).resolve()}")
         for model in ("qwen3-30b-a3b", "qwen3-30b-a3b", "deepseek-v3"):
             for label, cenv in checkouts.items():
                 rc, log, _ = sh([sys.executable, "-c", COLD_START, model], env=cenv, timeout=300)
