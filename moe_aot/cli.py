@@ -41,15 +41,14 @@ def _tokens(text: str | None) -> tuple[int, ...]:
 def _specs(models, spec_file, target, experts, top_k, hidden, intermediate, activation, precision):
     try:
         specs = []
-        for m in models:
-            for name in m.split(","):
-                if name.strip():
-                    specs.append(make_spec(name.strip(), target=target, activation=activation, precision=precision))
+        sizes = dict(experts=experts, top_k=top_k, hidden=hidden, intermediate=intermediate)
+        names = [n.strip() for m in models for n in m.split(",") if n.strip()]
+        for name in names:  # size flags beside a preset override the preset's sizes
+            specs.append(make_spec(name, **sizes, target=target, activation=activation, precision=precision))
         if spec_file:
             specs += load_specs(spec_file, default_target=target)
-        if any(v is not None for v in (experts, top_k, hidden, intermediate)):
-            specs.append(make_spec(None, experts=experts, top_k=top_k, hidden=hidden, intermediate=intermediate,
-                                   activation=activation, precision=precision, target=target))
+        if not names and any(v is not None for v in sizes.values()):
+            specs.append(make_spec(None, **sizes, activation=activation, precision=precision, target=target))
     except SpecError as exc:
         raise click.ClickException(str(exc)) from None
     if not specs:
@@ -103,6 +102,10 @@ def compile_cmd(models, spec_file, target, experts, top_k, hidden, intermediate,
                     v = LayerVariant.parse(vn)
                 except ValueError as exc:
                     raise click.ClickException(str(exc)) from None
+                if v.name(spec) != vn:
+                    raise click.ClickException(
+                        f"variant {vn} is not one of {spec.label()} on {spec.target}: for that layer its "
+                        f"tiles are named {v.name(spec)}")
                 ok, why = can_implement(spec, v)
                 if not ok:
                     raise click.ClickException(f"variant {vn} cannot implement {spec.label()} on {spec.target}: {why}")
@@ -155,6 +158,8 @@ def ls_cmd(model, target, failed, gpu, db_url):
             workload = make_spec(model).workload_key
         except SpecError as exc:
             raise click.ClickException(str(exc)) from None
+    if target is not None and target not in TARGETS:
+        raise click.BadParameter(f"{target!r} is not a target; targets: {', '.join(TARGETS)}", param_hint="--target")
     db = _open(db_url, readonly=True)
     try:
         rows = db.list_artifacts(workload=workload, target=target, status="failed" if failed else None)

@@ -79,3 +79,28 @@ def test_verify_without_gpu_says_so(runner):
         pytest.skip("has a GPU")
     res = runner.invoke(main, ["verify", "--model", "qwen3-30b-a3b"])
     assert res.exit_code != 0 and "needs a CUDA GPU" in res.output
+
+
+def test_size_flags_override_a_preset_instead_of_adding_a_layer():
+    from moe_aot.cli import _specs
+
+    [spec] = _specs(("mixtral-8x7b",), None, "sm_90a", None, 4, None, None, None, None)
+    assert (spec.experts, spec.top_k, spec.hidden, spec.intermediate) == (8, 4, 4096, 14336)
+    specs = _specs(("qwen3-30b-a3b,mixtral-8x7b",), None, "sm_90a", None, None, 1024, None, None, None)
+    assert [(s.experts, s.hidden) for s in specs] == [(128, 1024), (8, 1024)]
+    [alone] = _specs((), None, "sm_90a", 8, 2, 256, 128, None, None)  # no preset: the sizes are the layer
+    assert (alone.experts, alone.top_k, alone.hidden, alone.intermediate) == (8, 2, 256, 128)
+
+
+def test_compile_refuses_a_variant_name_of_another_layer(runner):
+    other = ("moe_layer_sm90a_bf16_e8k2h4096i14336_swiglu_m64r1_glun128k64s4warp_downn128k64s4warp")
+    res = runner.invoke(main, ["compile", "--model", "qwen3-30b-a3b", "--variant", other])
+    assert res.exit_code == 1 and "is not one of" in res.output and "e128k8h2048i768" in res.output
+    res = runner.invoke(main, ["compile", "--model", "qwen3-30b-a3b", "--target", "sm_121a", "--variant",
+                               other.replace("e8k2h4096i14336", "e128k8h2048i768")])
+    assert res.exit_code == 1 and "sm121a" in res.output  # a name for another target
+
+
+def test_ls_refuses_an_unknown_target(runner):
+    res = runner.invoke(main, ["ls", "--target", "sm_75"])
+    assert res.exit_code == 2 and "sm_75" in res.output and "sm_90a" in res.output

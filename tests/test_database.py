@@ -1,6 +1,7 @@
 """The kernel database: round trips, idempotence, fail-closed opens and concurrent writers."""
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing as mp
 import os
 import sqlite3
@@ -57,7 +58,7 @@ def test_artifact_round_trip(db):
     assert row.library == b"L" * 1000 and row.cubin == b"cubin-moe_glu_a"
     assert row.meta == {"abi": 1, "align": 16} and row.compile_s == 1.5 and row.error is None
     assert len(row.sha256) == 64 and row.created_at.tzinfo is not None
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         row.name = "other"  # frozen
     assert db.get_artifact("moe_glu_a", "other-toolchain") is None
     assert db.has_artifact("moe_glu_a", TC) and not db.has_artifact("nope", TC)

@@ -1,3 +1,4 @@
+import dataclasses
 import json
 from pathlib import Path
 
@@ -80,6 +81,6 @@ def test_spec_files(tmp_path):
 
 def test_spec_is_frozen():
     s = make_spec("mixtral-8x7b")
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         s.experts = 4
     assert isinstance(s, LayerSpec)
