@@ -167,7 +167,7 @@ def ls_cmd(model, target, failed, gpu, db_url):
             size = f"{a.library_size / 1e3:.0f}KB" if a.library_size else "-"
             extra = f"  error: {a.error}" if a.status != "ok" else ""
             click.echo(f"{a.name}\t{a.role}\t{a.target}\t{a.status}\t{size}\t{a.compile_s or 0:.1f}s\t{a.workload}{extra}")
-        picks = db.all_best(workload=workload, target=target, gpu=gpu)
+        picks = [] if failed else db.all_best(workload=workload, target=target, gpu=gpu)
         for b in picks:
             click.echo(f"tuned\t{b.workload}\t{b.target}\t{b.gpu}\ttokens={b.tokens}\t{b.variant}\t{b.median_us:.1f}us")
     except DatabaseError as exc:

@@ -159,6 +159,12 @@ def measurement_toolchain(toolchain: str) -> str:
     return "|".join(p for p in parts if not p.startswith("src")) if len(parts) > 1 else toolchain
 
 
+# optuna's RDB storage shares the database with the tuner's studies (tuner.open_storage)
+_OPTUNA_TABLES = {"alembic_version", "version_info", "studies", "study_directions", "study_user_attributes",
+                  "study_system_attributes", "trials", "trial_user_attributes", "trial_system_attributes",
+                  "trial_params", "trial_values", "trial_intermediate_values", "trial_heartbeats"}
+
+
 def _now() -> datetime:
     return datetime.now(timezone.utc)
 
@@ -327,6 +333,11 @@ class Database:
             return
         if self.readonly:
             raise no_schema(self._where)
+        foreign = set(inspect(conn).get_table_names()) - set(_md.tables) - _OPTUNA_TABLES
+        if foreign:
+            raise DatabaseError(f"{self._where} is not a moe-aot database: it holds other tables "
+                                f"({', '.join(sorted(foreign)[:5])}) and no moe-aot schema; point MOE_AOT_DB "
+                                "or --db at a new file or an empty database")
         _md.create_all(conn)
         conn.execute(_version_t.insert().values(id=1, version=SCHEMA_VERSION))
 

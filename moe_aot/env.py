@@ -2,7 +2,8 @@
 
 MOE_AOT_DB         SQLAlchemy URL of the kernel database (default: SQLite in <repo>/cache/).
 MOE_AOT_CACHE_DIR  folder of the default SQLite database, of unpacked kernel libraries and of
-                   tuned/ (the tuned picks as text, one JSONL file per GPU).
+                   tuned/ (the tuned picks as text, one JSONL file per GPU); default <checkout>/cache
+                   in a source checkout, else $XDG_CACHE_HOME/moe-aot (~/.cache/moe-aot).
 MOE_AOT_NATIVE_LAUNCH  0 to launch a layer's four kernels from Python instead of through the
                    small C launcher built at first use (runtime/launch.py; default 1).
 MOE_AOT_CUDA_HOME  CUDA toolkit root whose lib64/libcudart_static.a links kernel libraries
@@ -19,8 +20,16 @@ REPO_ROOT = _PACKAGE_DIR.parent
 
 
 def cache_dir() -> Path:
+    """MOE_AOT_CACHE_DIR, else <checkout>/cache in a source checkout (editable install), else the
+    per-user cache ($XDG_CACHE_HOME or ~/.cache)/moe-aot: an installed package must not write
+    into site-packages."""
     raw = os.environ.get("MOE_AOT_CACHE_DIR")
-    return Path(raw).expanduser().resolve() if raw else REPO_ROOT / "cache"
+    if raw:
+        return Path(raw).expanduser().resolve()
+    if (REPO_ROOT / "pyproject.toml").is_file() and (REPO_ROOT / "moe_aot").is_dir():
+        return REPO_ROOT / "cache"
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base).expanduser().resolve() / "moe-aot"
 
 
 def default_db_url() -> str:

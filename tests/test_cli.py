@@ -104,3 +104,20 @@ def test_compile_refuses_a_variant_name_of_another_layer(runner):
 def test_ls_refuses_an_unknown_target(runner):
     res = runner.invoke(main, ["ls", "--target", "sm_75"])
     assert res.exit_code == 2 and "sm_75" in res.output and "sm_90a" in res.output
+
+
+def test_ls_failed_lists_only_failed_kernels(runner, tmp_path):
+    from moe_aot.database import Database
+
+    db = Database()  # the runner's MOE_AOT_DB
+    db.put_workload("w", {"experts": 8})
+    db.put_artifact(name="moe_glu_bad", workload="w", role="glu", target="sm_90a", toolchain="tc",
+                    status="failed", error="ptxas: too many resources")
+    db.commit_best(workload="w", target="sm_90a", gpu="NVIDIA H200", toolchain="tc", tokens=16,
+                   variant="moe_layer_x", median_us=10.0)
+    db.close()
+    assert "tuned\tw" in runner.invoke(main, ["ls"]).output  # picks are listed without --failed
+    res = runner.invoke(main, ["ls", "--failed"])
+    assert res.exit_code == 0, res.output
+    lines = res.output.strip().splitlines()
+    assert lines and all(line.startswith("moe_glu_bad") for line in lines) and "too many resources" in lines[0]

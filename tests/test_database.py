@@ -415,3 +415,16 @@ def test_server_database_round_trip_and_concurrent_best():
     for i, t in enumerate([1, 16, 256]):
         expected = min(v for s in vals for j, v in enumerate(vals[s]) if j % 3 == i)
         assert best[t].median_us == (min(expected, 5.0) if t == 16 else expected)
+
+
+def test_a_foreign_sqlite_file_is_refused_and_left_alone(tmp_path):
+    path = tmp_path / "app.sqlite"
+    con = sqlite3.connect(path)
+    con.execute("CREATE TABLE users (id INTEGER PRIMARY KEY, name TEXT)")
+    con.commit()
+    con.close()
+    with pytest.raises(DatabaseError, match="is not a moe-aot database.*users"):
+        Database(f"sqlite:///{path}")
+    con = sqlite3.connect(path)
+    assert [r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type='table'")] == ["users"]
+    con.close()

@@ -571,3 +571,21 @@ def test_without_a_c_compiler_or_when_switched_off_layers_launch_from_python(tmp
     monkeypatch.setattr(launch, "_native_fn", None)
     if which(os.environ.get("CC", "cc")) or which("gcc"):
         assert launch.native_launcher(tmp_path / "c") is not None
+
+
+def test_default_cache_is_the_checkout_or_a_per_user_folder(tmp_path, monkeypatch):
+    """A source checkout keeps <checkout>/cache; an installed package (no pyproject beside it)
+    uses $XDG_CACHE_HOME/moe-aot, never site-packages; MOE_AOT_CACHE_DIR wins over both."""
+    from moe_aot import env
+
+    monkeypatch.delenv("MOE_AOT_CACHE_DIR", raising=False)
+    monkeypatch.delenv("MOE_AOT_DB", raising=False)
+    assert env.cache_dir() == env.REPO_ROOT / "cache"  # this checkout
+    site = tmp_path / "site-packages"
+    (site / "moe_aot").mkdir(parents=True)
+    monkeypatch.setattr(env, "REPO_ROOT", site)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert env.cache_dir() == (tmp_path / "xdg" / "moe-aot").resolve()
+    assert env.default_db_url() == f"sqlite:///{(tmp_path / 'xdg' / 'moe-aot' / 'moe_aot.sqlite').resolve()}"
+    monkeypatch.setenv("MOE_AOT_CACHE_DIR", str(tmp_path / "mine"))
+    assert env.cache_dir() == (tmp_path / "mine").resolve()
