@@ -134,8 +134,17 @@ def compile_into(db, specs_and_variants, jobs: int | None = None,
         for spec, kv in todo:
             record(_compile_job(kv, spec.target))
         return results
-    with ProcessPoolExecutor(max_workers=jobs, mp_context=get_context("spawn")) as pool:
+    pool = ProcessPoolExecutor(max_workers=jobs, mp_context=get_context("spawn"))
+    try:
         futures = [pool.submit(_compile_job, kv, spec.target) for spec, kv in todo]
         for fut in as_completed(futures):
-            record(fut.result())
+            record(fut.result())  # each kernel is in the database as soon as it is compiled
+    except BaseException:
+        # Ctrl-C (or a failure here): stop at once, keep what finished, drop what is queued or
+        # running (a pool's own exit would first wait for every queued compile)
+        pool.shutdown(wait=False, cancel_futures=True)
+        for proc in list((getattr(pool, "_processes", None) or {}).values()):
+            proc.terminate()
+        raise
+    pool.shutdown()
     return results
