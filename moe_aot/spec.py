@@ -21,7 +21,8 @@ SIZE_MULTIPLE = 64  # hidden/intermediate: 16-byte aligned rows and whole 64-wid
 MAX_EXPERTS = 512  # the routing kernel keeps a per-warp histogram of E+1 words in shared memory
 MAX_TOP_K = 32
 
-# Public models' MoE layers (full expert set on one GPU); sources: each model's config.json.
+# Public models' MoE layers (full expert set on one GPU); sources: each model's config.json, whose
+# fields ship in presets_source.json (tests/test_spec.py derives every preset from them).
 PRESETS = {
     "qwen3-30b-a3b": dict(experts=128, top_k=8, hidden=2048, intermediate=768, activation="swiglu"),
     "qwen3-235b-a22b": dict(experts=128, top_k=8, hidden=4096, intermediate=1536, activation="swiglu"),

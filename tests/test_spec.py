@@ -10,6 +10,32 @@ from moe_aot.spec import PRESETS, LayerSpec, SpecError, load_specs, make_spec
 SHAPES = Path(__file__).resolve().parents[2] / "shared" / "bench" / "shapes.json"
 
 
+SOURCE = Path(__file__).resolve().parents[1] / "moe_aot" / "presets_source.json"
+# config.json field names per shape field, in the order the model families use them
+FIELDS = {"experts": ("num_experts", "n_routed_experts", "num_local_experts"),
+          "top_k": ("num_experts_per_tok", "experts_per_token"),
+          "hidden": ("hidden_size",), "intermediate": ("moe_intermediate_size", "intermediate_size")}
+
+
+def test_presets_are_the_published_configs_shipped_with_the_package():
+    """Every preset is derived from its model's config.json fields, which ship in the package
+    (moe_aot/presets_source.json), so this runs without ../shared."""
+    import importlib.resources
+
+    source = json.loads(importlib.resources.files("moe_aot").joinpath("presets_source.json").read_text())
+    assert source == json.loads(SOURCE.read_text())
+    assert set(source) - {"_doc"} == set(PRESETS)
+    for name, entry in source.items():
+        if name == "_doc":
+            continue
+        cfg = entry["config"]
+        derived = {f: next(cfg[k] for k in keys if k in cfg) for f, keys in FIELDS.items()}
+        assert cfg["hidden_act"] == "silu"  # SwiGLU experts
+        spec = make_spec(name)
+        assert (spec.experts, spec.top_k, spec.hidden, spec.intermediate, spec.activation) == \
+            (derived["experts"], derived["top_k"], derived["hidden"], derived["intermediate"], "swiglu"), name
+
+
 @pytest.mark.skipif(not SHAPES.exists(), reason="benchmark matrix not beside the checkout")
 def test_presets_match_benchmark_matrix():
     models = json.loads(SHAPES.read_text())["models"]
