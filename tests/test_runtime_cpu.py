@@ -23,6 +23,7 @@ def test_runtime_imports_neither_dsl_nor_tuner_nor_compiler(small_db):
     url, spec = small_db
     name = default_variant(spec, 16).kernels(spec)[1].name
     code = ("import sys, moe_aot.runtime.layer, moe_aot.runtime.store, moe_aot.runtime.verify\n"
+            "import moe_aot.integrations\n"
             "from moe_aot.spec import make_spec\n"
             f"store = moe_aot.runtime.store.KernelStore({url!r})\n"
             "store.picks(make_spec(experts=8, top_k=2, hidden=256, intermediate=128), 'NVIDIA H200')\n"
