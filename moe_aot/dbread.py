@@ -34,6 +34,11 @@ class DatabaseError(RuntimeError):
     """A storage failure, phrased as one sentence a user can act on."""
 
 
+class NoDatabaseError(DatabaseError):
+    """There is no kernel database yet (no file, or a file without our schema): nothing was
+    compiled for this machine. Every other DatabaseError means a database that is there is broken."""
+
+
 # -- what both readers share -----------------------------------------------------------------
 
 def pack(blob: bytes | None) -> bytes | None:
@@ -75,7 +80,7 @@ def first_line(text: str | None) -> str | None:
 
 
 def no_database(path: Path) -> DatabaseError:
-    return DatabaseError(f"no kernel database at {path}; run `moe-aot compile ...` first")
+    return NoDatabaseError(f"no kernel database at {path}; run `moe-aot compile ...` first")
 
 
 def corrupt(where: str, msg: str) -> DatabaseError:
@@ -105,7 +110,7 @@ def check_schema_versions(found: list[int], where: str) -> None:
 
 
 def no_schema(where: str) -> DatabaseError:
-    return DatabaseError(f"{where} holds no moe-aot schema; run `moe-aot compile ...` first")
+    return NoDatabaseError(f"{where} holds no moe-aot schema; run `moe-aot compile ...` first")
 
 
 def readonly_uri(path: Path) -> str:

@@ -590,3 +590,17 @@ def test_default_cache_is_the_checkout_or_a_per_user_folder(tmp_path, monkeypatc
     assert env.default_db_url() == f"sqlite:///{(tmp_path / 'xdg' / 'moe-aot' / 'moe_aot.sqlite').resolve()}"
     monkeypatch.setenv("MOE_AOT_CACHE_DIR", str(tmp_path / "mine"))
     assert env.cache_dir() == (tmp_path / "mine").resolve()
+
+
+def test_a_missing_database_is_told_apart_from_a_broken_one(tmp_path):
+    """The GPU tests skip only when there is no database (nothing compiled for this machine);
+    a database that is there but broken raises a plain DatabaseError, and they fail."""
+    from moe_aot.dbread import DatabaseError, NoDatabaseError
+
+    with pytest.raises(NoDatabaseError):
+        KernelStore(f"sqlite:///{tmp_path / 'absent.sqlite'}")
+    broken = tmp_path / "broken.sqlite"
+    broken.write_bytes(b"this is not a SQLite file" * 100)
+    with pytest.raises(DatabaseError) as err:
+        KernelStore(f"sqlite:///{broken}")
+    assert not isinstance(err.value, NoDatabaseError)
