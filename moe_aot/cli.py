@@ -64,8 +64,11 @@ def spec_options(f):
         click.option("--spec", "spec_file", type=click.Path(dir_okay=False), help="TOML/JSON file listing layers."),
         click.option("--target", default="sm_90a", show_default=True,
                      help=f"GPU target: {', '.join(f'{k} ({v})' for k, v in TARGETS.items())}."),
-        click.option("--experts", type=int), click.option("--top-k", "top_k", type=int),
-        click.option("--hidden", type=int), click.option("--intermediate", type=int),
+        click.option("--experts", type=int, help="Routed experts (with --model: overrides the preset's; "
+                                                 "alone, with the other sizes, one layer)."),
+        click.option("--top-k", "top_k", type=int, help="Experts per token (overrides --model's, as --experts)."),
+        click.option("--hidden", type=int, help="Hidden size H (overrides --model's, as --experts)."),
+        click.option("--intermediate", type=int, help="Intermediate size I per expert (overrides --model's)."),
         click.option("--activation", default=None, help="swiglu (default) or geglu."),
         click.option("--precision", default=None, help="bf16 (default); fp8, fp8-block128, mxfp8, nvfp4 are not yet supported."),
     ]
