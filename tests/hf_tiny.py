@@ -59,3 +59,22 @@ def tiny_model(family: str, *shape, device="cpu", dtype=None, seed: int = 0, exp
             if name.endswith("e_score_correction_bias"):
                 b.uniform_(-0.05, 0.05)
     return model.eval()
+
+
+def moe_block_io(model, run):
+    """`run()` once with a forward hook on every MoE block (`*.mlp`): returns its result and, per
+    block name, the (input, output) that block saw, so a patched block can be fed the same input."""
+    seen = {}
+
+    def keep(name):
+        def hook(module, args, out):
+            seen[name] = (args[0], out)
+        return hook
+
+    hooks = [m.register_forward_hook(keep(n)) for n, m in model.named_modules() if n.endswith(".mlp")]
+    try:
+        result = run()
+    finally:
+        for h in hooks:
+            h.remove()
+    return result, seen

@@ -280,7 +280,7 @@ def _graph(fn):
 @pytest.mark.parametrize("family", list(HF_SHAPES))
 def test_patched_transformers_model_matches_unpatched(store, family, capsys):
     pytest.importorskip("transformers")
-    from hf_tiny import tiny_model
+    from hf_tiny import moe_block_io, tiny_model
 
     from moe_aot.integrations.transformers import patch
 
@@ -293,18 +293,8 @@ def test_patched_transformers_model_matches_unpatched(store, family, capsys):
     gen = torch.Generator(device=DEV).manual_seed(0)
     prefill = torch.randint(0, 1024, (4, 128), device=DEV, generator=gen)
     decode = prefill[:1, :1]
-    blocks_in = {}
-
-    def keep(name):
-        def hook(module, args, out):
-            blocks_in[name] = (args[0], out)
-        return hook
-
-    hooks = [m.register_forward_hook(keep(n)) for n, m in model.named_modules() if n.endswith(".mlp")]
     with torch.no_grad():
-        ref = model(prefill).logits.float()
-        for hk in hooks:
-            hk.remove()
+        ref, blocks_in = moe_block_io(model, lambda: model(prefill).logits.float())
         t_ref = (_time_ms(lambda: model(prefill)), _time_ms(lambda: model(decode)))
         sync_ref = _host_syncs(lambda: model(prefill))
         names = patch(model)

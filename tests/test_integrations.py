@@ -442,22 +442,12 @@ HF_FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3"]
 @pytest.mark.parametrize("family", HF_FAMILIES)
 def test_patched_transformers_model_matches_unpatched(family):
     pytest.importorskip("transformers")
-    from hf_tiny import tiny_model
+    from hf_tiny import moe_block_io, tiny_model
 
     model = tiny_model(family, 8, 2, H, I)
     tokens = torch.randint(0, 512, (4, 64), generator=torch.Generator().manual_seed(0))
-    blocks_in = {}
-
-    def keep(name):
-        def hook(module, args, out):
-            blocks_in[name] = (args[0], out)
-        return hook
-
-    hooks = [m.register_forward_hook(keep(n)) for n, m in model.named_modules() if n.endswith(".mlp")]
     with torch.no_grad():
-        ref = model(tokens).logits
-    for hk in hooks:
-        hk.remove()
+        ref, blocks_in = moe_block_io(model, lambda: model(tokens).logits)
     names = patch(model)
     assert names and all(n in blocks_in for n in names)
     with torch.no_grad():
