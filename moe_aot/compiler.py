@@ -53,7 +53,7 @@ def build_template(kv: KernelVariant):
         return MoeCombine(**kw)
     if kv.role in ("glu", "down"):
         # one template module per mainloop family; both take the same arguments
-        if kw.get("mma") == "hopws":
+        if kw.get("mma") in ("hopws", "hoppp"):
             from moe_aot_templates.hopper_gemm import HopperDownGemm as Down, HopperGluGemm as Glu
         else:
             from moe_aot_templates.grouped_gemm import GroupedDownGemm as Down, GroupedGluGemm as Glu

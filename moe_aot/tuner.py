@@ -107,10 +107,10 @@ def suggest(trial: optuna.Trial, space: dict[str, CategoricalDistribution]) -> L
 def _cluster_applies(params: dict, key: str) -> bool:
     """Whether the sampler should choose `key` (glu_cluster / down_cluster) given the parameters
     chosen so far: asked everywhere, it would make most proposals invalid and get them pruned."""
-    from .variants import WARP_SPECIALIZED
+    from .variants import CLUSTER_MMAS
 
     role = key[: -len("_cluster")]
-    return params.get(f"{role}_mma") in WARP_SPECIALIZED and params.get("tile_m") == 128
+    return params.get(f"{role}_mma") in CLUSTER_MMAS and params.get("tile_m") == 128
 
 
 # -- studies -----------------------------------------------------------------------------------
@@ -611,7 +611,8 @@ def _seen(slot: Slot) -> set[str]:
 def seed_variants(tuned_dir: Path, gpu: str, specs, buckets) -> dict[tuple[str, int], list[LayerVariant]]:
     """Per (workload, bucket): the committed pick for `gpu` in `tuned_dir`, its twin with
     programmatic dependent launch flipped, and the default's twin; then the 2-CTA-cluster twins
-    (LayerVariant.cluster_twins) of the pick, or of the default where there is none. After a
+    (LayerVariant.cluster_twins) of the pick, or of the default where there is none, and the
+    64-row ping-pong twins (LayerVariant.pingpong_twin) of the pick and of the default. After a
     template change these are what a new default must be measured against first."""
     from .variants import default_variant
 
@@ -627,8 +628,9 @@ def seed_variants(tuned_dir: Path, gpu: str, specs, buckets) -> dict[tuple[str, 
                 pick = LayerVariant.parse(name)
                 seeds = [pick, pick.pdl_twin()] + seeds
             seeds += (LayerVariant.parse(name) if name else base).cluster_twins()
+            seeds += [v.pingpong_twin(spec) for v in (LayerVariant.parse(name) if name else base, base)]
             out[(spec.workload_key, tokens)] = [v for v in dict.fromkeys(seeds)
-                                               if v != base and can_implement(spec, v)[0]]
+                                               if v is not None and v != base and can_implement(spec, v)[0]]
     return out
 
 

@@ -19,9 +19,10 @@ from .spec import BENCH_TOKENS, LayerSpec
 
 # Per-block shared memory a kernel may opt into, and which MMA instructions exist. "hopws"
 # (sm_90a: templates/hopper_gemm.py, persistent warp-specialized CTAs on the DSL's TMA pipeline)
-# is the large-token default since its H200 checks of 2026-12-01 (tools/results/NOTES.md).
+# is the large-token default since its H200 checks of 2026-12-01 (tools/results/NOTES.md);
+# "hoppp" is its ping-pong form (two consumer warpgroups on alternate 64-row tiles).
 TARGET_LIMITS = {
-    "sm_90a": {"smem": 232448, "mma": ("warp", "wgmma", "hopws"), "sms": 132, "clusters": (1, 2, 4, 8, 16)},
+    "sm_90a": {"smem": 232448, "mma": ("warp", "wgmma", "hopws", "hoppp"), "sms": 132, "clusters": (1, 2, 4, 8, 16)},
     "sm_100a": {"smem": 232448, "mma": ("warp",), "sms": 148, "clusters": (1, 2, 4, 8, 16)},
     "sm_121a": {"smem": 101376, "mma": ("warp",), "sms": 48, "clusters": (1,)},
 }
@@ -94,13 +95,33 @@ class LayerVariant:
     def cluster_twins(self) -> list["LayerVariant"]:
         """hopws GEMMs at cluster 1 -> the same with GEMM2, then both GEMMs, in 2-CTA clusters
         (weight tiles multicast; measured side by side by the tuner's seeds). [] otherwise."""
-        if self.down.mma not in WARP_SPECIALIZED or self.down.cluster != 1 or self.tile_m != 128:
+        if self.down.mma not in CLUSTER_MMAS or self.down.cluster != 1 or self.tile_m != 128:
             return []
         down = dataclasses.replace(self, down=dataclasses.replace(self.down, cluster=2))
         out = [down]
-        if self.glu.mma in WARP_SPECIALIZED and self.glu.cluster == 1:
+        if self.glu.mma in CLUSTER_MMAS and self.glu.cluster == 1:
             out.append(dataclasses.replace(down, glu=dataclasses.replace(self.glu, cluster=2)))
         return out
+
+    def pingpong_twin(self, spec: LayerSpec) -> "LayerVariant | None":
+        """This layer on 64-row ping-pong tiles (mma "hoppp") in both GEMMs, routing and PDL as
+        here: each GEMM keeps its tile_n where it is a wgmma tile and valid, else takes the widest
+        of 256, 192, 128 that is, with the deepest pipeline shared memory allows (measured side by side by the
+        tuner's seeds). None where the target has no hoppp or no such variant is valid."""
+        if "hoppp" not in TARGET_LIMITS[spec.target]["mma"]:
+            return None
+        tiles = []
+        for t, n_dim, k_dim in ((self.glu, 2 * spec.intermediate, spec.hidden),
+                                (self.down, spec.hidden, spec.intermediate)):
+            own = (t.tile_n,) if t.mma in WGMMA_MMAS else ()  # mma.sync tiles are narrow
+            fits = [GemmTiles(n, 64, st, "hoppp") for n in dict.fromkeys(own + (256, 192, 128))
+                    for st in sorted(STAGES, reverse=True)]
+            fits = [f for f in fits if gemm_can_implement(n_dim, k_dim, 64, f, spec.target)[0]]
+            if not fits:
+                return None
+            tiles.append(fits[0])
+        twin = dataclasses.replace(self, tile_m=64, glu=tiles[0], down=tiles[1])
+        return twin if can_implement(spec, twin)[0] else None
 
     def kernels(self, spec: LayerSpec) -> list[KernelVariant]:
         a, p, s = arch_tag(spec.target), spec.precision, spec.shape_tag
@@ -147,15 +168,20 @@ def _c(t: GemmTiles) -> str:
 SMEM_CAPACITY = {"sm_90a": 227 * 1024, "sm_100a": 227 * 1024, "sm_121a": 99 * 1024}
 
 
-WGMMA_MMAS = ("wgmma", "hopws")  # hopws: TMA, a producer warpgroup (+128 threads), persistent,
-# epilogue from registers (no fp32 staging)
-WARP_SPECIALIZED = ("hopws",)
-PERSISTENT = ("hopws",)
+WGMMA_MMAS = ("wgmma", "hopws", "hoppp")  # hopws/hoppp: TMA, a producer warpgroup (+128
+# threads), persistent, epilogue from registers (no fp32 staging)
+WARP_SPECIALIZED = ("hopws", "hoppp")
+PERSISTENT = ("hopws", "hoppp")
+PINGPONG = ("hoppp",)  # two consumer warpgroups, each on its own 64-row tile
+CLUSTER_MMAS = ("hopws",)  # GEMMs that may run in 2-CTA clusters (128-row tiles)
 
 
 def gemm_warps(tile_m: int, tile_n: int, mma: str) -> tuple[int, int]:
-    """The template's warp grid of accumulator-holding warps: wgmma(tma), one warpgroup per 64
-    rows; mma.sync, 2 warps along M (1 for tile_m 16) and 4 warps below 128x128 tiles, 8 from there."""
+    """The template's warp grid of accumulator-holding warps: wgmma and hopws, one warpgroup per 64
+    rows; hoppp, two warpgroups (each a whole tile); mma.sync, 2 warps along M (1 for tile_m 16)
+    and 4 warps below 128x128 tiles, 8 from there."""
+    if mma in PINGPONG:
+        return 8, 1
     if mma in WGMMA_MMAS:
         return max(tile_m // 16, 1), 1
     warps_m = 2 if tile_m >= 32 else 1
@@ -169,10 +195,13 @@ def gemm_can_implement(n: int, k: int, tile_m: int, t: GemmTiles, target: str) -
         return False, f"{t.mma} MMA is not available on {target} (has {', '.join(TARGET_LIMITS[target]['mma'])})"
     if t.cluster not in GEMM_CLUSTERS:
         return False, f"cluster {t.cluster} not in {GEMM_CLUSTERS}"
-    if t.cluster > 1 and (t.mma not in WARP_SPECIALIZED or tile_m != 128):
+    if t.cluster > 1 and (t.mma not in CLUSTER_MMAS or tile_m != 128):
         return False, f"cluster {t.cluster} needs mma hopws with tile_m 128, got {t.mma} with tile_m {tile_m}"
     wm, wn = gemm_warps(tile_m, t.tile_n, t.mma)
     threads = wm * wn * 32
+    acc_threads = 128 if t.mma in PINGPONG else threads
+    if t.mma in PINGPONG and tile_m != 64:
+        return False, f"{t.mma} needs tile_m 64 (each consumer warpgroup owns a 64-row tile), got {tile_m}"
     if t.mma in WGMMA_MMAS:
         if tile_m not in (64, 128):
             return False, f"{t.mma} needs tile_m 64 or 128, got {tile_m}"
@@ -195,7 +224,7 @@ def gemm_can_implement(n: int, k: int, tile_m: int, t: GemmTiles, target: str) -
     rows = (128 if t.mma in WARP_SPECIALIZED else threads) // (t.tile_k // 8)  # threads issuing A's cp.async
     if tile_m % rows or t.tile_n % rows:
         return False, f"tile {tile_m}x{t.tile_n} is not a multiple of the {rows} rows one cp.async pass covers"
-    if tile_m * t.tile_n // threads > 128:
+    if tile_m * t.tile_n // acc_threads > 128:
         return False, f"tile {tile_m}x{t.tile_n} needs more than 128 accumulator registers per thread"
     if not 2 <= t.stages <= 8:
         return False, f"stages {t.stages} outside 2..8"

@@ -39,11 +39,13 @@ SMEM_CAPACITY = {"sm_80": 163 * 1024, "sm_90a": 227 * 1024, "sm_100a": 227 * 102
 _MMA_SHAPE = (16, 8, 16)
 _COPY_ELEMS = 8  # bf16 elements in one 16-byte cp.async / store
 RASTER_GROUP = 8  # M tiles walked per N tile by consecutive CTAs (L2 reuse of weight tiles)
-MMAS = ("warp", "wgmma", "hopws")
-_WGMMA = ("wgmma", "hopws")
-_WARP_SPECIALIZED = ("hopws",)
-# persistent CTAs walking the tiles, epilogue from registers (hopws: templates/hopper_gemm.py)
-_PERSISTENT = ("hopws",)
+MMAS = ("warp", "wgmma", "hopws", "hoppp")
+_WGMMA = ("wgmma", "hopws", "hoppp")
+# persistent CTAs walking the tiles, epilogue from registers (templates/hopper_gemm.py): "hopws"
+# two consumer warpgroups on one tile (cooperative), "hoppp" each on its own tile (ping-pong)
+_WARP_SPECIALIZED = ("hopws", "hoppp")
+_PERSISTENT = ("hopws", "hoppp")
+_PINGPONG = ("hoppp",)
 _LOAD_THREADS = 128  # hopws: the producer warpgroup
 PERSISTENT_CTAS = 132  # hopws's default grid: one CTA per SM of an H100 SXM / H200
 # hopws with two consumer warpgroups (384 threads, 168 registers each at entry): the producer
@@ -121,7 +123,10 @@ class _GroupedGemmBase:
         """Warp grid. mma.sync: 2 warps along M (1 for tile_m 16); 4 warps for tiles smaller
         than 128x128, 8 from there (a 128x128 tile on 4 warps spills on sm_121a), so a warp
         owns at most 64x64 accumulators up to 128x256. wgmma and hopws: one warpgroup (4
-        warps along M) per 64 rows of the tile (hopws adds a producer warpgroup)."""
+        warps along M) per 64 rows of the tile (hopws adds a producer warpgroup); hoppp: two
+        consumer warpgroups, each holding a whole 64-row tile."""
+        if mma in _PINGPONG:
+            return 8, 1
         if mma in _WGMMA:
             return max(tile_m // 16, 1), 1
         if warps_m is None:
@@ -134,9 +139,12 @@ class _GroupedGemmBase:
     @staticmethod
     def _check_tiles(n, k, tile_m, tile_n, tile_k, stages, mma, warps_m, warps_n):
         if mma not in MMAS:
-            return False, (f"mma {mma!r} must be 'warp' (mma.sync), 'wgmma' or 'hopws' "
-                           f"(the last two sm_90a only)")
+            return False, (f"mma {mma!r} must be 'warp' (mma.sync), 'wgmma', 'hopws' or 'hoppp' "
+                           f"(the last three sm_90a only)")
         threads = warps_m * warps_n * 32
+        acc_threads = 128 if mma in _PINGPONG else threads  # threads sharing one tile's accumulators
+        if mma in _PINGPONG and tile_m != 64:
+            return False, f"{mma}: tile_m {tile_m} must be 64 (each consumer warpgroup owns a 64-row tile)"
         if mma in _WGMMA:
             if tile_m not in (64, 128):
                 return False, f"{mma}: tile_m {tile_m} must be 64 or 128 (one warpgroup per 64 rows)"
@@ -164,9 +172,9 @@ class _GroupedGemmBase:
         if tile_m % rows_per_pass or tile_n % rows_per_pass:
             return False, (f"tile_m {tile_m} and tile_n {tile_n} must be multiples of the "
                            f"{rows_per_pass} rows one cp.async pass of {load_threads} threads covers")
-        if tile_m * tile_n // threads > 128:
-            return False, (f"{tile_m}x{tile_n} tile on {threads} threads needs "
-                           f"{tile_m * tile_n // threads} fp32 accumulator registers per thread (max 128)")
+        if tile_m * tile_n // acc_threads > 128:
+            return False, (f"{tile_m}x{tile_n} tile on {acc_threads} threads needs "
+                           f"{tile_m * tile_n // acc_threads} fp32 accumulator registers per thread (max 128)")
         if not 2 <= stages <= 8:
             return False, f"stages {stages} must be in 2..8"
         if k // tile_k < stages - 1:

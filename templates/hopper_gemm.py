@@ -1,4 +1,5 @@
-"""Hopper grouped GEMMs of a fused MoE layer built from the DSL's own machinery (mma="hopws").
+"""Hopper grouped GEMMs of a fused MoE layer built from the DSL's own machinery (mma="hopws",
+cooperative, and mma="hoppp", ping-pong).
 
 Persistent, warp-specialized CTAs (one per SM) walk the (N tile, M tile) space of the routing
 layout in the raster order of the other kernels. Per CTA:
@@ -11,20 +12,27 @@ layout in the raster order of the other kernels. Per CTA:
       from all 128 producer threads, each of which hands its copies to the stage's full barrier
       with ``cp.async.mbarrier.arrive.noinc``, so no producer thread ever waits for its own
       loads: the pipeline runs ``stages`` k-tiles deep for A as it does for TMA.
-- one consumer warpgroup per 64 rows (two for 128-row tiles, cooperative on one tile) waits on
-  each full stage, runs wgmma with one batch in flight and releases the stage the batch before
-  read; the epilogue (GLU or routing-weight scale) is written straight from the accumulators
-  (``_epilogue_regs`` of grouped_gemm.py) while the producer already fills the next
-  tile's stages.
+- consumers wait on each full stage, run wgmma with one batch in flight and release the stage
+  the batch before read; the epilogue (GLU or routing-weight scale) is written straight from the
+  accumulators (``_epilogue_regs`` of grouped_gemm.py) while the producer already fills the next
+  tile's stages. Two ways to use the consumer warpgroups:
+    * "hopws" (cooperative): one warpgroup per 64 rows (two for 128-row tiles) on one tile; the
+      tensor cores idle during the epilogue;
+    * "hoppp" (ping-pong, 64-row tiles): two warpgroups, each on every other tile of the CTA's
+      schedule. The producer fills the ring in tile order, so warpgroup 1's k-tiles follow
+      warpgroup 0's: its mainloop runs while warpgroup 0 writes its epilogue, and the other
+      way round. Each warpgroup skips the other's k-tiles in the ring's stage/phase state and
+      reads every other schedule slot; the producer ends the schedule in both slots.
 
 The stage/phase state runs on across tiles. Padding rows of A (GEMM1) are never loaded: they hold
 whatever the stage held before, which reaches only those rows' outputs (rows of a product are
 independent), and the epilogue writes zeros (GEMM1) or nothing (GEMM2) for them.
 
 Constraints (beyond those of ``GroupedGluGemm`` / ``GroupedDownGemm`` with mma="hopws"):
-  * sm_90a only (wgmma, TMA, setmaxnreg); tile_m 64 or 128, tile_n a multiple of 32 up to 256,
+  * sm_90a only (wgmma, TMA, setmaxnreg); tile_m 64 or 128 (hoppp: 64), tile_n a multiple of 32 up to 256,
     tile_k 64, stages >= 3; shared memory stages * (tile_m + tile_n) * 128 B + 1 KB + barriers.
-  * grid min(tiles, ctas) persistent CTAs of 128 + tile_m * 2 threads.
+  * grid min(tiles, ctas) persistent CTAs of 128 + tile_m * 2 threads (hoppp: 384).
+  * cluster_m 2: hopws with 128-row tiles only.
   * pdl=True: every thread waits for the previous grid before its first read.
 """
 
@@ -36,8 +44,8 @@ from cutlass import Float32, Int32, Int64, const_expr
 
 from .grouped_gemm import _LOAD_THREADS, GroupedDownGemm, GroupedGluGemm
 
-MMA = "hopws"
-SCHED_SLOTS = 2  # tiles the producer may publish ahead of the consumers
+MMAS = ("hopws", "hoppp")  # cooperative, ping-pong
+SCHED_SLOTS = 2  # tiles the producer may publish ahead of the consumers (hoppp: one per warpgroup)
 CLUSTERS_M = (1, 2)  # CTAs per cluster along M; 2: the weight tile is multicast to both
 
 
@@ -46,13 +54,18 @@ class _HopperWs:
 
     warp_specialized = True
 
-    def __init__(self, *args, mma: str = MMA, cluster_m: int = 1, **kwargs):
-        if mma != MMA:
-            raise ValueError(f"{type(self).__name__} implements mma={MMA!r}, not {mma!r}")
+    def __init__(self, *args, mma: str = MMAS[0], cluster_m: int = 1, **kwargs):
+        if mma not in MMAS:
+            raise ValueError(f"{type(self).__name__} implements mma in {MMAS}, not {mma!r}")
         if cluster_m not in CLUSTERS_M:
             raise ValueError(f"cluster_m {cluster_m} must be one of {CLUSTERS_M}")
+        if cluster_m > 1 and mma != "hopws":
+            raise ValueError(f"cluster_m {cluster_m} needs mma 'hopws', not {mma!r}")
         super().__init__(*args, mma=mma, **kwargs)
         self.cluster_m = cluster_m
+        self.pingpong = mma == "hoppp"
+        # consumer threads that read one stage (and one schedule slot)
+        self.stage_threads = 128 if self.pingpong else self.mma_threads
         if self.ctas % cluster_m:
             raise ValueError(f"ctas {self.ctas} must be a multiple of cluster_m {cluster_m}")
 
@@ -78,7 +91,7 @@ class _HopperWs:
             barrier_storage=bars, num_stages=self.stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, producers),
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
-                                                     self.cluster_m * self.mma_threads // 32),
+                                                     self.cluster_m * self.stage_threads // 32),
             tx_count=tx, cta_layout_vmnk=cute.make_layout((1, self.cluster_m, 1, 1)))
 
     @cute.jit
@@ -98,7 +111,7 @@ class _HopperWs:
         sched = pipeline.PipelineAsync.create(
             barrier_storage=bars, num_stages=SCHED_SLOTS,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.mma_threads))
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.stage_threads))
         return sched, tiles, pairs, scales
 
     @cute.jit
@@ -204,6 +217,9 @@ class _HopperWs:
                         state.advance()
         if warp == 0:
             self._publish(sched, sstate, cutlass.Int32(-1), 0, mIds, epi)
+            if const_expr(self.pingpong):  # the other warpgroup reads the other slot
+                sstate.advance()
+                self._publish(sched, sstate, cutlass.Int32(-1), 0, mIds, epi)
             pipe.producer_tail(state)
 
     @cute.jit
@@ -326,7 +342,12 @@ class _HopperWs:
         pipe_s, tiles, s_pairs, s_scales = sched
         k_tiles = self.k // self.tile_k
         warp_group = cute.arch.make_warp_uniform(ctid // 128)
-        thr_mma = tiled_mma.get_slice(warp_group * 128)
+        if const_expr(self.pingpong):
+            # each warpgroup multiplies a whole tile: thread ctid % 128 of the tile's MMA
+            thr_mma = tiled_mma.get_slice(0)
+            ctid = ctid % 128
+        else:
+            thr_mma = tiled_mma.get_slice(warp_group * 128)
         tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
         tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
         num_kb = cute.size(tCrA, mode=[2])
@@ -338,6 +359,11 @@ class _HopperWs:
         read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         sstate = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, SCHED_SLOTS)
+        if const_expr(self.pingpong):
+            # warpgroup 1 starts at the schedule's second tile, past the first tile's k-tiles
+            read.advance(warp_group * k_tiles)
+            release.advance(warp_group * k_tiles)
+            sstate.advance(warp_group)
         pipe_s.consumer_wait(sstate)
         t = tiles[sstate.index]
         while self._more(t):
@@ -367,6 +393,11 @@ class _HopperWs:
                 scales[hrow] = s_scales[tCcC[2 * hrow][0], sstate.index]
             pipe_s.consumer_release(sstate)
             sstate.advance()
+            if const_expr(self.pingpong):
+                # the other warpgroup's tile comes next in the schedule and in the ring
+                sstate.advance()
+                read.advance(k_tiles)
+                release.advance(k_tiles)
             if const_expr(self.cluster_m == 1):
                 self._epilogue_regs(ctid, tiled_mma, acc, pairs, scales, epi, bt * self.tile_m, bn)
             elif t >= 0:  # not a duplicate (see _produce_mc)

@@ -149,3 +149,27 @@ def test_variant_checks_agree_with_the_template(monkeypatch):
             if mine != theirs:
                 disagree.append(("glu", target, m, t))
     assert not disagree, disagree[:10]
+
+
+def test_pingpong_variants_and_twins():
+    """hoppp: 64-row tiles only, no clusters, per-warpgroup accumulators (a 64x256 tile is
+    allowed: 128 registers on one warpgroup), parsed back from its name; the tuner's ping-pong
+    twin keeps routing and PDL, fits N and shared memory, and does not exist on sm_121a."""
+    pp = LayerVariant(64, GemmTiles(256, 64, 5, "hoppp"), GemmTiles(256, 64, 5, "hoppp"), 16, True)
+    assert can_implement(SPEC, pp) == (True, "ok")
+    assert LayerVariant.parse(pp.name(SPEC)) == pp and "hoppp" in pp.name(SPEC)
+    ok, why = can_implement(SPEC, dataclasses.replace(pp, tile_m=128))
+    assert not ok and "tile_m 64" in why
+    ok, why = can_implement(SPEC, dataclasses.replace(pp, down=GemmTiles(256, 64, 6, "hoppp")))
+    assert not ok and "shared memory" in why
+    ok, why = can_implement(SPEC, dataclasses.replace(pp, down=GemmTiles(256, 64, 5, "hoppp", 2)))
+    assert not ok and "cluster" in why
+    assert pp.cluster_twins() == []
+    assert any(v.glu.mma == "hoppp" for v in candidate_space(SPEC))
+    hopws = LayerVariant(128, GemmTiles(192, 64, 4, "hopws"), GemmTiles(256, 64, 4, "hopws"), 16, True)
+    twin = hopws.pingpong_twin(SPEC)
+    assert twin == LayerVariant(64, GemmTiles(192, 64, 6, "hoppp"), GemmTiles(256, 64, 5, "hoppp"), 16, True)
+    gpt = make_spec("gpt-oss-120b")  # N = 5760 and 2880: 256 does not divide them, 192 does
+    twin = LayerVariant(16, GemmTiles(32, 64, 8), GemmTiles(32, 64, 8)).pingpong_twin(gpt)
+    assert (twin.glu.tile_n, twin.down.tile_n, twin.glu.stages) == (192, 192, 6) and can_implement(gpt, twin)[0]
+    assert hopws.pingpong_twin(make_spec("qwen3-30b-a3b", target="sm_121a")) is None

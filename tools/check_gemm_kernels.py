@@ -67,6 +67,11 @@ CONFIGS = [
     ("hc2big", "hopws:c2", ["qwen3_30b_a3b", "mixtral_8x7b"], "swiglu", 128, (256, 64, 4),
      (256, 64, 4), [16384]),
     ("hc2geglu", "hopws:c2", ["qwen3_30b_a3b"], "geglu", 128, (128, 64, 6), (192, 64, 4), [256, 4096]),
+    # ping-pong: two consumer warpgroups on alternate 64-row tiles (epilogue beside the other's MMA)
+    ("pp64", "hoppp", ALL, "swiglu", 64, (256, 64, 5), (256, 64, 5), [1, 16, 256, 1024, 4096]),
+    ("pp64big", "hoppp", ["qwen3_30b_a3b", "mixtral_8x7b"], "swiglu", 64, (256, 64, 5),
+     (256, 64, 5), [16384]),
+    ("pp64n128", "hoppp", ALL, "geglu", 64, (128, 64, 8), (128, 64, 8), [16, 256, 4096]),
 ]
 
 
@@ -100,7 +105,7 @@ def compile_all(out_dir: Path, arch: str, only=None) -> None:
     manifest = []
     for v in variants(only):
         mma, _, opt = v["mma"].partition(":")  # "hopws:c2": cluster_m 2
-        hop = mma == "hopws"
+        hop = mma in ("hopws", "hoppp")
         glu_cls, down_cls = (HopperGluGemm, HopperDownGemm) if hop else (GroupedGluGemm, GroupedDownGemm)
         extra = {{"c": "cluster_m"}[opt[0]]: int(opt[1:])} if opt else {}
         g = glu_cls(v["E"], v["H"], v["I"], v["k"], activation=v["act"],
