@@ -609,11 +609,12 @@ def _seen(slot: Slot) -> set[str]:
 
 
 def seed_variants(tuned_dir: Path, gpu: str, specs, buckets) -> dict[tuple[str, int], list[LayerVariant]]:
-    """Per (workload, bucket): the committed pick for `gpu` in `tuned_dir`, its twin with
-    programmatic dependent launch flipped, and the default's twin; then the 2-CTA-cluster twins
-    (LayerVariant.cluster_twins) of the pick, or of the default where there is none, and the
-    64-row ping-pong twins (LayerVariant.pingpong_twin) of the pick and of the default. After a
-    template change these are what a new default must be measured against first."""
+    """Per (workload, bucket), in this order: the committed pick for `gpu` in `tuned_dir`, the
+    64-row ping-pong twins (LayerVariant.pingpong_twin) of the pick and of the default, the
+    pick's and the default's twins with programmatic dependent launch flipped, then the
+    2-CTA-cluster twins (LayerVariant.cluster_twins) of the pick, or of the default where there
+    is none. After a template change these are what a new default must be measured against
+    first (the newest family first: a small --trials measures the pick and its ping-pong twins)."""
     from .variants import default_variant
 
     path = tuned_path(tuned_dir, gpu)
@@ -622,13 +623,10 @@ def seed_variants(tuned_dir: Path, gpu: str, specs, buckets) -> dict[tuple[str, 
     for spec in specs:
         for tokens in buckets:
             base = default_variant(spec, tokens)
-            seeds = [base.pdl_twin()]
             name = picks.get((spec.workload_key, tokens))
-            if name:
-                pick = LayerVariant.parse(name)
-                seeds = [pick, pick.pdl_twin()] + seeds
-            seeds += (LayerVariant.parse(name) if name else base).cluster_twins()
-            seeds += [v.pingpong_twin(spec) for v in (LayerVariant.parse(name) if name else base, base)]
+            pick = LayerVariant.parse(name) if name else None
+            seeds = [pick] + [v.pingpong_twin(spec) for v in (pick or base, base)]
+            seeds += [pick and pick.pdl_twin(), base.pdl_twin()] + (pick or base).cluster_twins()
             out[(spec.workload_key, tokens)] = [v for v in dict.fromkeys(seeds)
                                                if v is not None and v != base and can_implement(spec, v)[0]]
     return out

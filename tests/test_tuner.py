@@ -526,9 +526,9 @@ def test_gpu_measurer_turns_each_result_into_a_typed_outcome(monkeypatch):
 
 
 def test_seed_variants_measure_the_pick_its_twins_and_its_cluster_twins(tmp_path):
-    """--seed-picks: per bucket the committed pick, its PDL twin, the default's PDL twin, the
-    2-CTA-cluster twins of the pick (GEMM2, then both GEMMs) and the 64-row ping-pong twins of
-    the pick and the default -- all implementable, none the default itself (that one is always
+    """--seed-picks: per bucket the committed pick, the 64-row ping-pong twins of the pick and
+    the default, the pick's and the default's PDL twins and the 2-CTA-cluster twins of the pick
+    (GEMM2, then both GEMMs) -- all implementable, none the default itself (that one is always
     measured first anyway)."""
     pick = LayerVariant.parse("moe_layer_sm90a_bf16_e128k8h2048i768_swiglu_m128r16_glun192k64s4hopws"
                               "_downn256k64s4hopws_pdl")
@@ -538,15 +538,14 @@ def test_seed_variants_measure_the_pick_its_twins_and_its_cluster_twins(tmp_path
     tuner.write_tuned(tmp_path, GPU, [entry])
     seeds = tuner.seed_variants(tmp_path, GPU, [SPEC], [16, 4096])
     got = seeds[(SPEC.workload_key, 4096)]
-    assert got[:2] == [pick, pick.pdl_twin()]
+    base = default_variant(SPEC, 4096)
+    assert got[:5] == [pick, pick.pingpong_twin(SPEC), base.pingpong_twin(SPEC), pick.pdl_twin(), base.pdl_twin()]
+    assert got[1].pdl and got[1].glu.mma == got[2].down.mma == "hoppp" and not got[2].pdl
     clustered = [v for v in got if v.down.cluster == 2]
     assert [(v.glu.cluster, v.down.cluster, v.pdl) for v in clustered] == [(1, 2, True), (2, 2, True)]
-    base = default_variant(SPEC, 4096)
-    assert base.pdl_twin() in got and base not in got
+    assert base not in got and len(got) == 7
     assert all(can_implement(SPEC, v)[0] for v in got)
-    assert got[-2:] == [pick.pingpong_twin(SPEC), base.pingpong_twin(SPEC)]
-    assert got[-2].pdl and got[-2].glu.mma == got[-1].down.mma == "hoppp" and not got[-1].pdl
-    # no pick for 16 tokens: the default's PDL twin and its ping-pong twin, and no cluster twin
+    # no pick for 16 tokens: the default's ping-pong twin and its PDL twin, and no cluster twin
     # for its mma.sync tiles
     base16 = default_variant(SPEC, 16)
-    assert seeds[(SPEC.workload_key, 16)] == [base16.pdl_twin(), base16.pingpong_twin(SPEC)]
+    assert seeds[(SPEC.workload_key, 16)] == [base16.pingpong_twin(SPEC), base16.pdl_twin()]
