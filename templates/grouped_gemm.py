@@ -63,6 +63,14 @@ def glu_act(g, activation: cutlass.Constexpr):
         return 0.5 * g * (1.0 + cute.math.tanh(inner, fastmath=True))
 
 
+def glu_gate_block(hb: int, interleave: int) -> int:
+    """The n8 block of a GLU tile row holding the gate columns of its 8-column h block ``hb``
+    (tile columns interleaved gate, up, gate, ... in blocks of ``interleave``; the up partner
+    is interleave / 8 n8 blocks further)."""
+    nb = interleave // 8
+    return (hb // nb) * 2 * nb + hb % nb
+
+
 def interleave_gate_up(w_gate, w_up, interleave: int = 16):
     """[E, I, H] gate and up weights -> [E, 2I, H] in blocks of ``interleave`` rows:
     rows [2jg, 2jg+g) are gate rows [jg, jg+g), rows [2jg+g, 2jg+2g) the matching up rows."""
@@ -557,6 +565,30 @@ class _GroupedGemmBase:
         frag[1] = acc[i + 1]
         return frag.load()
 
+    @cute.jit
+    def _quad_transpose(self, packed, base: cutlass.Constexpr, q, quad0):
+        """Lane q of the quad starting at lane ``quad0`` holds, as ``packed[base + i]``, its bf16
+        pair (columns 2q, 2q + 1) of each of four 8-column blocks i; returns the four pairs of
+        block q in column order (lane s's pair at s), a 16-byte chunk. Round r: lane q sends its
+        pair of block q ^ r to lane q ^ r and receives that lane's pair of block q."""
+        got = cute.make_rmem_tensor(cute.make_layout(4), Int32)
+        for r in cutlass.range_constexpr(4):
+            send = self._pick4(packed, base, q ^ r)
+            got[r] = cute.arch.shuffle_sync(send, quad0 + (q ^ r))
+        chunk = cute.make_rmem_tensor(cute.make_layout(4), Int32)
+        for src in cutlass.range_constexpr(4):
+            chunk[src] = self._pick4(got, 0, q ^ src)  # lane src's pair came in round q ^ src
+        return chunk
+
+    @cute.jit
+    def _pick4(self, t, base: cutlass.Constexpr, k):
+        """t[base + k] for a run-time k in 0..3, by selects (no dynamic register indexing)."""
+        v = t[base]
+        for i in cutlass.range_constexpr(1, 4):
+            if k == i:
+                v = t[base + i]
+        return v
+
     def _launch_common(self, grid_n, mTileExpert):
         if const_expr(self.persistent):
             return [cutlass.min(grid_n * cute.size(mTileExpert, mode=[0]), self.ctas), 1, 1], [self.threads, 1, 1]
@@ -693,10 +725,56 @@ class GroupedGluGemm(_GroupedGemmBase):
     def _epilogue_regs(self, ctid, tiled_mma, acc, pairs, scales, epi, row0, bn):
         """Persistent kernels: h rows straight from the accumulators. With gate/up interleaved in
         blocks of g columns, the up partner of a gate element at column c is at c + g, g/8 n8
-        blocks further in the fragment, and its h column is (c // 2g) * g + c % g. Padding rows
-        (``pairs`` < 0, see _row_pairs) are written as zeros; ``scales`` is unused here."""
+        blocks further in the fragment, and its h column is (c // 2g) * g + c % g: the gate
+        blocks of a row, in order, give its consecutive 8-column h blocks (glu_gate_block).
+        Padding rows (``pairs`` < 0, see _row_pairs) are written as zeros; ``scales`` is unused
+        here.
+
+        When a row's tile_n / 16 h blocks form groups of four (tile_n % 64 == 0), the quad
+        transposes each group's bf16 pairs (_quad_transpose) and lane q stores h block 4G + q
+        as one 16-byte vector, as GEMM2 does; otherwise (tile_n 32, 96, 160, 224) each lane
+        stores its pairs, 4 bytes at a time."""
         (mH,) = epi
         tCcC = self._acc_coords(ctid, tiled_mma)
+        if const_expr(self.tile_n % 64 == 0):
+            self._epilogue_regs_chunks(tCcC, acc, pairs, mH, row0, bn)
+        else:
+            self._epilogue_regs_pairs(tCcC, acc, pairs, mH, row0, bn)
+
+    @cute.jit
+    def _epilogue_regs_chunks(self, tCcC, acc, pairs, mH, row0, bn):
+        """_epilogue_regs in 16-byte stores: per row and group G of four h blocks, lane q
+        computes its pairs of blocks 4G..4G+3 and the quad transpose leaves it block 4G + q."""
+        nb = self.interleave // 8  # n8 blocks per gate (or up) block
+        half = self.tile_n // 2
+        lane = cute.arch.lane_idx()
+        q = lane % 4
+        quad0 = lane - q
+        for hrow in cutlass.range_constexpr(2):
+            r = tCcC[2 * hrow][0]
+            valid = pairs[hrow] >= 0
+            dst_row = self._row(mH, row0 + r, self.intermediate)
+            # the h column of this lane's pair in h block 0 is its tile column 2q (< g): block
+            # 4G + q starts at 32G + 8q
+            col0 = bn * half + tCcC[2 * hrow][1] - 2 * q + 8 * q
+            for grp in cutlass.range_constexpr(half // 32):
+                packed = cute.make_rmem_tensor(cute.make_layout(4), Int32)
+                for i in cutlass.range_constexpr(4):
+                    gi = 2 * hrow + 4 * glu_gate_block(4 * grp + i, self.interleave)
+                    ui = gi + 4 * nb
+                    frag = cute.make_rmem_tensor(cute.make_layout(2), BFloat16)
+                    frag.store((self._act(self._pair(acc, gi)) * self._pair(acc, ui)).to(BFloat16))
+                    packed[i] = cute.recast_tensor(frag, Int32)[0]
+                # outside `if valid`: every lane of the quad takes part in the shuffles
+                chunk = self._quad_transpose(packed, 0, q, quad0)
+                if not valid:
+                    chunk.fill(0)
+                dst = cute.local_tile(dst_row, (8,), ((col0 + 32 * grp) // 8,))
+                dst.store(cute.recast_tensor(chunk, BFloat16).load())
+
+    @cute.jit
+    def _epilogue_regs_pairs(self, tCcC, acc, pairs, mH, row0, bn):
+        """_epilogue_regs in 4-byte stores: each lane its own bf16 pairs."""
         g = self.interleave
         half = self.tile_n // 2
         for hrow in cutlass.range_constexpr(2):
@@ -834,26 +912,10 @@ class GroupedDownGemm(_GroupedGemmBase):
             # the tile column of this lane's pair in block 0 is 2q: block 4g + q starts at 32g + 8q
             col0 = bn * self.tile_n + tCcC[2 * hrow][1] - 2 * q + 8 * q
             for g in cutlass.range_constexpr(self.tile_n // 32):
-                got = cute.make_rmem_tensor(cute.make_layout(4), Int32)
-                for r in cutlass.range_constexpr(4):
-                    # round r: lane q sends its pair of block 4g + (q ^ r) to lane q ^ r
-                    send = self._pick4(packed, 4 * g, q ^ r)
-                    got[r] = cute.arch.shuffle_sync(send, quad0 + (q ^ r))
-                chunk = cute.make_rmem_tensor(cute.make_layout(4), Int32)
-                for src in cutlass.range_constexpr(4):
-                    chunk[src] = self._pick4(got, 0, q ^ src)  # lane src's pair came in round q ^ src
+                chunk = self._quad_transpose(packed, 4 * g, q, quad0)
                 if p >= 0:
                     dst = cute.local_tile(dst_row, (8,), ((col0 + 32 * g) // 8,))
                     dst.store(cute.recast_tensor(chunk, BFloat16).load())
-
-    @cute.jit
-    def _pick4(self, t, base: cutlass.Constexpr, k):
-        """t[base + k] for a run-time k in 0..3, by selects (no dynamic register indexing)."""
-        v = t[base]
-        for i in cutlass.range_constexpr(1, 4):
-            if k == i:
-                v = t[base + i]
-        return v
 
     @cute.jit
     def _epilogue(self, etid, sC, mIds, mTopkW, mY, row0, bn):

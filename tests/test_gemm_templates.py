@@ -2,12 +2,18 @@
 
 Numerics are checked on the GPU by tools/check_gemm_kernels.py (compile here, run there).
 """
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
 import pytest
 
 cute = pytest.importorskip("cutlass.cute")
 torch = pytest.importorskip("torch")
 
-from templates.grouped_gemm import GroupedDownGemm, GroupedGluGemm, interleave_gate_up  # noqa: E402
+from templates.grouped_gemm import (  # noqa: E402
+    _REGS_MMA, GroupedDownGemm, GroupedGluGemm, glu_gate_block, interleave_gate_up)
 
 QWEN3_30B = dict(num_experts=128, hidden=2048, intermediate=768, top_k=8)
 
@@ -216,3 +222,106 @@ def test_hoppp_pingpong_gives_each_warpgroup_its_own_tiles(role, tile_n, stages,
     ok, reason = GroupedGluGemm.can_implement(**QWEN3_30B, tile_m=64, tile_n=256, stages=6, mma="hoppp",
                                               arch="sm_90a")
     assert not ok and "shared memory" in reason
+
+
+def _cuobjdump():
+    """cuobjdump of the CUDA wheels the DSL installs (nvidia/cu*/bin), else from PATH, else None."""
+    try:
+        import nvidia
+
+        for base in nvidia.__path__:
+            for path in sorted(Path(base).glob("cu*/bin/cuobjdump")):
+                return str(path)
+    except ImportError:
+        pass
+    return shutil.which("cuobjdump")
+
+
+@pytest.mark.parametrize("tile_m, tile_n, activation", [(128, 256, "swiglu"), (64, 128, "geglu"),
+                                                        (128, 96, "swiglu")])
+def test_hopws_glu_epilogue_stores_16_byte_chunks(tile_m, tile_n, activation, tmp_path):
+    """GEMM1's register epilogue (hopws): with tile_n % 64 == 0 the quad transposes its h pairs
+    by shuffles and each thread stores only 16-byte vectors, one per row and group of four h
+    blocks (2 * tile_n / 64), a quarter of the pair-wise stores; other tile_n (here 96) keep
+    the 4-byte pair stores (2 * tile_n / 16). Either way no local memory, and no register
+    beyond the consumers' setmaxnreg budget."""
+    from templates.hopper_gemm import HopperGluGemm
+
+    obj = HopperGluGemm(**QWEN3_30B, activation=activation, tile_m=tile_m, tile_n=tile_n, tile_k=64,
+                        stages=4)
+    compiled = cute.compile(obj, *[f for _, f in obj.fake_arguments()],
+                            options=f"--gpu-arch sm_90a --keep-ptx --keep-cubin --dump-dir {tmp_path}")
+    ptx = compiled.__ptx__
+    body = ptx[ptx.index(".entry"):]
+    stores = [ln.split()[0] for ln in body.splitlines() if "st.global" in ln]
+    if tile_n % 64 == 0:
+        assert stores == ["st.global.v4.b32"] * (2 * tile_n // 64), stores
+        assert body.count("shfl.sync") >= 4 * len(stores)  # four rounds per chunk
+    else:
+        assert stores == ["st.global.b32"] * (2 * tile_n // 16), stores
+    assert "ld.local" not in body and "st.local" not in body
+    tool = _cuobjdump()
+    if tool is None:
+        return  # the PTX checks above stand; SASS and resource usage need cuobjdump
+    cubin = tmp_path / "kernel.cubin"
+    cubin.write_bytes(compiled.__cubin__)
+    sass = subprocess.run([tool, "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+    stg = re.findall(r"\bSTG\.\S+", sass)
+    assert stg == [("STG.E.128" if tile_n % 64 == 0 else "STG.E")] * len(stores), stg
+    usage = subprocess.run([tool, "--dump-resource-usage", str(cubin)], capture_output=True, text=True,
+                           check=True).stdout
+    regs, stack, local = (int(re.search(rf"{k}:(\d+)", usage)[1]) for k in ("REG", "STACK", "LOCAL"))
+    assert regs <= _REGS_MMA and stack == 0 and local == 0, usage
+    assert max(int(r) for r in re.findall(r"\bR(\d+)\b", sass)) < _REGS_MMA
+
+
+def _emulate_glu_chunks(tile_n, interleave):
+    """{(row, h column): (row, gate column, up column)} that one warpgroup's threads store in
+    GroupedGluGemm._epilogue_regs_chunks (N tile 0), step by step from the kernel's code. The
+    fragment is _acc_coords's: lane l of warp w holds at element v + 2h + 4j row
+    16w + l // 4 + 8h and tile column 2(l % 4) + 8j + v."""
+    def coord(w, lane, e):
+        v, h, j = e % 2, (e // 2) % 2, e // 4
+        return 16 * w + lane // 4 + 8 * h, 2 * (lane % 4) + 8 * j + v
+
+    nb, half = interleave // 8, tile_n // 2
+    stored = {}
+    for w in range(4):
+        for hrow in range(2):
+            for grp in range(half // 32):
+                packed = []  # per lane: 4 pairs of ((row, gate col), (row, up col))
+                for lane in range(32):
+                    pk = []
+                    for i in range(4):
+                        gi = 2 * hrow + 4 * glu_gate_block(4 * grp + i, interleave)
+                        ui = gi + 4 * nb
+                        pk.append([(coord(w, lane, gi + v), coord(w, lane, ui + v)) for v in range(2)])
+                    packed.append(pk)
+                for lane in range(32):
+                    q, quad0 = lane % 4, lane - lane % 4
+                    # _quad_transpose: in round r lane s sends packed[s][(s % 4) ^ r] and lane q
+                    # reads the value of lane quad0 + (q ^ r); chunk[src] = got[q ^ src]
+                    got = [packed[quad0 + (q ^ r)][((q ^ r) % 4) ^ r] for r in range(4)]
+                    chunk = [got[q ^ src] for src in range(4)]
+                    row = coord(w, lane, 2 * hrow)[0]
+                    col0 = coord(w, lane, 2 * hrow)[1] - 2 * q + 8 * q
+                    for k in range(8):
+                        (grow, gcol), (urow, ucol) = chunk[k // 2][k % 2]
+                        key = (row, col0 + 32 * grp + k)
+                        assert key not in stored, key
+                        assert grow == urow == row
+                        stored[key] = (grow, gcol, ucol)
+    return stored
+
+
+@pytest.mark.parametrize("tile_n, interleave", [(64, 16), (128, 16), (192, 16), (256, 16),
+                                                (64, 32), (256, 32), (64, 8), (192, 8)])
+def test_glu_epilogue_chunk_mapping(tile_n, interleave):
+    """The 16-byte GLU epilogue stores every h column of the tile's 64 rows per warpgroup exactly
+    once, each from its own gate column c and up column c + g, h column (c // 2g) * g + c % g."""
+    g, half = interleave, tile_n // 2
+    stored = _emulate_glu_chunks(tile_n, interleave)
+    assert sorted(stored) == [(r, c) for r in range(64) for c in range(half)]
+    for (row, hcol), (_, gcol, ucol) in stored.items():
+        assert (gcol // g) % 2 == 0 and ucol == gcol + g, (row, hcol, gcol, ucol)
+        assert hcol == (gcol // (2 * g)) * g + gcol % g
