@@ -305,6 +305,16 @@ def _gpu_measurer(db_url, replays):
 
 
 EXPORT_HELP = "Folder of the tuned picks' text export, one <GPU>.jsonl per GPU (default: cache/tuned/)."
+CONFIRM_HELP = ("Once a bucket's trials are measured, measure its fastest candidates (at most this many, within "
+                "10% of the fastest) and its default again, each twice in mirrored order, and pick on the medians; "
+                "0: no confirmation round (default: 3).")
+
+
+def _confirm(ctx, param, value):
+    if value is not None and value < 0:
+        raise click.BadParameter(f"{value} is negative; give how many candidates to measure again beside the "
+                                 "default, or 0 for no confirmation round")
+    return value
 
 
 @main.command("tune")
@@ -320,13 +330,15 @@ EXPORT_HELP = "Folder of the tuned picks' text export, one <GPU>.jsonl per GPU (
               "ready for `moe-aot measure` on the GPU machine.")
 @click.option("--replays", type=int, default=100, show_default=True, help="CUDA-graph replays per measurement.")
 @click.option("--seed", type=int, default=None, help="Sampler seed.")
+@click.option("--confirm", type=int, default=None, callback=_confirm,
+              help=CONFIRM_HELP + " Not with --compile-only (`moe-aot measure` confirms).")
 @click.option("--seed-picks", "seed_dir", default=None,
               help="With --compile-only: after each bucket's default, try first the committed pick for --gpu "
                    "in this folder of tuned picks (e.g. cache/tuned), its PDL twin and the default's PDL twin.")
 @click.option("--export-dir", default=None, help=EXPORT_HELP)
 @click.option("--db", "db_url", default=None, help=DB_HELP)
 def tune_cmd(models, spec_file, target, experts, top_k, hidden, intermediate, activation, precision, tokens, gpu,
-             trials, timeout_s, jobs, compile_only, replays, seed, seed_dir, export_dir, db_url):
+             trials, timeout_s, jobs, compile_only, replays, seed, confirm, seed_dir, export_dir, db_url):
     """Search tile configurations with optuna per token bucket: compile in a CPU pool, measure on the
     GPU (CUDA-graph replays, median, after a check against the reference), record every trial and
     keep the best. With --compile-only, only the compiling half (see `moe-aot measure`)."""
@@ -351,6 +363,9 @@ def tune_cmd(models, spec_file, target, experts, top_k, hidden, intermediate, ac
                 if not Path(seed_dir).is_dir():
                     raise click.BadParameter(f"{seed_dir!r} is not a folder of tuned picks", param_hint="--seed-picks")
                 seeds = tuner.seed_variants(Path(seed_dir), gpu, specs, buckets)
+            if confirm is not None:
+                raise click.UsageError("--confirm goes with measuring: --compile-only measures nothing "
+                                       "(`moe-aot measure --confirm K` confirms on the GPU machine)")
             n = tuner.prepare(url, specs, buckets, gpu, trials=trials, timeout_s=timeout_s, jobs=jobs, seed=seed,
                               seeds=seeds)
             click.echo(f"{n} trial(s) compiled and left ready for `moe-aot measure` on {gpu}", err=True)
@@ -360,7 +375,8 @@ def tune_cmd(models, spec_file, target, experts, top_k, hidden, intermediate, ac
         measurer = _gpu_measurer(url, replays)
         if gpu and gpu != measurer.gpu:
             raise click.ClickException(f"--gpu {gpu!r} but this machine's GPU is {measurer.gpu!r}")
-        tuner.tune(url, specs, buckets, measurer, trials=trials, timeout_s=timeout_s, jobs=jobs, seed=seed)
+        tuner.tune(url, specs, buckets, measurer, trials=trials, timeout_s=timeout_s, jobs=jobs, seed=seed,
+                   confirm=tuner.CONFIRM_K if confirm is None else confirm)
         with Database(url) as db:
             for spec in specs:
                 click.echo(tuner.format_summary(spec, measurer.gpu, tuner.summary(db, spec, measurer.gpu, buckets)))
@@ -378,13 +394,23 @@ def tune_cmd(models, spec_file, target, experts, top_k, hidden, intermediate, ac
 @click.option("--wait", "wait_s", type=float, default=0.0, show_default=True,
               help="Keep polling this long for new ready trials (a compiling side still at work).")
 @click.option("--replays", type=int, default=100, show_default=True, help="CUDA-graph replays per measurement.")
+@click.option("--confirm", type=int, default=None, callback=_confirm, help=CONFIRM_HELP)
 @click.option("--export-dir", default=None, help=EXPORT_HELP)
 @click.option("--db", "db_url", default=None, help=DB_HELP)
-def measure_cmd(models, target, tokens, trials, timeout_s, wait_s, replays, export_dir, db_url):
+def measure_cmd(models, target, tokens, trials, timeout_s, wait_s, replays, confirm, export_dir, db_url):
     """On the GPU machine (no DSL needed): measure the trials `tune --compile-only` left ready for
     this GPU, record them, tell the studies, keep the best and export them as text. Several
-    processes may measure the same database at once."""
+    processes may measure the same database at once.
+
+    Confirmation round: once a bucket has no ready trial left, its fastest candidates (--confirm,
+    within 10% of the fastest) and its default are measured again, each twice in mirrored order
+    (A B C D D C B A, so drift weighs on all alike), every measurement recorded. A confirmed
+    candidate is judged by the median of all its measurements and must beat the default's median
+    of the same round; one line per round shows the medians and the pick. A round is due until
+    the bucket's candidates have been in one, so running `measure` again runs the rounds that
+    --timeout left out or a failure cut short; rounds do not count against --trials."""
     from .measure_worker import measure
+    from .tuner import CONFIRM_K
 
     url = _where(db_url)
     _open(url).close()
@@ -394,7 +420,8 @@ def measure_cmd(models, target, tokens, trials, timeout_s, wait_s, replays, expo
         raise _fail(exc) from None
     measurer = _gpu_measurer(url, replays)
     try:
-        n = measure(url, measurer, workloads, target, _tokens(tokens) if tokens else None, trials, timeout_s, wait_s)
+        n = measure(url, measurer, workloads, target, _tokens(tokens) if tokens else None, trials, timeout_s, wait_s,
+                    confirm=CONFIRM_K if confirm is None else confirm)
         click.echo(f"{n} trial(s) measured on {measurer.gpu}", err=True)
         with Database(url) as db:
             _export(db, export_dir, measurer.gpu)

@@ -5,12 +5,16 @@ Imports optuna, the runtime and the tuner's study plumbing, never cutlass or the
 asserts it): it runs where only torch and the kernel database are. Several workers may measure
 the same studies at once; each WAITING trial is claimed by exactly one of them through optuna's
 WAITING -> RUNNING transition (row-locked on PostgreSQL, BEGIN IMMEDIATE on SQLite).
+
+Once a study has no ready trial left, its bucket gets a confirmation round (confirm_round): the
+best few candidates and the default measured again, interleaved, each measurement a record.
 """
 from __future__ import annotations
 
 import math
 import re
 import time
+import uuid
 from pathlib import Path
 from typing import Callable
 
@@ -19,9 +23,10 @@ from optuna.trial import TrialState
 
 from .database import Database
 from .spec import LayerSpec
-from .tuner import (Outcome, baseline_trial, commit_picks, default_recorded, line, measure_trial, open_storage,
-                    parse_study_name, requeue_stale, search_space, study_spec, suggest, variant_content,
-                    worker_id)
+from .tuner import (CONFIRM_K, CONFIRM_WITHIN, Outcome, baseline_trial, choose_pick, commit_picks, complete_rounds,
+                    confirm_plan, current_contents, default_recorded, line, live_records, measure_trial,
+                    open_storage, parse_study_name, requeue_stale, round_medians, search_space, study_name,
+                    study_spec, suggest, variant_content, worker_id)
 from .variants import LayerVariant
 
 
@@ -143,12 +148,20 @@ def claim(study: optuna.Study) -> tuple[optuna.Trial, dict] | None:
     return None
 
 
+def _has_ready(study: optuna.Study) -> bool:
+    return any(t.user_attrs.get("ready") for t in study.get_trials(deepcopy=False, states=(TrialState.WAITING,)))
+
+
 def measure(db_url: str, measurer, workloads=None, target: str | None = None, buckets=None,
             max_trials: int | None = None, timeout_s: float | None = None, wait_s: float = 0.0,
-            progress: Callable[[str], None] = line, poll_s: float = 2.0) -> int:
+            progress: Callable[[str], None] = line, poll_s: float = 2.0, confirm: int = CONFIRM_K) -> int:
     """Measure ready trials of `measurer.gpu`'s studies until none is left (or, with wait_s, none
     arrived for that long: a compiling side may still be adding some), `max_trials` were measured
-    or `timeout_s` passed. Returns how many this worker measured."""
+    or `timeout_s` passed. A study with no ready trial left gets a confirmation round of up to
+    `confirm` candidates when one is due (confirm_round; not after `timeout_s`, and not counted in
+    `max_trials`). Returns how many trials this worker measured."""
+    if confirm < 0:
+        raise ValueError(f"confirm must be 0 (no confirmation rounds) or a number of candidates, not {confirm}")
     db = Database(db_url)
     storage = open_storage(db_url)
     deadline = time.monotonic() + timeout_s if timeout_s else math.inf
@@ -165,6 +178,14 @@ def measure(db_url: str, measurer, workloads=None, target: str | None = None, bu
 
     done, idle_since = 0, time.monotonic()
     checked: set[str] = set()
+    confirmed: set[str] = set()  # studies whose round was considered since their last trial here
+
+    def confirm_drained(study):
+        if confirm and time.monotonic() < deadline:
+            spec, _, tokens = study_of(study)
+            confirm_round(db, spec, tokens, measurer, confirm, progress=progress)
+            confirmed.add(study.study_name)
+
     try:
         while (max_trials is None or done < max_trials) and time.monotonic() < deadline:
             for study in studies:
@@ -174,6 +195,9 @@ def measure(db_url: str, measurer, workloads=None, target: str | None = None, bu
                     _measure_default(db, study, spec, tokens, measurer, progress)
             got = next(((s, c) for s in studies if (c := claim(s))), None)
             if got is None:
+                for s in studies:
+                    if s.study_name not in confirmed:
+                        confirm_drained(s)
                 if time.monotonic() - idle_since >= wait_s:
                     break
                 time.sleep(poll_s)
@@ -193,6 +217,12 @@ def measure(db_url: str, measurer, workloads=None, target: str | None = None, bu
             done += 1
             idle_since = time.monotonic()
             progress(_line(db, spec, tokens, trial, out, variant, measurer, f"[{done}]"))
+            confirmed.discard(study.study_name)
+            if not _has_ready(study):
+                confirm_drained(study)
+        if confirm and time.monotonic() >= deadline and len(confirmed) < len(studies):
+            progress("[confirm] --timeout spent: no confirmation round for the buckets not yet considered; "
+                     "`moe-aot measure` runs the rounds that are due")
         commit_picks(db, measurer.gpu)
     finally:
         db.close()
@@ -232,3 +262,48 @@ def _measure_default(db: Database, study: optuna.Study, spec: LayerSpec, tokens:
         study._storage.set_trial_state_values(trial._trial_id, TrialState.FAIL)
         raise
     progress(_line(db, spec, tokens, trial, out, variant, measurer, "[default]"))
+
+
+def confirm_round(db: Database, spec: LayerSpec, tokens: int, measurer, k: int = CONFIRM_K,
+                  within: float = CONFIRM_WITHIN, progress: Callable[[str], None] = line) -> bool:
+    """Measure the bucket's best few candidates (tuner.confirm_plan) and its default again, each
+    twice, in mirrored order (A B C D D C B A, so a drift during the round weighs on each of them
+    alike), recording every measurement as it comes (one that raises leaves those before it in
+    the database; an incomplete round does not count in the picks). Runs only when a round is
+    due (some candidate has not been in one) and the bucket's context is this measurer's GPU and
+    driver. Returns whether a round ran."""
+    from .variants import default_variant
+
+    if k <= 0:
+        return False
+    recs = db.records(spec.workload_key, spec.target, measurer.gpu, tokens)
+    current = current_contents(db, spec)
+    dname = default_variant(spec, tokens).name(spec)
+    plan = confirm_plan(live_records(db, spec, recs, current), dname, current(dname), k, within,
+                        complete_rounds(recs))
+    if plan is None or not plan.due or plan.default.driver != measurer.driver:
+        return False
+    members = plan.candidates + [plan.default]
+    order = members + members[::-1]
+    rid = uuid.uuid4().hex
+    for i, r in enumerate(order):
+        out = measurer(spec, LayerVariant.parse(r.variant), tokens)
+        stats = {**out.stats, "study": study_name(spec, measurer.gpu, tokens), "worker": worker_id(),
+                 "confirm": {"round": rid, "position": i, "size": len(order), "record": r.id}}
+        db.add_record(workload=spec.workload_key, target=spec.target, toolchain=r.toolchain, gpu=measurer.gpu,
+                      driver=measurer.driver, tokens=tokens, variant=r.variant, content=r.content,
+                      status=out.status, median_us=out.median_us, stats=stats, rel_err=out.rel_err,
+                      error=out.error)
+    recs = db.records(spec.workload_key, spec.target, measurer.gpu, tokens)
+    live, done = live_records(db, spec, recs, current), complete_rounds(recs)
+    medians = round_medians(live, dname, current(dname), done)
+    pick = choose_pick(live, dname, current(dname), done)
+
+    def us(name):
+        return "failed" if medians.get(name) is None else f"{medians[name]:.1f}us"
+
+    shown = ", ".join(f"{r.variant} {us(r.variant)}" for r in plan.candidates)
+    chosen = "-" if pick is None else "the default" if pick[0].variant == plan.default.variant else pick[0].variant
+    progress(f"[confirm] {spec.label()} tokens={tokens:<6} medians: {shown}, default {us(plan.default.variant)}; "
+             f"pick {chosen}")
+    return True

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from .database import Database
 from .spec import LayerSpec
-from .tuner import format_summary, roofline_floor_us, summary
+from .tuner import confirmation, format_summary, roofline_floor_us, summary
 from .variants import LayerVariant
 
 
@@ -21,6 +21,7 @@ def _config(name: str) -> str:
 def _table(tokens: int, recs) -> str:
     names = sorted({r.variant for r in recs})
     rows = "".join(f"<tr><td>{names.index(r.variant)}<td>{html.escape(_config(r.variant))}<td>{r.status}"
+                   f"{' (confirmation round)' if confirmation(r) else ''}"
                    f"<td>{'' if r.median_us is None else f'{r.median_us:.1f}'}<td>{html.escape(r.variant)}"
                    for r in sorted(recs, key=lambda r: names.index(r.variant)))
     return (f"<h3>tokens={tokens}</h3><table border=1 cellspacing=0><tr><th>index<th>configuration"

@@ -18,6 +18,7 @@ import math
 import os
 import random
 import socket
+import statistics
 import sys
 import time
 import warnings
@@ -42,6 +43,8 @@ optuna.logging.set_verbosity(optuna.logging.WARNING)
 STUDY_PREFIX = "moe-aot"
 STALE_AFTER_S = 3600.0  # a RUNNING trial of another host untouched this long is taken back
 FAILED_US = math.inf  # compile and resource failures are "infinitely slow" to the sampler
+CONFIRM_K = 3  # candidates per confirmation round (`--confirm`); 0: no rounds
+CONFIRM_WITHIN = 0.10  # a candidate is measured again when within this fraction of the bucket's fastest
 
 
 # -- search space ------------------------------------------------------------------------------
@@ -453,10 +456,14 @@ class _Job:
 def tune(db_url: str, specs, buckets, measurer, trials: int = 30, timeout_s: float | None = None,
          jobs: int = 2, ahead: int | None = None, compile_fn: Callable = compile_variant,
          seed: int | None = None, progress: Callable[[str], None] = line,
-         stale_after_s: float = STALE_AFTER_S) -> None:
+         stale_after_s: float = STALE_AFTER_S, confirm: int = CONFIRM_K) -> None:
     """Tune every (spec, bucket) until its study holds `trials` trials or `timeout_s` passes
-    (then nothing new is asked; what is in flight finishes). `measurer(spec, variant, tokens)`
-    returns an Outcome and carries `.gpu` and `.driver`."""
+    (then nothing new is asked; what is in flight finishes), then give each bucket a
+    confirmation round of up to `confirm` candidates where one is due (unless `timeout_s` has
+    passed). `measurer(spec, variant, tokens)` returns an Outcome and carries `.gpu` and
+    `.driver`."""
+    if confirm < 0:
+        raise ValueError(f"confirm must be 0 (no confirmation rounds) or a number of candidates, not {confirm}")
     db = Database(db_url)
     storage = open_storage(db_url)
     slots = open_slots(storage, specs, measurer.gpu, buckets, seed, stale_after_s)
@@ -513,6 +520,14 @@ def tune(db_url: str, specs, buckets, measurer, trials: int = 30, timeout_s: flo
                 pass
         raise
     else:
+        if confirm and time.monotonic() < deadline:
+            from .measure_worker import confirm_round
+
+            for slot in slots:
+                confirm_round(db, slot.spec, slot.tokens, measurer, confirm, progress=progress)
+        elif confirm:
+            progress("[confirm] --timeout spent: no confirmation rounds; `moe-aot measure` runs the rounds "
+                     "that are due")
         commit_picks(db, measurer.gpu, specs)
     finally:
         pool.close()
@@ -755,10 +770,11 @@ def tuned_path(directory: Path, gpu: str) -> Path:
 
 @dataclass(frozen=True)
 class Pick:
-    """The variant to run for one (workload, target, GPU, bucket), derived from the records: the
-    fastest valid record in the newest context (GPU, driver, toolchain) that holds a record of
-    the default, so it is never slower than the default's record (default_us; None when the
-    default did not run correctly, which any valid record beats)."""
+    """The variant to run for one (workload, target, GPU, bucket), derived from the records by
+    choose_pick, in the newest context (GPU, driver, toolchain) that holds a record of the
+    default, so it is never slower than the default measured beside it (default_us; None when
+    the default did not run correctly, which any valid record beats). median_us and default_us
+    are medians over every counted measurement where a confirmation round re-measured them."""
     workload: str
     target: str
     gpu: str
@@ -771,32 +787,161 @@ class Pick:
     default_us: float | None
 
 
-def choose_pick(records, default: str, default_content: str | None = None) -> tuple[RecordRow, RecordRow] | None:
-    """TVM's get_top_k with the default as the bar: records are of one (workload, target, GPU,
-    bucket). The default's records are those of its content where known, else of its name.
-    Returns (best record, default's record), or None when no context has both."""
+# Confirmation rounds (measure_worker.confirm_round): after a bucket's trials are measured, its
+# best few candidates and its default are measured again, each twice in mirrored order (A B C D
+# D C B A), and every one of those measurements is a record whose stats carry
+# "confirm": {"round", "position", "size", "record"} (record: the id of the trial's record it
+# measures again). One draw of an unstable variant can be low; a median of three resists it.
+def confirmation(r: RecordRow) -> dict | None:
+    """The round a record was measured in, or None for a trial's record."""
+    c = r.stats.get("confirm") if isinstance(r.stats, dict) else None
+    return c if isinstance(c, dict) else None
+
+
+def complete_rounds(records) -> set[str]:
+    """The rounds all of whose measurements are recorded. Only those count: an interrupted
+    round lacks its mirrored half, so drift does not cancel in it."""
+    sizes: dict[str, int] = {}
+    seen: dict[str, int] = {}
+    for r in records:
+        c = confirmation(r)
+        if c is not None:
+            sizes[c["round"]] = c["size"]
+            seen[c["round"]] = seen.get(c["round"], 0) + 1
+    return {k for k, n in seen.items() if n == sizes[k]}
+
+
+def _median_us(runs) -> float | None:
+    vals = [r.median_us for r in runs if r.status == "ok" and r.median_us is not None]
+    return statistics.median(vals) if vals else None
+
+
+def _valid(runs) -> bool:
+    return all(r.status == "ok" and r.median_us is not None for r in runs)
+
+
+@dataclass
+class _Bucket:
+    """The records of one bucket as choose_pick and confirm_plan judge them: those in the
+    context of the default's newest trial record, with the counted confirmation measurements."""
+    is_default: Callable[[RecordRow], bool]
+    base: RecordRow  # the default's newest trial record; its context is the bucket's
+    trials: list[RecordRow]  # the trials' records in that context
+    default_runs: list[RecordRow]  # the default's trial records and counted re-measurements
+    runs: dict[tuple, list[RecordRow]]  # per other (variant, content): the same
+    rounds: dict[tuple, set[str]]  # per other (variant, content): the counted rounds it was in
+
+
+def _bucket(records, default: str, default_content: str | None, rounds: set[str] | None) -> _Bucket | None:
     is_default = ((lambda r: r.content == default_content) if default_content
                   else (lambda r: r.variant == default))
-    defaults = [r for r in records if is_default(r)]
+    trials = [r for r in records if confirmation(r) is None]
+    defaults = [r for r in trials if is_default(r)]
     if not defaults:
         return None
     base = max(defaults, key=lambda r: r.id)  # the newest measurement of the default
-    ctx = [r for r in records if r.context == base.context]
-    ok = [r for r in ctx if r.status == "ok" and r.median_us is not None]
+    done = complete_rounds(records) if rounds is None else rounds
+    ctx = [r for r in trials if r.context == base.context]
+    again = [r for r in records if (c := confirmation(r)) is not None and c["round"] in done
+             and r.context == base.context]
+    beside = {confirmation(r)["round"] for r in again if is_default(r)}
+    again = [r for r in again if confirmation(r)["round"] in beside]
+    b = _Bucket(is_default, base, ctx, [], {}, {})
+    for r in ctx + again:
+        if is_default(r):
+            b.default_runs.append(r)
+            continue
+        b.runs.setdefault((r.variant, r.content), []).append(r)
+        if confirmation(r) is not None:
+            b.rounds.setdefault((r.variant, r.content), set()).add(confirmation(r)["round"])
+    return b
+
+
+def _first(runs) -> RecordRow:
+    """A candidate's trial record (the one its re-measurements point at)."""
+    return min(runs, key=lambda r: (confirmation(r) is not None, r.id))
+
+
+def choose_pick(records, default: str, default_content: str | None = None,
+                rounds: set[str] | None = None) -> tuple[RecordRow, RecordRow] | None:
+    """TVM's get_top_k with the default as the bar: records are of one (workload, target, GPU,
+    bucket). The default's records are those of its content where known, else of its name.
+    Without a confirmation round beside the default in the context, the fastest valid record,
+    unless it is not faster than the default's. With one, only candidates measured in a round
+    beside the default may beat it, each judged by the median of all its measurements (none of
+    them failed) against the default's median over its trial and those rounds. `rounds`: the
+    complete rounds (default: those complete in `records`). Returns (best, default's record),
+    their median_us replaced by those medians where a round counted, or None when no context
+    has both."""
+    b = _bucket(records, default, default_content, rounds)
+    if b is None:
+        return None
+    dall = _median_us(b.default_runs)
+    if dall is not None and any(confirmation(r) is not None for r in b.default_runs):
+        beating = []
+        for key, runs in b.runs.items():
+            if key not in b.rounds or not _valid(runs):
+                continue
+            bar = _median_us([r for r in b.default_runs
+                              if confirmation(r) is None or confirmation(r)["round"] in b.rounds[key]])
+            m = _median_us(runs)
+            if bar is None or m < bar:
+                beating.append((m, _first(runs).id, _first(runs), bar))
+        if beating:
+            m, _, first, bar = min(beating, key=lambda x: x[:2])
+            return dataclasses.replace(first, median_us=m), dataclasses.replace(b.base, median_us=bar)
+        base = dataclasses.replace(b.base, median_us=dall)
+        return base, base
+    ok = [r for r in b.trials if r.status == "ok" and r.median_us is not None]
     if not ok:
         return None
-    best = min(ok, key=lambda r: (r.median_us, not is_default(r), r.id))
+    best = min(ok, key=lambda r: (r.median_us, not b.is_default(r), r.id))
+    base = b.base
     if base.status == "ok" and best.median_us >= base.median_us:
         best = base
     return best, base
 
 
-def derive_picks(db: Database, spec: LayerSpec, gpu: str | None = None, buckets=None) -> list[Pick]:
-    """The picks of one layer per GPU and bucket from `db`'s records. A record counts only while
-    its content is what the database would load for its variant today (a recompile that changed
-    the cubins makes it stale); a bucket whose default has no such record gets no pick."""
-    from .variants import default_variant
+@dataclass(frozen=True)
+class ConfirmPlan:
+    """What a confirmation round of one bucket measures again: trial records, fastest first."""
+    candidates: list[RecordRow]
+    default: RecordRow  # the default's trial record
+    due: bool  # some candidate has not been in a complete round beside the default
 
+
+def confirm_plan(records, default: str, default_content: str | None = None, k: int = CONFIRM_K,
+                 within: float = CONFIRM_WITHIN, rounds: set[str] | None = None) -> ConfirmPlan | None:
+    """The candidates of a round: up to `k` other variants whose every measurement is valid and
+    whose median (a single draw until confirmed) is within `within` of the fastest of the
+    bucket's context, the default included. None when there is none (the pick is the default)."""
+    b = _bucket(records, default, default_content, rounds)
+    if b is None or k <= 0:
+        return None
+    ranked = sorted((_median_us(runs), _first(runs).id, key) for key, runs in b.runs.items() if _valid(runs))
+    dall = _median_us(b.default_runs)
+    if not ranked:
+        return None
+    fastest = min(ranked[0][0], dall if dall is not None else math.inf)
+    chosen = [key for m, _, key in ranked if m <= fastest * (1 + within)][:k]
+    if not chosen:
+        return None
+    return ConfirmPlan([_first(b.runs[key]) for key in chosen], b.base, any(key not in b.rounds for key in chosen))
+
+
+def round_medians(records, default: str, default_content: str | None = None,
+                  rounds: set[str] | None = None) -> dict[str, float | None]:
+    """Per variant name in the bucket's context: the median of its counted measurements."""
+    b = _bucket(records, default, default_content, rounds)
+    if b is None:
+        return {}
+    out = {key[0]: _median_us(runs) for key, runs in b.runs.items()}
+    out[b.base.variant] = _median_us(b.default_runs)
+    return out
+
+
+def current_contents(db: Database, spec: LayerSpec) -> Callable[[str], str | None]:
+    """name -> the content the database would load for that variant today (None: it cannot)."""
     contents: dict[str, str | None] = {}
 
     def current(name: str) -> str | None:
@@ -806,7 +951,22 @@ def derive_picks(db: Database, spec: LayerSpec, gpu: str | None = None, buckets=
             except (LookupError, ValueError):
                 contents[name] = None
         return contents[name]
+    return current
 
+
+def live_records(db: Database, spec: LayerSpec, records, current=None) -> list[RecordRow]:
+    """The records whose content is what the database would load for their variant today."""
+    current = current or current_contents(db, spec)
+    return [r for r in records if r.content is not None and r.content == current(r.variant)]
+
+
+def derive_picks(db: Database, spec: LayerSpec, gpu: str | None = None, buckets=None) -> list[Pick]:
+    """The picks of one layer per GPU and bucket from `db`'s records. A record counts only while
+    its content is what the database would load for its variant today (a recompile that changed
+    the cubins makes it stale); a bucket whose default has no such record gets no pick."""
+    from .variants import default_variant
+
+    current = current_contents(db, spec)
     groups: dict[tuple, list[RecordRow]] = {}
     for r in db.records(spec.workload_key, spec.target, gpu):
         if buckets is None or r.tokens in buckets:
@@ -814,8 +974,7 @@ def derive_picks(db: Database, spec: LayerSpec, gpu: str | None = None, buckets=
     picks = []
     for (g, tokens), recs in sorted(groups.items()):
         dname = default_variant(spec, tokens).name(spec)
-        live = [r for r in recs if r.content is not None and r.content == current(r.variant)]
-        got = choose_pick(live, dname, current(dname))
+        got = choose_pick(live_records(db, spec, recs, current), dname, current(dname), complete_rounds(recs))
         if got is None:
             continue
         best, base = got

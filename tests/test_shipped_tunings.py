@@ -2,6 +2,7 @@
 never slower than the default measured beside them, turned back into binaries on a CPU machine,
 and found by the runtime's lookup for that GPU."""
 import json
+import sys
 from datetime import datetime
 from pathlib import Path
 
@@ -98,3 +99,34 @@ def test_build_turns_the_committed_picks_into_binaries(tmp_path):
     again = CliRunner().invoke(main, ["build", "--models", "qwen3-30b-a3b", "--target", "sm_90a", "--gpu",
                                       "NVIDIA H200", "--tuned-dir", str(TUNED.parent), "--db", url])
     assert again.exit_code == 0 and "0 compiled" in again.output
+
+
+def test_the_re_derivation_uses_confirmation_rounds_in_the_records(monkeypatch):
+    """When a session's records JSON holds a confirmation round, the picks re-derived from it
+    follow the median rule. The round here is made up in the shape of call 11's readings at
+    Qwen3-30B 4096 (the pick, GEMM2 in 2-CTA clusters with PDL, read 725 and 747 µs beside the
+    default's 698 and 704): that bucket's pick becomes the default, no other line changes."""
+    committed = _records()
+    spec = make_spec("qwen3-30b-a3b")
+    default = default_variant(spec, 4096).name(spec)
+    bucket = {r["variant"]: r for r in committed if (r["workload"], r["tokens"]) == (spec.workload_key, 4096)}
+    pick = next(p for p in tuner.read_tuned_file(TUNED) if (p["workload"], p["tokens"]) == (spec.workload_key, 4096))
+    assert pick["variant"] != default and pick["variant"].endswith("c2_pdl")
+    c2 = pick["variant"][: -len("_pdl")]
+    pdl = default + "_pdl"
+    members = [(pick["variant"], 725.0, 747.0), (c2, 702.0, 704.0), (pdl, 699.0, 701.0), (default, 698.0, 704.0)]
+    order = [(v, a) for v, a, _ in members] + [(v, b) for v, _, b in reversed(members)]
+    top = max(r["id"] for r in committed)
+    again = [{**bucket[v], "id": top + 1 + i, "median_us": us,
+              "stats": {"median_us": us, "confirm": {"round": "r1", "position": i, "size": len(order),
+                                                     "record": bucket[v]["id"]}}}
+             for i, (v, us) in enumerate(order)]
+    monkeypatch.setattr(sys.modules[__name__], "_records", lambda: committed + again)
+    lines = derive_from_committed_records()
+    before = tuner.read_tuned_file(TUNED)
+    changed = [(a, b) for a, b in zip(before, lines) if a != b]
+    assert len(lines) == len(before) and len(changed) == 1
+    [(old, new)] = changed
+    assert (old["variant"], new["variant"]) == (pick["variant"], default)
+    # medians: the default 698.0 (692.3, 698, 704) beats the PDL twin's 699.0 (692.2, 699, 701)
+    assert new["median_us"] == new["default_us"] == 698.0

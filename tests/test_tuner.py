@@ -1,6 +1,7 @@
 """The tuner on the CPU: search space, ask/compile/measure/tell with stand-ins (tuner_fakes),
 budgets, resume, the compile/measure split with a DSL-free measuring process, concurrent
-measurers, the text export, build, report. One CLI test compiles for real."""
+measurers, the text export, build, report, confirmation rounds. One CLI test compiles for real."""
+import dataclasses
 import json
 import multiprocessing
 import subprocess
@@ -16,7 +17,7 @@ from moe_aot.cli import main
 from moe_aot.database import Database
 from moe_aot.spec import make_spec
 from moe_aot.variants import LayerVariant, can_implement, candidate_space, default_variant
-from tuner_fakes import GPU, FakeMeasurer, check_records_and_best, fake_compile, fake_time_us, toolchain
+from tuner_fakes import GPU, DrawMeasurer, FakeMeasurer, check_records_and_best, fake_compile, fake_time_us, toolchain
 
 SPEC = make_spec("qwen3-30b-a3b")
 TINY = make_spec(None, experts=8, top_k=2, hidden=256, intermediate=128)
@@ -51,7 +52,8 @@ def test_tune_records_every_trial_and_commits_the_minimum(url):
     tuner.tune(url, [SPEC], (1, 4096), FakeMeasurer(), trials=14, jobs=0, compile_fn=fake_compile,
                seed=1, progress=lines.append)
     check_records_and_best(url, SPEC, GPU, (1, 4096))
-    assert lines and "best" in lines[-1]
+    trial_lines = [ln for ln in lines if not ln.startswith("[confirm]")]
+    assert trial_lines and "best" in trial_lines[-1]
     db = Database(url, readonly=True)
     statuses = {r.status for r in db.records()}
     assert "ok" in statuses and statuses <= {"ok", "compile_error", "resource_error", "wrong_result"}
@@ -549,3 +551,231 @@ def test_seed_variants_measure_the_pick_its_twins_and_its_cluster_twins(tmp_path
     # for its mma.sync tiles
     base16 = default_variant(SPEC, 16)
     assert seeds[(SPEC.workload_key, 16)] == [base16.pingpong_twin(SPEC), base16.pdl_twin()]
+
+
+# -- confirmation rounds: the fastest few candidates and the default measured again, interleaved --
+
+def _prepared(url, trials, tokens=4096, seed=11):
+    """A study of compiled candidates left ready; (the default's name, the others' names)."""
+    tuner.prepare(url, [SPEC], (tokens,), GPU, trials=trials, jobs=0, compile_fn=fake_compile, seed=seed,
+                  progress=lambda s: None)
+    study = tuner.open_study(tuner.open_storage(url), SPEC, GPU, tokens)
+    names = [t.user_attrs["variant"] for t in study.trials if t.user_attrs.get("ready")]
+    d = default_variant(SPEC, tokens).name(SPEC)
+    assert names[0] == d
+    return d, names[1:]
+
+
+def _confirmations(url, tokens=4096):
+    with Database(url, readonly=True) as db:
+        return [r for r in db.records(SPEC.workload_key, SPEC.target, GPU, tokens) if tuner.confirmation(r)]
+
+
+@pytest.mark.parametrize("steady_draws, expect", [([690.0, 689.0, 691.0], "steady"),
+                                                  ([710.0, 712.0, 709.0], "default")])
+def test_a_lucky_draw_loses_the_pick_after_confirmation(url, tmp_path, steady_draws, expect):
+    """Qwen3-30B 4096 on the H200 in small: one variant reads 668 once, then 725 and 747; the
+    default reads 698-702 throughout. Judged by its median it loses to the default, or to a
+    candidate that is steadily faster than the default."""
+    d, (lucky, steady, *rest) = _prepared(url, 4)
+    draws = {d: [700.0, 698.0, 702.0], lucky: [668.0, 725.0, 747.0], steady: steady_draws,
+             **{n: [900.0] for n in rest}}
+    lines = []
+    m = DrawMeasurer(draws)
+    measure_worker.measure(url, m, progress=lines.append)
+    [row] = _exported(url, tmp_path)
+    want = (steady, 690.0, 700.0) if expect == "steady" else (d, 700.0, 700.0)  # medians of three
+    assert (row["variant"], row["median_us"], row["default_us"]) == want
+    [line] = [ln for ln in lines if ln.startswith("[confirm]")]
+    steady_median = sorted(steady_draws)[1]
+    assert ("tokens=4096" in line and f"{lucky} 725.0us" in line and f"{steady} {steady_median:.1f}us" in line
+            and "default 700.0us" in line), line
+    assert line.endswith(f"pick {steady}" if expect == "steady" else "pick the default"), line
+    with Database(url) as db:  # what measure deployed for the runtime is the same pick
+        [best] = db.all_best(SPEC.workload_key, gpu=GPU)
+    assert best.variant == row["variant"]
+    again = DrawMeasurer(draws)  # every candidate is confirmed: nothing is due, nothing measured
+    measure_worker.measure(url, again, progress=lambda s: None)
+    assert again.calls == [] and _exported(url, tmp_path) == [row]
+
+
+def test_confirm_0_measures_each_trial_once_and_picks_the_fastest_draw(url, tmp_path):
+    d, (lucky, steady, *rest) = _prepared(url, 4)
+    draws = {d: [700.0, 698.0, 702.0], lucky: [668.0, 725.0, 747.0], steady: [690.0, 689.0, 691.0],
+             **{n: [900.0] for n in rest}}
+    m = DrawMeasurer(draws)
+    lines = []
+    measure_worker.measure(url, m, progress=lines.append, confirm=0)
+    assert sorted(m.calls) == sorted([d, lucky, steady, *rest])
+    assert _confirmations(url) == [] and not any(ln.startswith("[confirm]") for ln in lines)
+    [row] = _exported(url, tmp_path)
+    assert (row["variant"], row["median_us"], row["default_us"]) == (lucky, 668.0, 700.0)
+    with pytest.raises(ValueError, match="confirm must be 0"):
+        measure_worker.measure(url, m, confirm=-1)
+
+
+@pytest.mark.parametrize("k", [3, 4])
+def test_the_round_is_the_fastest_candidates_then_the_default_then_back(url, k):
+    d, others = _prepared(url, 8)
+    a, b, c, e, f, *rest = others
+    draws = {d: [650.0], a: [600.0], b: [610.0], c: [620.0], e: [630.0], f: [700.0],
+             **{n: [900.0] for n in rest}}
+    m = DrawMeasurer(draws)
+    measure_worker.measure(url, m, progress=lambda s: None, confirm=k)
+    members = [a, b, c, e][:k] + [d]  # f is over 10% slower than a; e is 4th
+    assert m.calls[1 + len(others):] == members + members[::-1]
+    again = sorted(_confirmations(url), key=lambda r: r.id)
+    assert [r.variant for r in again] == members + members[::-1]
+    assert [tuner.confirmation(r)["position"] for r in again] == list(range(2 * len(members)))
+    assert {tuner.confirmation(r)["size"] for r in again} == {2 * len(members)}
+    assert len({tuner.confirmation(r)["round"] for r in again}) == 1
+    check_records_and_best(url, SPEC, GPU, (4096,))
+
+
+def test_every_measurement_of_the_round_is_a_record_and_in_the_records_json(url, tmp_path):
+    import importlib.util
+
+    d, (a, b, *rest) = _prepared(url, 4)
+    draws = {d: [650.0, 651.5, 648.25], a: [600.0, 633.125, 612.5], b: [610.0, 640.75, 599.5],
+             **{n: [900.0] for n in rest}}
+    m = DrawMeasurer(draws)
+    measure_worker.measure(url, m, progress=lambda s: None)
+    n = len(m.calls) - 6
+    again = sorted(_confirmations(url), key=lambda r: r.id)
+    assert [(r.variant, r.median_us) for r in again] == list(zip(m.calls[n:], m.times[n:]))
+    with Database(url, readonly=True) as db:
+        trial = {r.id: r for r in db.records() if tuner.confirmation(r) is None}
+    for r in again:
+        of = trial[tuner.confirmation(r)["record"]]
+        assert (r.gpu, r.driver, r.status) == (GPU, m.driver, "ok")
+        assert (r.variant, r.content, r.toolchain) == (of.variant, of.content, of.toolchain)
+        assert r.stats["min_us"] == r.median_us * 0.98 and r.stats["study"] == tuner.study_name(SPEC, GPU, 4096)
+    # a: 600, 633.125, 612.5 -> 612.5; b: 610, 640.75, 599.5 -> 610; default: 650, 651.5, 648.25 -> 650
+    [pick] = tuner.derive_picks(Database(url, readonly=True), SPEC, GPU)
+    assert (pick.variant, pick.median_us, pick.default_us) == (b, 610.0, 650.0)
+    # tools/gpu_run.py dumps every record, the round's too, and the picks re-derived from that
+    # JSON the way tests/test_shipped_tunings.py does are the database's
+    spec = importlib.util.spec_from_file_location("gpu_run", Path(__file__).parents[1] / "tools" / "gpu_run.py")
+    gpu_run = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_run)
+    out = tmp_path / "records.json"
+    proc = subprocess.run([sys.executable, "-c", gpu_run.DUMP_RECORDS, url, str(out)], capture_output=True,
+                          text=True, cwd=Path(__file__).parents[1])
+    assert proc.returncode == 0, proc.stderr
+    from datetime import datetime
+
+    from moe_aot.database import RecordRow
+
+    rows = [RecordRow(**{**r, "created_at": datetime.fromisoformat(r["created_at"])})
+            for r in json.loads(out.read_text())]
+    assert len([r for r in rows if tuner.confirmation(r)]) == 6
+    best, base = tuner.choose_pick(rows, d)
+    assert (best.variant, best.median_us, base.median_us) == (b, 610.0, 650.0)
+
+
+def test_a_failure_in_the_round_loses_no_measurement_and_leaves_the_pick(url, tmp_path):
+    d, (lucky, steady, *rest) = _prepared(url, 4)
+    slow = {n: [900.0] for n in rest}
+    measure_worker.measure(url, DrawMeasurer({d: [700.0], lucky: [668.0], steady: [690.0], **slow}),
+                           progress=lambda s: None, confirm=0)
+    before = _exported(url, tmp_path)
+    assert before[0]["variant"] == lucky
+    with Database(url) as db:
+        deployed = [(b.variant, b.median_us) for b in db.all_best()]
+    # A database measured without rounds: the next `measure` finds one due although no trial is
+    # ready. Its order is lucky steady D D steady lucky; the process dies at the 5th measurement.
+    dying = DrawMeasurer({lucky: [760.0], steady: [650.0], d: [720.0]}, fail_at=4)
+    with pytest.raises(RuntimeError, match="died"):
+        measure_worker.measure(url, dying, progress=lambda s: None)
+    again = sorted(_confirmations(url), key=lambda r: r.id)
+    assert [(r.variant, r.median_us) for r in again] == [(lucky, 760.0), (steady, 650.0), (d, 720.0), (d, 720.0)]
+    # counted, those four would make steady the pick (median 670 against the default's 720)
+    assert _exported(url, tmp_path) == before
+    with Database(url) as db:
+        assert [(b.variant, b.median_us) for b in db.all_best()] == deployed
+    study = tuner.open_study(tuner.open_storage(url), SPEC, GPU, 4096)
+    assert not study.get_trials(states=(TrialState.RUNNING, TrialState.WAITING))
+    # The next run measures a whole round; the interrupted one still does not count.
+    whole = DrawMeasurer({lucky: [725.0, 747.0], steady: [689.0, 691.0], d: [698.0, 702.0]})
+    measure_worker.measure(url, whole, progress=lambda s: None)
+    assert whole.calls == [lucky, steady, d, d, steady, lucky]
+    [row] = _exported(url, tmp_path)
+    assert (row["variant"], row["median_us"], row["default_us"]) == (steady, 690.0, 700.0)
+    assert len(_confirmations(url)) == 4 + 6
+
+
+def test_a_candidate_that_fails_once_in_the_round_cannot_be_the_pick(url, tmp_path):
+    d, (fast, *rest) = _prepared(url, 4)
+    draws = {d: [700.0], fast: [650.0, None, 651.0], **{n: [900.0] for n in rest}}
+    measure_worker.measure(url, DrawMeasurer(draws), progress=lambda s: None)
+    assert [r.status for r in _confirmations(url)].count("launch_error") == 1
+    [row] = _exported(url, tmp_path)
+    assert (row["variant"], row["median_us"]) == (d, 700.0)
+
+
+class _LuckyFirst(FakeMeasurer):
+    """Every variant but the default reads half its time the first time and twice it after."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __call__(self, spec, variant, tokens):
+        name = variant.name(spec)
+        t = fake_time_us(spec, variant, tokens)
+        if variant != default_variant(spec, tokens):
+            t *= 0.5 if name not in self.seen else 2.0
+        self.seen.append(name)
+        return tuner.Outcome("ok", median_us=t, stats={"median_us": t}, rel_err=1e-3)
+
+
+def test_tune_confirms_too(tmp_path):
+    picks = {}
+    for confirm in (0, 3):
+        url = f"sqlite:///{tmp_path / f'tune{confirm}.sqlite'}"
+        m = _LuckyFirst()
+        tuner.tune(url, [SPEC], (256,), m, trials=5, jobs=0, compile_fn=fake_compile, seed=9,
+                   progress=lambda s: None, confirm=confirm)
+        [picks[confirm]] = tuner.derive_picks(Database(url, readonly=True), SPEC, GPU)
+        assert (len(m.seen) > len(set(m.seen))) == (confirm > 0)
+    d = default_variant(SPEC, 256).name(SPEC)
+    assert picks[0].variant != d and picks[3].variant == d
+
+
+def test_cli_confirm_flag(runner, tmp_path, monkeypatch):
+    url = f"sqlite:///{tmp_path / 'cli.sqlite'}"
+    d, (lucky, steady, *rest) = _prepared(url, 4)
+    draws = {d: [700.0, 698.0, 702.0], lucky: [668.0, 725.0, 747.0], steady: [710.0, 712.0, 709.0],
+             **{n: [900.0] for n in rest}}
+    monkeypatch.setattr("moe_aot.cli._gpu_measurer", lambda url, replays: DrawMeasurer(draws))
+    res = runner.invoke(main, ["measure", "--confirm", "-1"])
+    assert res.exit_code == 2 and "-1 is negative" in res.output and "0 for no confirmation round" in res.output
+    res = runner.invoke(main, ["tune", "--compile-only", "--gpu", GPU, "--model", "qwen3-30b-a3b", "--confirm", "2"])
+    assert res.exit_code == 2 and "--confirm goes with measuring" in res.output
+    assert f"(default: {tuner.CONFIRM_K})" in runner.invoke(main, ["measure", "--help"]).output
+    other = f"sqlite:///{tmp_path / 'other.sqlite'}"
+    assert _prepared(other, 4) == (d, [lucky, steady, *rest])
+    res = runner.invoke(main, ["measure", "--confirm", "0", "--db", other, "--export-dir", str(tmp_path / "t0")])
+    assert res.exit_code == 0 and "[confirm]" not in res.output, res.output
+    assert json.loads(next((tmp_path / "t0").iterdir()).read_text())["variant"] == lucky
+    res = runner.invoke(main, ["measure", "--export-dir", str(tmp_path / "t3")])
+    assert res.exit_code == 0, res.output
+    [line] = [ln for ln in res.output.splitlines() if ln.startswith("[confirm]")]
+    assert f"{lucky} 725.0us" in line and f"{steady} 710.0us" in line and line.endswith("pick the default")
+    assert json.loads(next((tmp_path / "t3").iterdir()).read_text())["variant"] == d
+
+
+def test_the_report_table_marks_the_confirmation_measurements():
+    from datetime import datetime, timezone
+
+    from moe_aot.database import RecordRow
+    from moe_aot.report import _table
+
+    name = default_variant(SPEC, 16).name(SPEC)
+    trial = RecordRow(1, SPEC.workload_key, "sm_90a", "tc", GPU, "d", 16, name, "c", "ok", 10.0, {}, 1e-3, None,
+                      datetime.now(timezone.utc))
+    again = [dataclasses.replace(trial, id=i, median_us=10.0 + i, stats={"confirm": {"round": "r", "position": i - 2,
+                                                                                    "size": 2, "record": 1}})
+             for i in (2, 3)]
+    page = _table(16, [trial, *again])
+    assert page.count("ok (confirmation round)") == 2 and page.count("<td>ok<td>") == 1

@@ -25,7 +25,7 @@ def gpu():
 
 def _records_by_trial(gpu):
     with Database(URL, readonly=True) as db:
-        recs = [r for r in db.records(SPEC.workload_key, SPEC.target, gpu)]
+        recs = [r for r in db.records(SPEC.workload_key, SPEC.target, gpu) if tuner.confirmation(r) is None]
     return recs, [(r.stats["study"], r.stats["trial"]) for r in recs if "trial" in r.stats]
 
 

@@ -1,6 +1,7 @@
 """Stand-ins for the tuner's two expensive halves, importable by spawned worker processes:
-a compiler that stores placeholder artifacts in a blink, and a measurer whose time is a
-deterministic function of the variant's tiles (so the best pick is known in advance)."""
+a compiler that stores placeholder artifacts in a blink, a measurer whose time is a
+deterministic function of the variant's tiles (so the best pick is known in advance), and one
+that plays given draws per variant (noise, drift, a lucky first draw) and can fail on cue."""
 from __future__ import annotations
 
 import math
@@ -61,13 +62,47 @@ class FakeMeasurer:
                        rel_err=3e-3)
 
 
+class DrawMeasurer(FakeMeasurer):
+    """Times from `draws`: per variant name, the times of its successive measurements (the last
+    one repeats; None: a failed launch); other variants take fake_time_us. Every call is in
+    `calls` (names) and `times`; the call numbered `fail_at` (0-based) raises RuntimeError, as a
+    crashing worker would."""
+
+    def __init__(self, draws: dict[str, list[float]] | None = None, fail_at: int | None = None):
+        super().__init__()
+        self.draws, self.fail_at = draws or {}, fail_at
+        self.calls: list[str] = []
+        self.times: list[float] = []
+
+    def __call__(self, spec, variant, tokens) -> Outcome:
+        name = variant.name(spec)
+        if self.fail_at is not None and len(self.calls) == self.fail_at:
+            raise RuntimeError("the measuring process died")
+        seq = self.draws.get(name)
+        t = seq[min(self.calls.count(name), len(seq) - 1)] if seq else fake_time_us(spec, variant, tokens)
+        self.calls.append(name)
+        self.times.append(t)
+        if t is None:  # a draw of None: the launch failed this time
+            return Outcome("launch_error", error="unspecified launch failure")
+        return Outcome("ok", median_us=t, stats={"median_us": t, "min_us": t * 0.98, "replays": 100}, rel_err=3e-3)
+
+
 def check_records_and_best(url, spec, gpu, buckets):
     """No duplicates, every told trial has its record, the derived pick is the minimum over the
-    records and the default was measured beside it."""
+    records and the default was measured beside it; confirmation rounds are complete and each of
+    their measurements is of a trial's record of the same binaries. With a deterministic
+    measurer the medians are the single times, so the pick is the same with or without rounds."""
     db = Database(url, readonly=True)
     storage = tuner.open_storage(url)
     for tokens in buckets:
-        recs = db.records(spec.workload_key, spec.target, gpu, tokens)
+        everything = db.records(spec.workload_key, spec.target, gpu, tokens)
+        recs = [r for r in everything if tuner.confirmation(r) is None]
+        again = [r for r in everything if tuner.confirmation(r) is not None]
+        assert {tuner.confirmation(r)["round"] for r in again} == tuner.complete_rounds(everything)
+        by_id = {r.id: r for r in recs}
+        for r in again:
+            of = by_id[tuner.confirmation(r)["record"]]
+            assert (of.variant, of.content, of.driver) == (r.variant, r.content, r.driver)
         assert len({r.variant for r in recs}) == len(recs)
         study = optuna.load_study(study_name=tuner.study_name(spec, gpu, tokens), storage=storage)
         told = [t for t in study.trials if t.state.is_finished() and "pruned" not in t.user_attrs]
