@@ -20,6 +20,7 @@ import argparse
 import glob
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -168,6 +169,9 @@ def main():
                     help="ncu over check_gemm_kernels.py configs in --gemm-check DIR, e.g. "
                          "'wg128,hw128@4096' (one launch of each GEMM per point, clocks untouched)")
     ap.add_argument("--profile-models", default="qwen3_30b_a3b,deepseek_v3")
+    ap.add_argument("--measure-args", default="", help="extra `moe-aot measure` arguments, e.g. '--confirm 2'")
+    ap.add_argument("--measure-timeout", type=float, default=420,
+                    help="seconds before `moe-aot measure` is stopped (its records so far are kept)")
     ap.add_argument("--measure", action="store_true",
                     help="moe-aot measure on --db (trials left ready by `tune --compile-only`), then the "
                          "records as JSON and the picks as cache/tuned text under --out")
@@ -210,8 +214,8 @@ def main():
     if ns.measure:
         (out / "tuned").mkdir(exist_ok=True)
         cmd = [sys.executable, "-c", "from moe_aot.cli import main; main()", "measure", "--db", env["MOE_AOT_DB"],
-               "--export-dir", str(out / "tuned")]
-        rc, log, secs = sh(cmd, log=out / "measure.log", env=env, timeout=420)
+               "--export-dir", str(out / "tuned"), *shlex.split(ns.measure_args)]
+        rc, log, secs = sh(cmd, log=out / "measure.log", env=env, timeout=ns.measure_timeout)
         summary["measure"] = {"rc": rc, "seconds": round(secs, 1)}
         print(log[-3000:], flush=True)
         rc2, log2, _ = sh([sys.executable, "-c", DUMP_RECORDS, env["MOE_AOT_DB"], str(out / "records.json")], env=env)
