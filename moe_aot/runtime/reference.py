@@ -70,10 +70,11 @@ def glu_reference(x, w13, topk_ids, activation="swiglu", block=16):
     """[M*top_k, I] fp32: act(x[m] @ gate_e^T) * (x[m] @ up_e^T) for every pair (m, k), e = topk_ids[m, k];
     rows of invalid ids are zeros."""
     M, K = topk_ids.shape
-    E = w13.shape[0]
-    gate, up = split_gate_up(w13, block)  # per-expert fp32 below: whole-model copies can be tens of GB
+    E, I2, H = w13.shape
+    # split per expert below: whole-model copies (split_gate_up, fp32) can be tens of GB
+    v = w13.reshape(E, I2 // (2 * block), 2, block, H)
     ids = topk_ids.reshape(-1).long()
-    out = torch.zeros(M * K, gate.shape[1], dtype=torch.float32, device=x.device)
+    out = torch.zeros(M * K, I2 // 2, dtype=torch.float32, device=x.device)
     ids = ids.to(x.device)
     xs = x.float().repeat_interleave(K, dim=0)
     act = activation_fn(activation)
@@ -82,7 +83,8 @@ def glu_reference(x, w13, topk_ids, activation="swiglu", block=16):
             continue
         rows = (ids == e).nonzero().squeeze(1)
         a = xs[rows]
-        out[rows] = act(a @ gate[e].float().t()) * (a @ up[e].float().t())
+        gate, up = (v[e, :, j].reshape(I2 // 2, H).float() for j in (0, 1))
+        out[rows] = act(a @ gate.t()) * (a @ up.t())
     return out
 
 
