@@ -172,7 +172,7 @@ WGMMA_MMAS = ("wgmma", "hopws", "hoppp")  # hopws/hoppp: TMA, a producer warpgro
 # threads), persistent, epilogue from registers (no fp32 staging)
 WARP_SPECIALIZED = ("hopws", "hoppp")
 PERSISTENT = ("hopws", "hoppp")
-PINGPONG = ("hoppp",)  # two consumer warpgroups, each on its own 64-row tile
+PINGPONG = ("hoppp",)  # two consumer warpgroups, each on its own tile (64 rows, or 128 up to 128 wide)
 CLUSTER_MMAS = ("hopws",)  # GEMMs that may run in 2-CTA clusters (128-row tiles)
 
 
@@ -199,9 +199,7 @@ def gemm_can_implement(n: int, k: int, tile_m: int, t: GemmTiles, target: str) -
         return False, f"cluster {t.cluster} needs mma hopws with tile_m 128, got {t.mma} with tile_m {tile_m}"
     wm, wn = gemm_warps(tile_m, t.tile_n, t.mma)
     threads = wm * wn * 32
-    acc_threads = 128 if t.mma in PINGPONG else threads
-    if t.mma in PINGPONG and tile_m != 64:
-        return False, f"{t.mma} needs tile_m 64 (each consumer warpgroup owns a 64-row tile), got {tile_m}"
+    acc_threads = 128 if t.mma in PINGPONG else threads  # a ping-pong warpgroup holds a whole tile
     if t.mma in WGMMA_MMAS:
         if tile_m not in (64, 128):
             return False, f"{t.mma} needs tile_m 64 or 128, got {tile_m}"

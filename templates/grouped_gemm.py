@@ -115,6 +115,9 @@ class _GroupedGemmBase:
         # k-tiles of A cp.async the producer keeps in flight before it signals the oldest.
         self.prefetch = stages - 2
         self.out_cols = tile_n // 2 if self.glu else tile_n
+        # 64-row blocks of accumulators per warpgroup: 2 for a ping-pong warpgroup owning 128 rows
+        self.acc_m_blocks = tile_m // 64 if mma in _PINGPONG else 1
+        self.acc_rows = 2 * self.acc_m_blocks  # tile rows per accumulator-holding thread
         # fp32 staging rows padded by 8 floats: the MMA's accumulator stores then hit
         # distinct banks in each half-warp phase.
         self.c_row_stride = tile_n + 8
@@ -132,7 +135,7 @@ class _GroupedGemmBase:
         than 128x128, 8 from there (a 128x128 tile on 4 warps spills on sm_121a), so a warp
         owns at most 64x64 accumulators up to 128x256. wgmma and hopws: one warpgroup (4
         warps along M) per 64 rows of the tile (hopws adds a producer warpgroup); hoppp: two
-        consumer warpgroups, each holding a whole 64-row tile."""
+        consumer warpgroups, each holding a whole tile (64 rows, or 128 as two 64-row blocks)."""
         if mma in _PINGPONG:
             return 8, 1
         if mma in _WGMMA:
@@ -151,8 +154,6 @@ class _GroupedGemmBase:
                            f"(the last three sm_90a only)")
         threads = warps_m * warps_n * 32
         acc_threads = 128 if mma in _PINGPONG else threads  # threads sharing one tile's accumulators
-        if mma in _PINGPONG and tile_m != 64:
-            return False, f"{mma}: tile_m {tile_m} must be 64 (each consumer warpgroup owns a 64-row tile)"
         if mma in _WGMMA:
             if tile_m not in (64, 128):
                 return False, f"{mma}: tile_m {tile_m} must be 64 or 128 (one warpgroup per 64 rows)"
@@ -231,7 +232,7 @@ class _GroupedGemmBase:
         if const_expr(self.mma in _WGMMA):
             k_major = LayoutEnum.ROW_MAJOR.sm90_mma_major_mode()
             return sm90_utils.make_trivial_tiled_mma(
-                BFloat16, BFloat16, k_major, k_major, Float32, (self.tile_m // 64, 1, 1),
+                BFloat16, BFloat16, k_major, k_major, Float32, (self.tile_m // 64 // self.acc_m_blocks, 1, 1),
                 tiler_mn=(64, self.tile_n))
         op = cute.nvgpu.warp.MmaF16BF16Op(BFloat16, Float32, _MMA_SHAPE)
         return cute.make_tiled_mma(
@@ -553,9 +554,17 @@ class _GroupedGemmBase:
     def _acc_coords(self, ctid, tiled_mma):
         """(row, column) in the tile of each accumulator element of this consumer thread. A
         warpgroup's wgmma fragment is ((2, 2, tile_n/8), 1, 1): element v + 2h + 4j holds row
-        r0 + 8h and column c0 + 8j + v, so elements 2i and 2i+1 are neighbours in a row."""
+        r0 + 8h and column c0 + 8j + v, so elements 2i and 2i+1 are neighbours in a row. A
+        ping-pong warpgroup owning 128 rows holds two such blocks, ((2, 2, tile_n/8), 2, 1), the
+        second for rows r0 + 64 + 8h (see _acc_index)."""
         return tiled_mma.get_slice(ctid).partition_C(
             cute.make_identity_tensor((self.tile_m, self.tile_n)))
+
+    def _acc_index(self, hrow: int, j: int) -> int:
+        """Flat index of the first element of n8 block ``j`` in accumulator row ``hrow`` of this
+        thread (0 <= hrow < acc_rows): the fragment is ((2, 2, tile_n/8), acc_m_blocks, 1), so row
+        hrow is h = hrow % 2 of 64-row block hrow // 2."""
+        return 2 * (hrow % 2) + 4 * j + (self.tile_n // 2) * (hrow // 2)
 
     @cute.jit
     def _pair(self, acc, i):
@@ -750,13 +759,13 @@ class GroupedGluGemm(_GroupedGemmBase):
         lane = cute.arch.lane_idx()
         q = lane % 4
         quad0 = lane - q
-        for hrow in cutlass.range_constexpr(2):
-            r = tCcC[2 * hrow][0]
+        for hrow in cutlass.range_constexpr(self.acc_rows):
+            r = tCcC[self._acc_index(hrow, 0)][0]
             valid = pairs[hrow] >= 0
             dst_row = self._row(mH, row0 + r, self.intermediate)
             # the h column of this lane's pair in h block 0 is its tile column 2q (< g): block
             # 4G + q starts at 32G + 8q
-            col0 = bn * half + tCcC[2 * hrow][1] - 2 * q + 8 * q
+            col0 = bn * half + tCcC[self._acc_index(hrow, 0)][1] - 2 * q + 8 * q
             for grp in cutlass.range_constexpr(half // 32):
                 packed = cute.make_rmem_tensor(cute.make_layout(4), Int32)
                 packed.fill(0)
@@ -765,7 +774,7 @@ class GroupedGluGemm(_GroupedGemmBase):
                 # on them measured 10-25% of GEMM1 at 1-256 tokens
                 if valid:
                     for i in cutlass.range_constexpr(4):
-                        gi = 2 * hrow + 4 * glu_gate_block(4 * grp + i, self.interleave)
+                        gi = self._acc_index(hrow, glu_gate_block(4 * grp + i, self.interleave))
                         ui = gi + 4 * nb
                         frag = cute.make_rmem_tensor(cute.make_layout(2), BFloat16)
                         frag.store((self._act(self._pair(acc, gi)) * self._pair(acc, ui)).to(BFloat16))
@@ -780,13 +789,13 @@ class GroupedGluGemm(_GroupedGemmBase):
         """_epilogue_regs in 4-byte stores: each lane its own bf16 pairs."""
         g = self.interleave
         half = self.tile_n // 2
-        for hrow in cutlass.range_constexpr(2):
-            r = tCcC[2 * hrow][0]
+        for hrow in cutlass.range_constexpr(self.acc_rows):
+            r = tCcC[self._acc_index(hrow, 0)][0]
             valid = pairs[hrow] >= 0
             dst_row = self._row(mH, row0 + r, self.intermediate)
             for j in cutlass.range_constexpr(self.tile_n // 8):
                 if const_expr((j * 8 // g) % 2 == 0):
-                    gi = 2 * hrow + 4 * j
+                    gi = self._acc_index(hrow, j)
                     ui = gi + 4 * (g // 8)
                     c = tCcC[gi][1]
                     hc = (c // (2 * g)) * g + c % g
@@ -903,17 +912,17 @@ class GroupedDownGemm(_GroupedGemmBase):
         lane = cute.arch.lane_idx()
         q = lane % 4
         quad0 = lane - q
-        for hrow in cutlass.range_constexpr(2):
+        for hrow in cutlass.range_constexpr(self.acc_rows):
             p = pairs[hrow]
             scale = scales[hrow]
             packed = cute.make_rmem_tensor(cute.make_layout(self.tile_n // 8), Int32)
             for j in cutlass.range_constexpr(self.tile_n // 8):
                 frag = cute.make_rmem_tensor(cute.make_layout(2), BFloat16)
-                frag.store((self._pair(acc, 2 * hrow + 4 * j) * scale).to(BFloat16))
+                frag.store((self._pair(acc, self._acc_index(hrow, j)) * scale).to(BFloat16))
                 packed[j] = cute.recast_tensor(frag, Int32)[0]
             dst_row = self._row(mY, p, self.hidden)  # used only where p >= 0
             # the tile column of this lane's pair in block 0 is 2q: block 4g + q starts at 32g + 8q
-            col0 = bn * self.tile_n + tCcC[2 * hrow][1] - 2 * q + 8 * q
+            col0 = bn * self.tile_n + tCcC[self._acc_index(hrow, 0)][1] - 2 * q + 8 * q
             for g in cutlass.range_constexpr(self.tile_n // 32):
                 chunk = self._quad_transpose(packed, 4 * g, q, quad0)
                 if p >= 0:

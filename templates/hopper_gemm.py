@@ -18,7 +18,7 @@ layout in the raster order of the other kernels. Per CTA:
   tile's stages. Two ways to use the consumer warpgroups:
     * "hopws" (cooperative): one warpgroup per 64 rows (two for 128-row tiles) on one tile; the
       tensor cores idle during the epilogue;
-    * "hoppp" (ping-pong, 64-row tiles): two warpgroups, each on every other tile of the CTA's
+    * "hoppp" (ping-pong, 64- or 128-row tiles): two warpgroups, each on every other tile of the CTA's
       schedule. The producer fills the ring in tile order, so warpgroup 1's k-tiles follow
       warpgroup 0's: its mainloop runs while warpgroup 0 writes its epilogue, and the other
       way round. Each warpgroup skips the other's k-tiles in the ring's stage/phase state and
@@ -29,7 +29,8 @@ whatever the stage held before, which reaches only those rows' outputs (rows of 
 independent), and the epilogue writes zeros (GEMM1) or nothing (GEMM2) for them.
 
 Constraints (beyond those of ``GroupedGluGemm`` / ``GroupedDownGemm`` with mma="hopws"):
-  * sm_90a only (wgmma, TMA, setmaxnreg); tile_m 64 or 128 (hoppp: 64), tile_n a multiple of 32 up to 256,
+  * sm_90a only (wgmma, TMA, setmaxnreg); tile_m 64 or 128, tile_n a multiple of 32 up to 256
+    (hoppp at tile_m 128: up to 128, a warpgroup's accumulators in two 64-row blocks),
     tile_k 64, stages >= 3; shared memory stages * (tile_m + tile_n) * 128 B + 1 KB + barriers.
   * grid min(tiles, ctas) persistent CTAs of 128 + tile_m * 2 threads (hoppp: 384).
   * cluster_m 2: hopws with 128-row tiles only.
@@ -354,8 +355,8 @@ class _HopperWs:
         acc = tiled_mma.make_fragment_C(tiled_mma.get_slice(ctid).partition_C(
             cute.make_identity_tensor((self.tile_m, self.tile_n))).shape)
         tCcC = self._acc_coords(ctid, tiled_mma)
-        pairs = cute.make_rmem_tensor(cute.make_layout(2), Int32)
-        scales = cute.make_rmem_tensor(cute.make_layout(2), Float32)
+        pairs = cute.make_rmem_tensor(cute.make_layout(self.acc_rows), Int32)
+        scales = cute.make_rmem_tensor(cute.make_layout(self.acc_rows), Float32)
         read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         sstate = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, SCHED_SLOTS)
@@ -388,9 +389,9 @@ class _HopperWs:
             cute.nvgpu.warpgroup.wait_group(0)
             pipe.consumer_release(release)
             release.advance()
-            for hrow in cutlass.range_constexpr(2):
-                pairs[hrow] = s_pairs[tCcC[2 * hrow][0], sstate.index]
-                scales[hrow] = s_scales[tCcC[2 * hrow][0], sstate.index]
+            for hrow in cutlass.range_constexpr(self.acc_rows):
+                pairs[hrow] = s_pairs[tCcC[self._acc_index(hrow, 0)][0], sstate.index]
+                scales[hrow] = s_scales[tCcC[self._acc_index(hrow, 0)][0], sstate.index]
             pipe_s.consumer_release(sstate)
             sstate.advance()
             if const_expr(self.pingpong):

@@ -191,18 +191,22 @@ def _mbarrier_init_counts(ptx: str) -> list[int]:
     return [int(consts[r]) for r in re.findall(r"mbarrier\.init\.shared\.b64\s+\[[^\]]+\],\s*(%r\d+);", ptx)]
 
 
-@pytest.mark.parametrize("role, tile_n, stages", [("glu", 256, 5), ("down", 256, 5), ("down", 128, 8)])
-def test_hoppp_pingpong_gives_each_warpgroup_its_own_tiles(role, tile_n, stages, tmp_path):
-    """mma="hoppp": 64-row tiles, a producer warpgroup and two consumer warpgroups that each own
+@pytest.mark.parametrize("role, tile_m, tile_n, stages", [("glu", 64, 256, 5), ("down", 64, 256, 5),
+                                                          ("down", 64, 128, 8), ("glu", 128, 128, 6),
+                                                          ("down", 128, 128, 6)])
+def test_hoppp_pingpong_gives_each_warpgroup_its_own_tiles(role, tile_m, tile_n, stages, tmp_path):
+    """mma="hoppp": 64- or 128-row tiles, a producer warpgroup and two consumer warpgroups that each own
     every other tile, so each ring stage and each schedule slot is read by one warpgroup: the
     empty barriers count the 4 warps of one warpgroup (hopws at 128 rows: 8) and the schedule
     slots its 128 threads; registers are moved to the consumers as for hopws's 384 threads;
-    the same TMA/cp.async pipeline and register epilogue as hopws."""
+    the same TMA/cp.async pipeline and register epilogue as hopws; a 128-row warpgroup tile is two
+    64-row blocks of wgmma (and of 16-byte epilogue stores) per warpgroup."""
     from templates.hopper_gemm import HopperDownGemm, HopperGluGemm
 
     cls = HopperGluGemm if role == "glu" else HopperDownGemm
-    obj = cls(**QWEN3_30B, tile_m=64, tile_n=tile_n, tile_k=64, stages=stages, mma="hoppp")
+    obj = cls(**QWEN3_30B, tile_m=tile_m, tile_n=tile_n, tile_k=64, stages=stages, mma="hoppp")
     assert obj.pingpong and obj.persistent and obj.threads == 384 and obj.mma_threads == 256
+    assert obj.acc_rows == tile_m // 32
     ptx = cute.compile(obj, *[f for _, f in obj.fake_arguments()],
                        options=f"--gpu-arch sm_90a --keep-ptx --dump-dir {tmp_path}").__ptx__
     body = ptx[ptx.index(".entry"):]
@@ -211,14 +215,17 @@ def test_hoppp_pingpong_gives_each_warpgroup_its_own_tiles(role, tile_n, stages,
     assert "setmaxnreg" in body and "wgmma.mma_async" in body
     assert "ld.local" not in body and "st.local" not in body
     assert "cp.async.wait_group" not in body
+    stores = [ln for ln in body.splitlines() if "st.global" in ln]
+    assert stores and all(".v4." in ln for ln in stores)
+    assert len(stores) == (tile_m // 32) * (tile_n // (64 if role == "glu" else 32))
     hopws = cls(**QWEN3_30B, tile_m=128, tile_n=tile_n, tile_k=64, stages=4)
     ptx2 = cute.compile(hopws, *[f for _, f in hopws.fake_arguments()],
                         options=f"--gpu-arch sm_90a --keep-ptx --dump-dir {tmp_path}").__ptx__
     assert _mbarrier_init_counts(ptx2[ptx2.index(".entry"):])[4:8] == [8] * 4  # the check can fail
-    with pytest.raises(ValueError, match="tile_m 128 must be 64"):
-        cls(**QWEN3_30B, tile_m=128, tile_n=128, tile_k=64, stages=4, mma="hoppp")
+    with pytest.raises(ValueError, match="256 fp32 accumulator registers"):
+        cls(**QWEN3_30B, tile_m=128, tile_n=256, tile_k=64, stages=4, mma="hoppp")
     with pytest.raises(ValueError, match="needs mma 'hopws'"):
-        cls(**QWEN3_30B, tile_m=64, tile_n=tile_n, tile_k=64, stages=stages, mma="hoppp", cluster_m=2)
+        cls(**QWEN3_30B, tile_m=tile_m, tile_n=tile_n, tile_k=64, stages=stages, mma="hoppp", cluster_m=2)
     ok, reason = GroupedGluGemm.can_implement(**QWEN3_30B, tile_m=64, tile_n=256, stages=6, mma="hoppp",
                                               arch="sm_90a")
     assert not ok and "shared memory" in reason

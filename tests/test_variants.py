@@ -152,14 +152,16 @@ def test_variant_checks_agree_with_the_template(monkeypatch):
 
 
 def test_pingpong_variants_and_twins():
-    """hoppp: 64-row tiles only, no clusters, per-warpgroup accumulators (a 64x256 tile is
-    allowed: 128 registers on one warpgroup), parsed back from its name; the tuner's ping-pong
+    """hoppp: no clusters, per-warpgroup accumulators (a 64x256 or 128x128 tile is allowed: 128
+    registers on one warpgroup, 128x256 is not), parsed back from its name; the tuner's ping-pong
     twin keeps routing and PDL, fits N and shared memory, and does not exist on sm_121a."""
     pp = LayerVariant(64, GemmTiles(256, 64, 5, "hoppp"), GemmTiles(256, 64, 5, "hoppp"), 16, True)
     assert can_implement(SPEC, pp) == (True, "ok")
     assert LayerVariant.parse(pp.name(SPEC)) == pp and "hoppp" in pp.name(SPEC)
     ok, why = can_implement(SPEC, dataclasses.replace(pp, tile_m=128))
-    assert not ok and "tile_m 64" in why
+    assert not ok and "more than 128 accumulator registers" in why
+    wide = LayerVariant(128, GemmTiles(128, 64, 6, "hoppp"), GemmTiles(128, 64, 6, "hoppp"))
+    assert can_implement(SPEC, wide) == (True, "ok")
     ok, why = can_implement(SPEC, dataclasses.replace(pp, down=GemmTiles(256, 64, 6, "hoppp")))
     assert not ok and "shared memory" in why
     ok, why = can_implement(SPEC, dataclasses.replace(pp, down=GemmTiles(256, 64, 5, "hoppp", 2)))

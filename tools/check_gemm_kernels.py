@@ -72,6 +72,8 @@ CONFIGS = [
     ("pp64big", "hoppp", ["qwen3_30b_a3b", "mixtral_8x7b"], "swiglu", 64, (256, 64, 5),
      (256, 64, 5), [16384]),
     ("pp64n128", "hoppp", ALL, "geglu", 64, (128, 64, 8), (128, 64, 8), [16, 256, 4096]),
+    # ping-pong warpgroups owning 128x128 tiles (two 64-row wgmma blocks each)
+    ("pp128", "hoppp", ALL, "swiglu", 128, (128, 64, 6), (128, 64, 6), [1, 256, 1024, 4096, 16384]),
 ]
 
 
