@@ -15,16 +15,18 @@ import dataclasses
 import itertools
 from dataclasses import dataclass, field
 
+from . import gemm_limits as limits
 from .spec import BENCH_TOKENS, LayerSpec
 
-# Per-block shared memory a kernel may opt into, and which MMA instructions exist. "hopws"
+# Which MMA families each target offers the tuner (what each can be built with, shared memory
+# included: gemm_limits.py, the templates' own rules). "hopws"
 # (sm_90a: templates/hopper_gemm.py, persistent warp-specialized CTAs on the DSL's TMA pipeline)
 # is the large-token default since its H200 checks of 2026-12-01 (tools/results/NOTES.md);
 # "hoppp" is its ping-pong form (two consumer warpgroups on alternate 64-row tiles).
 TARGET_LIMITS = {
-    "sm_90a": {"smem": 232448, "mma": ("warp", "wgmma", "hopws", "hoppp"), "sms": 132, "clusters": (1, 2, 4, 8, 16)},
-    "sm_100a": {"smem": 232448, "mma": ("warp",), "sms": 148, "clusters": (1, 2, 4, 8, 16)},
-    "sm_121a": {"smem": 101376, "mma": ("warp",), "sms": 48, "clusters": (1,)},
+    "sm_90a": {"mma": ("warp", "wgmma", "hopws", "hoppp"), "sms": 132, "clusters": (1, 2, 4, 8, 16)},
+    "sm_100a": {"mma": ("warp",), "sms": 148, "clusters": (1, 2, 4, 8, 16)},
+    "sm_121a": {"mma": ("warp",), "sms": 48, "clusters": (1,)},
 }
 INTERLEAVE = 16  # gate/up rows alternate in blocks of this many rows in the prepared w13
 
@@ -165,77 +167,19 @@ def _c(t: GemmTiles) -> str:
     return f"_{t.cluster_tag}" if t.cluster > 1 else ""
 
 
-SMEM_CAPACITY = {"sm_90a": 227 * 1024, "sm_100a": 227 * 1024, "sm_121a": 99 * 1024}
-
-
-WGMMA_MMAS = ("wgmma", "hopws", "hoppp")  # hopws/hoppp: TMA, a producer warpgroup (+128
-# threads), persistent, epilogue from registers (no fp32 staging)
-WARP_SPECIALIZED = ("hopws", "hoppp")
-PERSISTENT = ("hopws", "hoppp")
-PINGPONG = ("hoppp",)  # two consumer warpgroups, each on its own tile (64 rows, or 128 up to 128 wide)
-CLUSTER_MMAS = ("hopws",)  # GEMMs that may run in 2-CTA clusters (128-row tiles)
-
-
-def gemm_warps(tile_m: int, tile_n: int, mma: str) -> tuple[int, int]:
-    """The template's warp grid of accumulator-holding warps: wgmma and hopws, one warpgroup per 64
-    rows; hoppp, two warpgroups (each a whole tile); mma.sync, 2 warps along M (1 for tile_m 16)
-    and 4 warps below 128x128 tiles, 8 from there."""
-    if mma in PINGPONG:
-        return 8, 1
-    if mma in WGMMA_MMAS:
-        return max(tile_m // 16, 1), 1
-    warps_m = 2 if tile_m >= 32 else 1
-    warps = 4 if tile_m * tile_n < 128 * 128 else 8
-    return warps_m, max(1, min(tile_n // 16, warps // warps_m))
+WGMMA_MMAS = limits.WGMMA  # wgmma tiles (hopws/hoppp: TMA, a producer warpgroup, persistent)
+CLUSTER_MMAS = limits.CLUSTER_MMAS  # GEMMs that may run in 2-CTA clusters (128-row tiles)
 
 
 def gemm_can_implement(n: int, k: int, tile_m: int, t: GemmTiles, target: str) -> tuple[bool, str]:
-    """Mirror of the grouped-GEMM template's checks (tests compare the two on the whole space)."""
+    """Whether the grouped-GEMM template builds these tiles for an [N, K] weight matrix on
+    `target`: the MMA must be one the target offers here, then the template's own rules
+    (gemm_limits.check_gemm, the one copy both use)."""
     if t.mma not in TARGET_LIMITS[target]["mma"]:
         return False, f"{t.mma} MMA is not available on {target} (has {', '.join(TARGET_LIMITS[target]['mma'])})"
-    if t.cluster not in GEMM_CLUSTERS:
-        return False, f"cluster {t.cluster} not in {GEMM_CLUSTERS}"
-    if t.cluster > 1 and (t.mma not in CLUSTER_MMAS or tile_m != 128):
-        return False, f"cluster {t.cluster} needs mma hopws with tile_m 128, got {t.mma} with tile_m {tile_m}"
-    wm, wn = gemm_warps(tile_m, t.tile_n, t.mma)
-    threads = wm * wn * 32
-    acc_threads = 128 if t.mma in PINGPONG else threads  # a ping-pong warpgroup holds a whole tile
-    if t.mma in WGMMA_MMAS:
-        if tile_m not in (64, 128):
-            return False, f"{t.mma} needs tile_m 64 or 128, got {tile_m}"
-        if t.tile_n % 32 or not 32 <= t.tile_n <= 256:
-            return False, f"{t.mma} needs tile_n a multiple of 32 in 32..256, got {t.tile_n}"
-        if t.tile_k != 64:
-            return False, f"{t.mma} needs tile_k 64 (one 128-byte swizzle atom), got {t.tile_k}"
-        if t.stages < 3:
-            return False, f"{t.mma} needs at least 3 stages, got {t.stages}"
-    if threads > 256:
-        return False, f"{threads} threads: at most 8 warps"
-    if t.tile_k not in (32, 64, 128):
-        return False, f"tile_k {t.tile_k} not in 32, 64, 128"
-    if k % t.tile_k:
-        return False, f"K={k} is not a multiple of tile_k {t.tile_k}"
-    if n % t.tile_n:
-        return False, f"N={n} is not a multiple of tile_n {t.tile_n}"
-    if t.mma == "warp" and (tile_m % (16 * wm) or tile_m > 256 or t.tile_n % (16 * wn) or t.tile_n > 256):
-        return False, f"tile {tile_m}x{t.tile_n} does not fit the {wm}x{wn} warp grid of m16n8k16 MMAs"
-    rows = (128 if t.mma in WARP_SPECIALIZED else threads) // (t.tile_k // 8)  # threads issuing A's cp.async
-    if tile_m % rows or t.tile_n % rows:
-        return False, f"tile {tile_m}x{t.tile_n} is not a multiple of the {rows} rows one cp.async pass covers"
-    if tile_m * t.tile_n // acc_threads > 128:
-        return False, f"tile {tile_m}x{t.tile_n} needs more than 128 accumulator registers per thread"
-    if not 2 <= t.stages <= 8:
-        return False, f"stages {t.stages} outside 2..8"
-    if k // t.tile_k < t.stages - 1:
-        return False, f"K={k} has {k // t.tile_k} k-tiles of {t.tile_k}, fewer than stages-1={t.stages - 1}"
-    staging = 0 if t.mma in PERSISTENT else tile_m * (t.tile_n + 8) * 4  # fp32 accumulator tile
-    smem = max(t.stages * (tile_m + t.tile_n) * t.tile_k * 2, staging) + 1024
-    if t.mma in WARP_SPECIALIZED:
-        # a full and an empty mbarrier per stage; the two-slot tile schedule (pairs, weights)
-        smem += 16 * t.stages + 64 + 16 * tile_m
-    if smem > SMEM_CAPACITY[target]:
-        return False, f"needs {smem} B of shared memory, {target} allows {SMEM_CAPACITY[target]}"
-    return True, "ok"
+    ok, why = limits.check_gemm(n, k, tile_m, t.tile_n, t.tile_k, t.stages, t.mma, arch=target,
+                                cluster_m=t.cluster)
+    return (True, "ok") if ok else (False, why)
 
 
 def can_implement(spec: LayerSpec, variant: LayerVariant) -> tuple[bool, str]:
@@ -248,8 +192,10 @@ def can_implement(spec: LayerSpec, variant: LayerVariant) -> tuple[bool, str]:
                        f"(allowed: {', '.join(map(str, lim['clusters']))})")
     for role, t, n_dim, k_dim in (("glu", variant.glu, 2 * spec.intermediate, spec.hidden),
                                   ("down", variant.down, spec.hidden, spec.intermediate)):
-        if role == "glu" and t.tile_n % (2 * INTERLEAVE):
-            return False, f"glu: tile_n {t.tile_n} must hold whole gate/up blocks (multiple of {2 * INTERLEAVE})"
+        if role == "glu":
+            ok, why = limits.check_glu_shape(spec.intermediate, t.tile_n, INTERLEAVE, spec.activation)
+            if not ok:
+                return False, f"glu: {why}"
         ok, why = gemm_can_implement(n_dim, k_dim, variant.tile_m, t, spec.target)
         if not ok:
             return False, f"{role}: {why}"
@@ -257,7 +203,7 @@ def can_implement(spec: LayerSpec, variant: LayerVariant) -> tuple[bool, str]:
 
 
 TILE_M = (16, 32, 64, 128)
-GEMM_CLUSTERS = (1, 2)  # CTAs per cluster along M of a grouped GEMM (hopws: B multicast)
+GEMM_CLUSTERS = limits.CLUSTERS_M  # CTAs per cluster along M of a grouped GEMM (hopws: B multicast)
 TILE_N = (32, 64, 128, 192, 256)
 TILE_K = (32, 64, 128)
 STAGES = (2, 3, 4, 5, 6, 8)
@@ -275,7 +221,8 @@ def candidate_space(spec: LayerSpec) -> list[LayerVariant]:
             tiles[role] = [t for t in (GemmTiles(n, k, st, mma, c) for n, k, st, mma, c in
                                        itertools.product(TILE_N, TILE_K, STAGES, lim["mma"], GEMM_CLUSTERS))
                            if gemm_can_implement(n_dim, k_dim, m, t, spec.target)[0]
-                           and (role == "down" or t.tile_n % (2 * INTERLEAVE) == 0)]
+                           and (role == "down" or limits.check_glu_shape(spec.intermediate, t.tile_n,
+                                                                         INTERLEAVE, spec.activation)[0])]
         for g, d, c, pdl in itertools.product(tiles["glu"], tiles["down"], clusters, (False, True)):
             out.append(LayerVariant(m, g, d, c, pdl))
     return out

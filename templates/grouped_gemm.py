@@ -33,20 +33,16 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import BFloat16, Float32, Int32, Int64, const_expr
 from cutlass.tensor_utils import LayoutEnum
 
-# Opt-in shared memory per block, by target (bytes); what can_implement checks against.
-SMEM_CAPACITY = {"sm_80": 163 * 1024, "sm_90a": 227 * 1024, "sm_100a": 227 * 1024,
-                 "sm_121a": 99 * 1024}
+from moe_aot import gemm_limits as limits
+
 _MMA_SHAPE = (16, 8, 16)
-_COPY_ELEMS = 8  # bf16 elements in one 16-byte cp.async / store
 RASTER_GROUP = 8  # M tiles walked per N tile by consecutive CTAs (L2 reuse of weight tiles)
-MMAS = ("warp", "wgmma", "hopws", "hoppp")
-_WGMMA = ("wgmma", "hopws", "hoppp")
-# persistent CTAs walking the tiles, epilogue from registers (templates/hopper_gemm.py): "hopws"
-# two consumer warpgroups on one tile (cooperative), "hoppp" each on its own tile (ping-pong)
-_WARP_SPECIALIZED = ("hopws", "hoppp")
-_PERSISTENT = ("hopws", "hoppp")
-_PINGPONG = ("hoppp",)
-_LOAD_THREADS = 128  # hopws: the producer warpgroup
+# the MMA families and what each can be built with: moe_aot/gemm_limits.py (DSL-free, shared
+# with variants.py); "hopws"/"hoppp" (persistent, warp-specialized) live in hopper_gemm.py
+_COPY_ELEMS = limits.COPY_ELEMS
+_LOAD_THREADS = limits.LOAD_THREADS  # the producer warpgroup of hopws / hoppp
+MMAS, _WGMMA, _PINGPONG = limits.MMAS, limits.WGMMA, limits.PINGPONG
+_WARP_SPECIALIZED, _PERSISTENT = limits.WARP_SPECIALIZED, limits.PERSISTENT
 PERSISTENT_CTAS = 132  # hopws's default grid: one CTA per SM of an H100 SXM / H200
 # hopws with two consumer warpgroups (384 threads, 168 registers each at entry): the producer
 # gives registers back to the consumers' 128 fp32 accumulators (40*128 + 232*256 <= 64K)
@@ -129,93 +125,14 @@ class _GroupedGemmBase:
         self.early_b = self.pdl and not self.glu and mma not in _WARP_SPECIALIZED
 
     # ------------------------------------------------------------------ checks
-    @staticmethod
-    def default_warps(tile_m, tile_n, warps_m=None, warps_n=None, mma="warp"):
-        """Warp grid. mma.sync: 2 warps along M (1 for tile_m 16); 4 warps for tiles smaller
-        than 128x128, 8 from there (a 128x128 tile on 4 warps spills on sm_121a), so a warp
-        owns at most 64x64 accumulators up to 128x256. wgmma and hopws: one warpgroup (4
-        warps along M) per 64 rows of the tile (hopws adds a producer warpgroup); hoppp: two
-        consumer warpgroups, each holding a whole tile (64 rows, or 128 as two 64-row blocks)."""
-        if mma in _PINGPONG:
-            return 8, 1
-        if mma in _WGMMA:
-            return max(tile_m // 16, 1), 1
-        if warps_m is None:
-            warps_m = 2 if tile_m >= 32 else 1
-        if warps_n is None:
-            warps = 4 if tile_m * tile_n < 128 * 128 else 8
-            warps_n = max(1, min(tile_n // 16, warps // warps_m))
-        return warps_m, warps_n
-
-    @staticmethod
-    def _check_tiles(n, k, tile_m, tile_n, tile_k, stages, mma, warps_m, warps_n):
-        if mma not in MMAS:
-            return False, (f"mma {mma!r} must be 'warp' (mma.sync), 'wgmma', 'hopws' or 'hoppp' "
-                           f"(the last three sm_90a only)")
-        threads = warps_m * warps_n * 32
-        acc_threads = 128 if mma in _PINGPONG else threads  # threads sharing one tile's accumulators
-        if mma in _WGMMA:
-            if tile_m not in (64, 128):
-                return False, f"{mma}: tile_m {tile_m} must be 64 or 128 (one warpgroup per 64 rows)"
-            if tile_n % 32 or not 32 <= tile_n <= 256:
-                return False, f"{mma}: tile_n {tile_n} must be a multiple of 32 in 32..256"
-            if tile_k != 64:
-                return False, f"{mma}: tile_k {tile_k} must be 64 (one 128-byte swizzle atom)"
-            if stages < 3:
-                return False, f"{mma}: stages {stages} must be >= 3"
-            warps_m, warps_n = tile_m // 16, 1  # for the mma.sync-only checks below
-        if warps_m < 1 or warps_n < 1 or threads > 256:
-            return False, f"warps {warps_m}x{warps_n}: need 1..8 warps"
-        if tile_k not in (32, 64, 128):
-            return False, f"tile_k {tile_k} must be 32, 64 or 128"
-        if k % tile_k:
-            return False, f"K={k} not divisible by tile_k={tile_k}"
-        if n % tile_n:
-            return False, f"N={n} not divisible by tile_n={tile_n}"
-        if mma == "warp" and (tile_m % (16 * warps_m) or tile_m > 256):
-            return False, f"tile_m {tile_m} must be a multiple of 16*warps_m={16 * warps_m} and <= 256"
-        if mma == "warp" and (tile_n % (16 * warps_n) or tile_n > 256):
-            return False, f"tile_n {tile_n} must be a multiple of 16*warps_n={16 * warps_n} and <= 256"
-        load_threads = _LOAD_THREADS if mma in _WARP_SPECIALIZED else threads
-        rows_per_pass = load_threads // (tile_k // _COPY_ELEMS)
-        if tile_m % rows_per_pass or tile_n % rows_per_pass:
-            return False, (f"tile_m {tile_m} and tile_n {tile_n} must be multiples of the "
-                           f"{rows_per_pass} rows one cp.async pass of {load_threads} threads covers")
-        if tile_m * tile_n // acc_threads > 128:
-            return False, (f"{tile_m}x{tile_n} tile on {acc_threads} threads needs "
-                           f"{tile_m * tile_n // acc_threads} fp32 accumulator registers per thread (max 128)")
-        if not 2 <= stages <= 8:
-            return False, f"stages {stages} must be in 2..8"
-        if k // tile_k < stages - 1:
-            return False, f"K={k} has {k // tile_k} k-tiles, fewer than stages-1={stages - 1}"
-        return True, ""
-
-    @staticmethod
-    def smem_bytes(tile_m, tile_n, tile_k, stages, mma="warp") -> int:
-        """Dynamic shared memory of one CTA: the A/B pipeline, reused for the fp32 staging
-        (hopws: no staging, its epilogue stores from registers; a full and an empty mbarrier
-        per stage, and the two-slot tile schedule: 4 mbarriers, 2 tile indices, and per slot
-        each row's pair and routing weight, 64 + 16 * tile_m bytes with alignment)."""
-        ab = stages * (tile_m + tile_n) * tile_k * 2
-        c = 0 if mma in _PERSISTENT else tile_m * (tile_n + 8) * 4
-        bars = 16 * stages + 64 + 16 * tile_m if mma in _WARP_SPECIALIZED else 0
-        return max(ab, c) + 1024 + bars  # + the allocator's alignment slack
+    # the rules are moe_aot/gemm_limits.py's, one copy shared with the tuner's variants.py
+    default_warps = staticmethod(limits.default_warps)
+    _check_tiles = staticmethod(limits.check_tiles)
+    smem_bytes = staticmethod(limits.smem_bytes)
 
     @classmethod
     def _check_all(cls, n, k, tile_m, tile_n, tile_k, stages, mma, warps_m, warps_n, arch):
-        warps_m, warps_n = cls.default_warps(tile_m, tile_n, warps_m, warps_n, mma)
-        ok, reason = cls._check_tiles(n, k, tile_m, tile_n, tile_k, stages, mma, warps_m, warps_n)
-        if not ok or arch is None:
-            return ok, reason
-        if mma in _WGMMA and arch != "sm_90a":
-            return False, f"{mma}: wgmma exists only on sm_90a, not {arch}"
-        cap = SMEM_CAPACITY.get(arch)
-        if cap is None:
-            return False, f"arch {arch} not supported (one of {sorted(SMEM_CAPACITY)})"
-        need = cls.smem_bytes(tile_m, tile_n, tile_k, stages, mma)
-        if need > cap:
-            return False, f"needs {need} B of shared memory per block, {arch} allows {cap}"
-        return True, ""
+        return limits.check_gemm(n, k, tile_m, tile_n, tile_k, stages, mma, warps_m, warps_n, arch)
 
     # ------------------------------------------------------------------ host side
     def _smem_layout_ab(self, rows):
@@ -661,12 +578,9 @@ class GroupedGluGemm(_GroupedGemmBase):
             return False, f"activation {activation!r} must be 'swiglu' or 'geglu'"
         if num_experts < 1 or top_k < 1 or top_k > num_experts:
             return False, f"need 1 <= top_k={top_k} <= num_experts={num_experts}"
-        if interleave % 8 or interleave < 8:
-            return False, f"interleave {interleave} must be a positive multiple of 8"
-        if intermediate % interleave:
-            return False, f"I={intermediate} not divisible by interleave={interleave}"
-        if tile_n % (2 * interleave):
-            return False, f"tile_n {tile_n} not divisible by 2*interleave={2 * interleave}"
+        ok, reason = limits.check_glu_shape(intermediate, tile_n, interleave, activation)
+        if not ok:
+            return ok, reason
         return cls._check_all(2 * intermediate, hidden, tile_m, tile_n, tile_k, stages, mma,
                               warps_m, warps_n, arch)
 

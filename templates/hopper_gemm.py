@@ -43,11 +43,13 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 from cutlass import Float32, Int32, Int64, const_expr
 
+from moe_aot import gemm_limits as limits
+
 from .grouped_gemm import _LOAD_THREADS, GroupedDownGemm, GroupedGluGemm
 
-MMAS = ("hopws", "hoppp")  # cooperative, ping-pong
+MMAS = limits.WARP_SPECIALIZED  # "hopws" cooperative, "hoppp" ping-pong
 SCHED_SLOTS = 2  # tiles the producer may publish ahead of the consumers (hoppp: one per warpgroup)
-CLUSTERS_M = (1, 2)  # CTAs per cluster along M; 2: the weight tile is multicast to both
+CLUSTERS_M = limits.CLUSTERS_M  # CTAs per cluster along M; 2: the weight tile is multicast to both
 
 
 class _HopperWs:
@@ -58,11 +60,11 @@ class _HopperWs:
     def __init__(self, *args, mma: str = MMAS[0], cluster_m: int = 1, **kwargs):
         if mma not in MMAS:
             raise ValueError(f"{type(self).__name__} implements mma in {MMAS}, not {mma!r}")
-        if cluster_m not in CLUSTERS_M:
-            raise ValueError(f"cluster_m {cluster_m} must be one of {CLUSTERS_M}")
-        if cluster_m > 1 and mma != "hopws":
-            raise ValueError(f"cluster_m {cluster_m} needs mma 'hopws', not {mma!r}")
         super().__init__(*args, mma=mma, **kwargs)
+        ok, reason = limits.check_gemm(self.n, self.k, self.tile_m, self.tile_n, self.tile_k, self.stages,
+                                       mma, cluster_m=cluster_m)
+        if not ok:
+            raise ValueError(reason)
         self.cluster_m = cluster_m
         self.pingpong = mma == "hoppp"
         # consumer threads that read one stage (and one schedule slot)

@@ -122,18 +122,20 @@ def test_bucket_for_nearest_on_log_scale():
 
 
 def test_variant_checks_agree_with_the_template(monkeypatch):
-    """variants.gemm_can_implement mirrors the template's own checks (the runtime cannot import
-    the template); this keeps the two from drifting, over every tile for both GEMMs of a layer,
-    for every MMA the template has (those not yet selectable on sm_90a made selectable here)."""
+    """variants.gemm_can_implement and the templates' own checks are the same rules
+    (moe_aot/gemm_limits.py, which the runtime can import without the DSL): a rule added to
+    either side alone fails here, over every tile for both GEMMs of every preset's layer on
+    two targets, for every MMA the template has (those not selectable on sm_90a made selectable)."""
     import itertools
 
+    from moe_aot.spec import PRESETS
     from moe_aot.variants import STAGES, TARGET_LIMITS, TILE_K, TILE_M, TILE_N, gemm_can_implement
     from moe_aot_templates.grouped_gemm import MMAS, GroupedDownGemm, GroupedGluGemm
 
     monkeypatch.setitem(TARGET_LIMITS["sm_90a"], "mma", MMAS)
     disagree = []
-    for target in ("sm_90a", "sm_121a"):
-        spec = make_spec("gpt-oss-120b", target=target)
+    for target, model in itertools.product(("sm_90a", "sm_121a"), PRESETS):
+        spec = make_spec(model, target=target)
         for m, n, k, st, mma in itertools.product(TILE_M, TILE_N, TILE_K, STAGES, MMAS):
             t = GemmTiles(n, k, st, mma)
             mine = gemm_can_implement(spec.hidden, spec.intermediate, m, t, target)[0]
@@ -159,7 +161,7 @@ def test_pingpong_variants_and_twins():
     assert can_implement(SPEC, pp) == (True, "ok")
     assert LayerVariant.parse(pp.name(SPEC)) == pp and "hoppp" in pp.name(SPEC)
     ok, why = can_implement(SPEC, dataclasses.replace(pp, tile_m=128))
-    assert not ok and "more than 128 accumulator registers" in why
+    assert not ok and "256 fp32 accumulator registers" in why
     wide = LayerVariant(128, GemmTiles(128, 64, 6, "hoppp"), GemmTiles(128, 64, 6, "hoppp"))
     assert can_implement(SPEC, wide) == (True, "ok")
     ok, why = can_implement(SPEC, dataclasses.replace(pp, down=GemmTiles(256, 64, 6, "hoppp")))

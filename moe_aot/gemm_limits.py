@@ -1,0 +1,138 @@
+"""What a grouped-GEMM kernel can be built with: the one copy of the templates' validity rules.
+
+The templates (templates/grouped_gemm.py, templates/hopper_gemm.py) refuse their constructor
+arguments with these functions, and variants.py prunes the tuner's space and explains refusals
+with the same ones, so a rule lives here once. Pure Python: the runtime imports it through
+variants.py, so it must not import cutlass or the templates. Its source is part of the
+templates' hash (compiler.templates_hash), as the templates' own.
+"""
+from __future__ import annotations
+
+# Opt-in shared memory per block, by target (bytes)
+SMEM_CAPACITY = {"sm_80": 163 * 1024, "sm_90a": 227 * 1024, "sm_100a": 227 * 1024,
+                 "sm_121a": 99 * 1024}
+MMAS = ("warp", "wgmma", "hopws", "hoppp")
+WGMMA = ("wgmma", "hopws", "hoppp")  # sm_90a only
+# persistent warp-specialized CTAs walking the tiles, epilogue from registers
+# (templates/hopper_gemm.py): "hopws" two consumer warpgroups on one tile (cooperative),
+# "hoppp" each on its own tile (ping-pong)
+WARP_SPECIALIZED = ("hopws", "hoppp")
+PERSISTENT = ("hopws", "hoppp")
+PINGPONG = ("hoppp",)
+CLUSTER_MMAS = ("hopws",)  # may run in 2-CTA clusters along M (128-row tiles)
+CLUSTERS_M = (1, 2)
+LOAD_THREADS = 128  # the producer warpgroup of the warp-specialized kernels
+COPY_ELEMS = 8  # bf16 elements in one 16-byte cp.async / store
+MAX_ACC_REGS = 128  # fp32 accumulators per thread
+
+
+def default_warps(tile_m, tile_n, warps_m=None, warps_n=None, mma="warp") -> tuple[int, int]:
+    """Warp grid of the accumulator-holding warps. mma.sync: 2 warps along M (1 for tile_m 16);
+    4 warps for tiles smaller than 128x128, 8 from there (a 128x128 tile on 4 warps spills on
+    sm_121a), so a warp owns at most 64x64 accumulators up to 128x256. wgmma and hopws: one
+    warpgroup (4 warps along M) per 64 rows of the tile (hopws adds a producer warpgroup);
+    hoppp: two consumer warpgroups, each holding a whole tile (64 rows, or 128 as two 64-row
+    blocks)."""
+    if mma in PINGPONG:
+        return 8, 1
+    if mma in WGMMA:
+        return max(tile_m // 16, 1), 1
+    if warps_m is None:
+        warps_m = 2 if tile_m >= 32 else 1
+    if warps_n is None:
+        warps = 4 if tile_m * tile_n < 128 * 128 else 8
+        warps_n = max(1, min(tile_n // 16, warps // warps_m))
+    return warps_m, warps_n
+
+
+def smem_bytes(tile_m, tile_n, tile_k, stages, mma="warp") -> int:
+    """Dynamic shared memory of one CTA: the A/B pipeline, reused for the fp32 staging of the
+    accumulator tile (persistent kernels: no staging, their epilogue stores from registers; a
+    full and an empty mbarrier per stage, and the two-slot tile schedule: 4 mbarriers, 2 tile
+    indices, and per slot each row's pair and routing weight, 64 + 16 * tile_m bytes with
+    alignment) + the allocator's alignment slack."""
+    ab = stages * (tile_m + tile_n) * tile_k * 2
+    c = 0 if mma in PERSISTENT else tile_m * (tile_n + 8) * 4
+    bars = 16 * stages + 64 + 16 * tile_m if mma in WARP_SPECIALIZED else 0
+    return max(ab, c) + 1024 + bars
+
+
+def check_tiles(n, k, tile_m, tile_n, tile_k, stages, mma, warps_m, warps_n) -> tuple[bool, str]:
+    """(ok, reason) of the tile rules for an [N, K] weight matrix, with the warp grid given."""
+    if mma not in MMAS:
+        return False, (f"mma {mma!r} must be 'warp' (mma.sync), 'wgmma', 'hopws' or 'hoppp' "
+                       f"(the last three sm_90a only)")
+    threads = warps_m * warps_n * 32
+    acc_threads = 128 if mma in PINGPONG else threads  # threads sharing one tile's accumulators
+    if mma in WGMMA:
+        if tile_m not in (64, 128):
+            return False, f"{mma}: tile_m {tile_m} must be 64 or 128 (one warpgroup per 64 rows)"
+        if tile_n % 32 or not 32 <= tile_n <= 256:
+            return False, f"{mma}: tile_n {tile_n} must be a multiple of 32 in 32..256"
+        if tile_k != 64:
+            return False, f"{mma}: tile_k {tile_k} must be 64 (one 128-byte swizzle atom)"
+        if stages < 3:
+            return False, f"{mma}: stages {stages} must be >= 3"
+        warps_m, warps_n = tile_m // 16, 1  # for the mma.sync-only checks below
+    if warps_m < 1 or warps_n < 1 or threads > 256:
+        return False, f"warps {warps_m}x{warps_n}: need 1..8 warps"
+    if tile_k not in (32, 64, 128):
+        return False, f"tile_k {tile_k} must be 32, 64 or 128"
+    if k % tile_k:
+        return False, f"K={k} not divisible by tile_k={tile_k}"
+    if n % tile_n:
+        return False, f"N={n} not divisible by tile_n={tile_n}"
+    if mma == "warp" and (tile_m % (16 * warps_m) or tile_m > 256):
+        return False, f"tile_m {tile_m} must be a multiple of 16*warps_m={16 * warps_m} and <= 256"
+    if mma == "warp" and (tile_n % (16 * warps_n) or tile_n > 256):
+        return False, f"tile_n {tile_n} must be a multiple of 16*warps_n={16 * warps_n} and <= 256"
+    load_threads = LOAD_THREADS if mma in WARP_SPECIALIZED else threads
+    rows_per_pass = load_threads // (tile_k // COPY_ELEMS)
+    if tile_m % rows_per_pass or tile_n % rows_per_pass:
+        return False, (f"tile_m {tile_m} and tile_n {tile_n} must be multiples of the "
+                       f"{rows_per_pass} rows one cp.async pass of {load_threads} threads covers")
+    if tile_m * tile_n // acc_threads > MAX_ACC_REGS:
+        return False, (f"{tile_m}x{tile_n} tile on {acc_threads} threads needs "
+                       f"{tile_m * tile_n // acc_threads} fp32 accumulator registers per thread "
+                       f"(max {MAX_ACC_REGS})")
+    if not 2 <= stages <= 8:
+        return False, f"stages {stages} must be in 2..8"
+    if k // tile_k < stages - 1:
+        return False, f"K={k} has {k // tile_k} k-tiles, fewer than stages-1={stages - 1}"
+    return True, ""
+
+
+def check_gemm(n, k, tile_m, tile_n, tile_k, stages, mma, warps_m=None, warps_n=None, arch=None,
+               cluster_m=1) -> tuple[bool, str]:
+    """(ok, reason) of one grouped GEMM over [N, K] weights: the tile rules, the 2-CTA cluster
+    rule and, if `arch` is given, what that target has (wgmma, shared memory)."""
+    if cluster_m not in CLUSTERS_M:
+        return False, f"cluster {cluster_m} not in {CLUSTERS_M}"
+    if cluster_m > 1 and (mma not in CLUSTER_MMAS or tile_m != 128):
+        return False, f"cluster {cluster_m} needs mma hopws with tile_m 128, got {mma} with tile_m {tile_m}"
+    warps_m, warps_n = default_warps(tile_m, tile_n, warps_m, warps_n, mma)
+    ok, reason = check_tiles(n, k, tile_m, tile_n, tile_k, stages, mma, warps_m, warps_n)
+    if not ok or arch is None:
+        return ok, reason
+    if mma in WGMMA and arch != "sm_90a":
+        return False, f"{mma}: wgmma exists only on sm_90a, not {arch}"
+    cap = SMEM_CAPACITY.get(arch)
+    if cap is None:
+        return False, f"arch {arch} not supported (one of {sorted(SMEM_CAPACITY)})"
+    need = smem_bytes(tile_m, tile_n, tile_k, stages, mma)
+    if need > cap:
+        return False, f"needs {need} B of shared memory per block, {arch} allows {cap}"
+    return True, ""
+
+
+def check_glu_shape(intermediate, tile_n, interleave, activation="swiglu") -> tuple[bool, str]:
+    """(ok, reason) of GEMM1's own rules: the GLU activation and the gate/up interleave."""
+    if activation not in ("swiglu", "geglu"):
+        return False, f"activation {activation!r} must be 'swiglu' or 'geglu'"
+    if interleave % 8 or interleave < 8:
+        return False, f"interleave {interleave} must be a positive multiple of 8"
+    if intermediate % interleave:
+        return False, f"I={intermediate} not divisible by interleave={interleave}"
+    if tile_n % (2 * interleave):
+        return False, f"tile_n {tile_n} not divisible by 2*interleave={2 * interleave}"
+    return True, ""
