@@ -70,7 +70,8 @@ def spec_options(f):
         click.option("--hidden", type=int, help="Hidden size H (overrides --model's, as --experts)."),
         click.option("--intermediate", type=int, help="Intermediate size I per expert (overrides --model's)."),
         click.option("--activation", default=None, help="swiglu (default) or geglu."),
-        click.option("--precision", default=None, help="bf16 (default); fp8, fp8-block128, mxfp8, nvfp4 are not yet supported."),
+        click.option("--precision", default=None,
+                     help="bf16 (default); fp8, fp8-block128, mxfp8, nvfp4 are not yet supported."),
     ]
     for o in reversed(opts):
         f = o(f)
@@ -85,8 +86,10 @@ def main():
 
 @main.command("compile")
 @spec_options
-@click.option("--tokens", default=None, help="Token-count buckets to prepare defaults for (default: 1,16,64,256,1024,4096,16384).")
-@click.option("--variant", "variant_names", multiple=True, help="Compile this layer variant (a moe_layer_... name) instead of the defaults.")
+@click.option("--tokens", default=None,
+              help="Token-count buckets to prepare defaults for (default: 1,16,64,256,1024,4096,16384).")
+@click.option("--variant", "variant_names", multiple=True,
+              help="Compile this layer variant (a moe_layer_... name) instead of the defaults.")
 @click.option("--jobs", "-j", type=int, default=None, help="Parallel compile processes (default: CPU count).")
 @click.option("--force", is_flag=True, help="Compile again even if the database has the kernel.")
 @click.option("--db", "db_url", default=None, help=DB_HELP)
@@ -169,7 +172,8 @@ def ls_cmd(model, target, failed, gpu, db_url):
         for a in rows:
             size = f"{a.library_size / 1e3:.0f}KB" if a.library_size else "-"
             extra = f"  error: {a.error}" if a.status != "ok" else ""
-            click.echo(f"{a.name}\t{a.role}\t{a.target}\t{a.status}\t{size}\t{a.compile_s or 0:.1f}s\t{a.workload}{extra}")
+            click.echo(f"{a.name}\t{a.role}\t{a.target}\t{a.status}\t{size}\t{a.compile_s or 0:.1f}s"
+                       f"\t{a.workload}{extra}")
         picks = [] if failed else db.all_best(workload=workload, target=target, gpu=gpu)
         for b in picks:
             click.echo(f"tuned\t{b.workload}\t{b.target}\t{b.gpu}\ttokens={b.tokens}\t{b.variant}\t{b.median_us:.1f}us")
@@ -200,7 +204,8 @@ def show_cmd(name, db_url):
                 click.echo(f"error:\n{art.error}")
                 continue
             m = art.meta
-            click.echo(f"library:    {len(art.library)} bytes, sha256 {art.sha256}\ncubin:      {len(art.cubin or b'')} bytes"
+            click.echo(f"library:    {len(art.library)} bytes, sha256 {art.sha256}\n"
+                       f"cubin:      {len(art.cubin or b'')} bytes"
                        f"\nptx isa:    {m.get('ptx_isa')}\nkernels:    {', '.join(m.get('kernels', []))}")
             click.echo("arguments:")
             for arg in m["args"]:
@@ -319,12 +324,15 @@ def _confirm(ctx, param, value):
 
 @main.command("tune")
 @spec_options
-@click.option("--tokens", default=None, help="Token-count buckets, one study each (default: 1,16,64,256,1024,4096,16384).")
+@click.option("--tokens", default=None,
+              help="Token-count buckets, one study each (default: 1,16,64,256,1024,4096,16384).")
 @click.option("--gpu", default=None, help="GPU to tune for, as torch.cuda.get_device_name() spells it "
               "(default: this machine's; required with --compile-only).")
 @click.option("--trials", type=int, default=30, show_default=True,
-              help="Stop once each bucket's study holds this many trials; earlier sessions count, so a killed run resumes.")
-@click.option("--timeout", "timeout_s", type=float, default=None, help="Wall-time budget in seconds (then nothing new is asked).")
+              help="Stop once each bucket's study holds this many trials; earlier sessions count, "
+                   "so a killed run resumes.")
+@click.option("--timeout", "timeout_s", type=float, default=None,
+              help="Wall-time budget in seconds (then nothing new is asked).")
 @click.option("--jobs", "-j", type=int, default=None, help="Compile processes (default: CPU count - 1).")
 @click.option("--compile-only", is_flag=True, help="No GPU here: compile candidates and leave them in the database, "
               "ready for `moe-aot measure` on the GPU machine.")
@@ -386,7 +394,8 @@ def tune_cmd(models, spec_file, target, experts, top_k, hidden, intermediate, ac
 
 
 @main.command("measure")
-@click.option("--model", "models", multiple=True, help="Only these presets' studies (default: every study for this GPU).")
+@click.option("--model", "models", multiple=True,
+              help="Only these presets' studies (default: every study for this GPU).")
 @click.option("--target", default=None, help="Only studies for this target.")
 @click.option("--tokens", default=None, help="Only these token buckets.")
 @click.option("--trials", type=int, default=None, help="Measure at most this many trials.")

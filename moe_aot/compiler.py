@@ -57,9 +57,11 @@ def build_template(kv: KernelVariant):
     if kv.role in ("glu", "down"):
         # one template module per mainloop family; both take the same arguments
         if kw.get("mma") in ("hopws", "hoppp"):
-            from moe_aot_templates.hopper_gemm import HopperDownGemm as Down, HopperGluGemm as Glu
+            from moe_aot_templates.hopper_gemm import HopperDownGemm as Down
+            from moe_aot_templates.hopper_gemm import HopperGluGemm as Glu
         else:
-            from moe_aot_templates.grouped_gemm import GroupedDownGemm as Down, GroupedGluGemm as Glu
+            from moe_aot_templates.grouped_gemm import GroupedDownGemm as Down
+            from moe_aot_templates.grouped_gemm import GroupedGluGemm as Glu
         return Glu(**kw) if kv.role == "glu" else Down(**kw)
     raise ValueError(f"unknown kernel role {kv.role!r}")
 

@@ -23,16 +23,50 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable
 
-from sqlalchemy import (Column, DateTime, Float, ForeignKey, Index, Integer, LargeBinary,
-                        MetaData, String, Table, Text, create_engine, event, exc,
-                        inspect, select)
+from sqlalchemy import (
+    Column,
+    DateTime,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    LargeBinary,
+    MetaData,
+    String,
+    Table,
+    Text,
+    create_engine,
+    event,
+    exc,
+    inspect,
+    select,
+)
 from sqlalchemy.engine import Connection, make_url
 
 from . import env
-from .dbread import (BUSY_TIMEOUT_S as _BUSY_TIMEOUT_S, SCHEMA_VERSION, BestRow, T_ARTIFACTS, T_BEST, T_RECORDS,
-                     T_VERSION, T_WORKLOADS, DatabaseError, check_quick_check, check_schema_versions, corrupt,
-                     first_line as _first_line, locked, no_database, no_schema, pack as _pack, readonly_uri,
-                     sha as _sha, unpack_checked, utc as _utc)
+from .dbread import BUSY_TIMEOUT_S as _BUSY_TIMEOUT_S
+from .dbread import (
+    SCHEMA_VERSION,
+    T_ARTIFACTS,
+    T_BEST,
+    T_RECORDS,
+    T_VERSION,
+    T_WORKLOADS,
+    BestRow,
+    DatabaseError,
+    check_quick_check,
+    check_schema_versions,
+    corrupt,
+    locked,
+    no_database,
+    no_schema,
+    readonly_uri,
+    unpack_checked,
+)
+from .dbread import first_line as _first_line
+from .dbread import pack as _pack
+from .dbread import sha as _sha
+from .dbread import utc as _utc
 
 ARTIFACT_STATUSES = ("ok", "failed")
 RECORD_STATUSES = ("ok", "compile_error", "resource_error", "wrong_result", "launch_error")

@@ -23,12 +23,32 @@ from optuna.trial import TrialState
 
 from .database import Database
 from .spec import LayerSpec
-from .tuner import (CONFIRM_K, CONFIRM_WITHIN, Outcome, baseline_trial, choose_pick, commit_picks, complete_rounds,
-                    confirm_plan, current_contents, default_recorded, line, live_records, measure_trial,
-                    open_storage, parse_study_name, requeue_stale, round_medians, search_space, study_name,
-                    study_spec, suggest, variant_content, worker_id)
+from .tuner import (
+    CONFIRM_K,
+    CONFIRM_WITHIN,
+    Outcome,
+    baseline_trial,
+    choose_pick,
+    commit_picks,
+    complete_rounds,
+    confirm_plan,
+    current_contents,
+    default_recorded,
+    line,
+    live_records,
+    measure_trial,
+    open_storage,
+    parse_study_name,
+    requeue_stale,
+    round_medians,
+    search_space,
+    study_name,
+    study_spec,
+    suggest,
+    variant_content,
+    worker_id,
+)
 from .variants import LayerVariant
-
 
 # The first line of /proc/driver/nvidia/version, by kernel module flavour:
 #   NVRM version: NVIDIA UNIX x86_64 Kernel Module  570.86.15  Fri Jan 24 18:39:31 UTC 2025

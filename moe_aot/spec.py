@@ -147,8 +147,10 @@ def load_specs(path: str | Path, default_target: str | None = None) -> list[Laye
     try:
         data = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
     except (tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
-        raise SpecError(f"spec file {path} is not valid {'TOML' if path.suffix == '.toml' else 'JSON'}: {exc}") from None
-    layers = data if isinstance(data, list) else data.get("layer", data.get("layers")) if isinstance(data, dict) else None
+        kind = "TOML" if path.suffix == ".toml" else "JSON"
+        raise SpecError(f"spec file {path} is not valid {kind}: {exc}") from None
+    layers = (data if isinstance(data, list)
+              else data.get("layer", data.get("layers")) if isinstance(data, dict) else None)
     if not isinstance(layers, list) or not layers:
         raise SpecError(f"spec file {path} must list layers: [[layer]] tables in TOML or a JSON list / "
                         "{\"layers\": [...]}")

@@ -753,7 +753,8 @@ def summary(db: Database, spec: LayerSpec, gpu: str, buckets) -> list[dict]:
 
 def format_summary(spec: LayerSpec, gpu: str, rows: list[dict]) -> str:
     out = [f"{spec.label()} on {gpu} ({spec.target})",
-           f"{'tokens':>7} {'records':>7} {'ok':>4} {'failed':>6} {'best us':>10} {'floor us':>9} {'floor/best':>10}  variant"]
+           f"{'tokens':>7} {'records':>7} {'ok':>4} {'failed':>6} {'best us':>10} {'floor us':>9} "
+           f"{'floor/best':>10}  variant"]
     for r in rows:
         best = f"{r['best_us']:10.1f}" if r["best_us"] else f"{'-':>10}"
         frac = f"{r['of_floor']:10.0%}" if r["of_floor"] else f"{'-':>10}"

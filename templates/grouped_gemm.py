@@ -30,7 +30,7 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import BFloat16, Float32, Int32, Int64, const_expr
+from cutlass import BFloat16, Float32, Int32, const_expr
 from cutlass.tensor_utils import LayoutEnum
 
 from moe_aot import gemm_limits as limits

@@ -15,8 +15,8 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 from cutlass._mlir.dialects import llvm
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
-from cutlass.memory import SmemAllocator
 from cutlass.cutlass_dsl import T, dsl_user_op
+from cutlass.memory import SmemAllocator
 
 _WARP = 32
 # Shared memory a CTA may use everywhere we target (sm_121 has 99 KiB, sm_90 227 KiB).

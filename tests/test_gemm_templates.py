@@ -12,8 +12,7 @@ import pytest
 cute = pytest.importorskip("cutlass.cute")
 torch = pytest.importorskip("torch")
 
-from templates.grouped_gemm import (  # noqa: E402
-    _REGS_MMA, GroupedDownGemm, GroupedGluGemm, glu_gate_block, interleave_gate_up)
+from templates.grouped_gemm import _REGS_MMA, GroupedDownGemm, GroupedGluGemm, glu_gate_block, interleave_gate_up  # noqa: E402
 
 QWEN3_30B = dict(num_experts=128, hidden=2048, intermediate=768, top_k=8)
 

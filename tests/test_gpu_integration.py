@@ -19,10 +19,18 @@ if not torch.cuda.is_available():
 
 import torch.nn.functional as F  # noqa: E402
 
-from moe_aot.integrations import (GatedMLP, MoeBlock, MoeExperts, Router, fused_experts,  # noqa: E402
-                                  grouped_topk, map_experts, prepare_fused_gate_up)
-from moe_aot.runtime.reference import moe_reference, rel_err, row_rel_err  # noqa: E402
 from moe_aot.dbread import NoDatabaseError  # noqa: E402
+from moe_aot.integrations import (  # noqa: E402
+    GatedMLP,
+    MoeBlock,
+    MoeExperts,
+    Router,
+    fused_experts,
+    grouped_topk,
+    map_experts,
+    prepare_fused_gate_up,
+)
+from moe_aot.runtime.reference import moe_reference, rel_err, row_rel_err  # noqa: E402
 from moe_aot.runtime.store import KernelStore  # noqa: E402
 from moe_aot.runtime.verify import ROW_TOLERANCE, TOLERANCE, random_routing  # noqa: E402
 from moe_aot.spec import PRESETS, make_spec  # noqa: E402

@@ -205,7 +205,8 @@ def test_gpu_measurer_measures_the_default_on_this_gpu(store):
 
     spec = make_spec(MODELS[0], target="sm_90a")
     m = GpuMeasurer(env.default_db_url(), replays=20)
-    assert m.gpu == torch.cuda.get_device_name() and re.match(r"^\d+\.\d+(\.\d+)? \(CUDA \d+\.\d+\)$", m.driver), m.driver
+    assert m.gpu == torch.cuda.get_device_name()
+    assert re.match(r"^\d+\.\d+(\.\d+)? \(CUDA \d+\.\d+\)$", m.driver), m.driver
     out = m(spec, default_variant(spec, 16), 16)
     assert out.status == "ok", out.error
     assert out.median_us > 0 and out.rel_err < TOLERANCE

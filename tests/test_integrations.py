@@ -12,12 +12,22 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moe_aot.integrations import (PREPARED, GatedMLP, MoeBlock, MoeExperts, Router, fused_experts, grouped_topk,
-                                  map_experts, prepare_fused_gate_up, softmax_topk, topk_softmax)
+from moe_aot.integrations import (
+    PREPARED,
+    GatedMLP,
+    MoeBlock,
+    MoeExperts,
+    Router,
+    fused_experts,
+    grouped_topk,
+    map_experts,
+    softmax_topk,
+    topk_softmax,
+)
 from moe_aot.integrations.transformers import PatchError, patch
 from moe_aot.runtime.layer import prepare_weights
 from moe_aot.runtime.library import KernelArgumentError
-from moe_aot.runtime.reference import moe_reference, rel_err, row_rel_err
+from moe_aot.runtime.reference import rel_err, row_rel_err
 
 sys.path.insert(0, str(Path(__file__).parent))
 import moe_fakes  # noqa: E402

@@ -1,13 +1,13 @@
 """The runtime on a CPU machine: import isolation, argument checks, fail-closed lookups."""
 import subprocess
-from pathlib import Path
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from moe_aot.compiler import compile_into
 from moe_aot import dbread
+from moe_aot.compiler import compile_into
 from moe_aot.database import Database
 from moe_aot.runtime.layer import MoeLayer, prepare_weights
 from moe_aot.runtime.library import KernelArgumentError, check_tensor
@@ -456,7 +456,8 @@ def recording_layer(small_db, tmp_path, monkeypatch):
     path.write_bytes(Path(url[len("sqlite:///"):]).read_bytes())
     con = _sqlite3.connect(path)
     for kv in default_variant(spec, 16).kernels(spec):
-        [(tc, meta)] = con.execute("SELECT toolchain, meta FROM moe_aot_artifacts WHERE name = ?", (kv.name,)).fetchall()
+        [(tc, meta)] = con.execute("SELECT toolchain, meta FROM moe_aot_artifacts WHERE name = ?",
+                                   (kv.name,)).fetchall()
         meta = json.loads(meta)
         abi, nt = meta["host_abi"], sum(a["kind"] == "tensor" for a in meta["args"])
         c, so = tmp_path / f"{kv.role}.c", tmp_path / f"{kv.role}.so"

@@ -67,7 +67,8 @@ def test_committed_picks_are_derived_from_the_records_and_never_slower_than_the_
     recs = _records()
     confirmed = 0
     for r in rows:
-        bucket = [x for x in recs if (x["workload"], x["tokens"]) == (r["workload"], r["tokens"]) and x["status"] == "ok"]
+        bucket = [x for x in recs
+                  if (x["workload"], x["tokens"]) == (r["workload"], r["tokens"]) and x["status"] == "ok"]
         spec = _spec(r["workload"])
         assert r["default"] == default_variant(spec, r["tokens"]).name(spec)
         default_us = [x["median_us"] for x in bucket if x["variant"] == r["default"]]

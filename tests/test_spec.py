@@ -6,7 +6,6 @@ import pytest
 
 from moe_aot.spec import PRESETS, LayerSpec, SpecError, load_specs, make_spec
 
-
 SHAPES = Path(__file__).resolve().parents[2] / "shared" / "bench" / "shapes.json"
 
 

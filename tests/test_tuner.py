@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 from optuna.trial import TrialState
+from tuner_fakes import GPU, DrawMeasurer, FakeMeasurer, check_records_and_best, fake_compile, fake_time_us, toolchain
 
 from moe_aot import measure_worker, tuner
 from moe_aot.cli import main
 from moe_aot.database import Database
 from moe_aot.spec import make_spec
 from moe_aot.variants import LayerVariant, can_implement, candidate_space, default_variant
-from tuner_fakes import GPU, DrawMeasurer, FakeMeasurer, check_records_and_best, fake_compile, fake_time_us, toolchain
 
 SPEC = make_spec("qwen3-30b-a3b")
 TINY = make_spec(None, experts=8, top_k=2, hidden=256, intermediate=128)
@@ -123,7 +123,8 @@ _BLOCK_DSL = """
 import sys, importlib.abc
 class Block(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path, target=None):
-        if name.split('.')[0] in ('cutlass', 'moe_aot_templates') or name in ('moe_aot.compiler', 'moe_aot.kernel_build'):
+        if (name.split('.')[0] in ('cutlass', 'moe_aot_templates')
+                or name in ('moe_aot.compiler', 'moe_aot.kernel_build')):
             raise ImportError('the measuring side must not import ' + name)
 sys.meta_path.insert(0, Block())
 """

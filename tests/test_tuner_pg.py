@@ -7,11 +7,11 @@ import uuid
 
 import pytest
 from optuna.trial import TrialState
+from tuner_fakes import check_records_and_best, fake_compile, measure_worker_run, tune_worker
 
 from moe_aot import tuner
 from moe_aot.database import Database
 from moe_aot.spec import make_spec
-from tuner_fakes import check_records_and_best, fake_compile, measure_worker_run, tune_worker
 
 URL = os.environ.get("MOE_AOT_TEST_PG_URL")
 pytestmark = pytest.mark.skipif(not URL, reason="MOE_AOT_TEST_PG_URL not set (no PostgreSQL server)")

@@ -3,8 +3,7 @@ import dataclasses
 import pytest
 
 from moe_aot.spec import make_spec
-from moe_aot.variants import (GemmTiles, LayerVariant, bucket_for, can_implement, candidate_space,
-                              default_variant)
+from moe_aot.variants import GemmTiles, LayerVariant, bucket_for, can_implement, candidate_space, default_variant
 
 SPEC = make_spec("qwen3-30b-a3b")
 
@@ -128,9 +127,10 @@ def test_variant_checks_agree_with_the_template(monkeypatch):
     two targets, for every MMA the template has (those not selectable on sm_90a made selectable)."""
     import itertools
 
+    from moe_aot_templates.grouped_gemm import MMAS, GroupedDownGemm, GroupedGluGemm
+
     from moe_aot.spec import PRESETS
     from moe_aot.variants import STAGES, TARGET_LIMITS, TILE_K, TILE_M, TILE_N, gemm_can_implement
-    from moe_aot_templates.grouped_gemm import MMAS, GroupedDownGemm, GroupedGluGemm
 
     monkeypatch.setitem(TARGET_LIMITS["sm_90a"], "mma", MMAS)
     disagree = []

@@ -132,8 +132,10 @@ def bench_model(name: str, tokens_list, replays: int, rate: float, store, pdl: b
         err = rel_err(out, ref)
         t_err = rel_err(torch_unfused(x, w_gu_t, w2_t, tw, ids, spec.experts), ref)
         del ref
-        ours = graph_time_us([lambda s=s: layer.forward(s[0], w13, w2, s[1], s[2], out=s[3],
-                                                        workspace=layer.workspace(M)) for s in sets], replays)
+        # the model's tensors bound as defaults: they are deleted (del below) once the model is done
+        ours = graph_time_us([lambda s=s, lay=layer, w=(w13, w2): lay.forward(s[0], *w, s[1], s[2], out=s[3],
+                                                                            workspace=lay.workspace(M))
+                              for s in sets], replays)
         selected = statistics.mean(int(torch.unique(s[2]).numel()) for s in sets)
         # each GEMM alone, right after the layer's replays (the same sustained clock state)
         gemms = gemm_times(layer, M, replays, spec, selected)
@@ -202,8 +204,9 @@ def markdown(result: dict) -> str:
         if twins:
             ok = r.get("twin_us") is not None
             err = r.get("twin_rel_err")
-            line += (f" {r['twin_us']:.1f} | {r['twin_over_ours']:.3f} |" if ok else
-                     f" {r.get('twin_error', 'wrong result')[:60]} | - |") + (f" {err:.1e} |" if err is not None else " - |")
+            line += ((f" {r['twin_us']:.1f} | {r['twin_over_ours']:.3f} |" if ok else
+                      f" {r.get('twin_error', 'wrong result')[:60]} | - |")
+                     + (f" {err:.1e} |" if err is not None else " - |"))
         lines.append(line)
     g = result["summary"]
     if "geomean_vllm_over_ours" in g:

@@ -89,10 +89,11 @@ def run_all(kdir: Path, out: Path, replays: int, profile: bool = False) -> int:
                    "barrier_generation": int(bar[1].item()), "barrier_count": int(bar[0].item())}
             if ok:
                 t_dec = statistics.median(graph_times_us(
-                    [lambda s=s: dec(s[0], w13, w2, s[1], s[2], s[3], h, y, bar) for s in sets], replays))
+                    [lambda s=s, w=(w13, w2): dec(s[0], *w, s[1], s[2], s[3], h, y, bar) for s in sets], replays))
                 ws = layer.workspace(M)
                 t_layer = statistics.median(graph_times_us(
-                    [lambda s=s: layer.forward(s[0], w13, w2, s[1], s[2], out=s[3], workspace=ws) for s in sets],
+                    [lambda s=s, w=(w13, w2): layer.forward(s[0], *w, s[1], s[2], out=s[3], workspace=ws)
+                     for s in sets],
                     replays))
                 res.update(decode_us=round(t_dec, 2), layer_us=round(t_layer, 2),
                            layer_over_decode=round(t_layer / t_dec, 3), layer_variant=layer.variant_for(M).name(spec))

@@ -147,6 +147,7 @@ def run_routing(lib, e, k, tm, m, kind, gen):
 
 def do_run(lib_dir: Path, out_dir: Path) -> int:
     import torch
+
     from moe_aot.runtime.library import KernelLibrary
 
     out_dir.mkdir(parents=True, exist_ok=True)

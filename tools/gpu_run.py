@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """A whole GPU run in one command, on a machine without the DSL (the product's AOT story).
 
-    python3 tools/gpu_run.py --out $OUT [--db cache/moe_aot.sqlite] [--tests] [--coldstart [--coldstart-compare DIR]] [--bench ARGS]
+    python3 tools/gpu_run.py --out $OUT [--db cache/moe_aot.sqlite] [--tests]
+        [--coldstart [--coldstart-compare DIR]] [--bench ARGS]
                              [--gemm-check DIR]
 
 1. installs the wheels brought along in .whl/ (sqlalchemy, ...) into /tmp/site;
@@ -121,7 +122,8 @@ NCU_METRICS = ["regex:smsp__average_warps_issue_stalled_.*_per_issue_active\\.ra
 CUBLAS_CEILING = r"""
 import torch
 for n in (4096, 8192):
-    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16); b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     a @ b; torch.cuda.synchronize()
     torch.cuda.nvtx.range_push(f"prof_cublas_{n}"); a @ b; torch.cuda.nvtx.range_pop(); torch.cuda.synchronize()
 """

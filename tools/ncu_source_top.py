@@ -39,7 +39,8 @@ def main() -> None:
         total = sum(int(r[SAMPLES] or 0) for r in rows)
         print(f"{name[:100]}: {len(rows)} instructions, {total} samples")
         for r in sorted(rows, key=lambda r: -int(r[SAMPLES] or 0))[: args.top]:
-            print(f"  {100 * int(r[SAMPLES] or 0) / max(total, 1):5.1f}%  {r['Address']:>16}  {r['Source'].strip()[:90]}")
+            share = 100 * int(r[SAMPLES] or 0) / max(total, 1)
+            print(f"  {share:5.1f}%  {r['Address']:>16}  {r['Source'].strip()[:90]}")
 
 
 if __name__ == "__main__":

@@ -59,11 +59,13 @@ def main() -> None:
             a = [t for tag, t, _ in times if tag == "A"]
             b = [t for tag, t, _ in times if tag == "B"]
             row = {"model": name, "tokens": M, "A": pick.name(spec), "B": dflt.name(spec), "order": times,
-                   "A_first_over_A_later": round(a[0] / min(a[1:]), 3), "B_first_over_B_later": round(b[0] / min(b[1:]), 3),
+                   "A_first_over_A_later": round(a[0] / min(a[1:]), 3),
+                   "B_first_over_B_later": round(b[0] / min(b[1:]), 3),
                    "B_over_A_median": round(sorted(b)[1] / sorted(a)[1], 3)}
             rows.append(row)
             print(name, M, " ".join(f"{tag}{t}" for tag, t, _ in times),
-                  f"A1/A* {row['A_first_over_A_later']} B1/B* {row['B_first_over_B_later']} B/A {row['B_over_A_median']}",
+                  f"A1/A* {row['A_first_over_A_later']} B1/B* {row['B_first_over_B_later']} "
+                  f"B/A {row['B_over_A_median']}",
                   flush=True)
         del w13, w2
         torch.cuda.empty_cache()

@@ -91,7 +91,8 @@ def map_experts(topk_ids: torch.Tensor, expert_map: torch.Tensor) -> torch.Tenso
     experts held by other ranks). Ids outside [0, global experts) also become -1; the kernels drop
     every id outside [0, local experts), so non-local pairs contribute nothing."""
     if not isinstance(expert_map, torch.Tensor) or expert_map.dim() != 1 or expert_map.is_floating_point():
-        raise KernelArgumentError("expert_map must be a 1-D integer tensor [global experts] of local ids (-1: not local)")
+        raise KernelArgumentError("expert_map must be a 1-D integer tensor [global experts] of local ids "
+                                  "(-1: not local)")
     if expert_map.device != topk_ids.device:
         raise KernelArgumentError(f"expert_map must be on {topk_ids.device} like topk_ids, got {expert_map.device}")
     ids = topk_ids.long()
