@@ -34,6 +34,29 @@ class KernelCompileError(RuntimeError):
     """The DSL or the linker refused a kernel; the message carries the tool's own words."""
 
 
+class TemplateBugError(RuntimeError):
+    """A template's own Python failed while the DSL traced it (a NameError, TypeError, ...):
+    a programming error, which must stop the run, not be recorded as one kernel's failure."""
+
+
+# Python errors of the template's code that reach us wrapped by the DSL: bugs, not refusals.
+# (A compile-time assert, a ValueError refusing a shape, and the DSL's, ptxas' and the linker's
+# own failures remain KernelCompileError.)
+PROGRAMMING_ERRORS = (NameError, TypeError, AttributeError, IndexError, KeyError, ZeroDivisionError,
+                      RecursionError, SyntaxError)
+
+
+def _template_bug(exc: BaseException) -> BaseException | None:
+    """The Python programming error behind a DSL compile failure, if that is what it was."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, PROGRAMMING_ERRORS) and not type(exc).__module__.startswith("cutlass"):
+            return exc
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
 @dataclass
 class Artifact:
     name: str
@@ -148,6 +171,9 @@ def compile_kernel(kernel_obj, arch: str, name: str, host_target: str = HOST_TAR
             compiled = cute.compile(kernel_obj, *fakes, options=opts)
         except Exception as exc:  # the DSL raises many types; keep its message, minus colour codes
             text = re.sub(r"\x1b\[[0-9;]*m", "", str(exc)).strip()
+            bug = _template_bug(exc)
+            if bug is not None:
+                raise TemplateBugError(f"{name}: {type(bug).__name__} in the template's code: {bug}") from exc
             raise KernelCompileError(f"{type(exc).__name__}: {text}") from exc
         t_compile = time.perf_counter() - t0
         cubin, ptx = compiled.__cubin__, compiled.__ptx__

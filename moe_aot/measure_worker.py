@@ -55,6 +55,9 @@ from .variants import LayerVariant
 #   NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  580.95.05  Release Build  (dvs-builder@...)  Tue ...
 # The open one has "for <arch>" after "Kernel Module", which a parser taking the next word read as
 # the version ("for"); the version is the first dotted number after "Kernel Module".
+# cudaError_t values that mean the launch asked for more than the GPU has (a typed resource
+# failure: "infinitely slow" to the tuner); any other launch error is recorded as launch_error
+RESOURCE_CUDA_ERRORS = {2: "cudaErrorMemoryAllocation", 701: "cudaErrorLaunchOutOfResources"}
 _NVRM = re.compile(r"^NVRM version:.*?Kernel Module\b.*?\s(\d+\.\d+(?:\.\d+)*)(?=\s|$)", re.MULTILINE)
 
 
@@ -126,11 +129,9 @@ class GpuMeasurer:
         except torch.cuda.OutOfMemoryError as exc:
             return Outcome("resource_error", error=str(exc))
         except KernelLaunchError as exc:
-            msg = str(exc)
-            # cudaErrorLaunchOutOfResources (701), too much shared memory or too many registers
-            status = "resource_error" if "701" in msg or "resources" in msg.lower() else "launch_error"
+            status = "resource_error" if exc.code in RESOURCE_CUDA_ERRORS else "launch_error"
             torch.cuda.synchronize()  # a sticky error ends the worker here rather than later
-            return Outcome(status, error=msg)
+            return Outcome(status, error=str(exc))
         if not r["ok"]:
             return Outcome("wrong_result", rel_err=r["rel_err"], error=f"relative error {r['rel_err']:.3g}")
         stats = {k: v for k, v in r.items() if k not in ("ok", "rel_err")}

@@ -69,6 +69,56 @@ def test_failing_variant_is_recorded_and_batch_goes_on(db, monkeypatch):
     assert row.status == "failed" and "out of registers" in row.error and row.library is None
 
 
+def test_a_programming_error_stops_the_batch_instead_of_becoming_a_failed_kernel(db, monkeypatch):
+    """Only KernelCompileError (the DSL, ptxas, the linker) is a kernel's own failure; any other
+    exception in a compile job propagates, and what finished before it stays in the database."""
+    import moe_aot.compiler as comp
+    from moe_aot.kernel_build import TemplateBugError
+
+    spec = make_spec(**SMALL)
+    variant = LayerVariant(64, GemmTiles(64, 64, 3), GemmTiles(128, 64, 3))
+    real = comp.build_template
+
+    def buggy(kv):
+        if kv.role == "down":
+            raise TemplateBugError(f"{kv.name}: NameError in the template's code: name 'x' is not defined")
+        return real(kv)
+
+    monkeypatch.setattr(comp, "build_template", buggy)
+    with pytest.raises(TemplateBugError, match="NameError"):
+        compile_into(db, [(spec, variant)], jobs=1)
+    down = next(kv for kv in variant.kernels(spec) if kv.role == "down")
+    assert db.get_artifact(down.name, toolchain_key("sm_90a")) is None  # not recorded as failed
+    done = [kv for kv in variant.kernels(spec) if db.get_artifact(kv.name, toolchain_key("sm_90a"))]
+    assert done and all(db.get_artifact(kv.name, toolchain_key("sm_90a")).status == "ok" for kv in done)
+
+
+def test_compile_kernel_tells_a_template_bug_from_a_refusal():
+    """A Python error in a template's traced code (wrapped by the DSL) is a TemplateBugError; a
+    compile-time assert stays a KernelCompileError (the tuner's "infinitely slow")."""
+    import cutlass.cute as cute
+    from moe_aot_templates.grouped_gemm import GroupedDownGemm
+
+    from moe_aot.kernel_build import KernelCompileError, TemplateBugError, compile_kernel
+
+    class Bug(GroupedDownGemm):
+        @cute.jit
+        def _epilogue(self, etid, sC, mIds, mTopkW, mY, row0, bn):
+            undefined_in_template(etid)  # noqa: F821
+
+    class Refusal(GroupedDownGemm):
+        @cute.jit
+        def _epilogue(self, etid, sC, mIds, mTopkW, mY, row0, bn):
+            assert self.tile_n > 4096, "this shape is refused at compile time"
+
+    kw = dict(tile_m=64, tile_n=64, tile_k=64, stages=3)
+    with pytest.raises(TemplateBugError, match="NameError in the template's code"):
+        compile_kernel(Bug(8, 256, 256, 2, **kw), "sm_90a", "bug")
+    with pytest.raises(KernelCompileError, match="refused at compile time") as refused:
+        compile_kernel(Refusal(8, 256, 256, 2, **kw), "sm_90a", "refusal")
+    assert not isinstance(refused.value, TemplateBugError)
+
+
 def test_parallel_compile_in_process_pool(tmp_path):
     with Database(f"sqlite:///{tmp_path / 'p.sqlite'}") as db:
         spec = make_spec(**SMALL)

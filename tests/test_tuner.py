@@ -526,6 +526,19 @@ def test_gpu_measurer_turns_each_result_into_a_typed_outcome(monkeypatch):
     monkeypatch.setattr(layer_mod, "MoeLayer", missing)
     out = m(spec, v, 16)
     assert out.status == "compile_error" and "moe_glu_x" in out.error
+    # launch failures are told apart by the CUDA error code, not by their wording
+    from moe_aot.runtime.library import KernelLaunchError
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    for code, words, want in ((701, "launch failed", "resource_error"),
+                              (719, "launch failed: too many resources in the message", "launch_error"),
+                              (None, "stored library is corrupt", "launch_error")):
+        def failing(*a, code=code, words=words, **k):
+            raise KernelLaunchError(f"moe_down_x: {words}", code)
+
+        monkeypatch.setattr(layer_mod, "MoeLayer", failing)
+        out = m(spec, v, 16)
+        assert out.status == want and words in out.error, (code, out)
 
 
 def test_seed_variants_measure_the_pick_its_twins_and_its_cluster_twins(tmp_path):

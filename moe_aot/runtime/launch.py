@@ -192,7 +192,7 @@ class LayerPlan:
             failed = self._fn(self._plan_ptr, *p, stream)
             if failed:
                 b = self.bound[failed - 1]
-                raise KernelLaunchError(f"{b._lib.name}: launch failed (cudaError {b._ret.value})")
+                raise KernelLaunchError(f"{b._lib.name}: launch failed (cudaError {b._ret.value})", b._ret.value)
             return out
         route, glu, down, comb = self.bound
         for i, feeds in enumerate(_FEEDS):

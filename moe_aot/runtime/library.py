@@ -31,7 +31,12 @@ class KernelArgumentError(ValueError):
 
 
 class KernelLaunchError(RuntimeError):
-    """The CUDA runtime refused to load or launch a kernel."""
+    """The CUDA runtime refused to load or launch a kernel; ``code`` is its cudaError_t value
+    where the runtime returned one (None for refusals of our own, e.g. a corrupt library)."""
+
+    def __init__(self, message: str, code: int | None = None):
+        super().__init__(message)
+        self.code = code
 
 
 def _struct_type(arg: dict):
@@ -133,14 +138,15 @@ class KernelLibrary:
         getattr(self._lib, abi["init"])((ctypes.c_void_p * 2)(ctypes.addressof(self._handle_ptr),
                                                                 ctypes.addressof(ret)))
         if ret.value != 0:
-            raise KernelLaunchError(f"{self.name}: loading the kernel module failed (cudaError {ret.value})")
+            raise KernelLaunchError(f"{self.name}: loading the kernel module failed (cudaError {ret.value})",
+                                    ret.value)
         t2 = time.perf_counter()
         dev = ctypes.c_int32(torch.cuda.current_device() if device is None else device)
         getattr(self._lib, abi["load_to_device"])((ctypes.c_void_p * 3)(
             ctypes.addressof(self._handle_ptr), ctypes.addressof(dev), ctypes.addressof(ret)))
         if ret.value != 0:
             raise KernelLaunchError(f"{self.name}: loading onto device {dev.value} failed (cudaError {ret.value}); "
-                                    "a cubin runs only on the exact arch it was built for")
+                                    "a cubin runs only on the exact arch it was built for", ret.value)
         # where a cold start goes, for tools/gpu_run.py --coldstart
         self.load_ms = {"dlopen": 1e3 * (t1 - t0), "init": 1e3 * (t2 - t1),
                         "load_to_device": 1e3 * (time.perf_counter() - t2)}
@@ -192,7 +198,7 @@ class KernelLibrary:
         self._ret.value = 0
         self._run(self._packed, self._nargs)
         if self._ret.value != 0:
-            raise KernelLaunchError(f"{self.name}: launch failed (cudaError {self._ret.value})")
+            raise KernelLaunchError(f"{self.name}: launch failed (cudaError {self._ret.value})", self._ret.value)
 
     def bind(self, *tensors: torch.Tensor, check: bool = True) -> "BoundLaunch":
         """Argument structs filled once for these tensors' shapes; later launches only swap data
@@ -223,4 +229,5 @@ class BoundLaunch:
         self._ret.value = 0
         self._lib._run(self._packed, self._nargs)
         if self._ret.value != 0:
-            raise KernelLaunchError(f"{self._lib.name}: launch failed (cudaError {self._ret.value})")
+            raise KernelLaunchError(f"{self._lib.name}: launch failed (cudaError {self._ret.value})",
+                                    self._ret.value)
