@@ -289,7 +289,7 @@ def _fail(exc: Exception) -> click.ClickException:
 
 
 def _export(db, export_dir, gpu):
-    from .tuner import export_tuned
+    from .picks import export_tuned
 
     for path in export_tuned(db, Path(export_dir) if export_dir else env.tuned_dir(), gpu):
         click.echo(f"tuned picks for {gpu} written to {path}", err=True)
@@ -352,7 +352,7 @@ def tune_cmd(models, spec_file, target, experts, top_k, hidden, intermediate, ac
     keep the best. With --compile-only, only the compiling half (see `moe-aot measure`)."""
     import os
 
-    from . import tuner
+    from . import picks, tuner
 
     specs = _specs(models, spec_file, target, experts, top_k, hidden, intermediate, activation, precision)
     buckets = _tokens(tokens)
@@ -384,10 +384,10 @@ def tune_cmd(models, spec_file, target, experts, top_k, hidden, intermediate, ac
         if gpu and gpu != measurer.gpu:
             raise click.ClickException(f"--gpu {gpu!r} but this machine's GPU is {measurer.gpu!r}")
         tuner.tune(url, specs, buckets, measurer, trials=trials, timeout_s=timeout_s, jobs=jobs, seed=seed,
-                   confirm=tuner.CONFIRM_K if confirm is None else confirm)
+                   confirm=picks.CONFIRM_K if confirm is None else confirm)
         with Database(url) as db:
             for spec in specs:
-                click.echo(tuner.format_summary(spec, measurer.gpu, tuner.summary(db, spec, measurer.gpu, buckets)))
+                click.echo(picks.format_summary(spec, measurer.gpu, picks.summary(db, spec, measurer.gpu, buckets)))
             _export(db, export_dir, measurer.gpu)
     except DatabaseError as exc:
         raise _fail(exc) from None
@@ -419,7 +419,7 @@ def measure_cmd(models, target, tokens, trials, timeout_s, wait_s, replays, conf
     the bucket's candidates have been in one, so running `measure` again runs the rounds that
     --timeout left out or a failure cut short; rounds do not count against --trials."""
     from .measure_worker import measure
-    from .tuner import CONFIRM_K
+    from .picks import CONFIRM_K
 
     url = _where(db_url)
     _open(url).close()
@@ -445,7 +445,7 @@ def measure_cmd(models, target, tokens, trials, timeout_s, wait_s, replays, conf
 def export_cmd(gpu, export_dir, db_url):
     """Write the tuned picks, derived from the records, as reviewable text (one JSON object per
     line, the default's record beside each pick) for the repository."""
-    from .tuner import export_tuned
+    from .picks import export_tuned
 
     db = _open(db_url, readonly=True)
     try:
@@ -477,7 +477,7 @@ def build_cmd(models, spec_file, target, experts, top_k, hidden, intermediate, a
     the text export has one for the target (and GPU), the default variant for every bucket.
     Idempotent: what is already in the database is not compiled again."""
     from .compiler import compile_into, toolchain_key
-    from .tuner import build_plan
+    from .picks import build_plan
 
     specs = _specs(models, spec_file, target, experts, top_k, hidden, intermediate, activation, precision)
     db = _open(db_url)

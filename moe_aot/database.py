@@ -9,7 +9,7 @@ variant's kernels' cubin sha256s), the GPU, the driver and the toolchain without
 source hash (`measurement_toolchain`), so a cubin-identical template refactor keeps every
 measurement. Which variant is fastest is derived from the records when asked (`top_k`); the
 best table only holds what `moe-aot build` deployed for the runtime to read, each pick checked
-against the default's record first (tuner.derive_picks).
+against the default's record first (picks.derive_picks).
 """
 from __future__ import annotations
 
@@ -501,7 +501,7 @@ class Database:
     def _first_record(self, conn: Connection, key: dict):
         """The first record measured of `key`'s content in its context (see the module doc)."""
         if not key.get("content"):
-            raise ValueError("a measurement key needs the measured content (tuner.variant_content)")
+            raise ValueError("a measurement key needs the measured content (picks.variant_content)")
         t = _records_t
         rows = conn.execute(select(t).where(
             *(t.c[k] == key[k] for k in ("workload", "target", "gpu", "driver", "tokens", "content")))

@@ -22,30 +22,32 @@ import optuna
 from optuna.trial import TrialState
 
 from .database import Database
-from .spec import LayerSpec
-from .tuner import (
+from .picks import (
     CONFIRM_K,
     CONFIRM_WITHIN,
-    Outcome,
-    baseline_trial,
     choose_pick,
     commit_picks,
     complete_rounds,
     confirm_plan,
     current_contents,
+    live_records,
+    round_medians,
+    variant_content,
+)
+from .spec import LayerSpec
+from .tuner import (
+    Outcome,
+    baseline_trial,
     default_recorded,
     line,
-    live_records,
     measure_trial,
     open_storage,
     parse_study_name,
     requeue_stale,
-    round_medians,
     search_space,
     study_name,
     study_spec,
     suggest,
-    variant_content,
     worker_id,
 )
 from .variants import LayerVariant
@@ -287,7 +289,7 @@ def _measure_default(db: Database, study: optuna.Study, spec: LayerSpec, tokens:
 
 def confirm_round(db: Database, spec: LayerSpec, tokens: int, measurer, k: int = CONFIRM_K,
                   within: float = CONFIRM_WITHIN, progress: Callable[[str], None] = line) -> bool:
-    """Measure the bucket's best few candidates (tuner.confirm_plan) and its default again, each
+    """Measure the bucket's best few candidates (picks.confirm_plan) and its default again, each
     twice, in mirrored order (A B C D D C B A, so a drift during the round weighs on each of them
     alike), recording every measurement as it comes (one that raises leaves those before it in
     the database; an incomplete round does not count in the picks). Runs only when a round is

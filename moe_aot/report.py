@@ -8,8 +8,8 @@ import html
 from pathlib import Path
 
 from .database import Database
+from .picks import confirmation, format_summary, roofline_floor_us, summary
 from .spec import LayerSpec
-from .tuner import confirmation, format_summary, roofline_floor_us, summary
 from .variants import LayerVariant
 
 

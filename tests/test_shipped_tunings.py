@@ -7,7 +7,7 @@ from pathlib import Path
 
 from click.testing import CliRunner
 
-from moe_aot import tuner
+from moe_aot import picks
 from moe_aot.cli import main
 from moe_aot.database import RecordRow
 from moe_aot.runtime.store import KernelStore
@@ -55,14 +55,14 @@ def derive_from_committed_records(records=None) -> list[dict]:
     for w, g, n in sorted({(r.workload, r.gpu, r.tokens) for r in recs}):
         spec = _spec(w)
         default = default_variant(spec, n).name(spec)
-        best, base = tuner.choose_pick([r for r in recs if (r.workload, r.gpu, r.tokens) == (w, g, n)], default)
-        lines.append(tuner.pick_line(tuner.Pick(w, "sm_90a", g, n, best.variant, best.median_us, best.id, "",
+        best, base = picks.choose_pick([r for r in recs if (r.workload, r.gpu, r.tokens) == (w, g, n)], default)
+        lines.append(picks.pick_line(picks.Pick(w, "sm_90a", g, n, best.variant, best.median_us, best.id, "",
                                                 default, base.median_us if base.status == "ok" else None)))
     return lines
 
 
 def test_committed_picks_are_derived_from_the_records_and_never_slower_than_the_default():
-    rows = tuner.read_tuned_file(TUNED)  # refuses a pick slower than its default's record
+    rows = picks.read_tuned_file(TUNED)  # refuses a pick slower than its default's record
     assert rows == derive_from_committed_records()
     recs = _records()
     confirmed = 0
@@ -97,16 +97,16 @@ def test_build_turns_the_committed_picks_into_binaries(tmp_path):
                                     "NVIDIA H200", "--tuned-dir", str(TUNED.parent), "--db", url, "-j", "1"])
     assert res.exit_code == 0, res.output
     spec = make_spec("qwen3-30b-a3b")
-    picks = KernelStore(url).picks(spec, "NVIDIA H200")
-    assert sorted(picks) == [1, 16, 64, 256, 1024, 4096, 16384]
+    served = KernelStore(url).picks(spec, "NVIDIA H200")
+    assert sorted(served) == [1, 16, 64, 256, 1024, 4096, 16384]
     # the binaries built here are the ones that were measured: same content digest as the pick's record
     from moe_aot.database import Database
 
     measured = {(r["variant"], r["tokens"]): r["content"] for r in _records()
                 if r["workload"] == spec.workload_key}
     with Database(url) as db:
-        for tokens, v in picks.items():
-            assert tuner.variant_content(db, spec, v)[0] == measured[(v.name(spec), tokens)], (tokens, v)
+        for tokens, v in served.items():
+            assert picks.variant_content(db, spec, v)[0] == measured[(v.name(spec), tokens)], (tokens, v)
     again = CliRunner().invoke(main, ["build", "--models", "qwen3-30b-a3b", "--target", "sm_90a", "--gpu",
                                       "NVIDIA H200", "--tuned-dir", str(TUNED.parent), "--db", url])
     assert again.exit_code == 0 and "0 compiled" in again.output

@@ -13,7 +13,7 @@ from click.testing import CliRunner
 from optuna.trial import TrialState
 from tuner_fakes import GPU, DrawMeasurer, FakeMeasurer, check_records_and_best, fake_compile, fake_time_us, toolchain
 
-from moe_aot import measure_worker, tuner
+from moe_aot import measure_worker, picks, tuner
 from moe_aot.cli import main
 from moe_aot.database import Database
 from moe_aot.spec import make_spec
@@ -41,9 +41,9 @@ def test_search_space_round_trips_and_covers_the_candidates():
 
 def test_roofline_floor():
     # 1 token: bytes of top_k experts' weights dominate; 16384 tokens: every expert, FLOPs dominate.
-    one = tuner.roofline_floor_us(SPEC, 1)
+    one = picks.roofline_floor_us(SPEC, 1)
     assert one == pytest.approx((3 * 2048 * 768 * 2 * 8 + 4 * 2048) / 4.8e12 * 1e6, rel=1e-6)
-    big = tuner.roofline_floor_us(SPEC, 16384)
+    big = picks.roofline_floor_us(SPEC, 16384)
     assert big == pytest.approx(6 * 16384 * 8 * 2048 * 768 / 790e12 * 1e6, rel=1e-6)
 
 
@@ -59,16 +59,16 @@ def test_tune_records_every_trial_and_commits_the_minimum(url):
     assert "ok" in statuses and statuses <= {"ok", "compile_error", "resource_error", "wrong_result"}
     rec = db.records()[0]
     assert rec.gpu == GPU and rec.driver.startswith("999") and rec.toolchain == toolchain("sm_90a")
-    rows = tuner.summary(db, SPEC, GPU, (1, 4096))
+    rows = picks.summary(db, SPEC, GPU, (1, 4096))
     for row, tokens in zip(rows, (1, 4096)):
         recs = db.records(SPEC.workload_key, SPEC.target, GPU, tokens)
         ok = [r for r in recs if r.status == "ok"]
         best = min(ok, key=lambda r: r.median_us)
         assert (row["records"], row["ok"], row["failed"]) == (len(recs), len(ok), len(recs) - len(ok))
         assert (row["best_us"], row["variant"]) == (best.median_us, best.variant)
-        assert row["floor_us"] == tuner.roofline_floor_us(SPEC, tokens)
+        assert row["floor_us"] == picks.roofline_floor_us(SPEC, tokens)
         assert row["of_floor"] == pytest.approx(row["floor_us"] / best.median_us)
-    assert "floor us" in tuner.format_summary(SPEC, GPU, rows)
+    assert "floor us" in picks.format_summary(SPEC, GPU, rows)
 
 
 def test_budget_resume_and_stale_trials(url):
@@ -192,24 +192,41 @@ def test_measure_worker_imports_neither_dsl_nor_compiler():
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
+def test_build_export_and_report_do_not_import_optuna(tmp_path):
+    """Deployment (moe_aot.picks: export, the build plan) and the report read the records
+    without the tuner's optuna; the test fails if either imports it again."""
+    root = Path(__file__).resolve().parents[1]
+    code = ("import sys\nfrom pathlib import Path\nfrom moe_aot import picks, report\n"
+            "from moe_aot.database import Database\nfrom moe_aot.spec import make_spec\n"
+            f"db = Database('sqlite:///{tmp_path / 'fresh.sqlite'}')\n"
+            "pairs, planned = picks.build_plan(db, [make_spec('qwen3-30b-a3b')], (16, 4096), 'NVIDIA H200', "
+            f"Path({str(root / 'cache' / 'tuned')!r}))\n"
+            "assert planned and pairs, (pairs, planned)\n"
+            "picks.export_tuned(db, Path(sys.argv[1]))\n"
+            "bad = [m for m in sys.modules if m.split('.')[0] == 'optuna' or m == 'moe_aot.tuner']\n"
+            "print(bad); sys.exit(1 if bad else 0)")
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path / "out")], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
 def test_export_is_stable_text_and_build_plan_reads_it(url, tmp_path):
     tuner.tune(url, [SPEC], (1, 256), FakeMeasurer(), trials=5, jobs=0, compile_fn=fake_compile, seed=7,
                progress=lambda s: None)
     out = tmp_path / "tuned"
     db = Database(url)
-    [path] = tuner.export_tuned(db, out)
+    [path] = picks.export_tuned(db, out)
     assert path.name == "Fake_GPU_80GB.jsonl"
     text = path.read_text()
     rows = [json.loads(x) for x in text.splitlines()]
     assert [r["tokens"] for r in rows] == [1, 256]
-    assert set(rows[0]) == set(tuner.TUNED_FIELDS)
+    assert set(rows[0]) == set(picks.TUNED_FIELDS)
     assert all(r["median_us"] <= r["default_us"] for r in rows)
-    tuner.export_tuned(db, out)
+    picks.export_tuned(db, out)
     assert path.read_text() == text
     # A fresh database (a container build) gets the picks from the text alone.
     fresh = Database(f"sqlite:///{tmp_path / 'fresh.sqlite'}")
-    pairs, picks = tuner.build_plan(fresh, [SPEC], (1, 256), GPU, out)
-    assert {(g, n, v.name(SPEC)) for _, g, n, v, _ in picks} == {(GPU, r["tokens"], r["variant"]) for r in rows}
+    pairs, planned = picks.build_plan(fresh, [SPEC], (1, 256), GPU, out)
+    assert {(g, n, v.name(SPEC)) for _, g, n, v, _ in planned} == {(GPU, r["tokens"], r["variant"]) for r in rows}
     assert len(pairs) >= 2
 
 
@@ -218,7 +235,7 @@ def test_fake_measurer_minimum_is_found_by_the_sampler(url):
     best of the whole candidate space."""
     tuner.tune(url, [SPEC], (4096,), FakeMeasurer(), trials=40, jobs=0, compile_fn=fake_compile, seed=8,
                progress=lambda s: None)
-    best = {p.tokens: p for p in tuner.derive_picks(Database(url, readonly=True), SPEC, GPU)}[4096]
+    best = {p.tokens: p for p in picks.derive_picks(Database(url, readonly=True), SPEC, GPU)}[4096]
     floor = min(fake_time_us(SPEC, v, 4096) for v in candidate_space(SPEC))
     assert best.median_us <= floor * 1.15
 
@@ -396,7 +413,7 @@ def _refactored_compile(db_url, spec, variant):
 
 def _exported(url, tmp_path):
     with Database(url) as db:
-        [path] = tuner.export_tuned(db, tmp_path / "tuned")
+        [path] = picks.export_tuned(db, tmp_path / "tuned")
     return [json.loads(x) for x in path.read_text().splitlines()]
 
 
@@ -414,7 +431,7 @@ def test_a_cubin_identical_refactor_keeps_the_defaults_record_and_the_pick(url, 
     [row] = _exported(url, tmp_path)
     assert (row["variant"], row["median_us"]) == (d, 10.0)
     with Database(url) as db:
-        [(_, _, _, v, us)] = tuner.build_plan(db, [SPEC], (64,), GPU, tmp_path / "none")[1]
+        [(_, _, _, v, us)] = picks.build_plan(db, [SPEC], (64,), GPU, tmp_path / "none")[1]
     assert (v.name(SPEC), us) == (d, 10.0)
 
 
@@ -429,7 +446,7 @@ def test_the_pick_is_the_fastest_record_not_the_newest(url, tmp_path):
     assert row["median_us"] == 8.0  # round 1, not round 2's 9.0
     assert row["default_us"] == 10.0
     with Database(url) as db:
-        assert [us for *_, us in tuner.build_plan(db, [SPEC], (64,), GPU, tmp_path / "none")[1]] == [8.0]
+        assert [us for *_, us in picks.build_plan(db, [SPEC], (64,), GPU, tmp_path / "none")[1]] == [8.0]
         assert db.top_k(SPEC.workload_key, SPEC.target, GPU, 64)[0].median_us == 8.0
 
 
@@ -463,10 +480,10 @@ def test_build_refuses_a_text_pick_slower_than_its_default(tmp_path):
     line = {"workload": SPEC.workload_key, "target": SPEC.target, "gpu": GPU, "tokens": 64,
             "variant": other.name(SPEC), "median_us": 12.0, "default": d.name(SPEC), "default_us": 10.0}
     (tmp_path / "tuned").mkdir()
-    tuner.tuned_path(tmp_path / "tuned", GPU).write_text(json.dumps(line) + "\n")
+    picks.tuned_path(tmp_path / "tuned", GPU).write_text(json.dumps(line) + "\n")
     with Database(f"sqlite:///{tmp_path / 'fresh.sqlite'}") as db:
         with pytest.raises(ValueError, match="slower than the default"):
-            tuner.build_plan(db, [SPEC], (64,), GPU, tmp_path / "tuned")
+            picks.build_plan(db, [SPEC], (64,), GPU, tmp_path / "tuned")
 
 
 # -- the GPU measurer's driver version, parsed on the CPU --
@@ -551,7 +568,7 @@ def test_seed_variants_measure_the_pick_its_twins_and_its_cluster_twins(tmp_path
     entry = {"workload": SPEC.workload_key, "target": SPEC.target, "tokens": 4096, "gpu": GPU,
              "variant": pick.name(SPEC), "default": default_variant(SPEC, 4096).name(SPEC), "median_us": 1.0,
              "default_us": 1.1}
-    tuner.write_tuned(tmp_path, GPU, [entry])
+    picks.write_tuned(tmp_path, GPU, [entry])
     seeds = tuner.seed_variants(tmp_path, GPU, [SPEC], [16, 4096])
     got = seeds[(SPEC.workload_key, 4096)]
     base = default_variant(SPEC, 4096)
@@ -582,7 +599,7 @@ def _prepared(url, trials, tokens=4096, seed=11):
 
 def _confirmations(url, tokens=4096):
     with Database(url, readonly=True) as db:
-        return [r for r in db.records(SPEC.workload_key, SPEC.target, GPU, tokens) if tuner.confirmation(r)]
+        return [r for r in db.records(SPEC.workload_key, SPEC.target, GPU, tokens) if picks.confirmation(r)]
 
 
 @pytest.mark.parametrize("steady_draws, expect", [([690.0, 689.0, 691.0], "steady"),
@@ -640,9 +657,9 @@ def test_the_round_is_the_fastest_candidates_then_the_default_then_back(url, k):
     assert m.calls[1 + len(others):] == members + members[::-1]
     again = sorted(_confirmations(url), key=lambda r: r.id)
     assert [r.variant for r in again] == members + members[::-1]
-    assert [tuner.confirmation(r)["position"] for r in again] == list(range(2 * len(members)))
-    assert {tuner.confirmation(r)["size"] for r in again} == {2 * len(members)}
-    assert len({tuner.confirmation(r)["round"] for r in again}) == 1
+    assert [picks.confirmation(r)["position"] for r in again] == list(range(2 * len(members)))
+    assert {picks.confirmation(r)["size"] for r in again} == {2 * len(members)}
+    assert len({picks.confirmation(r)["round"] for r in again}) == 1
     check_records_and_best(url, SPEC, GPU, (4096,))
 
 
@@ -658,14 +675,14 @@ def test_every_measurement_of_the_round_is_a_record_and_in_the_records_json(url,
     again = sorted(_confirmations(url), key=lambda r: r.id)
     assert [(r.variant, r.median_us) for r in again] == list(zip(m.calls[n:], m.times[n:]))
     with Database(url, readonly=True) as db:
-        trial = {r.id: r for r in db.records() if tuner.confirmation(r) is None}
+        trial = {r.id: r for r in db.records() if picks.confirmation(r) is None}
     for r in again:
-        of = trial[tuner.confirmation(r)["record"]]
+        of = trial[picks.confirmation(r)["record"]]
         assert (r.gpu, r.driver, r.status) == (GPU, m.driver, "ok")
         assert (r.variant, r.content, r.toolchain) == (of.variant, of.content, of.toolchain)
         assert r.stats["min_us"] == r.median_us * 0.98 and r.stats["study"] == tuner.study_name(SPEC, GPU, 4096)
     # a: 600, 633.125, 612.5 -> 612.5; b: 610, 640.75, 599.5 -> 610; default: 650, 651.5, 648.25 -> 650
-    [pick] = tuner.derive_picks(Database(url, readonly=True), SPEC, GPU)
+    [pick] = picks.derive_picks(Database(url, readonly=True), SPEC, GPU)
     assert (pick.variant, pick.median_us, pick.default_us) == (b, 610.0, 650.0)
     # tools/gpu_run.py dumps every record, the round's too, and the picks re-derived from that
     # JSON the way tests/test_shipped_tunings.py does are the database's
@@ -682,8 +699,8 @@ def test_every_measurement_of_the_round_is_a_record_and_in_the_records_json(url,
 
     rows = [RecordRow(**{**r, "created_at": datetime.fromisoformat(r["created_at"])})
             for r in json.loads(out.read_text())]
-    assert len([r for r in rows if tuner.confirmation(r)]) == 6
-    best, base = tuner.choose_pick(rows, d)
+    assert len([r for r in rows if picks.confirmation(r)]) == 6
+    best, base = picks.choose_pick(rows, d)
     assert (best.variant, best.median_us, base.median_us) == (b, 610.0, 650.0)
 
 
@@ -744,16 +761,16 @@ class _LuckyFirst(FakeMeasurer):
 
 
 def test_tune_confirms_too(tmp_path):
-    picks = {}
+    chosen = {}
     for confirm in (0, 3):
         url = f"sqlite:///{tmp_path / f'tune{confirm}.sqlite'}"
         m = _LuckyFirst()
         tuner.tune(url, [SPEC], (256,), m, trials=5, jobs=0, compile_fn=fake_compile, seed=9,
                    progress=lambda s: None, confirm=confirm)
-        [picks[confirm]] = tuner.derive_picks(Database(url, readonly=True), SPEC, GPU)
+        [chosen[confirm]] = picks.derive_picks(Database(url, readonly=True), SPEC, GPU)
         assert (len(m.seen) > len(set(m.seen))) == (confirm > 0)
     d = default_variant(SPEC, 256).name(SPEC)
-    assert picks[0].variant != d and picks[3].variant == d
+    assert chosen[0].variant != d and chosen[3].variant == d
 
 
 def test_cli_confirm_flag(runner, tmp_path, monkeypatch):
@@ -766,7 +783,7 @@ def test_cli_confirm_flag(runner, tmp_path, monkeypatch):
     assert res.exit_code == 2 and "-1 is negative" in res.output and "0 for no confirmation round" in res.output
     res = runner.invoke(main, ["tune", "--compile-only", "--gpu", GPU, "--model", "qwen3-30b-a3b", "--confirm", "2"])
     assert res.exit_code == 2 and "--confirm goes with measuring" in res.output
-    assert f"(default: {tuner.CONFIRM_K})" in runner.invoke(main, ["measure", "--help"]).output
+    assert f"(default: {picks.CONFIRM_K})" in runner.invoke(main, ["measure", "--help"]).output
     other = f"sqlite:///{tmp_path / 'other.sqlite'}"
     assert _prepared(other, 4) == (d, [lucky, steady, *rest])
     res = runner.invoke(main, ["measure", "--confirm", "0", "--db", other, "--export-dir", str(tmp_path / "t0")])

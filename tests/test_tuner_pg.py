@@ -9,7 +9,7 @@ import pytest
 from optuna.trial import TrialState
 from tuner_fakes import check_records_and_best, fake_compile, measure_worker_run, tune_worker
 
-from moe_aot import tuner
+from moe_aot import picks, tuner
 from moe_aot.database import Database
 from moe_aot.spec import make_spec
 
@@ -25,7 +25,7 @@ def gpu():
 
 def _records_by_trial(gpu):
     with Database(URL, readonly=True) as db:
-        recs = [r for r in db.records(SPEC.workload_key, SPEC.target, gpu) if tuner.confirmation(r) is None]
+        recs = [r for r in db.records(SPEC.workload_key, SPEC.target, gpu) if picks.confirmation(r) is None]
     return recs, [(r.stats["study"], r.stats["trial"]) for r in recs if "trial" in r.stats]
 
 

@@ -10,7 +10,7 @@ import time
 import optuna
 from optuna.trial import TrialState
 
-from moe_aot import measure_worker, tuner
+from moe_aot import measure_worker, picks, tuner
 from moe_aot.database import Database
 from moe_aot.tuner import Compiled, Outcome
 from moe_aot.variants import default_variant
@@ -96,12 +96,12 @@ def check_records_and_best(url, spec, gpu, buckets):
     storage = tuner.open_storage(url)
     for tokens in buckets:
         everything = db.records(spec.workload_key, spec.target, gpu, tokens)
-        recs = [r for r in everything if tuner.confirmation(r) is None]
-        again = [r for r in everything if tuner.confirmation(r) is not None]
-        assert {tuner.confirmation(r)["round"] for r in again} == tuner.complete_rounds(everything)
+        recs = [r for r in everything if picks.confirmation(r) is None]
+        again = [r for r in everything if picks.confirmation(r) is not None]
+        assert {picks.confirmation(r)["round"] for r in again} == picks.complete_rounds(everything)
         by_id = {r.id: r for r in recs}
         for r in again:
-            of = by_id[tuner.confirmation(r)["record"]]
+            of = by_id[picks.confirmation(r)["record"]]
             assert (of.variant, of.content, of.driver) == (r.variant, r.content, r.driver)
         assert len({r.variant for r in recs}) == len(recs)
         study = optuna.load_study(study_name=tuner.study_name(spec, gpu, tokens), storage=storage)
@@ -110,7 +110,7 @@ def check_records_and_best(url, spec, gpu, buckets):
         assert ids == {r.id for r in recs}
         assert [t for t in study.trials if t.state == TrialState.RUNNING] == []
         ok = [r for r in recs if r.status == "ok"]
-        best = {p.tokens: p for p in tuner.derive_picks(db, spec, gpu)}[tokens]
+        best = {p.tokens: p for p in picks.derive_picks(db, spec, gpu)}[tokens]
         assert best.median_us == min(r.median_us for r in ok)
         assert best.variant == min(ok, key=lambda r: r.median_us).variant
         default = default_variant(spec, tokens).name(spec)
