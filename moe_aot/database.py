@@ -52,8 +52,10 @@ from .dbread import (
     T_RECORDS,
     T_VERSION,
     T_WORKLOADS,
+    ArtifactVersion,
     BestRow,
     DatabaseError,
+    KernelVersion,
     check_quick_check,
     check_schema_versions,
     corrupt,
@@ -591,3 +593,31 @@ class Database:
 
     def best(self, workload: str, target: str, gpu: str, toolchain: str) -> dict[int, BestRow]:
         return {r.tokens: r for r in self.all_best(workload, target, gpu, toolchain)}
+
+
+class SqlAlchemyReader:
+    """The same reads on any SQLAlchemy URL (a team's PostgreSQL server, say)."""
+
+    def __init__(self, url: str):
+        self.db = Database(url, readonly=True)
+
+    def artifact_versions(self, name: str) -> list[ArtifactVersion]:
+        return [ArtifactVersion(a.toolchain, a.status, a.created_at)
+                for a in self.db.list_artifacts(name=name)]
+
+    def kernel_versions(self, names: list[str]) -> list[KernelVersion]:
+        return [KernelVersion(a.name, a.toolchain, a.status, a.created_at, a.sha256, None)
+                for n in names for a in self.db.list_artifacts(name=n)]
+
+    def artifact(self, name: str, toolchain: str) -> tuple[bytes, dict]:
+        a = self.db.get_artifact(name, toolchain)
+        if a is None:
+            raise DatabaseError(f"artifact {name} (toolchain {toolchain}) vanished from the kernel "
+                                "database while it was being read")
+        return a.library, a.meta
+
+    def best(self, workload: str, target: str) -> list[BestRow]:
+        return self.db.all_best(workload=workload, target=target)
+
+    def close(self) -> None:
+        self.db.close()

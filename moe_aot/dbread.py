@@ -4,11 +4,12 @@ The runtime only ever reads a few things: which builds of a layer's kernels are 
 their metadata and sha256, all four kernels in one query), one kernel's library when the on-disk
 cache does not hold it, and the deployed picks of a layer. For a SQLite file (the default)
 this module reads them with `sqlite3`, so a serving process never imports SQLAlchemy (its
-import was most of the runtime's cold start). Any other URL goes through `database.Database`.
+import was most of the runtime's cold start). Any other URL goes through
+`database.SqlAlchemyReader` (runtime.store.open_reader picks one).
 
 This module also owns what both readers must agree on: the schema version, the table names,
-how blobs are packed and checked, the error type and its sentences. It must not import
-SQLAlchemy; `database.py` imports it.
+how blobs are packed and checked, the error type and its sentences. It imports neither
+SQLAlchemy nor `database.py` (which imports it: no cycle).
 """
 from __future__ import annotations
 
@@ -259,38 +260,3 @@ class SqliteReader:
         if self._con is not None:
             self._con.close()
             self._con = None
-
-
-class SqlAlchemyReader:
-    """The same reads on any SQLAlchemy URL (a team's PostgreSQL server, say)."""
-
-    def __init__(self, url: str):
-        from .database import Database
-
-        self.db = Database(url, readonly=True)
-
-    def artifact_versions(self, name: str) -> list[ArtifactVersion]:
-        return [ArtifactVersion(a.toolchain, a.status, a.created_at)
-                for a in self.db.list_artifacts(name=name)]
-
-    def kernel_versions(self, names: list[str]) -> list[KernelVersion]:
-        return [KernelVersion(a.name, a.toolchain, a.status, a.created_at, a.sha256, None)
-                for n in names for a in self.db.list_artifacts(name=n)]
-
-    def artifact(self, name: str, toolchain: str) -> tuple[bytes, dict]:
-        a = self.db.get_artifact(name, toolchain)
-        if a is None:
-            raise DatabaseError(f"artifact {name} (toolchain {toolchain}) vanished from the kernel "
-                                "database while it was being read")
-        return a.library, a.meta
-
-    def best(self, workload: str, target: str) -> list[BestRow]:
-        return self.db.all_best(workload=workload, target=target)
-
-    def close(self) -> None:
-        self.db.close()
-
-
-def open_reader(url: str) -> SqliteReader | SqlAlchemyReader:
-    path = sqlite_file(url)
-    return SqliteReader(path) if path is not None else SqlAlchemyReader(url)

@@ -214,7 +214,9 @@ def test_moe_forward_refuses_cpu_and_malformed_inputs():
 
 def test_stdlib_reader_agrees_with_the_sqlalchemy_reader(small_db, tmp_path):
     """The runtime's SQLite reader and the SQLAlchemy one give the same answers on one file."""
-    from moe_aot.dbread import SqlAlchemyReader, SqliteReader, open_reader
+    from moe_aot.database import SqlAlchemyReader
+    from moe_aot.dbread import SqliteReader
+    from moe_aot.runtime.store import open_reader
 
     url, spec = small_db
     path = tmp_path / "copy.sqlite"
@@ -415,7 +417,7 @@ def test_cache_miss_refuses_a_corrupt_blob_or_disagreeing_metadata(small_db, tmp
 
 def test_server_reader_loads_through_the_same_cache(small_db, tmp_path, monkeypatch):
     import moe_aot.runtime.store as store_mod
-    from moe_aot.dbread import SqlAlchemyReader
+    from moe_aot.database import SqlAlchemyReader
 
     monkeypatch.setattr(store_mod, "KernelLibrary", _Loaded)
     monkeypatch.setattr(store_mod, "open_reader", SqlAlchemyReader)  # what a PostgreSQL URL opens
@@ -605,3 +607,17 @@ def test_a_missing_database_is_told_apart_from_a_broken_one(tmp_path):
     with pytest.raises(DatabaseError) as err:
         KernelStore(f"sqlite:///{broken}")
     assert not isinstance(err.value, NoDatabaseError)
+
+
+def test_dbread_imports_nothing_of_the_package_but_env():
+    """dbread is the bottom of the reading side: database.py and the runtime import it, it
+    imports neither of them (no import cycle) nor SQLAlchemy."""
+    import ast
+
+    import moe_aot.dbread as dbread
+
+    tree = ast.parse(Path(dbread.__file__).read_text())
+    imported = {(n.module or "") for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level}
+    imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    ours = {"database", "runtime", "sqlalchemy", "tuner", "picks"}
+    assert not {m for m in imported if m.split(".")[0] in ours}, imported

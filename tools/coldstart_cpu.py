@@ -60,7 +60,7 @@ t_import = time.perf_counter()
 url, model, reader, unpack = sys.argv[1:5]
 if reader == "sqlalchemy":  # what the store opens for a server URL, here on the same file
     import moe_aot.runtime.store as _store
-    from moe_aot.dbread import SqlAlchemyReader
+    from moe_aot.database import SqlAlchemyReader
     _store.open_reader = SqlAlchemyReader
 import moe_aot.runtime.library as L
 dl = []

@@ -10,13 +10,25 @@ import json
 import warnings
 
 from .. import env
-from ..dbread import open_reader
+from ..dbread import SqliteReader, sqlite_file
 from ..spec import LayerSpec
 from ..variants import LayerVariant
 from .library import KernelLaunchError, KernelLibrary, cached_library, library_dir
 
 ARTIFACT_FORMATS = {1}
 
+
+
+def open_reader(url: str):
+    """The runtime's reader of a kernel database: a SQLite file with the standard library alone
+    (dbread.SqliteReader), any other URL through SQLAlchemy (database.SqlAlchemyReader, imported
+    only then: the runtime on SQLite never imports SQLAlchemy)."""
+    path = sqlite_file(url)
+    if path is not None:
+        return SqliteReader(path)
+    from ..database import SqlAlchemyReader
+
+    return SqlAlchemyReader(url)
 
 class KernelMissingError(LookupError):
     """No usable kernel for this name and GPU in the database."""
