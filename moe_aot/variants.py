@@ -48,7 +48,7 @@ class GemmTiles:
 
     @property
     def tag(self) -> str:
-        return f"n{self.tile_n}k{self.tile_k}s{self.stages}{self.mma}{self.cluster_tag}"
+        return _render(self, GEMM_NAME)
 
     @property
     def cluster_tag(self) -> str:
@@ -84,7 +84,7 @@ class LayerVariant:
 
     def name(self, spec: LayerSpec) -> str:
         return (f"moe_layer_{arch_tag(spec.target)}_{spec.precision}_{spec.shape_tag}_{spec.activation}"
-                f"_m{self.tile_m}r{self.route_cluster}_glu{self.glu.tag}_down{self.down.tag}{self._pdl_tag}")
+                + _render(self, LAYER_NAME))
 
     @property
     def _pdl_tag(self) -> str:
@@ -150,17 +150,74 @@ class LayerVariant:
 
     @classmethod
     def parse(cls, name: str) -> "LayerVariant":
-        """Inverse of the tunable part of name(): ..._m64r1_glun128k64s3warp_downn128k64s3warp[_pdl]."""
+        """Inverse of the tunable part of name(): ..._m64r1_glun128k64s3warp_downn128k64s3warp[_pdl],
+        read with the same layout tables name() writes with."""
         import re
 
-        t = r"n(\d+)k(\d+)s(\d+)([a-z]+?)(?:c(\d+))?"
-        m = re.search(rf"_m(\d+)r(\d+)_glu{t}_down{t}(_pdl)?$", name)
+        m = re.search(_pattern(LAYER_NAME, cls) + "$", name)
         if not m:
             raise ValueError(f"{name!r} is not a layer variant name")
+        return _build(cls, LAYER_NAME, iter(m.groups()))
 
-        def tiles(i):
-            return GemmTiles(int(m[i]), int(m[i + 1]), int(m[i + 2]), m[i + 3], int(m[i + 4] or 1))
-        return cls(int(m[1]), tiles(3), tiles(8), int(m[2]), m[13] is not None)
+
+# How a variant's fields appear in its name, in order: (field, prefix). An int is the prefix and
+# its digits, a str (the MMA) itself, a bool the prefix alone when true, a GemmTiles the prefix
+# and its own layout; a field of OMIT_AT_DEFAULT is left out at its default, so adding one kept
+# every older name (and database key). name() and parse() both read these tables, and a test
+# checks that they name every field.
+GEMM_NAME = (("tile_n", "n"), ("tile_k", "k"), ("stages", "s"), ("mma", ""), ("cluster", "c"))
+LAYER_NAME = (("tile_m", "_m"), ("route_cluster", "r"), ("glu", "_glu"), ("down", "_down"), ("pdl", "_pdl"))
+OMIT_AT_DEFAULT = {"cluster", "pdl"}
+_LAYOUTS = {"GemmTiles": GEMM_NAME, "LayerVariant": LAYER_NAME}
+
+
+def _field_types(cls) -> dict:
+    return {f.name: type(f.default) for f in dataclasses.fields(cls)}
+
+
+def _render(obj, layout) -> str:
+    out, defaults = [], {f.name: f.default for f in dataclasses.fields(obj)}
+    for name, prefix in layout:
+        value = getattr(obj, name)
+        if name in OMIT_AT_DEFAULT and value == defaults[name]:
+            continue
+        if dataclasses.is_dataclass(value):
+            out.append(prefix + _render(value, _LAYOUTS[type(value).__name__]))
+        elif isinstance(value, bool):
+            out.append(prefix)
+        else:
+            out.append(f"{prefix}{value}")
+    return "".join(out)
+
+
+def _pattern(layout, cls) -> str:
+    import re
+
+    parts = []
+    for name, prefix in layout:
+        kind = _field_types(cls)[name]
+        if kind is bool:
+            parts.append(f"({re.escape(prefix)})?")
+            continue
+        if dataclasses.is_dataclass(kind):
+            body = re.escape(prefix) + _pattern(_LAYOUTS[kind.__name__], kind)
+        else:
+            body = re.escape(prefix) + (r"(\d+)" if kind is int else r"([a-z]+?)")
+        parts.append(f"(?:{body})?" if name in OMIT_AT_DEFAULT else body)
+    return "".join(parts)
+
+
+def _build(cls, layout, groups):
+    kw, types = {}, _field_types(cls)
+    for name, _ in layout:
+        kind = types[name]
+        if dataclasses.is_dataclass(kind):
+            kw[name] = _build(kind, _LAYOUTS[kind.__name__], groups)
+            continue
+        g = next(groups)
+        if g is not None:
+            kw[name] = kind(g) if kind is not bool else True
+    return cls(**kw)
 
 
 def _c(t: GemmTiles) -> str:

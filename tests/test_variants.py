@@ -177,3 +177,25 @@ def test_pingpong_variants_and_twins():
     twin = LayerVariant(16, GemmTiles(32, 64, 8), GemmTiles(32, 64, 8)).pingpong_twin(gpt)
     assert (twin.glu.tile_n, twin.down.tile_n, twin.glu.stages) == (192, 192, 6) and can_implement(gpt, twin)[0]
     assert hopws.pingpong_twin(make_spec("qwen3-30b-a3b", target="sm_121a")) is None
+
+
+def test_name_layouts_name_every_field_and_parse_inverts_them():
+    """name() and parse() are both read off GEMM_NAME / LAYER_NAME: those tables list every
+    field of the dataclasses (a new field cannot be left out of the name), and every committed
+    pick's name parses back to a variant whose name is the same string."""
+    import json
+    from pathlib import Path
+
+    from moe_aot.variants import GEMM_NAME, LAYER_NAME
+
+    assert sorted(f for f, _ in GEMM_NAME) == sorted(f.name for f in dataclasses.fields(GemmTiles))
+    assert sorted(f for f, _ in LAYER_NAME) == sorted(f.name for f in dataclasses.fields(LayerVariant))
+    tuned = Path(__file__).resolve().parents[1] / "cache" / "tuned" / "NVIDIA_H200.jsonl"
+    for line in tuned.read_text().splitlines():
+        name = json.loads(line)["variant"]
+        v = LayerVariant.parse(name)
+        spec = next(make_spec(m) for m in ("qwen3-30b-a3b", "qwen3-235b-a22b", "gpt-oss-120b", "deepseek-v3",
+                                           "mixtral-8x7b") if make_spec(m).workload_key == json.loads(line)["workload"])
+        assert v.name(spec) == name
+    assert LayerVariant.parse("x_m128r16_glun256k64s4hopwsc2_downn128k64s6hoppp_pdl") == LayerVariant(
+        128, GemmTiles(256, 64, 4, "hopws", 2), GemmTiles(128, 64, 6, "hoppp"), 16, True)
