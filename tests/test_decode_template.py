@@ -5,7 +5,7 @@ import pytest
 
 cute = pytest.importorskip("cutlass.cute")
 
-from templates.decode import MoeDecode  # noqa: E402
+from moe_aot_templates.decode import MoeDecode  # noqa: E402
 
 
 @pytest.mark.parametrize("shape", [(128, 2048, 768, 8), (128, 2880, 2880, 4)])

@@ -12,7 +12,13 @@ import pytest
 cute = pytest.importorskip("cutlass.cute")
 torch = pytest.importorskip("torch")
 
-from templates.grouped_gemm import _REGS_MMA, GroupedDownGemm, GroupedGluGemm, glu_gate_block, interleave_gate_up  # noqa: E402
+from moe_aot_templates.grouped_gemm import (  # noqa: E402
+    _REGS_MMA,
+    GroupedDownGemm,
+    GroupedGluGemm,
+    glu_gate_block,
+    interleave_gate_up,
+)
 
 QWEN3_30B = dict(num_experts=128, hidden=2048, intermediate=768, top_k=8)
 
@@ -143,7 +149,7 @@ def test_hopws_core_uses_tma_pipelines_and_never_waits_on_its_own_loads(role, ti
     cp.async.mbarrier.arrive.noinc, with no cp.async.wait in the kernel at all; the consumers
     fence the async proxy before wgmma reads cp.async data; no local memory; the epilogue
     stores straight from the accumulators (no fp32 staging in shared memory)."""
-    from templates.hopper_gemm import HopperDownGemm, HopperGluGemm
+    from moe_aot_templates.hopper_gemm import HopperDownGemm, HopperGluGemm
 
     cls = HopperGluGemm if role == "glu" else HopperDownGemm
     obj = cls(**QWEN3_30B, tile_m=tile_m, tile_n=tile_n, tile_k=64, stages=stages)
@@ -200,7 +206,7 @@ def test_hoppp_pingpong_gives_each_warpgroup_its_own_tiles(role, tile_m, tile_n,
     slots its 128 threads; registers are moved to the consumers as for hopws's 384 threads;
     the same TMA/cp.async pipeline and register epilogue as hopws; a 128-row warpgroup tile is two
     64-row blocks of wgmma (and of 16-byte epilogue stores) per warpgroup."""
-    from templates.hopper_gemm import HopperDownGemm, HopperGluGemm
+    from moe_aot_templates.hopper_gemm import HopperDownGemm, HopperGluGemm
 
     cls = HopperGluGemm if role == "glu" else HopperDownGemm
     obj = cls(**QWEN3_30B, tile_m=tile_m, tile_n=tile_n, tile_k=64, stages=stages, mma="hoppp")
@@ -251,7 +257,7 @@ def test_hopws_glu_epilogue_stores_16_byte_chunks(tile_m, tile_n, activation, tm
     blocks (2 * tile_n / 64), a quarter of the pair-wise stores; other tile_n (here 96) keep
     the 4-byte pair stores (2 * tile_n / 16). Either way no local memory, and no register
     beyond the consumers' setmaxnreg budget."""
-    from templates.hopper_gemm import HopperGluGemm
+    from moe_aot_templates.hopper_gemm import HopperGluGemm
 
     obj = HopperGluGemm(**QWEN3_30B, activation=activation, tile_m=tile_m, tile_n=tile_n, tile_k=64,
                         stages=4)

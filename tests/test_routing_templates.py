@@ -12,7 +12,7 @@ import pytest
 cute = pytest.importorskip("cutlass.cute")
 torch = pytest.importorskip("torch")
 
-from templates.routing import MoeCombine, MoeRouting  # noqa: E402
+from moe_aot_templates.routing import MoeCombine, MoeRouting  # noqa: E402
 
 _CHECK = Path(__file__).resolve().parents[1] / "tools" / "check_routing_kernels.py"
 _spec = importlib.util.spec_from_file_location("check_routing_kernels", _CHECK)

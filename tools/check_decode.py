@@ -25,9 +25,10 @@ MAX_TOKENS = 4
 
 
 def compile_all(out: Path) -> None:
+    from moe_aot_templates.decode import MoeDecode
+
     from moe_aot.kernel_build import compile_kernel
     from moe_aot.spec import make_spec
-    from templates.decode import MoeDecode
 
     out.mkdir(parents=True, exist_ok=True)
     for model in MODELS:

@@ -99,9 +99,10 @@ def variants(only=None):
 
 # ----------------------------------------------------------------------------- compile (CPU)
 def compile_all(out_dir: Path, arch: str, only=None) -> None:
+    from moe_aot_templates.grouped_gemm import GroupedDownGemm, GroupedGluGemm
+    from moe_aot_templates.hopper_gemm import HopperDownGemm, HopperGluGemm
+
     from moe_aot.kernel_build import compile_kernel
-    from templates.grouped_gemm import GroupedDownGemm, GroupedGluGemm
-    from templates.hopper_gemm import HopperDownGemm, HopperGluGemm
 
     out_dir.mkdir(parents=True, exist_ok=True)
     manifest = []

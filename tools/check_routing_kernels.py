@@ -71,8 +71,9 @@ def combine_reference(y, topk_ids, num_experts: int):
 # ----------------------------------------------------------------------------- compile (CPU)
 
 def do_compile(out_dir: Path, arch: str) -> None:
+    from moe_aot_templates.routing import MoeCombine, MoeRouting
+
     from moe_aot.compiler import compile_kernel
-    from templates.routing import MoeCombine, MoeRouting
 
     jobs = [(routing_name(e, k, tm, cluster_size=c), MoeRouting(e, k, tm, cluster_size=c))
             for e, k, tm in ROUTING_CONFIGS for c in ROUTING_CLUSTERS]
