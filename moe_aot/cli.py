@@ -448,10 +448,14 @@ def export_cmd(gpu, export_dir, db_url):
     from .picks import export_tuned
 
     db = _open(db_url, readonly=True)
+    out_dir = Path(export_dir) if export_dir else env.tuned_dir()
     try:
-        paths = export_tuned(db, Path(export_dir) if export_dir else env.tuned_dir(), gpu)
+        paths = export_tuned(db, out_dir, gpu)
     except DatabaseError as exc:
         raise _fail(exc) from None
+    except OSError as exc:  # a read-only or missing folder, a full disk
+        raise click.ClickException(f"cannot write the tuned picks to {out_dir}: {exc.strerror or exc}; "
+                                   "give --dir a writable folder") from None
     finally:
         db.close()
     if not paths:

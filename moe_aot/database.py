@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import sqlite3
 import time
@@ -330,6 +331,11 @@ class Database:
             return (f"cannot {action}: {self._where} is read-only; open it without "
                     "readonly=True and check the file's permissions")
         if "unable to open" in low:
+            where = getattr(self, "_path", None)
+            folder = where.parent if where is not None else None
+            if not self.readonly and folder is not None and folder.is_dir() and not os.access(folder, os.W_OK):
+                return (f"cannot {action}: the location {folder} is not writable (SQLite writes the "
+                        "database and its journal there); choose a writable place with --db or MOE_AOT_DB")
             return (f"cannot open {self._where} ({msg}); check that the path exists and is a "
                     "readable file")
         if "disk is full" in low or "disk i/o" in low:

@@ -121,3 +121,21 @@ def test_ls_failed_lists_only_failed_kernels(runner, tmp_path):
     assert res.exit_code == 0, res.output
     lines = res.output.strip().splitlines()
     assert lines and all(line.startswith("moe_glu_bad") for line in lines) and "too many resources" in lines[0]
+
+
+def test_export_to_an_unwritable_folder_is_one_sentence(runner, tmp_path, monkeypatch):
+    """export --dir into a folder that cannot be written ends in one sentence naming it, not a
+    traceback (root ignores permissions: the write is made to fail)."""
+    from moe_aot import picks
+    from moe_aot.database import Database
+
+    def refuse(db, directory, gpu=None):
+        raise PermissionError(13, "Permission denied", str(directory))
+
+    monkeypatch.setattr(picks, "export_tuned", refuse)
+    url = f"sqlite:///{tmp_path / 'k.sqlite'}"
+    Database(url).close()
+    res = runner.invoke(main, ["export", "--dir", str(tmp_path / "ro"), "--db", url])
+    assert res.exit_code == 1, res.output
+    assert f"cannot write the tuned picks to {tmp_path / 'ro'}: Permission denied" in res.output
+    assert "Traceback" not in res.output

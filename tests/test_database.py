@@ -182,6 +182,21 @@ def test_readonly(tmp_path):
             ro.put_workload("w4", SPEC)
 
 
+def test_an_unwritable_location_is_named_as_such(tmp_path, monkeypatch):
+    """SQLite's "unable to open database file" for a new database in a folder we may not write
+    says that the location is not writable (root ignores permissions, so os.access is the
+    stand-in), and still says "check that the path exists" where the folder is writable."""
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    db = Database(_url(folder / "k.sqlite"))
+    err = sqlite3.OperationalError("unable to open database file")
+    assert "check that the path exists" in db._explain("create the schema", err)
+    monkeypatch.setattr(dbmod.os, "access", lambda p, mode: not (mode == os.W_OK and str(p) == str(folder)))
+    why = db._explain("create the schema", err)
+    assert f"the location {folder} is not writable" in why and "--db" in why
+    db.close()
+
+
 def test_readonly_in_unwritable_folder(tmp_path, monkeypatch):
     # Root ignores permissions, so the unwritable folder is simulated; the point is that this
     # path opens (immutable) and reads, where plain mode=ro cannot create the -shm file.
