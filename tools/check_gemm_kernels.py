@@ -72,6 +72,11 @@ CONFIGS = [
     ("pp64big", "hoppp", ["qwen3_30b_a3b", "mixtral_8x7b"], "swiglu", 64, (256, 64, 5),
      (256, 64, 5), [16384]),
     ("pp64n128", "hoppp", ALL, "geglu", 64, (128, 64, 8), (128, 64, 8), [16, 256, 4096]),
+    # decode: the shipped 1-16-token tiles on every model, beside longer k-tiles and narrow ping-pong
+    ("dec32all", "warp", ALL, "swiglu", 16, (32, 64, 8), (32, 64, 8), [1, 16]),
+    ("dec32k128", "warp", [m for m in ALL if m != "gpt_oss_120b"], "swiglu", 16, (32, 128, 4), (32, 128, 4),
+     [1, 16]),
+    ("pp64n64", "hoppp", ALL, "swiglu", 64, (64, 64, 8), (64, 64, 8), [1, 16]),
     # ping-pong warpgroups owning 128x128 tiles (two 64-row wgmma blocks each)
     ("pp128", "hoppp", ALL, "swiglu", 128, (128, 64, 6), (128, 64, 6), [1, 256, 1024, 4096, 16384]),
 ]
