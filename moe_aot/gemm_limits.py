@@ -102,14 +102,27 @@ def check_tiles(n, k, tile_m, tile_n, tile_k, stages, mma, warps_m, warps_n) -> 
     return True, ""
 
 
+def cluster_applies(mma, tile_m) -> bool:
+    """Whether a GEMM of this MMA and tile height may run in 2-CTA clusters along M."""
+    return mma in CLUSTER_MMAS and tile_m == 128
+
+
+def check_cluster(mma, tile_m, cluster_m) -> tuple[bool, str]:
+    """(ok, reason) of the CTAs per cluster along M for this MMA and tile height."""
+    if cluster_m not in CLUSTERS_M:
+        return False, f"cluster {cluster_m} not in {CLUSTERS_M}"
+    if cluster_m > 1 and not cluster_applies(mma, tile_m):
+        return False, f"cluster {cluster_m} needs mma hopws with tile_m 128, got {mma} with tile_m {tile_m}"
+    return True, ""
+
+
 def check_gemm(n, k, tile_m, tile_n, tile_k, stages, mma, warps_m=None, warps_n=None, arch=None,
                cluster_m=1) -> tuple[bool, str]:
     """(ok, reason) of one grouped GEMM over [N, K] weights: the tile rules, the 2-CTA cluster
     rule and, if `arch` is given, what that target has (wgmma, shared memory)."""
-    if cluster_m not in CLUSTERS_M:
-        return False, f"cluster {cluster_m} not in {CLUSTERS_M}"
-    if cluster_m > 1 and (mma not in CLUSTER_MMAS or tile_m != 128):
-        return False, f"cluster {cluster_m} needs mma hopws with tile_m 128, got {mma} with tile_m {tile_m}"
+    ok, reason = check_cluster(mma, tile_m, cluster_m)
+    if not ok:
+        return ok, reason
     warps_m, warps_n = default_warps(tile_m, tile_n, warps_m, warps_n, mma)
     ok, reason = check_tiles(n, k, tile_m, tile_n, tile_k, stages, mma, warps_m, warps_n)
     if not ok or arch is None:

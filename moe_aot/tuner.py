@@ -107,10 +107,10 @@ def suggest(trial: optuna.Trial, space: dict[str, CategoricalDistribution]) -> L
 def _cluster_applies(params: dict, key: str) -> bool:
     """Whether the sampler should choose `key` (glu_cluster / down_cluster) given the parameters
     chosen so far: asked everywhere, it would make most proposals invalid and get them pruned."""
-    from .variants import CLUSTER_MMAS
+    from .gemm_limits import cluster_applies
 
     role = key[: -len("_cluster")]
-    return params.get(f"{role}_mma") in CLUSTER_MMAS and params.get("tile_m") == 128
+    return cluster_applies(params.get(f"{role}_mma"), params.get("tile_m"))
 
 
 # -- studies -----------------------------------------------------------------------------------

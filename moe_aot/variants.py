@@ -12,6 +12,7 @@ Pure Python: the runtime imports this module, so it must not import cutlass or t
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 from dataclasses import dataclass, field
 
@@ -97,11 +98,11 @@ class LayerVariant:
     def cluster_twins(self) -> list["LayerVariant"]:
         """hopws GEMMs at cluster 1 -> the same with GEMM2, then both GEMMs, in 2-CTA clusters
         (weight tiles multicast; measured side by side by the tuner's seeds). [] otherwise."""
-        if self.down.mma not in CLUSTER_MMAS or self.down.cluster != 1 or self.tile_m != 128:
+        if not limits.cluster_applies(self.down.mma, self.tile_m) or self.down.cluster != 1:
             return []
         down = dataclasses.replace(self, down=dataclasses.replace(self.down, cluster=2))
         out = [down]
-        if self.glu.mma in CLUSTER_MMAS and self.glu.cluster == 1:
+        if limits.cluster_applies(self.glu.mma, self.tile_m) and self.glu.cluster == 1:
             out.append(dataclasses.replace(down, glu=dataclasses.replace(self.glu, cluster=2)))
         return out
 
@@ -154,7 +155,7 @@ class LayerVariant:
         read with the same layout tables name() writes with."""
         import re
 
-        m = re.search(_pattern(LAYER_NAME, cls) + "$", name)
+        m = re.search(_layer_pattern(), name)
         if not m:
             raise ValueError(f"{name!r} is not a layer variant name")
         return _build(cls, LAYER_NAME, iter(m.groups()))
@@ -190,12 +191,18 @@ def _render(obj, layout) -> str:
     return "".join(out)
 
 
+@functools.cache
+def _layer_pattern() -> str:
+    """The regex of a layer variant's name tail, built once from LAYER_NAME."""
+    return _pattern(LAYER_NAME, LayerVariant) + "$"
+
+
 def _pattern(layout, cls) -> str:
     import re
 
-    parts = []
+    parts, types = [], _field_types(cls)
     for name, prefix in layout:
-        kind = _field_types(cls)[name]
+        kind = types[name]
         if kind is bool:
             parts.append(f"({re.escape(prefix)})?")
             continue
@@ -225,7 +232,6 @@ def _c(t: GemmTiles) -> str:
 
 
 WGMMA_MMAS = limits.WGMMA  # wgmma tiles (hopws/hoppp: TMA, a producer warpgroup, persistent)
-CLUSTER_MMAS = limits.CLUSTER_MMAS  # GEMMs that may run in 2-CTA clusters (128-row tiles)
 
 
 def gemm_can_implement(n: int, k: int, tile_m: int, t: GemmTiles, target: str) -> tuple[bool, str]:

@@ -60,13 +60,12 @@ class _HopperWs:
     def __init__(self, *args, mma: str = MMAS[0], cluster_m: int = 1, **kwargs):
         if mma not in MMAS:
             raise ValueError(f"{type(self).__name__} implements mma in {MMAS}, not {mma!r}")
-        super().__init__(*args, mma=mma, **kwargs)
-        ok, reason = limits.check_gemm(self.n, self.k, self.tile_m, self.tile_n, self.tile_k, self.stages,
-                                       mma, cluster_m=cluster_m)
+        super().__init__(*args, mma=mma, **kwargs)  # the tile rules
+        ok, reason = limits.check_cluster(mma, self.tile_m, cluster_m)
         if not ok:
             raise ValueError(reason)
         self.cluster_m = cluster_m
-        self.pingpong = mma == "hoppp"
+        self.pingpong = mma in limits.PINGPONG
         # consumer threads that read one stage (and one schedule slot)
         self.stage_threads = 128 if self.pingpong else self.mma_threads
         if self.ctas % cluster_m:
