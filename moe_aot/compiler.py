@@ -14,6 +14,7 @@ from multiprocessing import get_context
 from pathlib import Path
 from typing import Callable, Iterable
 
+from .gemm_limits import WARP_SPECIALIZED
 from .kernel_build import Artifact, KernelCompileError, compile_kernel  # noqa: F401
 from .spec import LayerSpec
 from .variants import KernelVariant, LayerVariant, can_implement
@@ -55,7 +56,7 @@ def build_template(kv: KernelVariant):
         return MoeCombine(**kw)
     if kv.role in ("glu", "down"):
         # one template module per mainloop family; both take the same arguments
-        if kw.get("mma") in ("hopws", "hoppp"):
+        if kw.get("mma") in WARP_SPECIALIZED:  # templates/hopper_gemm.py
             from moe_aot_templates.hopper_gemm import HopperDownGemm as Down
             from moe_aot_templates.hopper_gemm import HopperGluGemm as Glu
         else:

@@ -107,13 +107,14 @@ def compile_all(out_dir: Path, arch: str, only=None) -> None:
     from moe_aot_templates.grouped_gemm import GroupedDownGemm, GroupedGluGemm
     from moe_aot_templates.hopper_gemm import HopperDownGemm, HopperGluGemm
 
+    from moe_aot.gemm_limits import WARP_SPECIALIZED
     from moe_aot.kernel_build import compile_kernel
 
     out_dir.mkdir(parents=True, exist_ok=True)
     manifest = []
     for v in variants(only):
         mma, _, opt = v["mma"].partition(":")  # "hopws:c2": cluster_m 2
-        hop = mma in ("hopws", "hoppp")
+        hop = mma in WARP_SPECIALIZED
         glu_cls, down_cls = (HopperGluGemm, HopperDownGemm) if hop else (GroupedGluGemm, GroupedDownGemm)
         extra = {{"c": "cluster_m"}[opt[0]]: int(opt[1:])} if opt else {}
         g = glu_cls(v["E"], v["H"], v["I"], v["k"], activation=v["act"],
