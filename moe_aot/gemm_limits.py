@@ -25,6 +25,26 @@ LOAD_THREADS = 128  # the producer warpgroup of the warp-specialized kernels
 COPY_ELEMS = 8  # bf16 elements in one 16-byte cp.async / store
 MAX_ACC_REGS = 128  # fp32 accumulators per thread
 
+# Precisions of the grouped GEMMs' operands. fp8 (e4m3 A and B, fp32 accumulation) runs on the
+# warp-specialized wgmma cores only, with 128-element (128-byte) k-tiles:
+#   "fp8"           weights: one fp32 scale per expert and matrix (w13: gate and up each);
+#                   x: one fp32 scale per token
+#   "fp8-block128"  weights: fp32 scales per 128x128 block (DeepSeek-V3's weight_scale_inv);
+#                   x: fp32 scales per 1x128 block along K
+# Both write GEMM1's output (the GLU intermediate) as e4m3 with one fp32 scale per row and
+# H_SCALE_BLOCK columns, which GEMM2 applies by promoting its partial sums per such block.
+ELEM_BYTES = {"bf16": 2, "fp8": 1, "fp8-block128": 1}
+FP8 = ("fp8", "fp8-block128")
+FP8_TILE_K = 128
+SCALE_BLOCK = 128  # fp8-block128: weight blocks (128x128) and x blocks (1x128)
+H_SCALE_BLOCK = 64  # GEMM1's fp8 output: one scale per row per 64 columns
+FP8_MAX = 448.0  # largest finite e4m3 value
+# promoting consumers keep two more accumulators, the partial sums of two K blocks in flight
+MAX_PROMOTE_ACC = 64
+# the cores fp8 is built on: the cooperative one (the ping-pong one crashed in its first GPU
+# check at 1 token, under timing only, memcheck clean: tools/results/NOTES.md, 2026-12-01)
+FP8_MMAS = ("hopws",)
+
 
 def default_warps(tile_m, tile_n, warps_m=None, warps_n=None, mma="warp") -> tuple[int, int]:
     """Warp grid of the accumulator-holding warps. mma.sync: 2 warps along M (1 for tile_m 16);
@@ -45,20 +65,23 @@ def default_warps(tile_m, tile_n, warps_m=None, warps_n=None, mma="warp") -> tup
     return warps_m, warps_n
 
 
-def smem_bytes(tile_m, tile_n, tile_k, stages, mma="warp") -> int:
+def smem_bytes(tile_m, tile_n, tile_k, stages, mma="warp", precision="bf16") -> int:
     """Dynamic shared memory of one CTA: the A/B pipeline, reused for the fp32 staging of the
     accumulator tile (persistent kernels: no staging, their epilogue stores from registers; a
     full and an empty mbarrier per stage, and the two-slot tile schedule: 4 mbarriers, 2 tile
     indices, and per slot each row's pair and routing weight, 64 + 16 * tile_m bytes with
     alignment) + the allocator's alignment slack."""
-    ab = stages * (tile_m + tile_n) * tile_k * 2
+    ab = stages * (tile_m + tile_n) * tile_k * ELEM_BYTES[precision]
     c = 0 if mma in PERSISTENT else tile_m * (tile_n + 8) * 4
     bars = 16 * stages + 64 + 16 * tile_m if mma in WARP_SPECIALIZED else 0
     return max(ab, c) + 1024 + bars
 
 
-def check_tiles(n, k, tile_m, tile_n, tile_k, stages, mma, warps_m, warps_n) -> tuple[bool, str]:
+def check_tiles(n, k, tile_m, tile_n, tile_k, stages, mma, warps_m, warps_n,
+                precision="bf16") -> tuple[bool, str]:
     """(ok, reason) of the tile rules for an [N, K] weight matrix, with the warp grid given."""
+    if precision not in ELEM_BYTES:
+        return False, f"precision {precision!r} must be one of {tuple(ELEM_BYTES)}"
     if mma not in MMAS:
         return False, (f"mma {mma!r} must be 'warp' (mma.sync), 'wgmma', 'hopws' or 'hoppp' "
                        f"(the last three sm_90a only)")
@@ -69,13 +92,17 @@ def check_tiles(n, k, tile_m, tile_n, tile_k, stages, mma, warps_m, warps_n) -> 
             return False, f"{mma}: tile_m {tile_m} must be 64 or 128 (one warpgroup per 64 rows)"
         if tile_n % 32 or not 32 <= tile_n <= 256:
             return False, f"{mma}: tile_n {tile_n} must be a multiple of 32 in 32..256"
-        if tile_k != 64:
-            return False, f"{mma}: tile_k {tile_k} must be 64 (one 128-byte swizzle atom)"
+        want_k = 128 // ELEM_BYTES[precision]
+        if tile_k != want_k:
+            return False, (f"{mma}: tile_k {tile_k} must be {want_k} for {precision} "
+                           f"(one 128-byte swizzle atom)")
         if stages < 3:
             return False, f"{mma}: stages {stages} must be >= 3"
         warps_m, warps_n = tile_m // 16, 1  # for the mma.sync-only checks below
     if warps_m < 1 or warps_n < 1 or threads > 256:
         return False, f"warps {warps_m}x{warps_n}: need 1..8 warps"
+    if precision in FP8 and mma not in WARP_SPECIALIZED:
+        return False, f"{precision} runs on mma in {WARP_SPECIALIZED} (sm_90a) only, not {mma!r}"
     if tile_k not in (32, 64, 128):
         return False, f"tile_k {tile_k} must be 32, 64 or 128"
     if k % tile_k:
@@ -87,7 +114,7 @@ def check_tiles(n, k, tile_m, tile_n, tile_k, stages, mma, warps_m, warps_n) -> 
     if mma == "warp" and (tile_n % (16 * warps_n) or tile_n > 256):
         return False, f"tile_n {tile_n} must be a multiple of 16*warps_n={16 * warps_n} and <= 256"
     load_threads = LOAD_THREADS if mma in WARP_SPECIALIZED else threads
-    rows_per_pass = load_threads // (tile_k // COPY_ELEMS)
+    rows_per_pass = load_threads // (tile_k * ELEM_BYTES[precision] // 16)
     if tile_m % rows_per_pass or tile_n % rows_per_pass:
         return False, (f"tile_m {tile_m} and tile_n {tile_n} must be multiples of the "
                        f"{rows_per_pass} rows one cp.async pass of {load_threads} threads covers")
@@ -117,14 +144,14 @@ def check_cluster(mma, tile_m, cluster_m) -> tuple[bool, str]:
 
 
 def check_gemm(n, k, tile_m, tile_n, tile_k, stages, mma, warps_m=None, warps_n=None, arch=None,
-               cluster_m=1) -> tuple[bool, str]:
+               cluster_m=1, precision="bf16") -> tuple[bool, str]:
     """(ok, reason) of one grouped GEMM over [N, K] weights: the tile rules, the 2-CTA cluster
     rule and, if `arch` is given, what that target has (wgmma, shared memory)."""
     ok, reason = check_cluster(mma, tile_m, cluster_m)
     if not ok:
         return ok, reason
     warps_m, warps_n = default_warps(tile_m, tile_n, warps_m, warps_n, mma)
-    ok, reason = check_tiles(n, k, tile_m, tile_n, tile_k, stages, mma, warps_m, warps_n)
+    ok, reason = check_tiles(n, k, tile_m, tile_n, tile_k, stages, mma, warps_m, warps_n, precision)
     if not ok or arch is None:
         return ok, reason
     if mma in WGMMA and arch != "sm_90a":
@@ -132,7 +159,7 @@ def check_gemm(n, k, tile_m, tile_n, tile_k, stages, mma, warps_m=None, warps_n=
     cap = SMEM_CAPACITY.get(arch)
     if cap is None:
         return False, f"arch {arch} not supported (one of {sorted(SMEM_CAPACITY)})"
-    need = smem_bytes(tile_m, tile_n, tile_k, stages, mma)
+    need = smem_bytes(tile_m, tile_n, tile_k, stages, mma, precision)
     if need > cap:
         return False, f"needs {need} B of shared memory per block, {arch} allows {cap}"
     return True, ""
@@ -148,4 +175,40 @@ def check_glu_shape(intermediate, tile_n, interleave, activation="swiglu") -> tu
         return False, f"I={intermediate} not divisible by interleave={interleave}"
     if tile_n % (2 * interleave):
         return False, f"tile_n {tile_n} not divisible by 2*interleave={2 * interleave}"
+    return True, ""
+
+
+def promotes(role, precision) -> bool:
+    """Whether a GEMM of this role ("glu" or "down") and precision adds its partial sums per K
+    block into an fp32 accumulator outside the tensor cores (scaled, where the block has its own
+    scales): every fp8 GEMM. Hopper's fp8 wgmma accumulates with fewer bits than fp32; without
+    this, "fp8" GEMM1 (no scales along K) measured 3-4x the error of the promoted kernels against
+    the same reference on the H200 (tools/results/NOTES.md, 2026-12-01)."""
+    return precision in FP8
+
+
+def check_fp8(role, precision, n, k, tile_m, tile_n, mma, cluster_m=1) -> tuple[bool, str]:
+    """(ok, reason) of the fp8 rules of one GEMM beyond check_tiles (bf16: always ok)."""
+    if precision not in FP8:
+        return True, ""
+    if k % SCALE_BLOCK or n % (2 * SCALE_BLOCK if role == "glu" else SCALE_BLOCK):
+        what = "2I and H" if role == "glu" else "H and I"
+        return False, (f"{precision}: {what} must be multiples of {SCALE_BLOCK} (got N={n}, K={k}: "
+                       f"the scale blocks and 128-element k-tiles)")
+    if cluster_m > 1:
+        return False, f"{precision}: no 2-CTA clusters yet (cluster {cluster_m})"
+    if role == "glu" and tile_n % (2 * H_SCALE_BLOCK):
+        return False, (f"{precision} GEMM1: tile_n {tile_n} must be a multiple of {2 * H_SCALE_BLOCK} "
+                       f"(whole {H_SCALE_BLOCK}-column scale blocks of its output)")
+    if mma not in FP8_MMAS:
+        return False, f"{precision} runs on mma in {FP8_MMAS}, not {mma!r}"
+    if promotes(role, precision):
+        acc_threads = 128 if mma in PINGPONG else tile_m // 64 * 128
+        if tile_m * tile_n // acc_threads > MAX_PROMOTE_ACC:
+            return False, (f"{precision} {role}: a {tile_m}x{tile_n} tile needs "
+                           f"{3 * tile_m * tile_n // acc_threads} accumulator registers per thread with "
+                           f"its two partial sums (max {3 * MAX_PROMOTE_ACC}): tile_n <= 128 at "
+                           f"64 rows per warpgroup")
+        if precision == "fp8-block128" and SCALE_BLOCK % tile_n and role == "down":
+            return False, f"{precision} GEMM2: tile_n {tile_n} must divide {SCALE_BLOCK} (one weight block)"
     return True, ""

@@ -30,7 +30,7 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import BFloat16, Float32, Int32, const_expr
+from cutlass import BFloat16, Float8E4M3FN, Float32, Int32, const_expr
 from cutlass.tensor_utils import LayoutEnum
 
 from moe_aot import gemm_limits as limits
@@ -47,6 +47,8 @@ PERSISTENT_CTAS = 132  # hopws's default grid: one CTA per SM of an H100 SXM / H
 # hopws with two consumer warpgroups (384 threads, 168 registers each at entry): the producer
 # gives registers back to the consumers' 128 fp32 accumulators (40*128 + 232*256 <= 64K)
 _REGS_LOAD, _REGS_MMA = 40, 232
+# operand element type of each precision (gemm_limits.ELEM_BYTES has their sizes)
+AB_DTYPES = {"bf16": BFloat16, "fp8": Float8E4M3FN, "fp8-block128": Float8E4M3FN}
 
 
 @cute.jit
@@ -88,14 +90,20 @@ class _GroupedGemmBase:
 
     def __init__(self, n: int, k: int, tile_m: int, tile_n: int, tile_k: int,
                  stages: int, mma: str, warps_m, warps_n, pdl: bool = False,
-                 ctas: int = PERSISTENT_CTAS):
+                 ctas: int = PERSISTENT_CTAS, precision: str = "bf16"):
         if mma in _WARP_SPECIALIZED and not getattr(self, "warp_specialized", False):
             raise ValueError(f"mma={mma!r} is built by templates/hopper_gemm.py "
                              f"(HopperGluGemm / HopperDownGemm), not {type(self).__name__}")
         warps_m, warps_n = self.default_warps(tile_m, tile_n, warps_m, warps_n, mma)
-        ok, reason = self._check_tiles(n, k, tile_m, tile_n, tile_k, stages, mma, warps_m, warps_n)
+        ok, reason = self._check_tiles(n, k, tile_m, tile_n, tile_k, stages, mma, warps_m, warps_n,
+                                       precision)
         if not ok:
             raise ValueError(reason)
+        self.precision = precision
+        self.fp8 = precision in limits.FP8
+        self.ab_dtype = AB_DTYPES[precision]
+        self.elem_bytes = limits.ELEM_BYTES[precision]
+        self.copy_elems = 16 // self.elem_bytes  # elements in one 16-byte cp.async
         self.n, self.k = n, k
         self.tile_m, self.tile_n, self.tile_k = tile_m, tile_n, tile_k
         self.stages, self.mma = stages, mma
@@ -131,8 +139,10 @@ class _GroupedGemmBase:
     smem_bytes = staticmethod(limits.smem_bytes)
 
     @classmethod
-    def _check_all(cls, n, k, tile_m, tile_n, tile_k, stages, mma, warps_m, warps_n, arch):
-        return limits.check_gemm(n, k, tile_m, tile_n, tile_k, stages, mma, warps_m, warps_n, arch)
+    def _check_all(cls, n, k, tile_m, tile_n, tile_k, stages, mma, warps_m, warps_n, arch,
+                   precision="bf16"):
+        return limits.check_gemm(n, k, tile_m, tile_n, tile_k, stages, mma, warps_m, warps_n, arch,
+                                 precision=precision)
 
     # ------------------------------------------------------------------ host side
     def _smem_layout_ab(self, rows):
@@ -149,7 +159,7 @@ class _GroupedGemmBase:
         if const_expr(self.mma in _WGMMA):
             k_major = LayoutEnum.ROW_MAJOR.sm90_mma_major_mode()
             return sm90_utils.make_trivial_tiled_mma(
-                BFloat16, BFloat16, k_major, k_major, Float32, (self.tile_m // 64 // self.acc_m_blocks, 1, 1),
+                self.ab_dtype, self.ab_dtype, k_major, k_major, Float32, (self.tile_m // 64 // self.acc_m_blocks, 1, 1),
                 tiler_mn=(64, self.tile_n))
         op = cute.nvgpu.warp.MmaF16BF16Op(BFloat16, Float32, _MMA_SHAPE)
         return cute.make_tiled_mma(
@@ -162,27 +172,28 @@ class _GroupedGemmBase:
     def _make_g2s_copy(self):
         atom = cute.make_copy_atom(
             cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.LoadCacheMode.GLOBAL),
-            BFloat16, num_bits_per_copy=128)
-        tpr = self.tile_k // _COPY_ELEMS
+            self.ab_dtype, num_bits_per_copy=128)
+        tpr = self.tile_k // self.copy_elems
         thr = cute.make_layout((self.load_threads // tpr, tpr), stride=(tpr, 1))
-        return cute.make_tiled_copy_tv(atom, thr, cute.make_layout((1, _COPY_ELEMS)))
+        return cute.make_tiled_copy_tv(atom, thr, cute.make_layout((1, self.copy_elems)))
 
     # ------------------------------------------------------------------ device helpers
     @cute.jit
     def _smem_tensors(self):
         """A and B pipeline stages, and the fp32 staging tile over the same bytes."""
         smem = cutlass.memory.SmemAllocator()
-        a_bytes = self.stages * self.tile_m * self.tile_k * 2
-        b_bytes = self.stages * self.tile_n * self.tile_k * 2
+        a_bytes = self.stages * self.tile_m * self.tile_k * self.elem_bytes
+        b_bytes = self.stages * self.tile_n * self.tile_k * self.elem_bytes
         c_bytes = 0 if self.persistent else self.tile_m * self.c_row_stride * 4
         base = smem.allocate(max(a_bytes + b_bytes, c_bytes), byte_alignment=1024)
         if const_expr(self.mma in _WGMMA):
             # the canonical wgmma K-major 128-byte-swizzled layouts, swizzle moved to the pointer
             tile = (self.tile_m, self.tile_n, self.tile_k)
-            sA_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, tile, BFloat16, self.stages)
-            sB_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, tile, BFloat16, self.stages)
-            sA = cute.make_tensor(cute.recast_ptr(base, sA_layout.inner, BFloat16), sA_layout.outer)
-            sB = cute.make_tensor(cute.recast_ptr(base + a_bytes, sB_layout.inner, BFloat16),
+            dt = self.ab_dtype
+            sA_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, tile, dt, self.stages)
+            sB_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, tile, dt, self.stages)
+            sA = cute.make_tensor(cute.recast_ptr(base, sA_layout.inner, dt), sA_layout.outer)
+            sB = cute.make_tensor(cute.recast_ptr(base + a_bytes, sB_layout.inner, dt),
                                   sB_layout.outer)
         else:
             sA_layout, swizzle = self._smem_layout_ab(self.tile_m)
@@ -359,9 +370,11 @@ class _GroupedGemmBase:
         ``multicast`` > 1: each of that many CTAs of a cluster loads a slice of the box into all."""
         tile = (self.tile_m, self.tile_n, self.tile_k)
         if const_expr(operand == "a"):
-            layout, rows = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, tile, BFloat16, self.stages), self.tile_m
+            layout, rows = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, tile, self.ab_dtype,
+                                                         self.stages), self.tile_m
         else:
-            layout, rows = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, tile, BFloat16, self.stages), self.tile_n
+            layout, rows = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, tile, self.ab_dtype,
+                                                         self.stages), self.tile_n
         if const_expr(multicast > 1):
             return cute.nvgpu.cpasync.make_tiled_tma_atom(
                 cute.nvgpu.cpasync.CopyBulkTensorTileG2SMulticastOp(), mT,
@@ -385,9 +398,9 @@ class _GroupedGemmBase:
             row = a_rows[m]
             if row >= 0:
                 src_row = cute.tiled_divide(
-                    cute.append_ones(self._row(mA, row, self.k), up_to_rank=2), (_COPY_ELEMS, 1))
+                    cute.append_ones(self._row(mA, row, self.k), up_to_rank=2), (self.copy_elems, 1))
                 for kk in cutlass.range_constexpr(cute.size(tAsA, mode=[2])):
-                    chunk = kt * (self.tile_k // _COPY_ELEMS) + tAcA[0, 0, kk][1] // _COPY_ELEMS
+                    chunk = kt * (self.tile_k // self.copy_elems) + tAcA[0, 0, kk][1] // self.copy_elems
                     cute.copy(tiled_copy, src_row[None, chunk, 0], tAsA[None, m, kk, stage])
 
     @cute.jit
@@ -558,21 +571,21 @@ class GroupedGluGemm(_GroupedGemmBase):
                  activation: str = "swiglu", interleave: int = 16,
                  tile_m: int = 128, tile_n: int = 128, tile_k: int = 64, stages: int = 4,
                  mma: str = "warp", warps_m: int | None = None, warps_n: int | None = None,
-                 pdl: bool = False, ctas: int = PERSISTENT_CTAS):
+                 pdl: bool = False, ctas: int = PERSISTENT_CTAS, precision: str = "bf16"):
         ok, reason = self.can_implement(num_experts, hidden, intermediate, top_k, activation,
                                         interleave, tile_m, tile_n, tile_k, stages, mma,
-                                        warps_m, warps_n)
+                                        warps_m, warps_n, precision=precision)
         if not ok:
             raise ValueError(reason)
         self.num_experts, self.hidden, self.intermediate = num_experts, hidden, intermediate
         self.top_k, self.activation, self.interleave = top_k, activation, interleave
         super().__init__(2 * intermediate, hidden, tile_m, tile_n, tile_k, stages, mma,
-                         warps_m, warps_n, pdl, ctas)
+                         warps_m, warps_n, pdl, ctas, precision)
 
     @classmethod
     def can_implement(cls, num_experts, hidden, intermediate, top_k, activation="swiglu",
                       interleave=16, tile_m=128, tile_n=128, tile_k=64, stages=4, mma="warp",
-                      warps_m=None, warps_n=None, arch=None):
+                      warps_m=None, warps_n=None, arch=None, precision="bf16"):
         """(ok, reason) for this problem, these tunables and, if given, the target arch."""
         if activation not in ("swiglu", "geglu"):
             return False, f"activation {activation!r} must be 'swiglu' or 'geglu'"
@@ -581,8 +594,11 @@ class GroupedGluGemm(_GroupedGemmBase):
         ok, reason = limits.check_glu_shape(intermediate, tile_n, interleave, activation)
         if not ok:
             return ok, reason
+        ok, reason = limits.check_fp8("glu", precision, 2 * intermediate, hidden, tile_m, tile_n, mma)
+        if not ok:
+            return ok, reason
         return cls._check_all(2 * intermediate, hidden, tile_m, tile_n, tile_k, stages, mma,
-                              warps_m, warps_n, arch)
+                              warps_m, warps_n, arch, precision)
 
     def fake_arguments(self):
         from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
@@ -747,24 +763,29 @@ class GroupedDownGemm(_GroupedGemmBase):
     def __init__(self, num_experts: int, hidden: int, intermediate: int, top_k: int,
                  tile_m: int = 128, tile_n: int = 128, tile_k: int = 64, stages: int = 4,
                  mma: str = "warp", warps_m: int | None = None, warps_n: int | None = None,
-                 pdl: bool = False, ctas: int = PERSISTENT_CTAS):
+                 pdl: bool = False, ctas: int = PERSISTENT_CTAS, precision: str = "bf16"):
         ok, reason = self.can_implement(num_experts, hidden, intermediate, top_k, tile_m,
-                                        tile_n, tile_k, stages, mma, warps_m, warps_n)
+                                        tile_n, tile_k, stages, mma, warps_m, warps_n,
+                                        precision=precision)
         if not ok:
             raise ValueError(reason)
         self.num_experts, self.hidden, self.intermediate = num_experts, hidden, intermediate
         self.top_k = top_k
         super().__init__(hidden, intermediate, tile_m, tile_n, tile_k, stages, mma,
-                         warps_m, warps_n, pdl, ctas)
+                         warps_m, warps_n, pdl, ctas, precision)
 
     @classmethod
     def can_implement(cls, num_experts, hidden, intermediate, top_k, tile_m=128, tile_n=128,
-                      tile_k=64, stages=4, mma="warp", warps_m=None, warps_n=None, arch=None):
+                      tile_k=64, stages=4, mma="warp", warps_m=None, warps_n=None, arch=None,
+                      precision="bf16"):
         """(ok, reason) for this problem, these tunables and, if given, the target arch."""
         if num_experts < 1 or top_k < 1 or top_k > num_experts:
             return False, f"need 1 <= top_k={top_k} <= num_experts={num_experts}"
+        ok, reason = limits.check_fp8("down", precision, hidden, intermediate, tile_m, tile_n, mma)
+        if not ok:
+            return ok, reason
         return cls._check_all(hidden, intermediate, tile_m, tile_n, tile_k, stages, mma,
-                              warps_m, warps_n, arch)
+                              warps_m, warps_n, arch, precision)
 
     def fake_arguments(self):
         from cutlass.cute.runtime import make_fake_stream, make_fake_tensor

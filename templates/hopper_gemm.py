@@ -62,6 +62,8 @@ class _HopperWs:
             raise ValueError(f"{type(self).__name__} implements mma in {MMAS}, not {mma!r}")
         super().__init__(*args, mma=mma, **kwargs)  # the tile rules
         ok, reason = limits.check_cluster(mma, self.tile_m, cluster_m)
+        if ok and cluster_m > 1 and self.fp8:
+            ok, reason = False, f"{self.precision}: no 2-CTA clusters yet (cluster {cluster_m})"
         if not ok:
             raise ValueError(reason)
         self.cluster_m = cluster_m
@@ -81,12 +83,12 @@ class _HopperWs:
         """Full barriers: the TMA bytes of a stage plus, for GEMM1, one cp.async arrival per
         producer thread; empty barriers: one arrival per consumer warp."""
         bars = cutlass.memory.SmemAllocator().allocate_array(Int64, 2 * self.stages, byte_alignment=8)
-        tx = self.tile_n * self.tile_k * 2
+        tx = self.tile_n * self.tile_k * self.elem_bytes
         producers = 1
         if const_expr(self.glu):
             producers = 1 + _LOAD_THREADS
         else:
-            tx = tx + self.tile_m * self.tile_k * 2
+            tx = tx + self.tile_m * self.tile_k * self.elem_bytes
         # cluster_m 2: each consumer warp releases a stage in both CTAs (lane r arrives on CTA
         # r's empty barrier), since either may multicast its half of B into the other's stage
         return pipeline.PipelineTmaAsync.create(
@@ -160,7 +162,7 @@ class _HopperWs:
                 p = mIds[row0 + r]
                 pairs[r, sstate.index] = p
                 if const_expr(not self.glu):
-                    _, mTopkW, _ = epi
+                    mTopkW = epi[1]
                     w = Float32(0.0)
                     if p >= 0:
                         w = mTopkW[p // self.top_k, p % self.top_k]

@@ -23,6 +23,7 @@ _C_TYPES = {"int32": ctypes.c_int32, "int64": ctypes.c_int64}
 _DTYPES = {
     "BFloat16": torch.bfloat16, "Float16": torch.float16, "Float32": torch.float32,
     "Int32": torch.int32, "Int64": torch.int64, "Uint8": torch.uint8, "Int8": torch.int8,
+    "Float8E4M3FN": torch.float8_e4m3fn,
 }
 
 

@@ -1,0 +1,409 @@
+"""FP8 (e4m3) grouped GEMMs of a fused MoE layer on the persistent Hopper core (hopper_gemm.py).
+
+The producer, the TMA / cp.async pipeline, the tile schedule and the warp specialization
+(cooperative "hopws" and ping-pong "hoppp") are hopper_gemm's, with 1-byte operands and
+128-element k-tiles (one 128-byte swizzle atom per row, as bf16's 64). What changes is the
+consumer: fp8 wgmma (QGMMA), and the scales.
+
+Precisions (moe_aot/gemm_limits.py):
+  * "fp8": w13 has one fp32 scale per expert for its gate and one for its up rows ([E, 2]), w2
+    one per expert ([E]); x one per token ([M]).
+  * "fp8-block128": w13 [E, 2I/128, H/128] (row 2b: gate rows [128b, 128b+128), row 2b+1: the
+    matching up rows, i.e. DeepSeek-V3's gate and up ``weight_scale_inv`` interleaved by
+    block), w2 [E, H/128, I/128] (down_proj's ``weight_scale_inv``); x [M, H/128].
+  * GEMM1's output, in both: h as e4m3 [R, I] with hs [R, I/64], one fp32 scale per row and 64
+    columns (amax / 448 of the block's GLU outputs, computed from the fp32 accumulators).
+
+Where the scales go: every fp8 GEMM computes the partial sums of each K block (128 for GEMM1,
+64 for GEMM2, whose A has a scale per 64 columns) on the tensor cores and adds them into an
+fp32 accumulator times the block's scales (``_mainloop_promote``), software-pipelined over two
+partial-sum accumulators so the next block's wgmmas run during the promotion. Hopper's fp8
+wgmma accumulates with fewer bits than fp32, so "fp8" promotes too (its scales are the same for
+every block), as DeepSeek-V3's kernels do.
+
+Each consumer thread loads the scales its accumulator rows need straight from global memory
+(L2), at the top of each k-tile, before it waits on the stage.
+
+Constraints beyond hopper_gemm's: H and I multiples of 128 (2I and H for GEMM1); GEMM1
+tile_n a multiple of 128 (whole 64-column output blocks); promoting GEMMs at most 64
+accumulators per thread (tile_n <= 128 at 64 rows per warpgroup); fp8-block128 GEMM2 tile_n
+dividing 128; no 2-CTA clusters. ``gemm_limits.check_fp8`` holds the rules.
+"""
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+from cutlass import BFloat16, Float8E4M3FN, Float32, Int32, const_expr
+
+from moe_aot import gemm_limits as limits
+
+from .grouped_gemm import glu_gate_block
+from .hopper_gemm import SCHED_SLOTS, HopperDownGemm, HopperGluGemm
+
+HB = limits.H_SCALE_BLOCK
+SB = limits.SCALE_BLOCK
+
+
+class _Fp8Consumer:
+    """The fp8 consumer loop of both GEMMs (see the module docstring)."""
+
+    def _fp8_init(self):
+        if not self.fp8:
+            raise ValueError(f"{type(self).__name__} is the fp8 GEMM; precision {self.precision!r} is not fp8")
+        self.block = self.precision == "fp8-block128"
+        # K elements per promotion: a weight/x block (GEMM1) or an h scale block (GEMM2)
+        self.kblock = SB if self.glu else HB
+        self.kblocks = self.tile_k // self.kblock  # promotions per k-tile
+        self.ka_per_block = self.kblock // 32  # wgmma k32 instructions per promotion
+
+    @cute.jit
+    def _consume_ws(self, ctid, pipe, sched, tiled_mma, sA, sB, epi, num_m_tiles):
+        pipe_s, tiles, s_pairs, s_scales = sched
+        k_tiles = self.k // self.tile_k
+        warp_group = cute.arch.make_warp_uniform(ctid // 128)
+        if const_expr(self.pingpong):
+            thr_mma = tiled_mma.get_slice(0)
+            ctid = ctid % 128
+        else:
+            thr_mma = tiled_mma.get_slice(warp_group * 128)
+        tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
+        tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
+        acc_shape = tiled_mma.get_slice(ctid).partition_C(
+            cute.make_identity_tensor((self.tile_m, self.tile_n))).shape
+        acc = tiled_mma.make_fragment_C(acc_shape)
+        part = tiled_mma.make_fragment_C(acc_shape)  # one K block's partial sums (promoting GEMMs)
+        tCcC = self._acc_coords(ctid, tiled_mma)
+        pairs = cute.make_rmem_tensor(cute.make_layout(self.acc_rows), Int32)
+        scales = cute.make_rmem_tensor(cute.make_layout(self.acc_rows), Float32)
+        read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        sstate = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, SCHED_SLOTS)
+        if const_expr(self.pingpong):
+            read.advance(warp_group * k_tiles)
+            sstate.advance(warp_group)
+        mTileExpert = epi[-1]
+        pipe_s.consumer_wait(sstate)
+        t = tiles[sstate.index]
+        while self._more(t):
+            bn, bt = self._decode(t, num_m_tiles)
+            expert = mTileExpert[bt]
+            # the rows' pairs and routing weights first: the promotion needs x's row scales
+            for hrow in cutlass.range_constexpr(self.acc_rows):
+                pairs[hrow] = s_pairs[tCcC[self._acc_index(hrow, 0)][0], sstate.index]
+                scales[hrow] = s_scales[tCcC[self._acc_index(hrow, 0)][0], sstate.index]
+            pipe_s.consumer_release(sstate)
+            sstate.advance()
+            if const_expr(self.pingpong):
+                sstate.advance()
+            acc.fill(0.0)
+            tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+            read = self._mainloop_promote(pipe, read, tiled_mma, tCrA, tCrB, acc, part, tCcC, pairs,
+                                          epi, expert, bt, bn, k_tiles)
+            if const_expr(self.pingpong):  # the other warpgroup's tile comes next in the ring
+                read.advance(k_tiles)
+            self._epilogue_fp8(ctid, tiled_mma, acc, tCcC, pairs, scales, epi, expert, bt * self.tile_m, bn)
+            pipe_s.consumer_wait(sstate)
+            t = tiles[sstate.index]
+
+    @cute.jit
+    def _mainloop_promote(self, pipe, read, tiled_mma, tCrA, tCrB, acc, part, tCcC, pairs, epi,
+                          expert, bt, bn, k_tiles):
+        """acc = sum over K blocks b of (A_b . B_b) * a_scale(row, b) * b_scale(column, b).
+
+        Software-pipelined over two partial-sum accumulators: block b's wgmmas run into part
+        (b even) or part2 (b odd) while the other one is scaled into acc, so the tensor cores
+        keep working during the promotion. Blocks are k-tiles (GEMM1) or halves of k-tiles
+        (GEMM2); a stage is waited for before its first block is issued and released once its
+        last block is promoted. Returns the ring state past the tile's k-tiles."""
+        nblocks = k_tiles * self.kblocks
+        part2 = cute.make_rmem_tensor_like(part)
+        saA = cute.make_rmem_tensor(cute.make_layout(self.acc_rows), Float32)
+        saB = cute.make_rmem_tensor(cute.make_layout(self.acc_rows), Float32)
+        sbA = cute.make_rmem_tensor(cute.make_layout(2), Float32)
+        sbB = cute.make_rmem_tensor(cute.make_layout(2), Float32)
+        rel = read.clone()
+        row0 = bt * self.tile_m
+        stage = Int32(0)
+        # blocks 0 and 1 (nblocks >= 2: K >= 256 for GEMM1, K >= 128 for GEMM2)
+        stage, read = self._issue(pipe, read, stage, tiled_mma, part, tCrA, tCrB, 0)
+        self._load_kscales(saA, sbA, tCcC, pairs, epi, expert, row0, bn, Int32(0), 0)
+        stage, read = self._issue(pipe, read, stage, tiled_mma, part2, tCrA, tCrB, 1 % self.kblocks)
+        self._load_kscales(saB, sbB, tCcC, pairs, epi, expert, row0, bn, Int32(1 // self.kblocks),
+                           1 % self.kblocks)
+        for i in range(nblocks // 2):
+            b2 = 2 * i + 2
+            cute.nvgpu.warpgroup.wait_group(1)  # block 2i done, 2i + 1 may run
+            self._promote(acc, part, saA, sbA)
+            if const_expr(self.kblocks == 1):
+                pipe.consumer_release(rel)
+                rel.advance()
+            if b2 < nblocks:
+                stage, read = self._issue(pipe, read, stage, tiled_mma, part, tCrA, tCrB, 0)
+                self._load_kscales(saA, sbA, tCcC, pairs, epi, expert, row0, bn, b2 // self.kblocks, 0)
+                cute.nvgpu.warpgroup.wait_group(1)  # block 2i + 1 done, 2i + 2 may run
+            else:
+                cute.nvgpu.warpgroup.wait_group(0)
+            self._promote(acc, part2, saB, sbB)
+            pipe.consumer_release(rel)
+            rel.advance()
+            if b2 + 1 < nblocks:
+                stage, read = self._issue(pipe, read, stage, tiled_mma, part2, tCrA, tCrB, 1 % self.kblocks)
+                self._load_kscales(saB, sbB, tCcC, pairs, epi, expert, row0, bn,
+                                   (b2 + 1) // self.kblocks, 1 % self.kblocks)
+        if const_expr(nblocks % 2 == 1):  # GEMM1 with an odd number of k-tiles: the last in part
+            cute.nvgpu.warpgroup.wait_group(0)
+            self._promote(acc, part, saA, sbA)
+            pipe.consumer_release(rel)
+            rel.advance()
+        return read
+
+    @cute.jit
+    def _issue(self, pipe, read, stage, tiled_mma, part, tCrA, tCrB, sub: cutlass.Constexpr):
+        """Zero ``part`` and issue K block ``sub`` of the current k-tile into it as one wgmma
+        group; the first block of a k-tile waits for its stage, the last one moves ``read`` on.
+        Returns (stage, read): the DSL threads state through staged branches only as values
+        rebound in the caller."""
+        if const_expr(sub == 0):
+            pipe.consumer_wait(read)
+            if const_expr(self.glu):
+                cute.arch.fence_proxy("async.shared", space="cta")  # A by cp.async
+            stage = read.index
+        part.fill(0.0)
+        cute.nvgpu.warpgroup.fence()
+        for kb in cutlass.range_constexpr(self.ka_per_block):
+            k = sub * self.ka_per_block + kb
+            cute.gemm(tiled_mma, part, tCrA[None, None, k, stage], tCrB[None, None, k, stage], part)
+        cute.nvgpu.warpgroup.commit_group()
+        if const_expr(sub == self.kblocks - 1):
+            read.advance()
+        return stage, read
+
+    @cute.jit
+    def _promote(self, acc, part, sa, sb):
+        """acc += part * a_scale(row) * b_scale(column class)."""
+        mult = cute.make_rmem_tensor(cute.make_layout((self.acc_rows, 2)), Float32)
+        for hrow in cutlass.range_constexpr(self.acc_rows):
+            mult[hrow, 0] = sa[hrow] * sb[0]
+            mult[hrow, 1] = sa[hrow] * sb[1]
+        for i in cutlass.range_constexpr(cute.size(acc)):
+            hrow = (i // 2) % 2 + 2 * (i // (self.tile_n // 2))
+            acc[i] = acc[i] + part[i] * mult[hrow, self._col_class(i)]
+
+    def _col_class(self, i: int) -> int:
+        """GEMM1: 0 where accumulator element i is a gate column, 1 where it is an up column
+        (blocks of ``interleave`` alternate); GEMM2: 0."""
+        if not self.glu:
+            return 0
+        j = (i // 4) % (self.tile_n // 8)  # its n8 block
+        return (j * 8 // self.interleave) % 2
+
+
+class HopperGluGemmFp8(_Fp8Consumer, HopperGluGemm):
+    """GEMM1 + GLU in fp8: ``h = act(x . gate_e) * (x . up_e)`` with x, w13 and h in e4m3.
+
+    ``__call__(x, xs, w13, w13s, sorted_ids, tile_expert, h, hs, stream)``: x [M, H] e4m3 and its
+    scales xs ([M]; fp8-block128 [M, H/128]); w13 [E, 2I, H] e4m3 (gate/up interleaved as for
+    bf16) and w13s ([E, 2]; fp8-block128 [E, 2I/128, H/128]); sorted_ids, tile_expert as
+    ``GroupedGluGemm``; h [R, I] e4m3 and hs [R, I/64] fp32 written for every row of every
+    used tile (padding rows: zeros and scale 0).
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._fp8_init()
+
+    def fake_arguments(self):
+        from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
+
+        m = cute.sym_int32(symbol="M")
+        r = cute.sym_int32(symbol="R", divisibility=self.tile_m)
+        t = cute.sym_int32(symbol="T")
+        e, hd, i = self.num_experts, self.hidden, self.intermediate
+        if self.block:
+            xs = make_fake_tensor(Float32, (m, hd // SB), (hd // SB, 1), assumed_align=4)
+            ws = make_fake_tensor(Float32, (e, 2 * i // SB, hd // SB),
+                                  (2 * i // SB * (hd // SB), hd // SB, 1), assumed_align=4)
+        else:
+            xs = make_fake_tensor(Float32, (m,), (1,), assumed_align=4)
+            ws = make_fake_tensor(Float32, (e, 2), (2, 1), assumed_align=4)
+        return [
+            ("x", make_fake_tensor(Float8E4M3FN, (m, hd), (hd, 1), assumed_align=16)),
+            ("xs", xs),
+            ("w13", make_fake_tensor(Float8E4M3FN, (e, 2 * i, hd), (2 * i * hd, hd, 1), assumed_align=16)),
+            ("w13s", ws),
+            ("sorted_ids", make_fake_tensor(Int32, (r,), (1,), assumed_align=16)),
+            ("tile_expert", make_fake_tensor(Int32, (t,), (1,), assumed_align=16)),
+            ("h", make_fake_tensor(Float8E4M3FN, (r, i), (i, 1), assumed_align=16)),
+            ("hs", make_fake_tensor(Float32, (r, i // HB), (i // HB, 1), assumed_align=4)),
+            ("stream", make_fake_stream()),
+        ]
+
+    @cute.jit
+    def __call__(self, x: cute.Tensor, xs: cute.Tensor, w13: cute.Tensor, w13s: cute.Tensor,
+                 sorted_ids: cute.Tensor, tile_expert: cute.Tensor, h: cute.Tensor, hs: cute.Tensor,
+                 stream: cuda.CUstream):
+        grid, block = self._launch_common(self.n // self.tile_n, tile_expert)
+        tma_b, mWt = self._make_tma_b(w13)
+        self.kernel_fp8(tma_b, mWt, x, xs, w13s, sorted_ids, tile_expert, h, hs).launch(
+            grid=grid, block=block, stream=stream, use_pdl=self.pdl, min_blocks_per_mp=1)
+
+    @cute.kernel
+    def kernel_fp8(self, tma_b: cute.CopyAtom, mWt: cute.Tensor, mX: cute.Tensor, mXs: cute.Tensor,
+                   mWs: cute.Tensor, mIds: cute.Tensor, mTileExpert: cute.Tensor, mH: cute.Tensor,
+                   mHs: cute.Tensor):
+        tidx, _, _ = cute.arch.thread_idx()
+        self._ws_tiles(tidx, None, None, tma_b, mWt, mX, mIds, mTileExpert,
+                       (mH, mHs, mXs, mWs, mTileExpert))
+
+    @cute.jit
+    def _load_kscales(self, sa, sb, tCcC, pairs, epi, expert, row0, bn, kt, sub: cutlass.Constexpr):
+        """K block ``kt`` (a k-tile): x's scale of each accumulator row and the tile's gate and
+        up weight scales (fp8-block128: those of the block; "fp8": the token's and the expert's,
+        the same for every block, which keeps one code path: constant scales let the compiler
+        fold the promotion into the accumulators, and ptxas then serializes the wgmmas)."""
+        _, _, mXs, mWs, _ = epi
+        for hrow in cutlass.range_constexpr(self.acc_rows):
+            p = pairs[hrow]
+            tok = Int32(0)  # padding rows: any valid address (their outputs are written as zeros)
+            if p >= 0:
+                tok = p // self.top_k
+            if const_expr(self.block):
+                sa[hrow] = mXs[tok, kt]
+            else:
+                sa[hrow] = mXs[tok]
+        if const_expr(self.block):
+            gb = (bn * (self.tile_n // 2)) // SB  # the tile's gate rows lie in one 128-row block
+            sb[0] = mWs[expert, 2 * gb, kt]
+            sb[1] = mWs[expert, 2 * gb + 1, kt]
+        else:
+            sb[0] = mWs[expert, 0]
+            sb[1] = mWs[expert, 1]
+
+    @cute.jit
+    def _epilogue_fp8(self, ctid, tiled_mma, acc, tCcC, pairs, scales, epi, expert, row0, bn):
+        """Per row and 64 h columns (the accumulators already scaled by the promotion): the GLU,
+        the block's amax over the quad (shuffles), its scale amax / 448, and the e4m3 values: the
+        quad transposes its 16-bit pairs of two 8-column h blocks (one 32-bit word per pair of
+        blocks) and lane q stores h columns 16q..16q+15 of the block as one 16-byte vector;
+        lane 0 stores the block's scale."""
+        mH, mHs, _, _, _ = epi
+        nb = self.interleave // 8
+        half = self.tile_n // 2
+        lane = cute.arch.lane_idx()
+        q = lane % 4
+        quad0 = lane - q
+        for hrow in cutlass.range_constexpr(self.acc_rows):
+            r = tCcC[self._acc_index(hrow, 0)][0]
+            valid = pairs[hrow] >= 0
+            dst_row = self._row(mH, row0 + r, self.intermediate)
+            for blk in cutlass.range_constexpr(half // HB):
+                vals = cute.make_rmem_tensor(cute.make_layout(16), Float32)
+                vals.fill(0.0)
+                amax = Float32(0.0)
+                if valid:
+                    for i in cutlass.range_constexpr(8):
+                        gi = self._acc_index(hrow, glu_gate_block(8 * blk + i, self.interleave))
+                        ui = gi + 4 * nb
+                        v = self._act(self._pair(acc, gi)) * self._pair(acc, ui)
+                        vals[2 * i] = v[0]
+                        vals[2 * i + 1] = v[1]
+                    for i in cutlass.range_constexpr(16):
+                        amax = cute.arch.fmax(amax, cute.math.absf(vals[i]))
+                amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, 1))
+                amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, 2))
+                amax = cute.arch.fmax(amax, Float32(1e-12))
+                inv = limits.FP8_MAX * cute.math.rcp(amax)
+                qv = cute.make_rmem_tensor(cute.make_layout(16), Float8E4M3FN)
+                qv.store((vals.load() * inv).to(Float8E4M3FN))
+                packed = cute.recast_tensor(qv, Int32)  # word u: h blocks 2u, 2u+1 of this lane
+                c = self._quad_transpose(packed, 0, q, quad0)  # c[s]: lane s's blocks 2q, 2q+1
+                words = cute.make_rmem_tensor(cute.make_layout(4), Int32)
+                words[0] = (c[0] & 0xFFFF) | (c[1] << 16)
+                words[1] = (c[2] & 0xFFFF) | (c[3] << 16)
+                words[2] = ((c[0] >> 16) & 0xFFFF) | ((c[1] >> 16) << 16)
+                words[3] = ((c[2] >> 16) & 0xFFFF) | ((c[3] >> 16) << 16)
+                col = bn * half + blk * HB
+                dst = cute.local_tile(dst_row, (16,), (col // 16 + q,))
+                dst.store(cute.recast_tensor(words, Float8E4M3FN).load())
+                if q == 0:
+                    sc = Float32(0.0)
+                    if valid:
+                        sc = amax * (1.0 / limits.FP8_MAX)
+                    mHs[row0 + r, col // HB] = sc
+
+
+class HopperDownGemmFp8(_Fp8Consumer, HopperDownGemm):
+    """GEMM2 in fp8: ``y[p] = topk_weights.flat[p] * (h[r] . w2_e^T)`` with h and w2 in e4m3.
+
+    ``__call__(h, hs, w2, w2s, sorted_ids, tile_expert, topk_weights, y, stream)``: h [R, I] e4m3
+    and hs [R, I/64] (GEMM1's fp8 output); w2 [E, H, I] e4m3 and w2s ([E]; fp8-block128
+    [E, H/128, I/128]); the rest as ``GroupedDownGemm`` (y bf16).
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._fp8_init()
+
+    def fake_arguments(self):
+        from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
+
+        m = cute.sym_int32(symbol="M")
+        mk = cute.sym_int32(symbol="MK")
+        r = cute.sym_int32(symbol="R", divisibility=self.tile_m)
+        t = cute.sym_int32(symbol="T")
+        e, hd, i = self.num_experts, self.hidden, self.intermediate
+        if self.block:
+            ws = make_fake_tensor(Float32, (e, hd // SB, i // SB), (hd // SB * (i // SB), i // SB, 1),
+                                  assumed_align=4)
+        else:
+            ws = make_fake_tensor(Float32, (e,), (1,), assumed_align=4)
+        return [
+            ("h", make_fake_tensor(Float8E4M3FN, (r, i), (i, 1), assumed_align=16)),
+            ("hs", make_fake_tensor(Float32, (r, i // HB), (i // HB, 1), assumed_align=4)),
+            ("w2", make_fake_tensor(Float8E4M3FN, (e, hd, i), (hd * i, i, 1), assumed_align=16)),
+            ("w2s", ws),
+            ("sorted_ids", make_fake_tensor(Int32, (r,), (1,), assumed_align=16)),
+            ("tile_expert", make_fake_tensor(Int32, (t,), (1,), assumed_align=16)),
+            ("topk_weights", make_fake_tensor(Float32, (m, self.top_k), (self.top_k, 1),
+                                              assumed_align=16)),
+            ("y", make_fake_tensor(BFloat16, (mk, hd), (hd, 1), assumed_align=16)),
+            ("stream", make_fake_stream()),
+        ]
+
+    @cute.jit
+    def __call__(self, h: cute.Tensor, hs: cute.Tensor, w2: cute.Tensor, w2s: cute.Tensor,
+                 sorted_ids: cute.Tensor, tile_expert: cute.Tensor, topk_weights: cute.Tensor,
+                 y: cute.Tensor, stream: cuda.CUstream):
+        grid, block = self._launch_common(self.n // self.tile_n, tile_expert)
+        tma_a, mAt = self._make_tma_a(h)
+        tma_b, mWt = self._make_tma_b(w2)
+        self.kernel_fp8(tma_a, mAt, tma_b, mWt, hs, w2s, sorted_ids, tile_expert, topk_weights, y).launch(
+            grid=grid, block=block, stream=stream, use_pdl=self.pdl, min_blocks_per_mp=1)
+
+    @cute.kernel
+    def kernel_fp8(self, tma_a: cute.CopyAtom, mAt: cute.Tensor, tma_b: cute.CopyAtom,
+                   mWt: cute.Tensor, mHs: cute.Tensor, mWs: cute.Tensor, mIds: cute.Tensor,
+                   mTileExpert: cute.Tensor, mTopkW: cute.Tensor, mY: cute.Tensor):
+        tidx, _, _ = cute.arch.thread_idx()
+        self._ws_tiles(tidx, tma_a, mAt, tma_b, mWt, None, mIds, mTileExpert,
+                       (mIds, mTopkW, mY, mHs, mWs, mTileExpert))
+
+    @cute.jit
+    def _load_kscales(self, sa, sb, tCcC, pairs, epi, expert, row0, bn, kt, sub: cutlass.Constexpr):
+        """K block ``sub`` (64 columns) of k-tile ``kt``: h's scale of each accumulator row and
+        the tile's weight scale (fp8-block128: of its 128x128 block; "fp8": the expert's)."""
+        _, _, _, mHs, mWs, _ = epi
+        for hrow in cutlass.range_constexpr(self.acc_rows):
+            r = tCcC[self._acc_index(hrow, 0)][0]
+            sa[hrow] = mHs[row0 + r, kt * self.kblocks + sub]
+        if const_expr(self.block):
+            sb[0] = mWs[expert, (bn * self.tile_n) // SB, kt]
+        else:
+            sb[0] = mWs[expert]
+        sb[1] = sb[0]
+
+    @cute.jit
+    def _epilogue_fp8(self, ctid, tiled_mma, acc, tCcC, pairs, scales, epi, expert, row0, bn):
+        """GEMM2's register epilogue: the routing weight, 16-byte bf16 stores to y."""
+        mIds, mTopkW, mY, _, _, _ = epi
+        self._epilogue_regs(ctid, tiled_mma, acc, pairs, scales, (mIds, mTopkW, mY), row0, bn)

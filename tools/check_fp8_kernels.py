@@ -1,0 +1,299 @@
+#!/usr/bin/env python3
+"""Check the fp8 kernels (templates/quant.py, templates/hopper_fp8.py) on a GPU against fp32
+references of exactly what they consume, and time them beside the bf16 GEMMs of the same shapes.
+
+  --compile DIR         (CPU, needs the DSL) compile the configs below for sm_90a into DIR/<name>/
+  --run DIR --out OUT   (GPU, torch + moe_aot.runtime only) per model, precision, config and token
+                        count: fresh random bf16 weights and inputs, quantized on the GPU (weights
+                        by moe_aot.runtime.fp8, x by the quantization kernel); outputs poisoned
+                        (NaN) before every run; prints errors and times, writes OUT/results.json
+
+Checks (each over the whole output and its worst row):
+  quant  dequant(xq, xs) against torch's quantize_x of the same x (and the scales themselves)
+  glu    dequant(h, hs) against the fp32 GEMM1 + GLU of dequant(xq, xs) and the dequantized w13,
+         quantized per 64 columns the same way: <= 1e-2 (whole), <= 5e-2 (worst row; a value on
+         the other side of a rounding midpoint is one e4m3 step, 6-12%, off); the scales within
+         1% of the reference's amax / 448; padding rows zero; the error against the unquantized
+         fp32 h is reported (what quantizing h costs)
+  down   y against dequant(h, hs) (the kernel's own GEMM1 output) @ dequant(w2)^T * routing weight
+  layer  the fp8 layer's sum over top-k against the bf16 layer's fp32 reference (reported: what
+         fp8 costs)
+Routing comes from moe_aot.runtime.reference.routing_reference (the routing kernel's semantics).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+# (name, E, top_k, H, I): the fp8-capable presets (GPT-OSS's H = 2880 is not a multiple of 128)
+MODELS = [
+    ("qwen3_30b_a3b", 128, 8, 2048, 768),
+    ("qwen3_235b", 128, 8, 4096, 1536),
+    ("deepseek_v3", 256, 8, 7168, 2048),
+    ("mixtral_8x7b", 8, 2, 4096, 14336),
+]
+ALL = [m[0] for m in MODELS]
+TOKENS = [1, 16, 256, 1024, 4096]
+INTERLEAVE = 16
+PRECISIONS = ("fp8", "fp8-block128")
+# (tag, mma, precisions, tile_m, glu (tile_n, stages), down (tile_n, stages)); bf16 rows are the
+# bf16 GEMMs timed beside them (tile_k 64)
+CONFIGS = [
+    ("f8c", "hopws", PRECISIONS, 128, (128, 6), (128, 6)),
+    ("f8c4", "hopws", PRECISIONS, 128, (128, 4), (128, 4)),
+    ("bf_hw128", "hopws", ("bf16",), 128, (256, 4), (256, 4)),
+    ("bf_pp64", "hoppp", ("bf16",), 64, (256, 5), (256, 5)),
+]
+
+
+def kernels(only=None):
+    for tag, mma, precs, tm, g, d in CONFIGS:
+        if only and tag not in only:
+            continue
+        for model, e, k, h, i in MODELS:
+            for prec in precs:
+                p = prec.replace("-", "_")
+                yield {"tag": tag, "mma": mma, "precision": prec, "model": model, "E": e, "k": k,
+                       "H": h, "I": i, "tile_m": tm, "glu": g, "down": d,
+                       "glu_name": f"glu_{tag}_{p}_{model}", "down_name": f"down_{tag}_{p}_{model}",
+                       "quant_name": f"quant_{p}_h{h}" if prec != "bf16" else None}
+
+
+# ----------------------------------------------------------------------------- compile (CPU)
+def compile_all(out_dir: Path, arch: str, only=None) -> None:
+    from moe_aot_templates.hopper_fp8 import HopperDownGemmFp8, HopperGluGemmFp8
+    from moe_aot_templates.hopper_gemm import HopperDownGemm, HopperGluGemm
+    from moe_aot_templates.quant import QuantizeFp8
+
+    from moe_aot.kernel_build import compile_kernel
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    manifest, done = [], set()
+    for v in kernels(only):
+        fp8 = v["precision"] != "bf16"
+        tk = 128 if fp8 else 64
+        glu_cls, down_cls = (HopperGluGemmFp8, HopperDownGemmFp8) if fp8 else (HopperGluGemm, HopperDownGemm)
+        objs = [
+            (glu_cls(v["E"], v["H"], v["I"], v["k"], interleave=INTERLEAVE, tile_m=v["tile_m"],
+                     tile_n=v["glu"][0], tile_k=tk, stages=v["glu"][1], mma=v["mma"],
+                     precision=v["precision"]), v["glu_name"]),
+            (down_cls(v["E"], v["H"], v["I"], v["k"], tile_m=v["tile_m"], tile_n=v["down"][0],
+                      tile_k=tk, stages=v["down"][1], mma=v["mma"], precision=v["precision"]),
+             v["down_name"]),
+        ]
+        if fp8 and v["quant_name"] not in done:
+            objs.append((QuantizeFp8(v["H"], v["precision"]), v["quant_name"]))
+            done.add(v["quant_name"])
+        for obj, name in objs:
+            t0 = time.perf_counter()
+            art = compile_kernel(obj, arch, name)
+            art.write_dir(out_dir / name)
+            for ptx in (out_dir / name).glob("*.ptx"):
+                ptx.unlink()  # kept small for the trip to the GPU machine
+            print(f"{name:44s} {arch} {time.perf_counter() - t0:6.2f}s cubin {len(art.cubin)} B", flush=True)
+        manifest.append(v)
+    (out_dir / "manifest.json").write_text(json.dumps(manifest, indent=1))
+
+
+# ----------------------------------------------------------------------------- run (GPU)
+def run_all(kdir: Path, out_dir: Path, iters: int, tokens=None, only=None, models=None) -> int:
+    import torch
+
+    from moe_aot.runtime import fp8 as F8
+    from moe_aot.runtime.library import KernelLibrary
+    from moe_aot.runtime.reference import interleave_gate_up, moe_reference, rel_err, routing_reference, row_rel_err
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    out_dir.mkdir(parents=True, exist_ok=True)
+    manifest = json.loads((kdir / "manifest.json").read_text())
+    if only:
+        manifest = [v for v in manifest if v["tag"] in only]
+    if models:
+        manifest = [v for v in manifest if v["model"] in models]
+    order = [m[0] for m in MODELS]
+    manifest.sort(key=lambda v: (order.index(v["model"]), v["precision"]))
+    dev = torch.device("cuda")
+    flush = torch.empty(512 * 2**20, dtype=torch.uint8, device=dev)
+    gen = torch.Generator(device=dev)
+    gen.manual_seed(0)
+    results, failures = [], 0
+    libs = {}
+
+    def lib(name):
+        if name not in libs:
+            libs[name] = KernelLibrary.from_dir(kdir / name)
+        return libs[name]
+
+    def timed(fn):
+        times = []
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        fn()
+        for _ in range(iters):
+            flush.zero_()
+            start.record()
+            fn()
+            stop.record()
+            stop.synchronize()
+            times.append(start.elapsed_time(stop) * 1e3)
+        times.sort()
+        return times[len(times) // 2]
+
+    def chunked(fn, w, chunk=16):
+        """fn over experts in chunks (the fp32 temporaries of a whole DeepSeek-V3 matrix are 30 GB)."""
+        outs = [fn(w[s:s + chunk]) for s in range(0, w.shape[0], chunk)]
+        return tuple(torch.cat(parts) for parts in zip(*outs))
+
+    weights, wq = {}, {}
+    for v in manifest:
+        e, k, hd, inter, tm, prec = v["E"], v["k"], v["H"], v["I"], v["tile_m"], v["precision"]
+        if v["model"] not in weights:
+            weights.clear()
+            wq.clear()
+            torch.cuda.empty_cache()
+            s = 1.0 / math.sqrt(hd)
+            w_gate = (torch.randn(e, inter, hd, device=dev, generator=gen) * s).bfloat16()
+            w_up = (torch.randn(e, inter, hd, device=dev, generator=gen) * s).bfloat16()
+            w2 = (torch.randn(e, hd, inter, device=dev, generator=gen) / math.sqrt(inter)).bfloat16()
+            weights[v["model"]] = (w_gate, w_up, w2)
+        w_gate, w_up, w2 = weights[v["model"]]
+        if prec not in wq:
+            if prec == "bf16":
+                wq[prec] = (interleave_gate_up(w_gate, w_up, INTERLEAVE), None, w2, None)
+            else:
+                parts = [F8.prepare_w13(w_gate[a:a + 16], w_up[a:a + 16], prec, INTERLEAVE)
+                         for a in range(0, e, 16)]
+                w13q = torch.cat([p[0] for p in parts])
+                w13s = torch.cat([p[1] for p in parts])
+                w2q, w2s = chunked(lambda w: F8.prepare_w2(w, prec), w2)
+                wq[prec] = (w13q, w13s, w2q, w2s)
+        w13, w13s, w2x, w2s = wq[prec]
+        glu, down = lib(v["glu_name"]), lib(v["down_name"])
+        for m in v["tokens"] if "tokens" in v else TOKENS:
+            if tokens and m not in tokens:
+                continue
+            x = torch.randn(m, hd, device=dev, generator=gen).bfloat16()
+            logits = torch.randn(m, e, device=dev, generator=gen)
+            topk_w, topk_ids = torch.topk(torch.softmax(logits, -1), k, dim=-1)
+            topk_w = topk_w.float().contiguous()
+            _, _, sorted_ids, tile_expert = routing_reference(topk_ids, e, tm)
+            r = sorted_ids.numel()
+            ids = sorted_ids.long()
+            valid = ids >= 0
+            row_expert = torch.repeat_interleave(tile_expert.long(), tm)
+            pad_rows = (row_expert >= 0) & ~valid
+            y = torch.full((m * k, hd), float("nan"), dtype=torch.bfloat16, device=dev)
+            res = {"variant": v["tag"], "mma": v["mma"], "precision": prec, "model": v["model"],
+                   "tokens": m, "tile_m": tm, "glu_tiles": v["glu"], "down_tiles": v["down"],
+                   "experts_used": int(torch.unique(topk_ids).numel())}
+            n_exp = res["experts_used"]
+            eb = 2 if prec == "bf16" else 1
+            if prec == "bf16":
+                h = torch.full((r, inter), float("nan"), dtype=torch.bfloat16, device=dev)
+                glu_args = (x, w13, sorted_ids, tile_expert, h)
+                down_args = (h, w2x, sorted_ids, tile_expert, topk_w, y)
+                glu(*glu_args)
+                down(*down_args)
+                torch.cuda.synchronize()
+                ok = bool(torch.isfinite(y).all()) and bool(torch.isfinite(h[valid].float()).all())
+            else:
+                quant = lib(v["quant_name"])
+                blk = F8.x_block(prec)
+                xq = torch.full((m, hd), 0x7F, dtype=torch.uint8, device=dev).view(F8.E4M3)  # NaN
+                xs = torch.full((m,) if blk is None else (m, hd // blk), float("nan"), device=dev)
+                quant(x, xq, xs)
+                h = torch.full((r, inter), 0x7F, dtype=torch.uint8, device=dev).view(F8.E4M3)
+                hs = torch.full((r, inter // 64), float("nan"), device=dev)
+                glu_args = (xq, xs, w13, w13s, sorted_ids, tile_expert, h, hs)
+                down_args = (h, hs, w2x, w2s, sorted_ids, tile_expert, topk_w, y)
+                glu(*glu_args)
+                down(*down_args)
+                torch.cuda.synchronize()
+                # quant: against torch's quantization of the same x
+                xq_ref, xs_ref = F8.quantize_x(x, prec)
+                xd = F8.dequantize_rows(xq, xs, blk)
+                xd_ref = F8.dequantize_rows(xq_ref, xs_ref, blk)
+                err_q = rel_err(xd, xd_ref)
+                err_qs = ((xs - xs_ref).abs() / xs_ref).max().item()
+                # glu: against the reference on the kernel's own xq / xs, quantized the same way
+                h_ref = F8.glu_fp8_reference(xq, xs, w13, w13s, sorted_ids, tile_expert, tm, k, prec,
+                                             "swiglu", INTERLEAVE)
+                hq_ref, hs_ref = F8.quantize_rows(h_ref, 64)
+                hd_k = F8.dequantize_rows(h, hs, 64)
+                hd_ref = F8.dequantize_rows(hq_ref, hs_ref, 64)
+                err_h = rel_err(hd_k[valid], hd_ref[valid])
+                row_h = row_rel_err(hd_k[valid], hd_ref[valid])
+                err_h_unq = rel_err(hd_k[valid], h_ref[valid])
+                err_hs = ((hs[valid] - hs_ref[valid]).abs() / hs_ref[valid]).max().item()
+                pad_ok = bool((h[pad_rows].float() == 0).all()) if pad_rows.any() else True
+                # down: on the kernel's own h / hs
+                y_ref = F8.down_fp8_reference(h, hs, w2x, w2s, sorted_ids, tile_expert, tm, topk_w, prec)
+                err_y = rel_err(y, y_ref)
+                row_y = row_rel_err(y, y_ref)
+                # the fp8 layer against the bf16 layer's fp32 reference
+                w13_bf = interleave_gate_up(w_gate, w_up, INTERLEAVE)
+                layer = y.float().view(m, k, hd).sum(1)
+                err_layer = rel_err(layer, moe_reference(x, w13_bf, w2, topk_w, topk_ids, "swiglu", INTERLEAVE))
+                del w13_bf
+                ok = (err_q <= 1e-2 and err_qs <= 1e-5 and err_h <= 1e-2 and row_h <= 5e-2 and err_hs <= 1e-2 and pad_ok
+                      and err_y <= 1e-2 and row_y <= 3e-2)
+                res.update(quant={"rel_err": err_q, "scale_err": err_qs},
+                           glu_check={"rel_err": err_h, "row_err_max": row_h, "vs_unquantized": err_h_unq,
+                                      "scale_err_max": err_hs,
+                                      "padding_zero": pad_ok},
+                           down_check={"rel_err": err_y, "row_err_max": row_y},
+                           layer_vs_bf16=err_layer)
+                res["quant"]["us"] = timed(lambda: quant(x, xq, xs))
+            t_glu = timed(lambda: glu(*glu_args))
+            t_down = timed(lambda: down(*down_args))
+            mk = m * k
+            res["glu"] = {"us": t_glu, "TFLOPs": 2 * mk * 2 * inter * hd / t_glu / 1e6,
+                          "TBps": n_exp * 2 * inter * hd * eb / t_glu / 1e6}
+            res["down"] = {"us": t_down, "TFLOPs": 2 * mk * hd * inter / t_down / 1e6,
+                           "TBps": n_exp * hd * inter * eb / t_down / 1e6}
+            res["ok"] = ok
+            failures += not ok
+            results.append(res)
+            line = (f"{'PASS' if ok else 'FAIL'} {v['tag']:8s} {prec:12s} {v['model']:14s} M={m:5d} "
+                    f"glu {t_glu:8.1f}us {res['glu']['TFLOPs']:6.1f}TF {res['glu']['TBps']:4.2f}TB/s | "
+                    f"down {t_down:8.1f}us {res['down']['TFLOPs']:6.1f}TF {res['down']['TBps']:4.2f}TB/s")
+            if prec != "bf16":
+                line += (f" | quant {res['quant']['us']:.1f}us err {err_q:.1e}/{err_qs:.1e} glu err "
+                         f"{err_h:.1e}/{row_h:.1e} hs {err_hs:.0e} (unq {err_h_unq:.1e}) pad0 {pad_ok} down err "
+                         f"{err_y:.1e}/{row_y:.1e} layer-vs-bf16 {err_layer:.2e}")
+            print(line, flush=True)
+            (out_dir / "results.json").write_text(json.dumps(results, indent=1))
+    print(f"{len(results) - failures}/{len(results)} passed", flush=True)
+    return 1 if failures else 0
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--compile", metavar="DIR", type=Path)
+    ap.add_argument("--arch", default="sm_90a")
+    ap.add_argument("--run", metavar="DIR", type=Path)
+    ap.add_argument("--out", type=Path, default=Path("fp8_check_out"))
+    ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--only", help="comma-separated config tags (default: all)")
+    ap.add_argument("--models", help="comma-separated model names (default: all)")
+    ap.add_argument("--tokens", help="comma-separated token counts (default: %s)" % TOKENS)
+    ns = ap.parse_args()
+    only = ns.only.split(",") if ns.only else None
+    if ns.compile:
+        compile_all(ns.compile, ns.arch, only)
+    if ns.run:
+        sys.exit(run_all(ns.run, ns.out, ns.iters,
+                         [int(t) for t in ns.tokens.split(",")] if ns.tokens else None, only,
+                         ns.models.split(",") if ns.models else None))
+    if not ns.compile and not ns.run:
+        ap.error("give --compile DIR and/or --run DIR")
+
+
+if __name__ == "__main__":
+    main()
