@@ -71,7 +71,8 @@ def spec_options(f):
         click.option("--intermediate", type=int, help="Intermediate size I per expert (overrides --model's)."),
         click.option("--activation", default=None, help="swiglu (default) or geglu."),
         click.option("--precision", default=None,
-                     help="bf16 (default); fp8, fp8-block128, mxfp8, nvfp4 are not yet supported."),
+                     help="bf16 (default); on sm_90a also fp8 (per-tensor weights, per-token x) and fp8-block128 "
+                          "(DeepSeek-V3-style 128x128 weight blocks); mxfp8, nvfp4 are not yet supported."),
     ]
     for o in reversed(opts):
         f = o(f)

@@ -45,25 +45,40 @@ def toolchain_key(target: str) -> str:
             f"|src{templates_hash()}")
 
 
+# The template registry: (role, family) -> (module under moe_aot_templates, class). A GEMM's
+# family is its precision's where that has templates of its own (fp8), else its MMA's mainloop
+# family: one template module per family, all taking the same constructor arguments per role.
+TEMPLATES = {
+    ("routing", None): ("routing", "MoeRouting"),
+    ("combine", None): ("routing", "MoeCombine"),
+    ("quant", None): ("quant", "QuantizeFp8"),
+    ("glu", "grouped"): ("grouped_gemm", "GroupedGluGemm"),
+    ("down", "grouped"): ("grouped_gemm", "GroupedDownGemm"),
+    ("glu", "hopper"): ("hopper_gemm", "HopperGluGemm"),
+    ("down", "hopper"): ("hopper_gemm", "HopperDownGemm"),
+    ("glu", "fp8"): ("hopper_fp8", "HopperGluGemmFp8"),
+    ("down", "fp8"): ("hopper_fp8", "HopperDownGemmFp8"),
+}
+
+
+def template_family(kv: KernelVariant) -> str | None:
+    if kv.role not in ("glu", "down"):
+        return None
+    kw = kv.kwargs()
+    if kw.get("precision", "bf16") != "bf16":
+        return "fp8"
+    return "hopper" if kw.get("mma") in WARP_SPECIALIZED else "grouped"
+
+
 def build_template(kv: KernelVariant):
     """The template object for one kernel variant (imports the DSL)."""
-    kw = kv.kwargs()
-    if kv.role == "routing":
-        from moe_aot_templates.routing import MoeRouting
-        return MoeRouting(**kw)
-    if kv.role == "combine":
-        from moe_aot_templates.routing import MoeCombine
-        return MoeCombine(**kw)
-    if kv.role in ("glu", "down"):
-        # one template module per mainloop family; both take the same arguments
-        if kw.get("mma") in WARP_SPECIALIZED:  # templates/hopper_gemm.py
-            from moe_aot_templates.hopper_gemm import HopperDownGemm as Down
-            from moe_aot_templates.hopper_gemm import HopperGluGemm as Glu
-        else:
-            from moe_aot_templates.grouped_gemm import GroupedDownGemm as Down
-            from moe_aot_templates.grouped_gemm import GroupedGluGemm as Glu
-        return Glu(**kw) if kv.role == "glu" else Down(**kw)
-    raise ValueError(f"unknown kernel role {kv.role!r}")
+    import importlib
+
+    key = (kv.role, template_family(kv))
+    if key not in TEMPLATES:
+        raise ValueError(f"unknown kernel role {kv.role!r}")
+    module, cls = TEMPLATES[key]
+    return getattr(importlib.import_module(f"moe_aot_templates.{module}"), cls)(**kv.kwargs())
 
 
 @dataclass

@@ -203,7 +203,7 @@ def check_fp8(role, precision, n, k, tile_m, tile_n, mma, cluster_m=1) -> tuple[
     if mma not in FP8_MMAS:
         return False, f"{precision} runs on mma in {FP8_MMAS}, not {mma!r}"
     if promotes(role, precision):
-        acc_threads = 128 if mma in PINGPONG else tile_m // 64 * 128
+        acc_threads = 128 if mma in PINGPONG else max(tile_m // 64, 1) * 128  # tile_m: check_tiles' rule
         if tile_m * tile_n // acc_threads > MAX_PROMOTE_ACC:
             return False, (f"{precision} {role}: a {tile_m}x{tile_n} tile needs "
                            f"{3 * tile_m * tile_n // acc_threads} accumulator registers per thread with "

@@ -11,7 +11,8 @@ from pathlib import Path
 
 ACTIVATIONS = ("swiglu", "geglu")
 PRECISIONS = ("bf16", "fp8", "fp8-block128", "mxfp8", "nvfp4")
-SUPPORTED_PRECISIONS = {"sm_90a": ("bf16",), "sm_100a": ("bf16",), "sm_121a": ("bf16",)}
+SUPPORTED_PRECISIONS = {"sm_90a": ("bf16", "fp8", "fp8-block128"), "sm_100a": ("bf16",), "sm_121a": ("bf16",)}
+FP8_SIZE_MULTIPLE = 128  # fp8: hidden/intermediate in whole 128-element k-tiles and scale blocks
 TARGETS = {
     "sm_90a": "Hopper: H100 / H200",
     "sm_100a": "Blackwell datacenter: B200 / GB200",
@@ -56,6 +57,11 @@ class LayerSpec:
         """Database key of the layer's math: shape, activation, precision (target is separate)."""
         return (f"e{self.experts}_k{self.top_k}_h{self.hidden}_i{self.intermediate}"
                 f"_{self.activation}_{self.precision}")
+
+    @property
+    def precision_tag(self) -> str:
+        """The precision as it appears in kernel names (C identifiers): "fp8block128" for "fp8-block128"."""
+        return self.precision.replace("-", "")
 
     @property
     def shape_tag(self) -> str:
@@ -106,6 +112,12 @@ def _validate(s: LayerSpec) -> None:
     if s.precision not in SUPPORTED_PRECISIONS[s.target]:
         raise SpecError(f"precision {s.precision!r} is not yet supported for {s.target}; "
                         f"supported: {', '.join(SUPPORTED_PRECISIONS[s.target])}")
+    if s.precision.startswith("fp8"):
+        for name in ("hidden", "intermediate"):
+            v = getattr(s, name)
+            if v % FP8_SIZE_MULTIPLE:
+                raise SpecError(f"{name} must be a multiple of {FP8_SIZE_MULTIPLE} for precision {s.precision} "
+                                f"(128-element k-tiles and scale blocks), got {v}; use bf16 for this layer")
 
 
 _FIELDS = {"experts", "top_k", "hidden", "intermediate", "activation", "precision", "target", "model"}

@@ -30,6 +30,13 @@ TARGET_LIMITS = {
     "sm_121a": {"mma": ("warp",), "sms": 48, "clusters": (1,)},
 }
 INTERLEAVE = 16  # gate/up rows alternate in blocks of this many rows in the prepared w13
+# The precision registry: the kernel roles of a layer in launch order (fp8 quantizes x in a
+# kernel of its own before GEMM1), and which MMA families a target offers that precision (the
+# templates' rules for it: gemm_limits.check_fp8).
+PRECISION_ROLES = {"bf16": ("routing", "glu", "down", "combine"),
+                   "fp8": ("routing", "quant", "glu", "down", "combine"),
+                   "fp8-block128": ("routing", "quant", "glu", "down", "combine")}
+PRECISION_MMAS = {"bf16": None, "fp8": limits.FP8_MMAS, "fp8-block128": limits.FP8_MMAS}  # None: all
 
 
 def arch_tag(target: str) -> str:
@@ -55,10 +62,12 @@ class GemmTiles:
     def cluster_tag(self) -> str:
         return f"c{self.cluster}" if self.cluster > 1 else ""
 
-    def params(self) -> tuple:
-        """The template constructor arguments these tunables set (cluster_m only when > 1)."""
+    def params(self, precision: str = "bf16") -> tuple:
+        """The template constructor arguments these tunables set (cluster_m only when > 1, the
+        precision only when not bf16, so every bf16 kernel is built exactly as before)."""
         return ((("tile_n", self.tile_n), ("tile_k", self.tile_k), ("stages", self.stages), ("mma", self.mma))
-                + ((("cluster_m", self.cluster),) if self.cluster > 1 else ()))
+                + ((("cluster_m", self.cluster),) if self.cluster > 1 else ())
+                + ((("precision", precision),) if precision != "bf16" else ()))
 
 
 @dataclass(frozen=True)
@@ -84,7 +93,7 @@ class LayerVariant:
     pdl: bool = False
 
     def name(self, spec: LayerSpec) -> str:
-        return (f"moe_layer_{arch_tag(spec.target)}_{spec.precision}_{spec.shape_tag}_{spec.activation}"
+        return (f"moe_layer_{arch_tag(spec.target)}_{spec.precision_tag}_{spec.shape_tag}_{spec.activation}"
                 + _render(self, LAYER_NAME))
 
     @property
@@ -127,11 +136,13 @@ class LayerVariant:
         return twin if can_implement(spec, twin)[0] else None
 
     def kernels(self, spec: LayerSpec) -> list[KernelVariant]:
-        a, p, s = arch_tag(spec.target), spec.precision, spec.shape_tag
+        """The layer's kernels in launch order: routing, (fp8: the quantization of x,) GEMM1,
+        GEMM2, combine (PRECISION_ROLES)."""
+        a, p, s = arch_tag(spec.target), spec.precision_tag, spec.shape_tag
         e, k, h, i = spec.experts, spec.top_k, spec.hidden, spec.intermediate
         g, d, m, x = self.glu, self.down, self.tile_m, self._pdl_tag
         pdl = (("pdl", True),) if self.pdl else ()
-        return [
+        out = [
             KernelVariant("routing", f"moe_route_{a}_e{e}k{k}_m{m}_c{self.route_cluster}{x}",
                           (("num_experts", e), ("top_k", k), ("tile_m", m), ("cluster_size", self.route_cluster))
                           + pdl),
@@ -139,15 +150,19 @@ class LayerVariant:
                 "glu", f"moe_glu_{a}_{p}_{s}_{spec.activation}_t{m}x{g.tile_n}x{g.tile_k}_s{g.stages}_{g.mma}"
                        f"{_c(g)}_g{INTERLEAVE}{x}",
                 (("num_experts", e), ("top_k", k), ("hidden", h), ("intermediate", i),
-                 ("activation", spec.activation), ("tile_m", m)) + g.params() + (("interleave", INTERLEAVE),)
-                + pdl),
+                 ("activation", spec.activation), ("tile_m", m)) + g.params(spec.precision)
+                + (("interleave", INTERLEAVE),) + pdl),
             KernelVariant(
                 "down", f"moe_down_{a}_{p}_{s}_t{m}x{d.tile_n}x{d.tile_k}_s{d.stages}_{d.mma}{_c(d)}{x}",
                 (("num_experts", e), ("top_k", k), ("hidden", h), ("intermediate", i), ("tile_m", m))
-                + d.params() + pdl),
+                + d.params(spec.precision) + pdl),
             KernelVariant("combine", f"moe_combine_{a}_{p}_e{e}k{k}h{h}{x}",
                           (("num_experts", e), ("hidden", h), ("top_k", k)) + pdl),
         ]
+        if "quant" in PRECISION_ROLES[spec.precision]:
+            out.insert(1, KernelVariant("quant", f"moe_quant_{a}_{p}_h{h}",
+                                        (("hidden", h), ("precision", spec.precision))))
+        return out
 
     @classmethod
     def parse(cls, name: str) -> "LayerVariant":
@@ -234,14 +249,18 @@ def _c(t: GemmTiles) -> str:
 WGMMA_MMAS = limits.WGMMA  # wgmma tiles (hopws/hoppp: TMA, a producer warpgroup, persistent)
 
 
-def gemm_can_implement(n: int, k: int, tile_m: int, t: GemmTiles, target: str) -> tuple[bool, str]:
+def gemm_can_implement(n: int, k: int, tile_m: int, t: GemmTiles, target: str, precision: str = "bf16",
+                       role: str = "down") -> tuple[bool, str]:
     """Whether the grouped-GEMM template builds these tiles for an [N, K] weight matrix on
-    `target`: the MMA must be one the target offers here, then the template's own rules
-    (gemm_limits.check_gemm, the one copy both use)."""
+    `target` in `precision`: the MMA must be one the target offers here (for that precision),
+    then the template's own rules (gemm_limits.check_gemm / check_fp8, the one copy both use)."""
     if t.mma not in TARGET_LIMITS[target]["mma"]:
         return False, f"{t.mma} MMA is not available on {target} (has {', '.join(TARGET_LIMITS[target]['mma'])})"
+    ok, why = limits.check_fp8(role, precision, n, k, tile_m, t.tile_n, t.mma, t.cluster)
+    if not ok:
+        return False, why
     ok, why = limits.check_gemm(n, k, tile_m, t.tile_n, t.tile_k, t.stages, t.mma, arch=target,
-                                cluster_m=t.cluster)
+                                cluster_m=t.cluster, precision=precision)
     return (True, "ok") if ok else (False, why)
 
 
@@ -259,7 +278,7 @@ def can_implement(spec: LayerSpec, variant: LayerVariant) -> tuple[bool, str]:
             ok, why = limits.check_glu_shape(spec.intermediate, t.tile_n, INTERLEAVE, spec.activation)
             if not ok:
                 return False, f"glu: {why}"
-        ok, why = gemm_can_implement(n_dim, k_dim, variant.tile_m, t, spec.target)
+        ok, why = gemm_can_implement(n_dim, k_dim, variant.tile_m, t, spec.target, spec.precision, role)
         if not ok:
             return False, f"{role}: {why}"
     return True, "ok"
@@ -283,7 +302,7 @@ def candidate_space(spec: LayerSpec) -> list[LayerVariant]:
                                    ("down", spec.hidden, spec.intermediate)):
             tiles[role] = [t for t in (GemmTiles(n, k, st, mma, c) for n, k, st, mma, c in
                                        itertools.product(TILE_N, TILE_K, STAGES, lim["mma"], GEMM_CLUSTERS))
-                           if gemm_can_implement(n_dim, k_dim, m, t, spec.target)[0]
+                           if gemm_can_implement(n_dim, k_dim, m, t, spec.target, spec.precision, role)[0]
                            and (role == "down" or limits.check_glu_shape(spec.intermediate, t.tile_n,
                                                                          INTERLEAVE, spec.activation)[0])]
         for g, d, c, pdl in itertools.product(tiles["glu"], tiles["down"], clusters, (False, True)):
@@ -301,6 +320,14 @@ def default_variant(spec: LayerSpec, tokens: int) -> LayerVariant:
     cluster = 1 if tokens <= 256 else max(TARGET_LIMITS[spec.target]["clusters"])
     rows_per_expert = tokens * spec.top_k / spec.experts
     W, G, P = "warp", "wgmma", "hopws"
+    if PRECISION_MMAS[spec.precision] is not None:
+        # fp8: the cooperative core with 128x128 tiles and 128-wide k-tiles; 6 stages were faster
+        # than 4 at 1-1024 tokens on the H200 (tools/check_fp8_kernels.py, 2026-12-01)
+        v = LayerVariant(128, GemmTiles(128, 128, 6, P), GemmTiles(128, 128, 6, P), cluster)
+        ok, why = can_implement(spec, v)
+        if not ok:
+            raise ValueError(f"no default variant can implement {spec.workload_key} on {spec.target}: {why}")
+        return v
     if rows_per_expert <= 2:
         prefs = [(16, GemmTiles(32, 64, 8, W), GemmTiles(32, 64, 8, W)),
                  (16, GemmTiles(64, 128, 2, W), GemmTiles(64, 128, 2, W))]

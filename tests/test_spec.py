@@ -60,7 +60,7 @@ def test_preset_with_override_and_key():
     (dict(experts=8, top_k=2, hidden=64, intermediate=64, activation="relu"), ["activation", "swiglu", "geglu"]),
     (dict(experts=8, top_k=2, hidden=64, intermediate=64, target="sm_89"), ["target", "sm_90a"]),
     (dict(experts=8, top_k=2, hidden=64, intermediate=64, precision="int3"), ["precision", "bf16"]),
-    (dict(experts=8, top_k=2, hidden=64, intermediate=64, precision="fp8"), ["not yet supported for sm_90a"]),
+    (dict(experts=8, top_k=2, hidden=64, intermediate=64, precision="fp8"), ["multiple of 128", "fp8"]),
     (dict(experts=8, top_k=2, hidden=64, intermediate=64, precision="nvfp4", target="sm_121a"),
      ["not yet supported for sm_121a"]),
     (dict(experts=8, top_k=2, hidden=64.0, intermediate=64), ["hidden", "integer"]),

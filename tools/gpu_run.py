@@ -245,7 +245,8 @@ def main():
 
     if ns.tests:
         cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-rfE", "-p", "no:cacheprovider",
-               f"--junitxml={out / 'gpu_tests.xml'}", "tests/test_gpu_layer.py", *ns.test_args.split()]
+               f"--junitxml={out / 'gpu_tests.xml'}", "tests/test_gpu_layer.py", "tests/test_gpu_fp8.py",
+               *ns.test_args.split()]
         rc, log, secs = sh(cmd, log=out / "gpu_tests.log", env=env, timeout=540)
         summary["tests"] = {"rc": rc, "seconds": round(secs, 1), "tail": log.strip().splitlines()[-1:]}
         print(log[-6000:], flush=True)

@@ -84,11 +84,20 @@ def interleave_block_scales(s_gate: torch.Tensor, s_up: torch.Tensor) -> torch.T
     return torch.stack((s_gate, s_up), dim=2).reshape(e, 2 * ib, hb).contiguous()
 
 
+_CHUNK = 16  # experts quantized at a time (a whole DeepSeek-V3 matrix in fp32 is 15 GB)
+
+
 def prepare_w13(w_gate, w_up, precision: str, interleave: int = 16):
     """bf16 (or fp32) gate and up [E, I, H] -> (w13 e4m3 [E, 2I, H] interleaved, its scales)."""
     _check_precision(precision)
     if SCALE_BLOCK % interleave:
         raise ValueError(f"interleave {interleave} must divide {SCALE_BLOCK}")
+    if w_gate.shape != w_up.shape or w_gate.dim() != 3:
+        raise ValueError(f"gate {tuple(w_gate.shape)} and up {tuple(w_up.shape)} must both be [E, I, H]")
+    if w_gate.shape[0] > _CHUNK:
+        parts = [prepare_w13(w_gate[a:a + _CHUNK], w_up[a:a + _CHUNK], precision, interleave)
+                 for a in range(0, w_gate.shape[0], _CHUNK)]
+        return torch.cat([q for q, _ in parts]), torch.cat([sc for _, sc in parts])
     if precision == "fp8-block128":
         qg, sg = quantize_blocks(w_gate)
         qu, su = quantize_blocks(w_up)
@@ -104,6 +113,11 @@ def prepare_w13(w_gate, w_up, precision: str, interleave: int = 16):
 def prepare_w2(w2, precision: str):
     """bf16 (or fp32) down weights [E, H, I] -> (e4m3 [E, H, I], scales)."""
     _check_precision(precision)
+    if w2.dim() != 3:
+        raise ValueError(f"down weights must be [E, H, I], got {tuple(w2.shape)}")
+    if w2.shape[0] > _CHUNK:
+        parts = [prepare_w2(w2[a:a + _CHUNK], precision) for a in range(0, w2.shape[0], _CHUNK)]
+        return torch.cat([q for q, _ in parts]), torch.cat([sc for _, sc in parts])
     q, s = quantize_blocks(w2) if precision == "fp8-block128" else quantize_tensor(w2)
     return q.contiguous(), s.float().contiguous()
 
@@ -204,3 +218,29 @@ def down_fp8_reference(hq, hs, w2, w2s, sorted_ids, tile_expert, tile_m, topk_we
         p = ids[rows]
         y[p] = topk_weights.reshape(-1)[p].float().unsqueeze(1) * (hd[rows] @ dequantize_w2(w2, w2s, precision, e).t())
     return y
+
+
+def moe_fp8_reference(x, w13, w2, topk_weights, topk_ids, precision: str, activation="swiglu",
+                      interleave: int = 16):
+    """The fp8 layer in fp32 on what its kernels consume: x quantized as the quantization kernel
+    does, the dequantized weights, GEMM1's output quantized per 64 columns as its epilogue does,
+    then GEMM2, the routing weights and the top-k sum. ``w13``, ``w2``: (e4m3, scales) pairs."""
+    (w13q, w13s), (w2q, w2s) = w13, w2
+    m, k = topk_ids.shape
+    xq, xs = quantize_x(x, precision)
+    xd = dequantize_rows(xq, xs, x_block(precision))
+    ids = topk_ids.reshape(-1).long()
+    i2 = w13q.shape[1]
+    y = torch.zeros(m * k, w2q.shape[1], dtype=torch.float32, device=x.device)
+    act = activation_fn(activation)
+    for e in torch.unique(ids).tolist():
+        if not 0 <= e < w13q.shape[0]:
+            continue
+        rows = (ids == e).nonzero().squeeze(1)
+        a = xd[rows // k]
+        w = dequantize_w13(w13q, w13s, precision, e, interleave).view(i2 // (2 * interleave), 2, interleave, -1)
+        h = act(a @ w[:, 0].reshape(i2 // 2, -1).t()) * (a @ w[:, 1].reshape(i2 // 2, -1).t())
+        hq, hs = quantize_rows(h, H_SCALE_BLOCK)
+        y[rows] = dequantize_rows(hq, hs, H_SCALE_BLOCK) @ dequantize_w2(w2q, w2s, precision, e).t()
+    y = y * topk_weights.reshape(-1, 1).float()
+    return y.reshape(m, k, -1).sum(1)

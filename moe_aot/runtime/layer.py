@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..gemm_limits import FP8, H_SCALE_BLOCK, SCALE_BLOCK
 from ..spec import LayerSpec, make_spec
 from ..variants import INTERLEAVE, TILE_M, LayerVariant, bucket_for, default_variant
 from .launch import LayerPlan
@@ -35,6 +36,11 @@ class Workspace:
     h: torch.Tensor
     y: torch.Tensor
     max_tokens: int
+    # fp8 layers: x quantized with its scales, and GEMM1's e4m3 output with its scales
+    xq: torch.Tensor | None = None
+    xs: torch.Tensor | None = None
+    hq: torch.Tensor | None = None
+    hs: torch.Tensor | None = None
 
     @classmethod
     def allocate(cls, spec: LayerSpec, max_tokens: int, device) -> "Workspace":
@@ -44,10 +50,18 @@ class Workspace:
         T = max(max_tiles(max_tokens, spec.top_k, spec.experts, m) for m in TILE_M)
         i32 = dict(dtype=torch.int32, device=device)
         bf = dict(dtype=torch.bfloat16, device=device)
+        fp8 = spec.precision in FP8
+        extra = {}
+        if fp8:
+            f8, f32 = dict(dtype=torch.float8_e4m3fn, device=device), dict(dtype=torch.float32, device=device)
+            xs_shape = (max_tokens,) if spec.precision == "fp8" else (max_tokens, spec.hidden // SCALE_BLOCK)
+            extra = dict(xq=torch.empty(max_tokens, spec.hidden, **f8), xs=torch.empty(xs_shape, **f32),
+                         hq=torch.empty(R, spec.intermediate, **f8),
+                         hs=torch.empty(R, spec.intermediate // H_SCALE_BLOCK, **f32))
         return cls(torch.empty(spec.experts, **i32), torch.empty(spec.experts + 1, **i32),
                    torch.empty(R, **i32), torch.empty(T, **i32),
-                   torch.empty(R, spec.intermediate, **bf),
-                   torch.empty(max_tokens * spec.top_k, spec.hidden, **bf), max_tokens)
+                   torch.empty(0 if fp8 else R, spec.intermediate, **bf),
+                   torch.empty(max_tokens * spec.top_k, spec.hidden, **bf), max_tokens, **extra)
 
 
 class MoeLayer:
@@ -92,13 +106,19 @@ class MoeLayer:
         return lib
 
     def kernels(self, tokens: int):
+        """(variant, routing, GEMM1, GEMM2, combine) for this token count (fp8: the quantization
+        kernel is ``role_kernels(tokens)["quant"]``)."""
+        v, libs = self.role_kernels(tokens)
+        return v, libs["routing"], libs["glu"], libs["down"], libs["combine"]
+
+    def role_kernels(self, tokens: int):
+        """(variant, {role: library}) of every kernel of the layer at this token count."""
         v = self.variant_for(tokens)
         kvs = v.kernels(self.spec)
         missing = [kv.name for kv in kvs if kv.name not in self._libs]
         if missing:  # one database query for the bucket's kernels, not one per kernel
             self._libs.update(self.store.load_many(missing, self.spec.target, self.device.index))
-        route, glu, down, comb = (self._libs[kv.name] for kv in kvs)
-        return v, route, glu, down, comb
+        return v, {kv.role: self._libs[kv.name] for kv in kvs}
 
     def workspace(self, tokens: int) -> Workspace:
         ws = self._workspace
@@ -113,10 +133,12 @@ class MoeLayer:
     def check_inputs(self, x, w13, w2, topk_weights, topk_ids, out) -> None:
         s = self.spec
         M = x.shape[0] if isinstance(x, torch.Tensor) and x.dim() == 2 else None
-        expect = [
-            ("x", x, (M, s.hidden), torch.bfloat16),
-            ("w13", w13, (s.experts, 2 * s.intermediate, s.hidden), torch.bfloat16),
-            ("w2", w2, (s.experts, s.hidden, s.intermediate), torch.bfloat16),
+        if s.precision in FP8:
+            weights = self._fp8_weight_checks(w13, w2)
+        else:
+            weights = [("w13", w13, (s.experts, 2 * s.intermediate, s.hidden), torch.bfloat16),
+                       ("w2", w2, (s.experts, s.hidden, s.intermediate), torch.bfloat16)]
+        expect = [("x", x, (M, s.hidden), torch.bfloat16)] + weights + [
             ("topk_weights", topk_weights, (M, s.top_k), torch.float32),
             ("topk_ids", topk_ids, (M, s.top_k), torch.int32),
         ]
@@ -137,10 +159,31 @@ class MoeLayer:
             if t.data_ptr() % 16:
                 raise KernelArgumentError(f"{name} must be 16-byte aligned (data_ptr {t.data_ptr():#x})")
 
+    def _fp8_weight_checks(self, w13, w2) -> list:
+        """fp8 layers take each weight as a (e4m3 values, fp32 scales) pair (prepare_fp8_weights)."""
+        s = self.spec
+        for name, w in (("w13", w13), ("w2", w2)):
+            if not (isinstance(w, (tuple, list)) and len(w) == 2):
+                raise KernelArgumentError(f"{name} must be a (float8_e4m3fn weights, float32 scales) pair for "
+                                          f"precision {s.precision} (prepare_fp8_weights), got {type(w).__name__}")
+        if s.precision == "fp8":
+            w13s_shape, w2s_shape = (s.experts, 2), (s.experts,)
+        else:
+            w13s_shape = (s.experts, 2 * s.intermediate // SCALE_BLOCK, s.hidden // SCALE_BLOCK)
+            w2s_shape = (s.experts, s.hidden // SCALE_BLOCK, s.intermediate // SCALE_BLOCK)
+        e4m3 = torch.float8_e4m3fn
+        return [("w13", w13[0], (s.experts, 2 * s.intermediate, s.hidden), e4m3),
+                ("w13 scales", w13[1], w13s_shape, torch.float32),
+                ("w2", w2[0], (s.experts, s.hidden, s.intermediate), e4m3),
+                ("w2 scales", w2[1], w2s_shape, torch.float32)]
+
     # -- the layer -----------------------------------------------------------------------------
     def forward(self, x, w13, w2, topk_weights, topk_ids, out=None, workspace: Workspace | None = None):
         """out[m] = sum_k topk_weights[m,k] * FFN_{topk_ids[m,k]}(x[m]). Ids outside [0, experts)
-        contribute nothing (documented, tested). Returns `out` (allocated if None)."""
+        contribute nothing (documented, tested). Returns `out` (allocated if None). fp8 layers
+        take w13 and w2 as (e4m3 weights, fp32 scales) pairs (prepare_fp8_weights)."""
+        if self.spec.precision in FP8:
+            return self._forward_fp8(x, w13, w2, topk_weights, topk_ids, out, workspace)
         ws = workspace if workspace is not None else self._workspace
         try:
             fast = self._fast.get((len(x), id(ws), id(self.variants)))
@@ -208,14 +251,63 @@ class MoeLayer:
 
     __call__ = forward
 
+    def _forward_fp8(self, x, w13, w2, topk_weights, topk_ids, out, workspace):
+        """routing -> quantization of x -> GEMM1 (e4m3 h) -> GEMM2 -> combine. The first call at
+        a size launches with the kernels' own contract checks and keeps the filled argument
+        structs; later calls re-run check_inputs and swap the data pointers."""
+        self.check_inputs(x, w13, w2, topk_weights, topk_ids, out)
+        M, K = x.shape[0], self.spec.top_k
+        if out is None:
+            out = torch.empty(M, self.spec.hidden, dtype=torch.bfloat16, device=self.device)
+        if M == 0:
+            return out
+        ws = workspace or self.workspace(M)
+        if ws.max_tokens < M or ws.xq is None:
+            raise KernelArgumentError(f"workspace must be allocated for this fp8 layer and hold {M} tokens "
+                                      f"(Workspace.allocate(spec, max_tokens, device))")
+        v, libs = self.role_kernels(M)
+        T = max_tiles(M, K, self.spec.experts, v.tile_m)
+        R = T * v.tile_m
+        if ws.sorted_ids.numel() < R or ws.tile_expert.numel() < T or ws.hq.shape[0] < R:
+            raise KernelArgumentError(f"workspace too small for {M} tokens with tile_m {v.tile_m}; "
+                                      "allocate it with Workspace.allocate(spec, max_tokens, device)")
+        sorted_ids, tile_expert = ws.sorted_ids[:R], ws.tile_expert[:T]
+        xq, xs, hq, hs, y = ws.xq[:M], ws.xs[:M], ws.hq[:R], ws.hs[:R], ws.y[: M * K]
+        args = {"routing": (topk_ids, ws.counts, ws.offsets, sorted_ids, tile_expert),
+                "quant": (x, xq, xs),
+                "glu": (xq, xs, w13[0], w13[1], sorted_ids, tile_expert, hq, hs),
+                "down": (hq, hs, w2[0], w2[1], sorted_ids, tile_expert, topk_weights, y),
+                "combine": (y, topk_ids, out)}
+        roles = [kv.role for kv in v.kernels(self.spec)]
+        key = (M, v.name(self.spec), id(ws))
+        plan = self._plans.get(key)
+        if plan is None:
+            for role in roles:
+                libs[role](*args[role])
+            if len(self._plans) >= 64:
+                self._plans.clear()
+            self._plans[key] = (ws,) + tuple(libs[role].bind(*args[role]) for role in roles)
+            return out
+        bound = dict(zip(roles, plan[1:]))
+        # the caller's tensors (everything else is the workspace's, fixed by M)
+        for role, index, t in (("routing", 0, topk_ids), ("quant", 0, x), ("glu", 2, w13[0]), ("glu", 3, w13[1]),
+                               ("down", 2, w2[0]), ("down", 3, w2[1]), ("down", 6, topk_weights),
+                               ("combine", 1, topk_ids), ("combine", 2, out)):
+            bound[role].set_data(index, t.data_ptr())
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        for role in roles:
+            bound[role](stream)
+        return out
+
     def launchers(self, tokens: int, workspace: Workspace | None = None) -> dict:
         """The four kernels of the last forward at `tokens`, bound to its arguments (each is
         called with a stream): for tools that time the kernels one by one."""
         ws = workspace or self.workspace(tokens)
-        plan = self._plans.get((tokens, self.variant_for(tokens).name(self.spec), id(ws)))
+        v = self.variant_for(tokens)
+        plan = self._plans.get((tokens, v.name(self.spec), id(ws)))
         if plan is None:
             raise KeyError(f"no forward at {tokens} tokens with this workspace yet")
-        return dict(zip(("routing", "glu", "down", "combine"), plan[1:]))
+        return dict(zip((kv.role for kv in v.kernels(self.spec)), plan[1:]))
 
     def route(self, topk_ids, tile_m: int | None = None):
         """Routing alone (for tests and tools): returns counts, offsets, sorted_ids, tile_expert."""
@@ -237,22 +329,43 @@ _LAYERS: dict[tuple, MoeLayer] = {}
 
 def moe_forward(x, w13_prepared, w2, topk_weights, topk_ids, out=None, workspace=None,
                 activation: str = "swiglu", store: KernelStore | None = None):
-    """One call for the whole fused layer; the layer shape is read off the tensors."""
-    if not isinstance(w13_prepared, torch.Tensor) or w13_prepared.dim() != 3:
+    """One call for the whole fused layer; the layer shape is read off the tensors. bf16:
+    w13_prepared from prepare_weights(), w2 a tensor; fp8: both (e4m3 weights, fp32 scales) pairs
+    from prepare_fp8_weights() or fp8.from_block128_checkpoint(), the precision read off the
+    scales' shape (w13 scales [E, 2]: "fp8", [E, 2I/128, H/128]: "fp8-block128")."""
+    precision = "bf16"
+    w13 = w13_prepared
+    if isinstance(w13_prepared, (tuple, list)) and len(w13_prepared) == 2 and \
+            all(isinstance(t, torch.Tensor) for t in w13_prepared):
+        w13, scales = w13_prepared
+        precision = "fp8" if scales.dim() == 2 else "fp8-block128"
+    if not isinstance(w13, torch.Tensor) or w13.dim() != 3:
         raise KernelArgumentError("w13_prepared must be a [experts, 2*intermediate, hidden] tensor "
-                                  "from prepare_weights()")
+                                  "from prepare_weights(), or an fp8 (weights, scales) pair from "
+                                  "prepare_fp8_weights()")
     if not isinstance(topk_ids, torch.Tensor) or topk_ids.dim() != 2:
         raise KernelArgumentError("topk_ids must be a [tokens, top_k] int32 tensor")
     if not isinstance(x, torch.Tensor) or not x.is_cuda:
         raise KernelArgumentError("x must be a CUDA tensor [tokens, hidden] (bf16)")
-    E, I2, H = w13_prepared.shape
-    key = (E, topk_ids.shape[1], H, I2 // 2, activation, x.device.index if x.is_cuda else None)
+    E, I2, H = w13.shape
+    key = (E, topk_ids.shape[1], H, I2 // 2, activation, precision, x.device.index if x.is_cuda else None)
     layer = _LAYERS.get(key)
     if layer is None:
         spec = make_spec(experts=E, top_k=topk_ids.shape[1], hidden=H, intermediate=I2 // 2,
-                         activation=activation, target=device_target(x.device))
+                         activation=activation, precision=precision, target=device_target(x.device))
         layer = _LAYERS[key] = MoeLayer(spec, store=store, device=x.device.index)
     return layer.forward(x, w13_prepared, w2, topk_weights, topk_ids, out, workspace)
+
+
+def prepare_fp8_weights(w_gate, w_up, w2, precision: str = "fp8-block128"):
+    """bf16 (or fp32) gate, up [E, I, H] and down [E, H, I] weights -> the fp8 layer's
+    ((w13, w13 scales), (w2, w2 scales)), quantized once at weight-load time (w13 gate/up
+    interleaved as prepare_weights does, its scales with it). Prequantized DeepSeek-V3 experts:
+    fp8.from_block128_checkpoint."""
+    from . import fp8
+
+    w13 = fp8.prepare_w13(w_gate, w_up, precision, INTERLEAVE)
+    return w13, fp8.prepare_w2(w2, precision)
 
 
 def device_target(device) -> str:

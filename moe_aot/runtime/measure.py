@@ -10,8 +10,8 @@ import torch
 
 from ..variants import LayerVariant
 from .layer import MoeLayer
-from .reference import moe_reference, rel_err
-from .verify import TOLERANCE, random_routing
+from .reference import rel_err
+from .verify import TOLERANCE, layer_reference, random_routing
 
 INPUT_SETS = 4
 
@@ -67,7 +67,7 @@ def measure_variant(layer: MoeLayer, variant: LayerVariant | None, tokens: int, 
     x, tw, ids, out = sets[0]
     out.fill_(float("nan"))
     layer.forward(x, w13, w2, tw, ids, out=out)
-    err = rel_err(out, moe_reference(x, w13, w2, tw, ids, layer.spec.activation))
+    err = rel_err(out, layer_reference(layer.spec, x, w13, w2, tw, ids))
     if not err <= TOLERANCE:
         return {"ok": False, "rel_err": err}
     ws = layer.workspace(tokens)

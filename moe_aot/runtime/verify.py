@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from ..gemm_limits import FP8
 from ..spec import LayerSpec
+from ..variants import INTERLEAVE
 from .layer import MoeLayer
 from .reference import glu_reference, max_tiles, moe_reference, rel_err, routing_reference, row_rel_err
 from .store import KernelStore
@@ -29,10 +31,26 @@ def random_routing(tokens: int, spec: LayerSpec, device, skew: bool = False, onl
 
 
 def random_weights(spec: LayerSpec, device, scale: float = 1.0):
+    """Random prepared weights of the layer: bf16 w13 (interleaved) and w2, or for fp8 layers
+    the (e4m3, scales) pairs of random bf16 weights quantized by prepare_fp8_weights."""
     H, I, E = spec.hidden, spec.intermediate, spec.experts
     w13 = (torch.randn(E, 2 * I, H, device=device, dtype=torch.bfloat16) * (scale / H ** 0.5))
     w2 = (torch.randn(E, H, I, device=device, dtype=torch.bfloat16) * (scale / I ** 0.5))
+    if spec.precision in FP8:
+        from . import fp8
+
+        return fp8.prepare_w13(w13[:, :I], w13[:, I:], spec.precision, INTERLEAVE), fp8.prepare_w2(w2, spec.precision)
     return w13, w2
+
+
+def layer_reference(spec: LayerSpec, x, w13, w2, topk_weights, topk_ids):
+    """The fp32 reference of the layer in its precision (fp8: on what its kernels consume)."""
+    if spec.precision in FP8:
+        from . import fp8
+
+        return fp8.moe_fp8_reference(x, w13, w2, topk_weights, topk_ids, spec.precision, spec.activation,
+                                     INTERLEAVE)
+    return moe_reference(x, w13, w2, topk_weights, topk_ids, spec.activation)
 
 
 def check_stages(layer: MoeLayer, x, w13, w2, topk_weights, topk_ids) -> list[dict]:
@@ -49,6 +67,22 @@ def check_stages(layer: MoeLayer, x, w13, w2, topk_weights, topk_ids) -> list[di
     same = all(torch.equal(a, b) for a, b in zip(bufs, ref))
     rows.append({"stage": "routing", "rel_err": 0.0 if same else 1.0, "ok": same, "variant": v.name(spec)})
     counts, offsets, sorted_ids, tile_expert = ref  # GEMM1 is checked on exact routing
+    if spec.precision in FP8:
+        rows.append(_check_glu_fp8(layer, x, w13, sorted_ids, tile_expert, offsets, v))
+    else:
+        rows.append(_check_glu(layer, x, w13, topk_ids, sorted_ids, tile_expert, offsets, v, glu))
+    out = torch.full((M, spec.hidden), float("nan"), device=x.device, dtype=torch.bfloat16)
+    layer.forward(x, w13, w2, topk_weights, topk_ids, out=out)
+    ref = layer_reference(spec, x, w13, w2, topk_weights, topk_ids)
+    e, er = rel_err(out, ref), row_rel_err(out, ref)
+    rows.append({"stage": "layer", "rel_err": e, "row_rel_err": er, "ok": e <= TOLERANCE and er <= ROW_TOLERANCE,
+                 "variant": v.name(spec)})
+    return rows
+
+
+def _check_glu(layer, x, w13, topk_ids, sorted_ids, tile_expert, offsets, v, glu) -> dict:
+    spec = layer.spec
+    T = tile_expert.numel()
     h = torch.full((T * v.tile_m, spec.intermediate), float("nan"), device=x.device, dtype=torch.bfloat16)
     glu(x, w13, sorted_ids, tile_expert, h)
     href = glu_reference(x, w13, topk_ids, spec.activation)
@@ -60,15 +94,43 @@ def check_stages(layer: MoeLayer, x, w13, w2, topk_weights, topk_ids) -> list[di
     pad = used & ~valid
     pad_ok = bool((h[pad] == 0).all()) if pad.any() else True
     e, er = rel_err(got, href), row_rel_err(got, href)
-    rows.append({"stage": "glu", "rel_err": e, "row_rel_err": er, "pad_rows_zero": pad_ok,
-                 "ok": e <= TOLERANCE and er <= ROW_TOLERANCE and pad_ok, "variant": v.name(spec)})
-    out = torch.full((M, spec.hidden), float("nan"), device=x.device, dtype=torch.bfloat16)
-    layer.forward(x, w13, w2, topk_weights, topk_ids, out=out)
-    ref = moe_reference(x, w13, w2, topk_weights, topk_ids, spec.activation)
-    e, er = rel_err(out, ref), row_rel_err(out, ref)
-    rows.append({"stage": "layer", "rel_err": e, "row_rel_err": er, "ok": e <= TOLERANCE and er <= ROW_TOLERANCE,
-                 "variant": v.name(spec)})
-    return rows
+    return {"stage": "glu", "rel_err": e, "row_rel_err": er, "pad_rows_zero": pad_ok,
+            "ok": e <= TOLERANCE and er <= ROW_TOLERANCE and pad_ok, "variant": v.name(spec)}
+
+
+FP8_H_ROW_TOLERANCE = 5e-2  # a value past a rounding midpoint is one e4m3 step (6-12%) off
+
+
+def _check_glu_fp8(layer, x, w13, sorted_ids, tile_expert, offsets, v) -> dict:
+    """The quantization kernel and GEMM1 of an fp8 layer: x's e4m3 values and scales against
+    torch's quantization of x, then GEMM1's dequantized output against the fp32 GEMM1 + GLU of
+    exactly what it read (the kernel's own xq, xs and the weights), quantized the same way."""
+    from . import fp8
+
+    spec = layer.spec
+    M, R = x.shape[0], sorted_ids.numel()
+    _, libs = layer.role_kernels(M)
+    blk = fp8.x_block(spec.precision)
+    xq = torch.full((M, spec.hidden), 0x7F, dtype=torch.uint8, device=x.device).view(fp8.E4M3)  # NaN
+    xs = torch.full((M,) if blk is None else (M, spec.hidden // blk), float("nan"), device=x.device)
+    libs["quant"](x, xq, xs)
+    q_ref, s_ref = fp8.quantize_x(x, spec.precision)
+    e_q = rel_err(fp8.dequantize_rows(xq, xs, blk), fp8.dequantize_rows(q_ref, s_ref, blk))
+    h = torch.full((R, spec.intermediate), 0x7F, dtype=torch.uint8, device=x.device).view(fp8.E4M3)
+    hs = torch.full((R, spec.intermediate // 64), float("nan"), device=x.device)
+    libs["glu"](xq, xs, w13[0], w13[1], sorted_ids, tile_expert, h, hs)
+    href = fp8.glu_fp8_reference(xq, xs, w13[0], w13[1], sorted_ids, tile_expert, v.tile_m, spec.top_k,
+                                 spec.precision, spec.activation, INTERLEAVE)
+    hq_ref, hs_ref = fp8.quantize_rows(href, 64)
+    valid = sorted_ids >= 0
+    got, want = fp8.dequantize_rows(h, hs, 64)[valid], fp8.dequantize_rows(hq_ref, hs_ref, 64)[valid]
+    used = torch.arange(R, device=x.device) < offsets[-1]
+    pad = used & ~valid
+    pad_ok = bool((h[pad].float() == 0).all()) if pad.any() else True
+    e, er = rel_err(got, want), row_rel_err(got, want)
+    return {"stage": "glu", "rel_err": e, "row_rel_err": er, "pad_rows_zero": pad_ok, "quant_rel_err": e_q,
+            "ok": e <= TOLERANCE and er <= FP8_H_ROW_TOLERANCE and pad_ok and e_q <= TOLERANCE,
+            "variant": v.name(spec)}
 
 
 def verify_layer(spec: LayerSpec, tokens, db_url: str | None = None, stages=None) -> list[dict]:

@@ -1,0 +1,143 @@
+"""The fp8 layer on the CPU: formats (quantization, weight preparation, DeepSeek-V3 checkpoint
+import), the spec and variant rules, and real compiles of the fp8 kernels (their numerics are
+checked on the GPU: tests/test_gpu_fp8.py, tools/check_fp8_kernels.py)."""
+from __future__ import annotations
+
+import re
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from moe_aot import gemm_limits as limits  # noqa: E402
+from moe_aot import variants as V  # noqa: E402
+from moe_aot.runtime import fp8  # noqa: E402
+from moe_aot.runtime.layer import prepare_fp8_weights  # noqa: E402
+from moe_aot.runtime.reference import interleave_gate_up, moe_reference, rel_err, split_gate_up  # noqa: E402
+from moe_aot.spec import SpecError, make_spec  # noqa: E402
+
+
+def _e4m3_half_step(v):
+    """Half the e4m3 spacing at |v| (values scaled into [0, 448]): 2^(e-4), subnormals 2^-10."""
+    return torch.exp2(torch.floor(torch.log2(v.abs().clamp_min(2.0 ** -6))) - 4)
+
+
+@pytest.mark.parametrize("block", [None, 64, 128])
+def test_quantize_rows_rounds_to_nearest_e4m3(block):
+    t = torch.randn(7, 256) * torch.logspace(-3, 2, 7).unsqueeze(1)
+    q, s = fp8.quantize_rows(t, block)
+    assert q.dtype == torch.float8_e4m3fn and s.dtype == torch.float32
+    assert s.shape == ((7,) if block is None else (7, 256 // block))
+    b = 256 if block is None else block
+    scaled = t.view(7, 256 // b, b) / s.view(7, 256 // b, 1)
+    assert scaled.abs().amax(-1).sub(limits.FP8_MAX).abs().max() < 1e-3  # each block's amax -> 448
+    err = (q.float().view_as(scaled) - scaled).abs()
+    assert (err <= _e4m3_half_step(scaled) * (1 + 1e-6)).all()
+    back = fp8.dequantize_rows(q, s, block)
+    assert rel_err(back, t) < 0.04
+
+
+@pytest.mark.parametrize("precision", fp8.FP8)
+def test_prepare_w13_dequantizes_to_the_interleaved_weights(precision):
+    torch.manual_seed(0)
+    gate = torch.randn(3, 256, 384)
+    up = torch.randn(3, 256, 384) * 3  # other magnitudes than gate: its scales must stay its own
+    w13, s = fp8.prepare_w13(gate, up, precision, 16)
+    assert w13.shape == (3, 512, 384) and w13.dtype == torch.float8_e4m3fn
+    assert s.shape == ((3, 2) if precision == "fp8" else (3, 4, 3))
+    want = interleave_gate_up(gate, up)
+    got = fp8.dequantize_w13(w13, s, precision)
+    assert rel_err(got, want) < 0.04
+    # row by row: each interleaved row is a gate or an up row, within half an e4m3 step of it
+    g, u = split_gate_up(got)
+    for mine, ref in ((g, gate), (u, up)):
+        assert rel_err(mine, ref) < 0.04
+    assert torch.equal(fp8.dequantize_w13(w13, s, precision, expert=2), got[2])
+
+
+def test_block128_checkpoint_import_equals_quantizing_here():
+    """DeepSeek-V3's experts as shipped (e4m3 + weight_scale_inv per 128x128 block) become the
+    same tensors as quantizing their dequantized values here."""
+    torch.manual_seed(1)
+    gate, up = torch.randn(2, 256, 512), torch.randn(2, 256, 512)
+    down = torch.randn(2, 512, 256)
+    (gq, gs), (uq, us), (dq, ds) = (fp8.quantize_blocks(w) for w in (gate, up, down))
+    w13, w13s, w2, w2s = fp8.from_block128_checkpoint(gq, gs, uq, us, dq, ds)
+    (p13, p13s), (p2, p2s) = prepare_fp8_weights(gate, up, down, "fp8-block128")
+    assert torch.equal(w13.view(torch.uint8), p13.view(torch.uint8)) and torch.equal(w13s, p13s)
+    assert torch.equal(w2.view(torch.uint8), p2.view(torch.uint8)) and torch.equal(w2s, p2s)
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        fp8.from_block128_checkpoint(gate, gs, uq, us, dq, ds)
+    with pytest.raises(ValueError, match="one scale per 128x128 block"):
+        fp8.from_block128_checkpoint(gq, gs[:, :1], uq, us, dq, ds)
+
+
+@pytest.mark.parametrize("precision", fp8.FP8)
+def test_fp8_reference_tracks_the_bf16_layer(precision):
+    torch.manual_seed(2)
+    e, k, h, i, m = 4, 2, 256, 256, 9
+    gate, up = torch.randn(e, i, h) / h ** 0.5, torch.randn(e, i, h) / h ** 0.5
+    down = torch.randn(e, h, i) / i ** 0.5
+    x = torch.randn(m, h).bfloat16()
+    ids = torch.stack([torch.randperm(e)[:k] for _ in range(m)]).int()
+    tw = torch.softmax(torch.randn(m, k), -1)
+    w13, w2 = prepare_fp8_weights(gate, up, down, precision)
+    got = fp8.moe_fp8_reference(x, w13, w2, tw, ids, precision)
+    want = moe_reference(x, interleave_gate_up(gate, up), down, tw, ids)
+    assert 1e-3 < rel_err(got, want) < 0.1  # e4m3 costs a few percent, never nothing
+
+
+def test_spec_accepts_fp8_on_hopper_only_with_128_multiples():
+    assert make_spec("deepseek-v3", precision="fp8-block128").workload_key.endswith("_fp8-block128")
+    assert make_spec("qwen3-30b-a3b", precision="FP8").precision == "fp8"
+    with pytest.raises(SpecError, match="multiple of 128 for precision fp8"):
+        make_spec("gpt-oss-120b", precision="fp8")
+    with pytest.raises(SpecError, match="not yet supported for sm_100a"):
+        make_spec("deepseek-v3", precision="fp8", target="sm_100a")
+
+
+@pytest.mark.parametrize("precision", fp8.FP8)
+def test_fp8_variants_and_their_refusals(precision):
+    spec = make_spec("deepseek-v3", precision=precision)
+    v = V.default_variant(spec, 4096)
+    kvs = v.kernels(spec)
+    assert [kv.role for kv in kvs] == list(V.PRECISION_ROLES[precision])
+    for kv in kvs:
+        assert re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", kv.name), kv.name
+    assert dict(kvs[2].params)["precision"] == precision
+    bf = make_spec("deepseek-v3")
+    assert "precision" not in dict(V.default_variant(bf, 4096).kernels(bf)[1].params)  # bf16 kernels as before
+    space = V.candidate_space(spec)
+    assert space and all(t.mma == "hopws" and t.tile_k == 128 and t.cluster == 1
+                         for var in space for t in (var.glu, var.down))
+    assert {var.glu.tile_n for var in space} == {128}
+    G = V.GemmTiles
+    for glu, down, why in ((G(256, 128, 4, "hopws"), G(128, 128, 6, "hopws"), "accumulator registers"),
+                           (G(128, 64, 6, "hopws"), G(128, 128, 6, "hopws"), "tile_k 64 must be 128"),
+                           (G(128, 128, 8, "hoppp"), G(128, 128, 6, "hoppp"), "runs on mma in"),
+                           (G(128, 128, 6, "hopws", 2), G(128, 128, 6, "hopws"), "clusters")):
+        ok, reason = V.can_implement(spec, V.LayerVariant(128 if glu.mma == "hopws" else 64, glu, down))
+        assert not ok and why in reason, reason
+
+
+def test_fp8_kernels_compile(tmp_path):
+    """The quantization kernel and both fp8 GEMMs compile on this CPU machine into libraries whose
+    cubins hold fp8 wgmma (QGMMA)."""
+    pytest.importorskip("cutlass")
+    from moe_aot.compiler import build_template
+    from moe_aot.kernel_build import compile_kernel
+
+    spec = make_spec(experts=8, top_k=2, hidden=256, intermediate=256, precision="fp8-block128")
+    v = V.LayerVariant(128, V.GemmTiles(128, 128, 3, "hopws"), V.GemmTiles(128, 128, 3, "hopws"))
+    assert V.can_implement(spec, v)[0]
+    for kv in v.kernels(spec):
+        if kv.role not in ("quant", "glu", "down"):
+            continue
+        art = compile_kernel(build_template(kv), "sm_90a", kv.name)
+        assert art.library[:4] == b"\x7fELF"
+        if kv.role != "quant":
+            assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n128k32\.f32\.e4m3\.e4m3", art.ptx), kv.name
+        names = [a["name"] for a in art.meta["args"]]
+        want = {"quant": ["x", "xq", "xs"], "glu": ["x", "xs", "w13", "w13s", "sorted_ids", "tile_expert", "h", "hs"],
+                "down": ["h", "hs", "w2", "w2s", "sorted_ids", "tile_expert", "topk_weights", "y"]}[kv.role]
+        assert names[:len(want)] == want, names
