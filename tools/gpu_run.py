@@ -164,6 +164,7 @@ def main():
                     help="with --coldstart: also time the moe_aot package under DIR (e.g. scratch/before from "
                          "`git archive main moe_aot | tar -x -C scratch/before`), alternating with this checkout's")
     ap.add_argument("--bench", default=None, help="arguments for tools/bench.py ('' for defaults)")
+    ap.add_argument("--bench-fp8", default=None, help="arguments for tools/bench_fp8.py ('' for defaults)")
     ap.add_argument("--gemm-check", default=None, metavar="DIR",
                     help="run tools/check_gemm_kernels.py on the kernels compiled into DIR "
                          "(check_gemm_kernels.py --compile DIR on the CPU machine)")
@@ -255,6 +256,12 @@ def main():
         cmd = [sys.executable, "tools/bench.py", "--out", str(out), *ns.bench.split()]
         rc, log, secs = sh(cmd, log=out / "bench.log", env=env, timeout=560)
         summary["bench"] = {"rc": rc, "seconds": round(secs, 1)}
+        print(log[-8000:], flush=True)
+
+    if ns.bench_fp8 is not None:
+        cmd = [sys.executable, "tools/bench_fp8.py", "--out", str(out), *ns.bench_fp8.split()]
+        rc, log, secs = sh(cmd, log=out / "bench_fp8.log", env=env, timeout=560)
+        summary["bench_fp8"] = {"rc": rc, "seconds": round(secs, 1)}
         print(log[-8000:], flush=True)
 
     if ns.gemm_check is not None and not ns.skip_check:
