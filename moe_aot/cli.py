@@ -394,6 +394,19 @@ def tune_cmd(models, spec_file, target, experts, top_k, hidden, intermediate, ac
         raise _fail(exc) from None
 
 
+def _all_precisions(model: str) -> list:
+    """The preset in every precision a spec accepts for it (a study is one workload: shape and precision)."""
+    from .spec import PRECISIONS
+
+    out = []
+    for p in PRECISIONS:
+        try:
+            out.append(make_spec(model, precision=p))
+        except SpecError:
+            continue
+    return out
+
+
 @main.command("measure")
 @click.option("--model", "models", multiple=True,
               help="Only these presets' studies (default: every study for this GPU).")
@@ -425,7 +438,10 @@ def measure_cmd(models, target, tokens, trials, timeout_s, wait_s, replays, conf
     url = _where(db_url)
     _open(url).close()
     try:
-        workloads = {make_spec(n).workload_key for m in models for n in m.split(",") if n} or None
+        names = [n for m in models for n in m.split(",") if n]
+        for n in names:
+            make_spec(n)  # an unknown preset is refused here, with the list of presets
+        workloads = {spec.workload_key for n in names for spec in _all_precisions(n)} or None
     except SpecError as exc:
         raise _fail(exc) from None
     measurer = _gpu_measurer(url, replays)

@@ -5,6 +5,7 @@ import json
 from datetime import datetime
 from pathlib import Path
 
+import pytest
 from click.testing import CliRunner
 
 from moe_aot import picks
@@ -23,9 +24,11 @@ TUNED = ROOT / "cache" / "tuned" / "NVIDIA_H200.jsonl"
 # changed, the fourth all 35 buckets after the ping-pong GEMMs and the 16-byte GEMM1 epilogue, with
 # confirmation rounds, the fifth the 1-token buckets of four models with 128-wide k-tiles as seeds).
 # tuning_2026-12-01d is not among them: it measured GEMM1 kernels that were changed before
-# anything shipped (tools/results/NOTES.md).
+# anything shipped (tools/results/NOTES.md). g, h and i are the first fp8 sessions (fp8 and
+# fp8-block128 at 1, 16, 256 and 4096 tokens; g: the two Qwen3 models, h: DeepSeek-V3, i: Mixtral).
 SESSIONS = ("tuning_2026-12-01", "tuning_2026-12-01b", "tuning_2026-12-01c", "tuning_2026-12-01e",
-            "tuning_2026-12-01f")
+            "tuning_2026-12-01f", "tuning_2026-12-01g", "tuning_2026-12-01h", "tuning_2026-12-01i")
+FP8_BUCKETS = (1, 16, 256, 4096)
 RECORD_FILES = [ROOT / "tools" / "results" / d / "all_records.json" for d in SESSIONS]
 
 
@@ -41,7 +44,14 @@ MODELS = ("qwen3-30b-a3b", "qwen3-235b-a22b", "gpt-oss-120b", "deepseek-v3", "mi
 
 
 def _spec(workload):
-    return next(make_spec(m) for m in MODELS if make_spec(m).workload_key == workload)
+    for m in MODELS:
+        for p in ("bf16", "fp8", "fp8-block128"):
+            if m == "gpt-oss-120b" and p != "bf16":
+                continue  # H = 2880: no fp8
+            spec = make_spec(m, precision=p)
+            if spec.workload_key == workload:
+                return spec
+    raise KeyError(workload)
 
 
 def derive_from_committed_records(records=None) -> list[dict]:
@@ -81,26 +91,29 @@ def test_committed_picks_are_derived_from_the_records_and_never_slower_than_the_
             pick_us = sorted(x["median_us"] for x in bucket if x["variant"] == r["variant"])
             assert len(pick_us) >= 3 and round(pick_us[0], 3) <= r["median_us"] <= round(pick_us[-1], 3), r
             assert r["median_us"] <= r["default_us"] <= max(default_us), r
-    assert confirmed == 35  # the newest session confirmed every bucket
+    assert confirmed == len(rows) == 35 + 4 * 2 * len(FP8_BUCKETS)  # the newest session confirmed every bucket
 
 
 def test_committed_picks_are_valid_variants():
     rows = [json.loads(line) for line in TUNED.read_text().splitlines() if line.strip()]
-    assert len(rows) == 35  # five models x seven buckets
+    # bf16: five models x seven buckets; fp8 and fp8-block128: four models x four buckets
+    assert len(rows) == 35 + 2 * 4 * len(FP8_BUCKETS)
     for r in rows:
         assert r["gpu"] == "NVIDIA H200" and r["target"] == "sm_90a" and r["median_us"] > 0
         v = LayerVariant.parse(r["variant"])
         assert can_implement(_spec(r["workload"]), v)[0], r["variant"]
 
 
-def test_build_turns_the_committed_picks_into_binaries(tmp_path):
+@pytest.mark.parametrize("precision", ["bf16", "fp8-block128"])
+def test_build_turns_the_committed_picks_into_binaries(tmp_path, precision):
     url = f"sqlite:///{tmp_path / 'deploy.sqlite'}"
     res = CliRunner().invoke(main, ["build", "--models", "qwen3-30b-a3b", "--target", "sm_90a", "--gpu",
-                                    "NVIDIA H200", "--tuned-dir", str(TUNED.parent), "--db", url, "-j", "1"])
+                                    "NVIDIA H200", "--tuned-dir", str(TUNED.parent), "--db", url, "-j", "1",
+                                    "--precision", precision])
     assert res.exit_code == 0, res.output
-    spec = make_spec("qwen3-30b-a3b")
+    spec = make_spec("qwen3-30b-a3b", precision=precision)
     served = KernelStore(url).picks(spec, "NVIDIA H200")
-    assert sorted(served) == [1, 16, 64, 256, 1024, 4096, 16384]
+    assert sorted(served) == ([1, 16, 64, 256, 1024, 4096, 16384] if precision == "bf16" else list(FP8_BUCKETS))
     # the binaries built here are the ones that were measured: same content digest as the pick's record
     from moe_aot.database import Database
 
@@ -110,7 +123,8 @@ def test_build_turns_the_committed_picks_into_binaries(tmp_path):
         for tokens, v in served.items():
             assert picks.variant_content(db, spec, v)[0] == measured[(v.name(spec), tokens)], (tokens, v)
     again = CliRunner().invoke(main, ["build", "--models", "qwen3-30b-a3b", "--target", "sm_90a", "--gpu",
-                                      "NVIDIA H200", "--tuned-dir", str(TUNED.parent), "--db", url])
+                                      "NVIDIA H200", "--tuned-dir", str(TUNED.parent), "--db", url,
+                                      "--precision", precision])
     assert again.exit_code == 0 and "0 compiled" in again.output
 
 

@@ -183,7 +183,8 @@ def main():
                          "(several: DIR1,DIR2, each timed beside the layer)")
     ap.add_argument("--decode-profile", action="store_true", help="with --decode: ncu of one launch per model")
     ap.add_argument("--sanitize", default=None, metavar="MODELS",
-                    help="compute-sanitizer memcheck over tools/sanitize_check.py for these presets")
+                    help="compute-sanitizer memcheck over tools/sanitize_check.py for these presets "
+                         "(model[:precision], e.g. deepseek-v3:fp8-block128)")
     ap.add_argument("--skip-check", action="store_true", help="with --profile: do not run the whole check first")
     ap.add_argument("--gemm-check-args", default="", help="extra check_gemm_kernels.py arguments (--only ...)")
     ap.add_argument("--gemm-check-timeout", type=int, default=560)
@@ -306,7 +307,7 @@ def main():
         for model in ns.sanitize.split(","):
             cmd = ["compute-sanitizer", "--tool", "memcheck", "--error-exitcode", "9", sys.executable,
                    "tools/sanitize_check.py", model]
-            rc, log, secs = sh(cmd, log=out / f"sanitize_{model}.log", env=env, timeout=400)
+            rc, log, secs = sh(cmd, log=out / f"sanitize_{model.replace(':', '_')}.log", env=env, timeout=400)
             summary["sanitize"][model] = {"rc": rc, "seconds": round(secs, 1),
                                           "summary": [ln for ln in log.splitlines() if "ERROR SUMMARY" in ln][-1:]}
             print(f"sanitize {model}: rc {rc} in {secs:.0f} s", log[-1200:], flush=True)

@@ -5,7 +5,10 @@ all pairs on one expert), with the database's picks and again with each bucket's
 default (the persistent TMA core "hopws" from 1024 tokens). Any out-of-bounds access makes the
 sanitizer report an error.
 
-    compute-sanitizer --tool memcheck --error-exitcode 9 python3 tools/sanitize_check.py [model]
+    compute-sanitizer --tool memcheck --error-exitcode 9 python3 tools/sanitize_check.py [model[:precision]]
+
+(precision: bf16 by default; fp8 or fp8-block128 for the fp8 layers, checked against the fp32
+reference of their fp8 math.)
 """
 import sys
 from pathlib import Path
@@ -14,13 +17,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from moe_aot.runtime.layer import MoeLayer  # noqa: E402
-from moe_aot.runtime.reference import moe_reference, rel_err  # noqa: E402
+from moe_aot.runtime.reference import rel_err  # noqa: E402
 from moe_aot.runtime.store import KernelStore  # noqa: E402
-from moe_aot.runtime.verify import random_routing, random_weights  # noqa: E402
+from moe_aot.runtime.verify import layer_reference, random_routing, random_weights  # noqa: E402
 from moe_aot.spec import make_spec  # noqa: E402
 from moe_aot.variants import default_variant, token_buckets  # noqa: E402
 
-spec = make_spec(sys.argv[1] if len(sys.argv) > 1 else "qwen3-30b-a3b")
+model, _, precision = (sys.argv[1] if len(sys.argv) > 1 else "qwen3-30b-a3b").partition(":")
+spec = make_spec(model, precision=precision or "bf16")
 store = KernelStore()
 layer = MoeLayer(spec, store)
 w13, w2 = random_weights(spec, layer.device)
@@ -43,7 +47,7 @@ for M, case, source in [c + ("picks",) for c in CASES] + [c + ("defaults",) for 
         ids[:] = 3
     out = layer.forward(x, w13, w2, tw, ids)
     torch.cuda.synchronize()
-    e = rel_err(out, moe_reference(x, w13, w2, tw, ids, spec.activation))
+    e = rel_err(out, layer_reference(spec, x, w13, w2, tw, ids))
     worst = max(worst, e)
     del out
     torch.cuda.empty_cache()  # DeepSeek-V3's fp32 reference needs most of the GPU under memcheck
