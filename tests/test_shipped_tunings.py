@@ -86,12 +86,17 @@ def test_committed_picks_are_derived_from_the_records_and_never_slower_than_the_
         default_us = [x["median_us"] for x in bucket if x["variant"] == r["default"]]
         if len(default_us) == 1:  # no confirmation round: the fastest single record
             assert r["median_us"] == round(min(x["median_us"] for x in bucket), 3) <= round(default_us[0], 3), r
+            # a round measures the candidates within 10% of the fastest with the default: none was
+            # due only where the default was fastest by more than that
+            others = [x["median_us"] for x in bucket if x["variant"] != r["default"]]
+            assert r["variant"] == r["default"] and min(others) > 1.1 * default_us[0], r
         else:  # a round: the pick's and the default's medians over all their measurements
             confirmed += 1
             pick_us = sorted(x["median_us"] for x in bucket if x["variant"] == r["variant"])
             assert len(pick_us) >= 3 and round(pick_us[0], 3) <= r["median_us"] <= round(pick_us[-1], 3), r
             assert r["median_us"] <= r["default_us"] <= max(default_us), r
-    assert confirmed == len(rows) == 35 + 4 * 2 * len(FP8_BUCKETS)  # the newest session confirmed every bucket
+    assert len(rows) == 35 + 4 * 2 * len(FP8_BUCKETS)
+    assert confirmed == len(rows) - 4  # every bucket had a round but four fp8 ones (above)
 
 
 def test_committed_picks_are_valid_variants():

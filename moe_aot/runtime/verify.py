@@ -34,12 +34,20 @@ def random_weights(spec: LayerSpec, device, scale: float = 1.0):
     """Random prepared weights of the layer: bf16 w13 (interleaved) and w2, or for fp8 layers
     the (e4m3, scales) pairs of random bf16 weights quantized by prepare_fp8_weights."""
     H, I, E = spec.hidden, spec.intermediate, spec.experts
-    w13 = (torch.randn(E, 2 * I, H, device=device, dtype=torch.bfloat16) * (scale / H ** 0.5))
-    w2 = (torch.randn(E, H, I, device=device, dtype=torch.bfloat16) * (scale / I ** 0.5))
     if spec.precision in FP8:
         from . import fp8
 
-        return fp8.prepare_w13(w13[:, :I], w13[:, I:], spec.precision, INTERLEAVE), fp8.prepare_w2(w2, spec.precision)
+        # 16 experts at a time: DeepSeek-V3's bf16 weights (22 GB) are never all held at once
+        parts13, parts2 = [], []
+        for a in range(0, E, 16):
+            n = min(16, E - a)
+            gu = torch.randn(n, 2 * I, H, device=device, dtype=torch.bfloat16) * (scale / H ** 0.5)
+            parts13.append(fp8.prepare_w13(gu[:, :I], gu[:, I:], spec.precision, INTERLEAVE))
+            parts2.append(fp8.prepare_w2(torch.randn(n, H, I, device=device, dtype=torch.bfloat16)
+                                         * (scale / I ** 0.5), spec.precision))
+        return tuple((torch.cat([p[0] for p in ps]), torch.cat([p[1] for p in ps])) for ps in (parts13, parts2))
+    w13 = (torch.randn(E, 2 * I, H, device=device, dtype=torch.bfloat16) * (scale / H ** 0.5))
+    w2 = (torch.randn(E, H, I, device=device, dtype=torch.bfloat16) * (scale / I ** 0.5))
     return w13, w2
 
 
