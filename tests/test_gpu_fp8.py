@@ -143,3 +143,32 @@ def test_fp8_inputs_refused_with_a_reason(layer_and_weights):
         layer.forward(x, (w13[0], w13[1][:, :1].contiguous()), w2, tw, ids)
     with pytest.raises(KernelArgumentError, match="float8_e4m3fn"):
         layer.forward(x, (w13[0].view(torch.uint8), w13[1]), w2, tw, ids)
+
+
+@pytest.mark.parametrize("precision", fp8.FP8)
+def test_fused_experts_fp8_is_the_fp8_layer(store, precision):
+    """vLLM's fused_experts with use_fp8_w8a8 on vLLM's fp8 layout (gate rows and gate scale
+    blocks first) launches the same kernels as the layer on moe-aot's own layout: equal outputs."""
+    from moe_aot.integrations.functional import fused_experts
+
+    layer = _layer(store, "qwen3-30b-a3b", precision)
+    spec = layer.spec
+    e, h, i = spec.experts, spec.hidden, spec.intermediate
+    gen = torch.Generator(device=layer.device).manual_seed(4)
+    gate = torch.randn(e, i, h, device=layer.device, generator=gen) / h ** 0.5
+    up = torch.randn(e, i, h, device=layer.device, generator=gen) / h ** 0.5
+    down = torch.randn(e, h, i, device=layer.device, generator=gen) / i ** 0.5
+    if precision == "fp8-block128":
+        (gq, gs), (uq, us), (dq, ds) = (fp8.quantize_blocks(w) for w in (gate, up, down))
+        w1, w1s, block = torch.cat([gq, uq], 1), torch.cat([gs, us], 1), [128, 128]
+        w13q, w13s, w2q, w2s = fp8.from_block128_checkpoint(gq, gs, uq, us, dq, ds)
+    else:
+        w1, w1s = fp8.quantize_tensor(torch.cat([gate, up], 1))
+        dq, ds = fp8.quantize_tensor(down)
+        g, u = w1.view(torch.uint8).chunk(2, 1)
+        w13q, w13s, w2q, w2s, block = interleave_gate_up(g, u).view(fp8.E4M3), torch.stack([w1s, w1s], 1), dq, ds, None
+    x = torch.randn(33, h, device=layer.device, dtype=torch.bfloat16)
+    tw, ids = random_routing(33, spec, layer.device)
+    out = fused_experts(x, w1, dq, tw, ids, use_fp8_w8a8=True, w1_scale=w1s, w2_scale=ds, block_shape=block)
+    want = layer.forward(x, (w13q, w13s), (w2q, w2s), tw, ids)
+    assert torch.equal(out, want)

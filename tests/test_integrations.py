@@ -236,8 +236,12 @@ def test_fused_experts_expert_map_and_refusals():
     out = fused_experts(x, w1, down, tw, ids + 8, global_num_experts=16, expert_map=expert_map)
     assert torch.equal(out, fused_experts(x, w1, down, tw, ids))
     assert fused_experts(x, w1, down, tw, ids, expert_map=expert_map).float().abs().max() == 0
-    with pytest.raises(KernelArgumentError, match="use_fp8_w8a8 asks for fp8 weights"):
+    with pytest.raises(KernelArgumentError, match="use_fp8_w8a8 needs w1_scale and w2_scale"):
         fused_experts(x, w1, down, tw, ids, use_fp8_w8a8=True)
+    with pytest.raises(KernelArgumentError, match="pass use_fp8_w8a8=True"):
+        fused_experts(x, w1, down, tw, ids, w1_scale=torch.ones(E))
+    with pytest.raises(KernelArgumentError, match="a1_scale asks for static activation scales"):
+        fused_experts(x, w1, down, tw, ids, a1_scale=torch.ones(1))
     with pytest.raises(KernelArgumentError, match="w1_bias asks for expert biases"):
         fused_experts(x, w1, down, tw, ids, w1_bias=torch.zeros(E, 2 * I))
     with pytest.raises(KernelArgumentError, match="unknown argument 'foo'"):
@@ -490,3 +494,71 @@ def test_readme_example_runs(name):
     assert m, f"README has no example {name}"
     torch._dynamo.reset()
     exec(compile(m.group(1), f"README:{name}", "exec"), {})
+
+
+def _fp8_vllm_weights(block: bool):
+    """vLLM's fp8 layout of random weights: w1 = [gate; up] e4m3 with w1_scale ([E] per expert, or
+    [E, 2I/128, H/128] per block, gate blocks first), w2 e4m3 with w2_scale; and ours."""
+    from moe_aot.runtime import fp8
+
+    torch.manual_seed(3)
+    e, h, i = 4, 256, 256
+    gate, up = torch.randn(e, i, h) / h ** 0.5, torch.randn(e, i, h) / h ** 0.5
+    down = torch.randn(e, h, i) / i ** 0.5
+    if block:
+        (gq, gs), (uq, us), (dq, ds) = (fp8.quantize_blocks(w) for w in (gate, up, down))
+        w1, w1s = torch.cat([gq, uq], 1), torch.cat([gs, us], 1)
+        ours = fp8.from_block128_checkpoint(gq, gs, uq, us, dq, ds)
+        return w1, w1s, dq, ds, ((ours[0], ours[1]), (ours[2], ours[3])), "fp8-block128"
+    q1, s1 = fp8.quantize_tensor(torch.cat([gate, up], 1))  # one scale for gate and up, as vLLM keeps it
+    dq, ds = fp8.quantize_tensor(down)
+    g, u = q1.view(torch.uint8).chunk(2, 1)
+    from moe_aot.runtime.reference import interleave_gate_up
+
+    w13 = interleave_gate_up(g, u).view(fp8.E4M3)
+    return q1, s1, dq, ds, ((w13, torch.stack([s1, s1], 1)), (dq, ds)), "fp8"
+
+
+@pytest.mark.parametrize("block", [False, True])
+def test_fused_experts_fp8_on_vllm_layout(block):
+    """use_fp8_w8a8 with vLLM's fp8 weights (per expert, or 128x128 blocks with block_shape) is
+    the fp8 layer on them: on the CPU, the op's reference of the fp8 math, equal to the reference
+    on the same weights prepared by moe-aot's own functions."""
+    from moe_aot.runtime import fp8
+
+    w1, w1s, w2, w2s, (w13, w2p), precision = _fp8_vllm_weights(block)
+    m, k = 7, 2
+    x = torch.randn(m, w1.shape[2]).bfloat16()
+    ids = torch.stack([torch.randperm(w1.shape[0])[:k] for _ in range(m)]).int()
+    tw = torch.softmax(torch.randn(m, k), -1)
+    out = fused_experts(x, w1, w2, tw, ids, use_fp8_w8a8=True, w1_scale=w1s, w2_scale=w2s,
+                        block_shape=[128, 128] if block else None)
+    want = fp8.moe_fp8_reference(x, w13, w2p, tw, ids, precision).to(torch.bfloat16)
+    assert torch.equal(out, want)
+    with pytest.raises(KernelArgumentError, match="block_shape must be"):
+        fused_experts(x, w1, w2, tw, ids, use_fp8_w8a8=True, w1_scale=w1s, w2_scale=w2s, block_shape=[64, 64])
+    with pytest.raises(KernelArgumentError, match="w1_scale .* must be"):
+        fused_experts(x, w1, w2, tw, ids, use_fp8_w8a8=True, w1_scale=w1s[:1], w2_scale=w2s)
+    with pytest.raises(KernelArgumentError, match="float8_e4m3fn"):
+        fused_experts(x, w1.float(), w2, tw, ids, use_fp8_w8a8=True, w1_scale=w1s, w2_scale=w2s)
+
+
+def test_fused_moe_fp8_op_checks_and_fake():
+    from moe_aot.runtime import fp8
+
+    _, _, _, _, ((w13, w13s), (w2, w2s)), _ = _fp8_vllm_weights(True)
+    x = torch.randn(5, w13.shape[2]).bfloat16()
+    ids = torch.zeros(5, 2, dtype=torch.int32)
+    ids[:, 1] = 1
+    tw = torch.full((5, 2), 0.5)
+    with pytest.raises(KernelArgumentError, match="w13_scale .* and w2_scale .* must be"):
+        torch.ops.moe_aot.fused_moe_fp8(x, w13, w13s[:, :1].contiguous(), w2, w2s, tw, ids)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode() as mode:
+        fx = mode.from_tensor(x)
+        out = torch.ops.moe_aot.fused_moe_fp8(fx, mode.from_tensor(w13), mode.from_tensor(w13s),
+                                              mode.from_tensor(w2), mode.from_tensor(w2s), mode.from_tensor(tw),
+                                              mode.from_tensor(ids))
+        assert out.shape == x.shape and out.dtype == torch.bfloat16
+    assert fp8.FP8 == ("fp8", "fp8-block128")

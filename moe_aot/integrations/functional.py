@@ -43,6 +43,38 @@ def prepare_fused_gate_up(w1: torch.Tensor) -> torch.Tensor:
         raise KernelArgumentError(f"w1 {tuple(w1.shape)} cannot be prepared: {exc}") from None
 
 
+def prepare_fp8_gate_up(w1: torch.Tensor, w1_scale: torch.Tensor):
+    """vLLM's fp8 w1 [E, 2I, H] (e4m3, gate rows first) and its scales -> the kernels' (w13, w13
+    scales): per expert [E] (one scale for gate and up, as vLLM keeps it after loading) or [E, 2]
+    (gate, up), or per 128x128 block [E, 2I/128, H/128] (gate blocks first; block_shape [128, 128])."""
+    from ..gemm_limits import SCALE_BLOCK
+    from ..runtime import fp8
+
+    if not isinstance(w1, torch.Tensor) or w1.dim() != 3 or w1.dtype != torch.float8_e4m3fn or w1.shape[1] % 2:
+        got = f"{tuple(w1.shape)} {w1.dtype}" if isinstance(w1, torch.Tensor) else type(w1).__name__
+        raise KernelArgumentError(f"w1 must be an [experts, 2*intermediate, hidden] float8_e4m3fn tensor with the "
+                                  f"gate rows first, got {got}")
+    e, i2, h = w1.shape
+    s = w1_scale.float()
+    if tuple(s.shape) in ((e,), (e, 1)):
+        scales = s.reshape(e, 1).expand(e, 2).contiguous()
+    elif tuple(s.shape) == (e, 2):
+        scales = s.contiguous()
+    elif tuple(s.shape) == (e, i2 // SCALE_BLOCK, h // SCALE_BLOCK) and not (i2 // 2) % SCALE_BLOCK:
+        n = i2 // 2 // SCALE_BLOCK
+        scales = fp8.interleave_block_scales(s[:, :n], s[:, n:])
+    else:
+        raise KernelArgumentError(
+            f"w1_scale {tuple(s.shape)} must be ({e},) or ({e}, 2) per expert, or ({e}, {i2 // SCALE_BLOCK}, "
+            f"{h // SCALE_BLOCK}) per 128x128 block (gate blocks first)")
+    gate, up = w1.view(torch.uint8).chunk(2, dim=1)
+    try:
+        w13 = prepare_weights(gate, up).view(torch.float8_e4m3fn)
+    except ValueError as exc:
+        raise KernelArgumentError(f"w1 {tuple(w1.shape)} cannot be prepared: {exc}") from None
+    return w13, scales
+
+
 class PreparedCache:
     """Prepared w13 per weight tensor, keyed weakly (see the module docstring)."""
 
@@ -56,12 +88,14 @@ class PreparedCache:
         version = None if w.is_inference() else w._version
         return (w.data_ptr(), version, tuple(w.shape), tuple(w.stride()), w.dtype, w.device)
 
-    def get(self, w1: torch.Tensor) -> torch.Tensor:
-        key = self._key(w1)
+    def get(self, w1: torch.Tensor, scale: torch.Tensor | None = None):
+        """The prepared w13 of w1 (bf16), or with ``scale`` the prepared fp8 (w13, scales) pair
+        (prepare_fp8_gate_up): keyed by both tensors."""
+        key = self._key(w1) + (() if scale is None else self._key(scale))
         hit = self._entries.get(id(w1))
         if hit is not None and hit[0]() is w1 and hit[1] == key:
             return hit[2]
-        prepared = prepare_fused_gate_up(w1)
+        prepared = prepare_fused_gate_up(w1) if scale is None else prepare_fp8_gate_up(w1, scale)
         ident = id(w1)
 
         def drop(ref, ident=ident, entries=self._entries):
@@ -82,13 +116,14 @@ class PreparedCache:
 PREPARED = PreparedCache()
 
 _UNSUPPORTED = {  # argument -> what it asks for, refused when not at its default
-    "use_fp8_w8a8": "fp8 weights", "use_int8_w8a8": "int8 weights", "use_int8_w8a16": "int8 weights",
-    "use_int4_w4a16": "int4 weights", "use_mxfp4_w4a4": "mxfp4 weights", "per_channel_quant": "quantized weights",
-    "w1_scale": "quantized weights", "w2_scale": "quantized weights", "w1_zp": "quantized weights",
-    "w2_zp": "quantized weights", "a1_scale": "quantized activations", "a2_scale": "quantized activations",
-    "block_shape": "block-quantized weights", "w1_bias": "expert biases", "w2_bias": "expert biases",
-    "no_combine": "uncombined per-expert outputs",
+    "use_int8_w8a8": "int8 weights", "use_int8_w8a16": "int8 weights",
+    "use_int4_w4a16": "int4 weights", "use_mxfp4_w4a4": "mxfp4 weights",
+    "per_channel_quant": "per-channel weight scales", "w1_zp": "quantized weights", "w2_zp": "quantized weights",
+    "a1_scale": "static activation scales (the fp8 layers quantize x on the GPU, per token or per 1x128 block)",
+    "a2_scale": "static activation scales (the fp8 layers quantize x on the GPU, per token or per 1x128 block)",
+    "w1_bias": "expert biases", "w2_bias": "expert biases", "no_combine": "uncombined per-expert outputs",
 }
+FP8_ARGS = ("use_fp8_w8a8", "w1_scale", "w2_scale", "block_shape")
 
 
 def fused_experts(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
@@ -102,14 +137,29 @@ def fused_experts(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tenso
     topk_weights [M, K] (any float dtype, used as fp32); topk_ids [M, K] int32 or int64, global
     ids when expert_map ([global_num_experts] int, -1 for experts on other ranks) is given.
     inplace writes the result into hidden_states and returns it. routed_scaling_factor (SGLang)
-    scales the output. Quantization, expert biases and uncombined output are refused.
+    scales the output. fp8 (use_fp8_w8a8=True): w1, w2 float8_e4m3fn with w1_scale / w2_scale per
+    expert ([E], [E, 2] for gate and up) or, with block_shape=[128, 128], per 128x128 block (vLLM's
+    layout, gate blocks first); x is quantized on the GPU (per token, or per 1x128 block), so
+    a1_scale / a2_scale are refused. Other quantizations, expert biases and uncombined output are refused.
     """
+    fp8_args = {k: unsupported.pop(k) for k in FP8_ARGS if k in unsupported}
     for name, value in unsupported.items():
         if name not in _UNSUPPORTED:
             raise KernelArgumentError(f"fused_experts got an unknown argument {name!r}")
         if value is not None and value is not False:
             raise KernelArgumentError(f"{name} asks for {_UNSUPPORTED[name]}, which the moe-aot kernels do not "
-                                      "compute yet (bf16 weights without biases only)")
+                                      "compute yet (bf16, or fp8 with per-expert or 128x128-block scales, "
+                                      "without biases)")
+    use_fp8 = bool(fp8_args.get("use_fp8_w8a8"))
+    if not use_fp8 and any(fp8_args.get(k) is not None for k in FP8_ARGS[1:]):
+        raise KernelArgumentError("w1_scale, w2_scale and block_shape are fp8 arguments: pass use_fp8_w8a8=True")
+    if use_fp8:
+        if fp8_args.get("w1_scale") is None or fp8_args.get("w2_scale") is None:
+            raise KernelArgumentError("use_fp8_w8a8 needs w1_scale and w2_scale")
+        block = fp8_args.get("block_shape")
+        if block is not None and list(block) != [128, 128]:
+            raise KernelArgumentError(f"block_shape must be [128, 128] (DeepSeek-V3's blocks) or None (per-expert "
+                                      f"scales), got {list(block)}")
     if activation not in ACTIVATION_NAMES:
         raise KernelArgumentError(f"activation must be one of {', '.join(ACTIVATION_NAMES)}, got {activation!r} "
                                   "(GeGLU is the tanh approximation: 'gelu_tanh')")
@@ -138,9 +188,21 @@ def fused_experts(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tenso
                                       f"expert_map ({expert_map.shape[0]})")
         ids = map_experts(topk_ids, expert_map)
     ids = ids.to(torch.int32).contiguous()
-    w13 = PREPARED.get(w1)
-    out = torch.ops.moe_aot.fused_moe(hidden_states_in.contiguous(), w13, w2, weights.contiguous(), ids,
-                                      ACTIVATION_NAMES[activation])
+    if use_fp8:
+        w13, w13_scale = PREPARED.get(w1, fp8_args["w1_scale"])
+        w2_scale = fp8_args["w2_scale"].float()
+        if w2_scale.dim() == 2 and w2_scale.shape[1] == 1:
+            w2_scale = w2_scale.reshape(-1)
+        if (block is None) != (w13_scale.dim() == 2):
+            raise KernelArgumentError(f"block_shape {block} does not match w1_scale of shape "
+                                      f"{tuple(fp8_args['w1_scale'].shape)}")
+        out = torch.ops.moe_aot.fused_moe_fp8(hidden_states_in.contiguous(), w13, w13_scale, w2.contiguous(),
+                                              w2_scale.contiguous(), weights.contiguous(), ids,
+                                              ACTIVATION_NAMES[activation])
+    else:
+        w13 = PREPARED.get(w1)
+        out = torch.ops.moe_aot.fused_moe(hidden_states_in.contiguous(), w13, w2, weights.contiguous(), ids,
+                                          ACTIVATION_NAMES[activation])
     if inplace:
         return hidden_states.copy_(out)
     return out

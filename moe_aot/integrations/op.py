@@ -12,6 +12,11 @@
   registration, fake tensors, opcheck and torch.compile can be tested without a GPU.
 - Meta / fake tensors: the same checks, then an empty [M, H] bf16 output.
 No autograd formula is registered (forward only); calling backward through it raises.
+
+    out = torch.ops.moe_aot.fused_moe_fp8(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids)
+
+is the same layer on fp8 weights (e4m3, from runtime.layer.prepare_fp8_weights or
+runtime.fp8.from_block128_checkpoint), the precision read off the scales' shape.
 """
 from __future__ import annotations
 
@@ -92,6 +97,83 @@ def _fused_moe_cuda(x, w13, w2, topk_weights, topk_ids, activation="swiglu"):
 @fused_moe.register_fake
 def _fused_moe_fake(x, w13, w2, topk_weights, topk_ids, activation="swiglu"):
     check_op_inputs(x, w13, w2, topk_weights, topk_ids, activation)
+    return x.new_empty(x.shape)
+
+
+# -- fp8: the same layer on e4m3 weights with their scales -----------------------------------------
+def check_fp8_op_inputs(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, activation="swiglu") -> str:
+    """fused_moe_fp8's contract (shapes, dtypes, devices); returns the precision the scales' shape
+    says: w13_scale [E, 2] and w2_scale [E] "fp8", [E, 2I/128, H/128] and [E, H/128, I/128]
+    "fp8-block128"."""
+    from ..gemm_limits import SCALE_BLOCK
+
+    for name, t, rank in (("x", x, 2), ("w13", w13, 3), ("w2", w2, 3), ("topk_weights", topk_weights, 2),
+                          ("topk_ids", topk_ids, 2), ("w13_scale", w13_scale, None), ("w2_scale", w2_scale, None)):
+        if not isinstance(t, torch.Tensor) or (rank is not None and t.dim() != rank):
+            got = f"shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise KernelArgumentError(f"{name} must be a {rank or 'scale'}-D tensor, got {got}")
+    for name, t, dtype in (("x", x, torch.bfloat16), ("w13", w13, torch.float8_e4m3fn),
+                           ("w2", w2, torch.float8_e4m3fn), ("w13_scale", w13_scale, torch.float32),
+                           ("w2_scale", w2_scale, torch.float32), ("topk_weights", topk_weights, torch.float32),
+                           ("topk_ids", topk_ids, torch.int32)):
+        if t.dtype != dtype:
+            raise KernelArgumentError(f"{name} must be {dtype}, got {t.dtype}")
+    M, H = x.shape
+    E, I2, H1 = w13.shape
+    I = I2 // 2
+    if H1 != H or tuple(w2.shape) != (E, H, I):
+        raise KernelArgumentError(f"w13 {tuple(w13.shape)} and w2 {tuple(w2.shape)} must be (experts, "
+                                  f"2*intermediate, {H}) and (experts, {H}, intermediate)")
+    shapes = {"fp8": ((E, 2), (E,)),
+              "fp8-block128": ((E, I2 // SCALE_BLOCK, H // SCALE_BLOCK), (E, H // SCALE_BLOCK, I // SCALE_BLOCK))}
+    precision = next((p for p, (a, b) in shapes.items()
+                      if tuple(w13_scale.shape) == a and tuple(w2_scale.shape) == b), None)
+    if precision is None:
+        raise KernelArgumentError(
+            f"w13_scale {tuple(w13_scale.shape)} and w2_scale {tuple(w2_scale.shape)} must be {shapes['fp8']} "
+            f"(per expert) or {shapes['fp8-block128']} (per 128x128 block)")
+    if topk_ids.shape[0] != M or topk_weights.shape != topk_ids.shape:
+        raise KernelArgumentError(f"topk_weights and topk_ids must both have shape ({M}, top_k) for x of "
+                                  f"{M} tokens, got {tuple(topk_weights.shape)} and {tuple(topk_ids.shape)}")
+    if activation not in ACTIVATIONS:
+        raise KernelArgumentError(f"activation must be one of {', '.join(ACTIVATIONS)}, got {activation!r}")
+    for name, t in (("w13", w13), ("w13_scale", w13_scale), ("w2", w2), ("w2_scale", w2_scale),
+                    ("topk_weights", topk_weights), ("topk_ids", topk_ids)):
+        if t.device != x.device:
+            raise KernelArgumentError(f"{name} must be on {x.device} like x, got {t.device}")
+    for name, t in (("x", x), ("w13", w13), ("w13_scale", w13_scale), ("w2", w2), ("w2_scale", w2_scale),
+                    ("topk_weights", topk_weights), ("topk_ids", topk_ids)):
+        if not t.is_contiguous():
+            raise KernelArgumentError(f"{name} must be contiguous (call .contiguous() first)")
+    return precision
+
+
+@torch.library.custom_op("moe_aot::fused_moe_fp8", mutates_args=(), device_types="cpu", **_layout_tags())
+def fused_moe_fp8(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor,
+                  w2_scale: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                  activation: str = "swiglu") -> torch.Tensor:
+    """fused_moe on fp8 weights (runtime.layer.prepare_fp8_weights's layout: w13 gate/up interleaved,
+    its scales with it); x is quantized on the GPU. CPU: the fp32 reference of the fp8 math."""
+    from ..runtime import fp8
+
+    precision = check_fp8_op_inputs(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, activation)
+    if x.shape[0] == 0:
+        return x.new_empty(0, x.shape[1])
+    return fp8.moe_fp8_reference(x, (w13, w13_scale), (w2, w2_scale), topk_weights, topk_ids, precision,
+                                 activation, INTERLEAVE).to(torch.bfloat16)
+
+
+@fused_moe_fp8.register_kernel("cuda")
+def _fused_moe_fp8_cuda(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, activation="swiglu"):
+    from ..runtime.layer import moe_forward
+
+    check_fp8_op_inputs(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, activation)
+    return moe_forward(x, (w13, w13_scale), (w2, w2_scale), topk_weights, topk_ids, activation=activation)
+
+
+@fused_moe_fp8.register_fake
+def _fused_moe_fp8_fake(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, activation="swiglu"):
+    check_fp8_op_inputs(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, activation)
     return x.new_empty(x.shape)
 
 
