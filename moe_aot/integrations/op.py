@@ -51,15 +51,23 @@ def check_op_inputs(x, w13, w2, topk_weights, topk_ids, activation: str = "swigl
     if tuple(w2.shape) != (E, H, I):
         raise KernelArgumentError(f"w2 must have shape ({E}, {H}, {I}) to match w13 {tuple(w13.shape)}, "
                                   f"got {tuple(w2.shape)}")
+    _check_rest(x, (("w13", w13), ("w2", w2)), topk_weights, topk_ids, activation)
+
+
+def _check_rest(x, weights, topk_weights, topk_ids, activation) -> None:
+    """The checks both ops share once the weights' shapes are known: routing shapes, the
+    activation, one device, contiguity. ``weights``: (name, tensor) pairs."""
+    M = x.shape[0]
     if topk_ids.shape[0] != M or topk_weights.shape != topk_ids.shape:
         raise KernelArgumentError(f"topk_weights and topk_ids must both have shape ({M}, top_k) for x of "
                                   f"{M} tokens, got {tuple(topk_weights.shape)} and {tuple(topk_ids.shape)}")
     if activation not in ACTIVATIONS:
         raise KernelArgumentError(f"activation must be one of {', '.join(ACTIVATIONS)}, got {activation!r}")
-    for name, t in (("w13", w13), ("w2", w2), ("topk_weights", topk_weights), ("topk_ids", topk_ids)):
+    others = tuple(weights) + (("topk_weights", topk_weights), ("topk_ids", topk_ids))
+    for name, t in others:
         if t.device != x.device:
             raise KernelArgumentError(f"{name} must be on {x.device} like x, got {t.device}")
-    for name, t in (("x", x), ("w13", w13), ("w2", w2), ("topk_weights", topk_weights), ("topk_ids", topk_ids)):
+    for name, t in (("x", x),) + others:
         if not t.is_contiguous():
             raise KernelArgumentError(f"{name} must be contiguous (call .contiguous() first)")
 
@@ -132,19 +140,8 @@ def check_fp8_op_inputs(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids,
         raise KernelArgumentError(
             f"w13_scale {tuple(w13_scale.shape)} and w2_scale {tuple(w2_scale.shape)} must be {shapes['fp8']} "
             f"(per expert) or {shapes['fp8-block128']} (per 128x128 block)")
-    if topk_ids.shape[0] != M or topk_weights.shape != topk_ids.shape:
-        raise KernelArgumentError(f"topk_weights and topk_ids must both have shape ({M}, top_k) for x of "
-                                  f"{M} tokens, got {tuple(topk_weights.shape)} and {tuple(topk_ids.shape)}")
-    if activation not in ACTIVATIONS:
-        raise KernelArgumentError(f"activation must be one of {', '.join(ACTIVATIONS)}, got {activation!r}")
-    for name, t in (("w13", w13), ("w13_scale", w13_scale), ("w2", w2), ("w2_scale", w2_scale),
-                    ("topk_weights", topk_weights), ("topk_ids", topk_ids)):
-        if t.device != x.device:
-            raise KernelArgumentError(f"{name} must be on {x.device} like x, got {t.device}")
-    for name, t in (("x", x), ("w13", w13), ("w13_scale", w13_scale), ("w2", w2), ("w2_scale", w2_scale),
-                    ("topk_weights", topk_weights), ("topk_ids", topk_ids)):
-        if not t.is_contiguous():
-            raise KernelArgumentError(f"{name} must be contiguous (call .contiguous() first)")
+    _check_rest(x, (("w13", w13), ("w13_scale", w13_scale), ("w2", w2), ("w2_scale", w2_scale)),
+                topk_weights, topk_ids, activation)
     return precision
 
 
