@@ -31,6 +31,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+from kernel_timing import cold_l2_timer  # noqa: E402
 
 # (name, E, top_k, H, I): the fp8-capable presets (GPT-OSS's H = 2880 is not a multiple of 128)
 MODELS = [
@@ -129,7 +130,6 @@ def run_all(kdir: Path, out_dir: Path, iters: int, tokens=None, only=None, model
     order = [m[0] for m in MODELS]
     manifest.sort(key=lambda v: (order.index(v["model"]), v["precision"]))
     dev = torch.device("cuda")
-    flush = torch.empty(512 * 2**20, dtype=torch.uint8, device=dev)
     gen = torch.Generator(device=dev)
     gen.manual_seed(0)
     results, failures = [], 0
@@ -140,19 +140,7 @@ def run_all(kdir: Path, out_dir: Path, iters: int, tokens=None, only=None, model
             libs[name] = KernelLibrary.from_dir(kdir / name)
         return libs[name]
 
-    def timed(fn):
-        times = []
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        fn()
-        for _ in range(iters):
-            flush.zero_()
-            start.record()
-            fn()
-            stop.record()
-            stop.synchronize()
-            times.append(start.elapsed_time(stop) * 1e3)
-        times.sort()
-        return times[len(times) // 2]
+    timed = cold_l2_timer(dev, iters)
 
     def chunked(fn, w, chunk=16):
         """fn over experts in chunks (the fp32 temporaries of a whole DeepSeek-V3 matrix are 30 GB)."""

@@ -22,6 +22,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+from kernel_timing import cold_l2_timer  # noqa: E402
 
 # (name, E, top_k, H, I)
 MODELS = [
@@ -159,7 +160,6 @@ def run_all(kdir: Path, out_dir: Path, iters: int, tokens=None, only=None, model
     order = [m[0] for m in MODELS]
     manifest.sort(key=lambda v: order.index(v["model"]))
     dev = torch.device("cuda")
-    flush = torch.empty(512 * 2**20, dtype=torch.uint8, device=dev)  # > L2, cleared before each timing
     results, failures = [], 0
     gen = torch.Generator(device=dev)
     gen.manual_seed(0)
@@ -170,19 +170,7 @@ def run_all(kdir: Path, out_dir: Path, iters: int, tokens=None, only=None, model
 
         return sorted(graph_times_us([fn], max(iters, 20)))[max(iters, 20) // 2]
 
-    def timed(fn):
-        times = []
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        fn()
-        for _ in range(iters):
-            flush.zero_()
-            start.record()
-            fn()
-            stop.record()
-            stop.synchronize()
-            times.append(start.elapsed_time(stop) * 1e3)
-        times.sort()
-        return times[len(times) // 2]
+    timed = cold_l2_timer(dev, iters)
 
     def rel_err(out, ref):
         out, ref = out.float(), ref.float()
