@@ -172,3 +172,23 @@ def test_fused_experts_fp8_is_the_fp8_layer(store, precision):
     out = fused_experts(x, w1, dq, tw, ids, use_fp8_w8a8=True, w1_scale=w1s, w2_scale=ds, block_shape=block)
     want = layer.forward(x, (w13q, w13s), (w2q, w2s), tw, ids)
     assert torch.equal(out, want)
+
+
+@pytest.mark.parametrize("precision", fp8.FP8)
+def test_moe_experts_fp8_module_is_the_fp8_layer(store, precision):
+    """MoeExperts holding fp8 experts (quantized once at load) runs the fp8 layer's kernels."""
+    from moe_aot.integrations.modules import MoeExperts
+
+    layer = _layer(store, "qwen3-30b-a3b", precision)
+    spec = layer.spec
+    e, h, i = spec.experts, spec.hidden, spec.intermediate
+    gen = torch.Generator(device=layer.device).manual_seed(5)
+    gate = torch.randn(e, i, h, device=layer.device, generator=gen) / h ** 0.5
+    up = torch.randn(e, i, h, device=layer.device, generator=gen) / h ** 0.5
+    down = torch.randn(e, h, i, device=layer.device, generator=gen) / i ** 0.5
+    mod = MoeExperts.from_fp8(gate, up, down, precision)
+    x = torch.randn(2, 9, h, device=layer.device, dtype=torch.bfloat16)
+    tw, ids = random_routing(18, spec, layer.device)
+    out = mod(x, tw.view(2, 9, -1), ids.view(2, 9, -1))
+    want = layer.forward(x.view(18, h), (mod.w13, mod.w13_scale), (mod.w2, mod.w2_scale), tw, ids)
+    assert out.shape == x.shape and torch.equal(out.view(18, h), want)

@@ -562,3 +562,39 @@ def test_fused_moe_fp8_op_checks_and_fake():
                                               mode.from_tensor(ids))
         assert out.shape == x.shape and out.dtype == torch.bfloat16
     assert fp8.FP8 == ("fp8", "fp8-block128")
+
+
+def test_moe_experts_fp8_from_bf16_and_from_a_deepseek_state_dict():
+    """MoeExperts keeps fp8 experts in e4m3 (quantized here, or DeepSeek-V3's per-expert
+    weight + weight_scale_inv as shipped) and computes the fp8 layer: on the CPU the op's
+    reference of the fp8 math, the same from either source."""
+    from moe_aot.integrations.modules import MoeExperts
+    from moe_aot.runtime import fp8
+
+    torch.manual_seed(5)
+    e, h, i, m, k = 3, 256, 128, 5, 2
+    gate, up = torch.randn(e, i, h) / h ** 0.5, torch.randn(e, i, h) / h ** 0.5
+    down = torch.randn(e, h, i) / i ** 0.5
+    mod = MoeExperts.from_fp8(gate, up, down, "fp8-block128")
+    assert mod.fp8 and mod.w13.dtype == torch.float8_e4m3fn and "128x128 blocks" in repr(mod)
+    sd = {}
+    for n, w in (("gate_proj", gate), ("up_proj", up), ("down_proj", down)):
+        q, sc = fp8.quantize_blocks(w)
+        for ex in range(e):
+            sd[f"layers.0.mlp.experts.{ex}.{n}.weight"] = q[ex]
+            sd[f"layers.0.mlp.experts.{ex}.{n}.weight_scale_inv"] = sc[ex]
+    loaded = MoeExperts.from_state_dict(sd, "layers.0.mlp.experts.")
+    for name in ("w13", "w13_scale", "w2", "w2_scale"):
+        a, b = getattr(mod, name), getattr(loaded, name)
+        assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
+                           b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b), name
+    x = torch.randn(m, h).bfloat16()
+    ids = torch.stack([torch.randperm(e)[:k] for _ in range(m)]).int()
+    tw = torch.softmax(torch.randn(m, k), -1)
+    want = fp8.moe_fp8_reference(x, (mod.w13, mod.w13_scale), (mod.w2, mod.w2_scale), tw, ids, "fp8-block128")
+    assert torch.equal(loaded(x, tw, ids), want.to(torch.bfloat16))
+    with pytest.raises(KernelArgumentError, match="fp8 experts need"):
+        MoeExperts(mod.w13, mod.w2)
+    del sd["layers.0.mlp.experts.1.up_proj.weight_scale_inv"]
+    with pytest.raises(KernelArgumentError, match="incomplete"):
+        MoeExperts.from_state_dict(sd, "layers.0.mlp.experts.")

@@ -1,7 +1,7 @@
 """Level 2: nn.Modules that own prepared weights and compute a whole MoE block.
 
-- MoeExperts: the routed experts (prepared w13, w2 as buffers) -> torch.ops.moe_aot.fused_moe,
-  with an optional expert_map for expert parallelism.
+- MoeExperts: the routed experts (prepared w13, w2 as buffers) -> torch.ops.moe_aot.fused_moe
+  (fp8 experts: fused_moe_fp8), with an optional expert_map for expert parallelism.
 - Router: router logits and one of the routing conventions of .routing.
 - GatedMLP: a dense SwiGLU/GeGLU MLP (the shared experts of DeepSeek-V2/V3 and Qwen2-MoE).
 - MoeBlock: router -> experts (+ shared experts, optionally gated by sigmoid(shared_gate(x)) as
@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..runtime.layer import prepare_weights
+from ..runtime.layer import prepare_fp8_weights, prepare_weights
 from ..runtime.library import KernelArgumentError
 from ..spec import ACTIVATIONS
 from . import op  # noqa: F401  (registers torch.ops.moe_aot.fused_moe)
@@ -36,7 +36,8 @@ class MoeExperts(nn.Module):
     reduced by the engine's all-to-all/all-reduce."""
 
     def __init__(self, w13: torch.Tensor, w2: torch.Tensor, activation: str = "swiglu",
-                 expert_map: torch.Tensor | None = None):
+                 expert_map: torch.Tensor | None = None, w13_scale: torch.Tensor | None = None,
+                 w2_scale: torch.Tensor | None = None):
         super().__init__()
         if activation not in ACTIVATIONS:
             raise KernelArgumentError(f"activation must be one of {', '.join(ACTIVATIONS)}, got {activation!r}")
@@ -44,8 +45,22 @@ class MoeExperts(nn.Module):
             raise KernelArgumentError(f"w13 [E, 2I, H] and w2 [E, H, I] do not match: {tuple(w13.shape)} and "
                                       f"{tuple(w2.shape)}")
         self.activation = activation
-        self.register_buffer("w13", w13.to(torch.bfloat16).contiguous())
-        self.register_buffer("w2", w2.to(w13.device, torch.bfloat16).contiguous())
+        # fp8 experts (w13, w2 float8_e4m3fn with their scales, in prepare_fp8_weights' layout) stay
+        # e4m3 and run torch.ops.moe_aot.fused_moe_fp8; anything else is kept as bf16
+        self.fp8 = w13.dtype == torch.float8_e4m3fn
+        if self.fp8 != (w13_scale is not None) or (w13_scale is None) != (w2_scale is None) or \
+                (self.fp8 and w2.dtype != torch.float8_e4m3fn):
+            raise KernelArgumentError("fp8 experts need float8_e4m3fn w13 and w2 with both w13_scale and w2_scale; "
+                                      f"got w13 {w13.dtype}, w2 {w2.dtype}, scales "
+                                      f"{'given' if w13_scale is not None else 'not given'}")
+        if self.fp8:
+            self.register_buffer("w13", w13.contiguous())
+            self.register_buffer("w2", w2.to(w13.device).contiguous())
+            self.register_buffer("w13_scale", w13_scale.to(w13.device, torch.float32).contiguous())
+            self.register_buffer("w2_scale", w2_scale.to(w13.device, torch.float32).contiguous())
+        else:
+            self.register_buffer("w13", w13.to(torch.bfloat16).contiguous())
+            self.register_buffer("w2", w2.to(w13.device, torch.bfloat16).contiguous())
         if expert_map is not None:
             expert_map = expert_map.to(w13.device, torch.int32)
         self.register_buffer("expert_map", expert_map)
@@ -64,14 +79,22 @@ class MoeExperts(nn.Module):
 
     def extra_repr(self) -> str:
         local = "" if self.expert_map is None else f", expert_map over {self.expert_map.shape[0]} global experts"
+        fp8 = f", fp8 ({'per expert' if self.w13_scale.dim() == 2 else '128x128 blocks'})" if self.fp8 else ""
         return (f"experts={self.experts}, hidden={self.hidden}, intermediate={self.intermediate}, "
-                f"activation={self.activation}{local}")
+                f"activation={self.activation}{fp8}{local}")
 
     # -- loading -------------------------------------------------------------------------------
     @classmethod
     def from_gate_up(cls, w_gate, w_up, w_down, **kw) -> "MoeExperts":
         """Separate gate and up [E, I, H] and down [E, H, I] (nn.Linear weight layout per expert)."""
         return cls(prepare_weights(w_gate.to(torch.bfloat16), w_up.to(torch.bfloat16)), w_down, **kw)
+
+    @classmethod
+    def from_fp8(cls, w_gate, w_up, w_down, precision: str = "fp8-block128", **kw) -> "MoeExperts":
+        """bf16 (or fp32) gate, up [E, I, H] and down [E, H, I], quantized once to fp8 ("fp8": a scale
+        per expert and matrix; "fp8-block128": per 128x128 block)."""
+        (w13, w13s), (w2, w2s) = prepare_fp8_weights(w_gate, w_up, w_down, precision)
+        return cls(w13, w2, w13_scale=w13s, w2_scale=w2s, **kw)
 
     @classmethod
     def from_fused(cls, w_gate_up, w_down, **kw) -> "MoeExperts":
@@ -87,7 +110,9 @@ class MoeExperts(nn.Module):
     def from_state_dict(cls, state_dict: dict, prefix: str = "", **kw) -> "MoeExperts":
         """From a checkpoint's tensors under prefix (e.g. 'model.layers.3.mlp.experts.'), in any of:
         - fused: gate_up_proj [E, 2I, H] (gate rows first), down_proj [E, H, I] (transformers 5.x);
-        - per expert: {e}.gate_proj.weight, {e}.up_proj.weight, {e}.down_proj.weight (Qwen, DeepSeek);
+        - per expert: {e}.gate_proj.weight, {e}.up_proj.weight, {e}.down_proj.weight (Qwen, DeepSeek;
+          with {e}.*.weight_scale_inv beside float8_e4m3fn weights, DeepSeek-V3's fp8 experts as
+          shipped: the module keeps them in fp8-block128);
         - per expert: {e}.w1.weight (gate), {e}.w3.weight (up), {e}.w2.weight (down) (Mixtral)."""
         sd = {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)}
         if "gate_up_proj" in sd and "down_proj" in sd:
@@ -100,6 +125,17 @@ class MoeExperts(nn.Module):
                     raise KernelArgumentError(f"experts under {prefix!r} must be numbered 0..E-1 without gaps, "
                                               f"found {len(ids)} ids up to {ids[-1]}")
                 try:
+                    if f"{ids[0]}.{g}.weight_scale_inv" in sd:  # DeepSeek-V3's fp8 experts, as shipped
+                        from ..runtime import fp8
+
+                        t = [torch.stack([sd[f"{e}.{n}"] for e in ids]) for n in
+                             (f"{g}.weight", f"{g}.weight_scale_inv", f"{u}.weight", f"{u}.weight_scale_inv",
+                              f"{d}.weight", f"{d}.weight_scale_inv")]
+                        try:
+                            w13, w13s, w2, w2s = fp8.from_block128_checkpoint(*t)
+                        except ValueError as exc:
+                            raise KernelArgumentError(f"fp8 experts under {prefix!r}: {exc}") from None
+                        return cls(w13, w2, w13_scale=w13s, w2_scale=w2s, **kw)
                     return cls.from_per_expert([sd[f"{e}.{g}.weight"] for e in ids],
                                                [sd[f"{e}.{u}.weight"] for e in ids],
                                                [sd[f"{e}.{d}.weight"] for e in ids], **kw)
@@ -117,8 +153,12 @@ class MoeExperts(nn.Module):
         ids = topk_ids.reshape(xs.shape[0], -1)
         if self.expert_map is not None:
             ids = map_experts(ids, self.expert_map)
-        out = torch.ops.moe_aot.fused_moe(xs, self.w13, self.w2, tw, ids.to(torch.int32).contiguous(),
-                                          self.activation)
+        ids = ids.to(torch.int32).contiguous()
+        if self.fp8:
+            out = torch.ops.moe_aot.fused_moe_fp8(xs, self.w13, self.w13_scale, self.w2, self.w2_scale, tw, ids,
+                                                  self.activation)
+        else:
+            out = torch.ops.moe_aot.fused_moe(xs, self.w13, self.w2, tw, ids, self.activation)
         return out.to(dtype).reshape(shape)
 
 
