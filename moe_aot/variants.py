@@ -322,12 +322,15 @@ def default_variant(spec: LayerSpec, tokens: int) -> LayerVariant:
     W, G, P = "warp", "wgmma", "hopws"
     if PRECISION_MMAS[spec.precision] is not None:
         # fp8: the cooperative core with 128x128 tiles and 128-wide k-tiles; 6 stages were faster
-        # than 4 at 1-1024 tokens on the H200 (tools/check_fp8_kernels.py, 2026-12-01)
-        v = LayerVariant(128, GemmTiles(128, 128, 6, P), GemmTiles(128, 128, 6, P), cluster)
-        ok, why = can_implement(spec, v)
-        if not ok:
-            raise ValueError(f"no default variant can implement {spec.workload_key} on {spec.target}: {why}")
-        return v
+        # than 4 at 1-1024 tokens on the H200 (tools/check_fp8_kernels.py, 2026-12-01); fewer
+        # where K has too few k-tiles for 6 (a stage more than the k-tiles is never filled)
+        why = ""
+        for stages in (6, 4, 3):
+            v = LayerVariant(128, GemmTiles(128, 128, stages, P), GemmTiles(128, 128, stages, P), cluster)
+            ok, why = can_implement(spec, v)
+            if ok:
+                return v
+        raise ValueError(f"no default variant can implement {spec.workload_key} on {spec.target}: {why}")
     if rows_per_expert <= 2:
         prefs = [(16, GemmTiles(32, 64, 8, W), GemmTiles(32, 64, 8, W)),
                  (16, GemmTiles(64, 128, 2, W), GemmTiles(64, 128, 2, W))]

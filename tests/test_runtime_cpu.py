@@ -440,9 +440,8 @@ void {run}(void **a) {{
 """
 
 
-@pytest.fixture
-def recording_layer(small_db, tmp_path, monkeypatch):
-    """A layer on CPU tensors whose four kernels are libraries of the same ABI that record the
+def _recording_layer(url, spec, tmp_path, monkeypatch):
+    """A layer on CPU tensors whose kernels are libraries of the same ABI that record the
     pointers they were launched with (gcc), with torch.cuda's answers stubbed."""
     import json
     import shutil
@@ -453,7 +452,6 @@ def recording_layer(small_db, tmp_path, monkeypatch):
 
     if shutil.which("gcc") is None:
         pytest.skip("needs gcc to build the stand-in libraries")
-    url, spec = small_db
     path = tmp_path / "rec.sqlite"
     path.write_bytes(Path(url[len("sqlite:///"):]).read_bytes())
     con = _sqlite3.connect(path)
@@ -477,8 +475,14 @@ def recording_layer(small_db, tmp_path, monkeypatch):
     monkeypatch.setattr(launch, "_raw_stream", lambda index: 1234)
     monkeypatch.setattr(launch, "_native_fn", None)
     monkeypatch.setattr(launch, "_building", None)
-    layer = MoeLayer(spec, KernelStore(f"sqlite:///{path}", unpack_dir=tmp_path / "libs"), device=torch.device("cpu"),
-                     variants={})
+    return MoeLayer(spec, KernelStore(f"sqlite:///{path}", unpack_dir=tmp_path / "libs"), device=torch.device("cpu"),
+                    variants={})
+
+
+@pytest.fixture
+def recording_layer(small_db, tmp_path, monkeypatch):
+    """_recording_layer of the small bf16 layer, and its arguments at 16 tokens."""
+    layer = _recording_layer(*small_db, tmp_path, monkeypatch)
     M, bf = 16, torch.bfloat16
     args = [torch.zeros(M, 256, dtype=bf), torch.zeros(8, 256, 256, dtype=bf), torch.zeros(8, 256, 128, dtype=bf),
             torch.zeros(M, 2), torch.zeros(M, 2, dtype=torch.int32)]
@@ -621,3 +625,56 @@ def test_dbread_imports_nothing_of_the_package_but_env():
     imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     ours = {"database", "runtime", "sqlalchemy", "tuner", "picks"}
     assert not {m for m in imported if m.split(".")[0] in ours}, imported
+
+
+@pytest.fixture(scope="module")
+def small_fp8_db(tmp_path_factory):
+    url = f"sqlite:///{tmp_path_factory.mktemp('rt8') / 'k.sqlite'}"
+    spec = make_spec(experts=8, top_k=2, hidden=256, intermediate=256, precision="fp8-block128")
+    with Database(url) as db:
+        compile_into(db, [(spec, default_variant(spec, 16))], jobs=1)
+    return url, spec
+
+
+def test_repeated_fp8_forward_launches_with_the_new_pointers(small_fp8_db, tmp_path, monkeypatch):
+    """The fp8 layer's five kernels, launched in the variant's order: the first call binds them,
+    a repeated call re-checks the inputs and swaps only the caller's pointers, without choosing
+    the variant again."""
+    import ctypes
+
+    url, spec = small_fp8_db
+    layer = _recording_layer(url, spec, tmp_path, monkeypatch)
+    M, e, h, i = 16, 8, 256, 256
+    f8 = torch.float8_e4m3fn
+
+    def make():
+        return [torch.zeros(M, h, dtype=torch.bfloat16), (torch.zeros(e, 2 * i, h, dtype=f8), torch.ones(e, 4, 2)),
+                (torch.zeros(e, h, i, dtype=f8), torch.ones(e, 2, 2)), torch.zeros(M, 2),
+                torch.zeros(M, 2, dtype=torch.int32)]
+
+    full_checks, chosen = [], []
+    check, role_kernels = layer.check_inputs, layer.role_kernels
+    layer.check_inputs = lambda *a: (full_checks.append(1), check(*a))[1]
+    layer.role_kernels = lambda t: (chosen.append(t), role_kernels(t))[1]
+    out = torch.zeros(M, h, dtype=torch.bfloat16)
+    layer.forward(*make(), out=out)
+    assert len(full_checks) == len(chosen) == 1
+    _, libs = role_kernels(M)
+    assert list(libs) == ["routing", "quant", "glu", "down", "combine"]
+    ws = layer._workspace
+    new, out2 = make(), torch.zeros_like(out)
+    assert layer.forward(*new, out=out2) is out2
+    assert len(full_checks) == 2 and len(chosen) == 1  # checked again, not chosen again
+    x, (w13, w13s), (w2, w2s), tw, ids = new
+    p = lambda t: t.data_ptr()  # noqa: E731
+    assert _seen(libs["routing"]._lib, 6)[0] == p(ids) and _seen(libs["routing"]._lib, 6)[5] == 1234
+    assert _seen(libs["quant"]._lib, 4) == [p(x), p(ws.xq), p(ws.xs), 1234]
+    assert _seen(libs["glu"]._lib, 9) == [p(ws.xq), p(ws.xs), p(w13), p(w13s), p(ws.sorted_ids), p(ws.tile_expert),
+                                          p(ws.hq), p(ws.hs), 1234]
+    assert _seen(libs["down"]._lib, 9) == [p(ws.hq), p(ws.hs), p(w2), p(w2s), p(ws.sorted_ids), p(ws.tile_expert),
+                                           p(tw), p(ws.y), 1234]
+    assert _seen(libs["combine"]._lib, 4) == [p(ws.y), p(ids), p(out2), 1234]
+    calls = ctypes.c_long.in_dll(libs["glu"]._lib, "calls").value
+    with pytest.raises(KernelArgumentError, match="w13 scales must have shape"):
+        layer.forward(x, (w13, w13s[:, :1]), (w2, w2s), tw, ids, out=out2)
+    assert ctypes.c_long.in_dll(libs["glu"]._lib, "calls").value == calls  # refused before any launch

@@ -126,7 +126,7 @@ def check_fp8_op_inputs(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids,
                            ("topk_ids", topk_ids, torch.int32)):
         if t.dtype != dtype:
             raise KernelArgumentError(f"{name} must be {dtype}, got {t.dtype}")
-    M, H = x.shape
+    H = x.shape[1]
     E, I2, H1 = w13.shape
     I = I2 // 2
     if H1 != H or tuple(w2.shape) != (E, H, I):
