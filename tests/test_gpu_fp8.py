@@ -54,6 +54,16 @@ def _layer(store, model, precision):
     return layer
 
 
+def _experts(layer, seed: int):
+    """Random fp32 gate, up [E, I, H] and down [E, H, I] weights of the layer's shape."""
+    spec = layer.spec
+    e, h, i = spec.experts, spec.hidden, spec.intermediate
+    gen = torch.Generator(device=layer.device).manual_seed(seed)
+    return (torch.randn(e, i, h, device=layer.device, generator=gen) / h ** 0.5,
+            torch.randn(e, i, h, device=layer.device, generator=gen) / h ** 0.5,
+            torch.randn(e, h, i, device=layer.device, generator=gen) / i ** 0.5)
+
+
 @pytest.fixture(scope="module", params=[(m, p) for p in fp8.FP8 for m in _fp8_models()],
                 ids=lambda mp: f"{mp[0]}-{mp[1]}")
 def layer_and_weights(request, store):
@@ -83,13 +93,10 @@ def test_fp8_layer_close_to_bf16(layer_and_weights):
     loosely (e4m3 keeps 3 mantissa bits: x, both weights and the intermediate each add ~2%)."""
     layer, _, _ = layer_and_weights
     spec = layer.spec
-    gen = torch.Generator(device=layer.device).manual_seed(1)
     e, h, i = spec.experts, spec.hidden, spec.intermediate
     if e * i * h > 2 ** 31:  # DeepSeek-V3: the bf16 copies are 22 GB; the stages test covers it
         pytest.skip("bf16 weights of this model are not kept beside the fp8 ones")
-    gate = torch.randn(e, i, h, device=layer.device, generator=gen).bfloat16() / h ** 0.5
-    up = torch.randn(e, i, h, device=layer.device, generator=gen).bfloat16() / h ** 0.5
-    down = torch.randn(e, h, i, device=layer.device, generator=gen).bfloat16() / i ** 0.5
+    gate, up, down = (w.bfloat16() for w in _experts(layer, 1))
     w13, w2 = prepare_fp8_weights(gate, up, down, spec.precision)
     x = torch.randn(64, h, device=layer.device, dtype=torch.bfloat16)
     tw, ids = random_routing(64, spec, layer.device)
@@ -153,11 +160,8 @@ def test_fused_experts_fp8_is_the_fp8_layer(store, precision):
 
     layer = _layer(store, "qwen3-30b-a3b", precision)
     spec = layer.spec
-    e, h, i = spec.experts, spec.hidden, spec.intermediate
-    gen = torch.Generator(device=layer.device).manual_seed(4)
-    gate = torch.randn(e, i, h, device=layer.device, generator=gen) / h ** 0.5
-    up = torch.randn(e, i, h, device=layer.device, generator=gen) / h ** 0.5
-    down = torch.randn(e, h, i, device=layer.device, generator=gen) / i ** 0.5
+    h = spec.hidden
+    gate, up, down = _experts(layer, 4)
     if precision == "fp8-block128":
         (gq, gs), (uq, us), (dq, ds) = (fp8.quantize_blocks(w) for w in (gate, up, down))
         w1, w1s, block = torch.cat([gq, uq], 1), torch.cat([gs, us], 1), [128, 128]
@@ -181,11 +185,8 @@ def test_moe_experts_fp8_module_is_the_fp8_layer(store, precision):
 
     layer = _layer(store, "qwen3-30b-a3b", precision)
     spec = layer.spec
-    e, h, i = spec.experts, spec.hidden, spec.intermediate
-    gen = torch.Generator(device=layer.device).manual_seed(5)
-    gate = torch.randn(e, i, h, device=layer.device, generator=gen) / h ** 0.5
-    up = torch.randn(e, i, h, device=layer.device, generator=gen) / h ** 0.5
-    down = torch.randn(e, h, i, device=layer.device, generator=gen) / i ** 0.5
+    h = spec.hidden
+    gate, up, down = _experts(layer, 5)
     mod = MoeExperts.from_fp8(gate, up, down, precision)
     x = torch.randn(2, 9, h, device=layer.device, dtype=torch.bfloat16)
     tw, ids = random_routing(18, spec, layer.device)
