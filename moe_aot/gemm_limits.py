@@ -25,6 +25,15 @@ LOAD_THREADS = 128  # the producer warpgroup of the warp-specialized kernels
 COPY_ELEMS = 8  # bf16 elements in one 16-byte cp.async / store
 MAX_ACC_REGS = 128  # fp32 accumulators per thread
 
+# GLU activations of GEMM1: h = act(gate) * up, except "swigluoai" (gpt-oss's clamped SwiGLU):
+# gate clamped to <= SWIGLUOAI_LIMIT, up to +-SWIGLUOAI_LIMIT, h = (up + 1) * gate * sigmoid(ALPHA * gate)
+ACTIVATIONS = ("swiglu", "geglu", "swigluoai")
+SWIGLUOAI_ALPHA = 1.702
+SWIGLUOAI_LIMIT = 7.0
+# expert biases (gpt-oss: b13 [E, 2I] added to GEMM1's gate/up columns before the activation,
+# b2 [E, H] to GEMM2's output before the routing weight) are built for these precisions
+BIAS_PRECISIONS = ("bf16",)
+
 # Precisions of the grouped GEMMs' operands. fp8 (e4m3 A and B, fp32 accumulation) runs on the
 # warp-specialized wgmma cores only, with 128-element (128-byte) k-tiles:
 #   "fp8"           weights: one fp32 scale per expert and matrix (w13: gate and up each);
@@ -167,8 +176,8 @@ def check_gemm(n, k, tile_m, tile_n, tile_k, stages, mma, warps_m=None, warps_n=
 
 def check_glu_shape(intermediate, tile_n, interleave, activation="swiglu") -> tuple[bool, str]:
     """(ok, reason) of GEMM1's own rules: the GLU activation and the gate/up interleave."""
-    if activation not in ("swiglu", "geglu"):
-        return False, f"activation {activation!r} must be 'swiglu' or 'geglu'"
+    if activation not in ACTIVATIONS:
+        return False, f"activation {activation!r} must be one of {', '.join(ACTIVATIONS)}"
     if interleave % 8 or interleave < 8:
         return False, f"interleave {interleave} must be a positive multiple of 8"
     if intermediate % interleave:

@@ -189,6 +189,8 @@ def compile_kernel(kernel_obj, arch: str, name: str, host_target: str = HOST_TAR
 
     args = []
     for arg_name, fake in named:
+        if fake is None:  # an optional tensor left out (e.g. no expert biases): no argument of the kernel
+            continue
         if hasattr(fake, "dynamic_shapes_mask"):
             args.append(_tensor_abi(arg_name, fake))
         else:

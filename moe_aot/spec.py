@@ -9,7 +9,8 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-ACTIVATIONS = ("swiglu", "geglu")
+from .gemm_limits import ACTIVATIONS, BIAS_PRECISIONS
+
 PRECISIONS = ("bf16", "fp8", "fp8-block128", "mxfp8", "nvfp4")
 SUPPORTED_PRECISIONS = {"sm_90a": ("bf16", "fp8", "fp8-block128"), "sm_100a": ("bf16",), "sm_121a": ("bf16",)}
 FP8_SIZE_MULTIPLE = 128  # fp8: hidden/intermediate in whole 128-element k-tiles and scale blocks
@@ -27,7 +28,8 @@ MAX_TOP_K = 32
 PRESETS = {
     "qwen3-30b-a3b": dict(experts=128, top_k=8, hidden=2048, intermediate=768, activation="swiglu"),
     "qwen3-235b-a22b": dict(experts=128, top_k=8, hidden=4096, intermediate=1536, activation="swiglu"),
-    "gpt-oss-120b": dict(experts=128, top_k=4, hidden=2880, intermediate=2880, activation="swiglu"),
+    # gpt-oss: clamped SwiGLU (alpha 1.702, limit 7.0) and expert biases in both GEMMs
+    "gpt-oss-120b": dict(experts=128, top_k=4, hidden=2880, intermediate=2880, activation="swigluoai", bias=True),
     "deepseek-v3": dict(experts=256, top_k=8, hidden=7168, intermediate=2048, activation="swiglu"),
     "mixtral-8x7b": dict(experts=8, top_k=2, hidden=4096, intermediate=14336, activation="swiglu"),
 }
@@ -48,6 +50,7 @@ class LayerSpec:
     precision: str = "bf16"
     target: str = "sm_90a"
     model: str | None = None  # preset name, informational only (not part of the key)
+    bias: bool = False  # expert biases in both GEMMs (gpt-oss): b13 [E, 2I] and b2 [E, H]
 
     def __post_init__(self):
         _validate(self)
@@ -56,7 +59,7 @@ class LayerSpec:
     def workload_key(self) -> str:
         """Database key of the layer's math: shape, activation, precision (target is separate)."""
         return (f"e{self.experts}_k{self.top_k}_h{self.hidden}_i{self.intermediate}"
-                f"_{self.activation}_{self.precision}")
+                f"_{self.activation}{'_bias' if self.bias else ''}_{self.precision}")
 
     @property
     def precision_tag(self) -> str:
@@ -65,11 +68,14 @@ class LayerSpec:
 
     @property
     def shape_tag(self) -> str:
-        return f"e{self.experts}k{self.top_k}h{self.hidden}i{self.intermediate}"
+        """The layer's sizes in kernel names ("b" after them: the GEMMs take expert biases)."""
+        return f"e{self.experts}k{self.top_k}h{self.hidden}i{self.intermediate}{'b' if self.bias else ''}"
 
     def to_dict(self) -> dict:
         d = asdict(self)
         d.pop("model")
+        if not self.bias:  # the field came later than the stored workloads without biases
+            d.pop("bias")
         return d
 
     def workload_dict(self) -> dict:
@@ -105,6 +111,8 @@ def _validate(s: LayerSpec) -> None:
                             f"and {v - v % SIZE_MULTIPLE + SIZE_MULTIPLE}")
     if s.activation not in ACTIVATIONS:
         raise SpecError(f"activation must be one of {', '.join(ACTIVATIONS)}, got {s.activation!r}")
+    if not isinstance(s.bias, bool):
+        raise SpecError(f"bias must be true or false, got {s.bias!r}")
     if s.target not in TARGETS:
         raise SpecError(f"target must be one of {', '.join(TARGETS)}, got {s.target!r}")
     if s.precision not in PRECISIONS:
@@ -118,9 +126,12 @@ def _validate(s: LayerSpec) -> None:
             if v % FP8_SIZE_MULTIPLE:
                 raise SpecError(f"{name} must be a multiple of {FP8_SIZE_MULTIPLE} for precision {s.precision} "
                                 f"(128-element k-tiles and scale blocks), got {v}; use bf16 for this layer")
+    if s.bias and s.precision not in BIAS_PRECISIONS:
+        raise SpecError(f"expert biases (bias=true) are built for precision {', '.join(BIAS_PRECISIONS)} only, "
+                        f"not {s.precision}")
 
 
-_FIELDS = {"experts", "top_k", "hidden", "intermediate", "activation", "precision", "target", "model"}
+_FIELDS = {"experts", "top_k", "hidden", "intermediate", "activation", "precision", "target", "model", "bias"}
 
 
 def make_spec(model: str | None = None, **fields) -> LayerSpec:

@@ -142,6 +142,7 @@ class LayerVariant:
         e, k, h, i = spec.experts, spec.top_k, spec.hidden, spec.intermediate
         g, d, m, x = self.glu, self.down, self.tile_m, self._pdl_tag
         pdl = (("pdl", True),) if self.pdl else ()
+        bias = (("bias", True),) if spec.bias else ()  # the GEMMs take b13 / b2 (shape_tag ends in "b")
         out = [
             KernelVariant("routing", f"moe_route_{a}_e{e}k{k}_m{m}_c{self.route_cluster}{x}",
                           (("num_experts", e), ("top_k", k), ("tile_m", m), ("cluster_size", self.route_cluster))
@@ -151,11 +152,11 @@ class LayerVariant:
                        f"{_c(g)}_g{INTERLEAVE}{x}",
                 (("num_experts", e), ("top_k", k), ("hidden", h), ("intermediate", i),
                  ("activation", spec.activation), ("tile_m", m)) + g.params(spec.precision)
-                + (("interleave", INTERLEAVE),) + pdl),
+                + (("interleave", INTERLEAVE),) + pdl + bias),
             KernelVariant(
                 "down", f"moe_down_{a}_{p}_{s}_t{m}x{d.tile_n}x{d.tile_k}_s{d.stages}_{d.mma}{_c(d)}{x}",
                 (("num_experts", e), ("top_k", k), ("hidden", h), ("intermediate", i), ("tile_m", m))
-                + d.params(spec.precision) + pdl),
+                + d.params(spec.precision) + pdl + bias),
             KernelVariant("combine", f"moe_combine_{a}_{p}_e{e}k{k}h{h}{x}",
                           (("num_experts", e), ("hidden", h), ("top_k", k)) + pdl),
         ]

@@ -25,6 +25,7 @@ measured point; their numbers are in tools/results/NOTES.md.)
 """
 
 import math
+from typing import Optional
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -59,6 +60,21 @@ def glu_act(g, activation: cutlass.Constexpr):
     else:
         inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)
         return 0.5 * g * (1.0 + cute.math.tanh(inner, fastmath=True))
+
+
+@cute.jit
+def glu(g, u, activation: cutlass.Constexpr):
+    """h from fp32 gate and up values: act(g) * u, or for "swigluoai" (gpt-oss) the clamped form
+    (min(u, L) clamped to [-L, L] + 1) * gc * sigmoid(ALPHA * gc) with gc = min(g, L)
+    (gemm_limits.SWIGLUOAI_ALPHA / SWIGLUOAI_LIMIT)."""
+    if const_expr(activation == "swigluoai"):
+        lim = limits.SWIGLUOAI_LIMIT
+        gc = cute.where(g > lim, lim, g)
+        uc = cute.where(u > lim, lim, cute.where(u < -lim, -lim, u))
+        sig = cute.math.rcp(1.0 + cute.math.exp(-limits.SWIGLUOAI_ALPHA * gc, fastmath=True), fastmath=True)
+        return (uc + 1.0) * (gc * sig)
+    else:
+        return glu_act(g, activation) * u
 
 
 def glu_gate_block(hb: int, interleave: int) -> int:
@@ -419,6 +435,16 @@ class _GroupedGemmBase:
         return cute.make_tensor(base, cute.select(mW.layout, mode=[1, 2]))
 
     @cute.jit
+    def _bias_row(self, mB, expert):
+        """Row ``expert`` of a [E, N] bf16 bias (expert biases: GEMM1's b13, GEMM2's b2)."""
+        return self._row(mB, expert, self.n)
+
+    @cute.jit
+    def _bias_at(self, brow, col, width: cutlass.Constexpr):
+        """``width`` consecutive bias values from column ``col`` (a multiple of ``width``), in fp32."""
+        return cute.local_tile(brow, (width,), (col // width,)).load().to(Float32)
+
+    @cute.jit
     def _stage_acc(self, tidx, tiled_mma, acc, sC_ptr):
         """Write the fp32 accumulator tile to shared memory; for the GLU kernel the columns
         are de-interleaved on the way (gate -> [0, tile_n/2), up -> [tile_n/2, tile_n))."""
@@ -478,7 +504,7 @@ class _GroupedGemmBase:
             acc.fill(0.0)
             self._mainloop(tidx, mA, a_rows, sA, self._expert_weights(mW, expert), bn, sB, tiled_mma, acc)
             sC = self._stage_acc(tidx, tiled_mma, acc, sC_ptr)
-            self._epilogue(tidx, sC, *epi, row0, bn)
+            self._epilogue(tidx, sC, epi, row0, bn, expert)
 
     @cute.jit
     def _acc_coords(self, ctid, tiled_mma):
@@ -545,7 +571,13 @@ class GroupedGluGemm(_GroupedGemmBase):
       are not written at all. Grid (2I / tile_n, T), one CTA per (N tile, M tile), walked in
       groups of RASTER_GROUP M tiles per N tile.
 
-    Activation: "swiglu" = SiLU(g) * u; "geglu" = GELU(g) * u with the tanh approximation.
+    Activation: "swiglu" = SiLU(g) * u; "geglu" = GELU(g) * u with the tanh approximation;
+    "swigluoai" = gpt-oss's clamped SwiGLU (``glu``).
+
+    Expert biases (``bias=True``, gpt-oss): ``__call__(x, w13, sorted_ids, tile_expert, h, b13,
+    stream)`` with b13 [E, 2I] bf16 interleaved as w13's rows (``interleave_gate_up`` of [E, I, 1]
+    gate and up biases), added in fp32 to the gate/up sums before the activation; padding rows
+    are still written as zeros. Without biases b13 is None (no argument of the compiled kernel).
 
     Constraints:
       * bf16 in, fp32 accumulate, bf16 out; all tensors 16-byte aligned and row-major.
@@ -571,14 +603,18 @@ class GroupedGluGemm(_GroupedGemmBase):
                  activation: str = "swiglu", interleave: int = 16,
                  tile_m: int = 128, tile_n: int = 128, tile_k: int = 64, stages: int = 4,
                  mma: str = "warp", warps_m: int | None = None, warps_n: int | None = None,
-                 pdl: bool = False, ctas: int = PERSISTENT_CTAS, precision: str = "bf16"):
+                 pdl: bool = False, ctas: int = PERSISTENT_CTAS, precision: str = "bf16",
+                 bias: bool = False):
         ok, reason = self.can_implement(num_experts, hidden, intermediate, top_k, activation,
                                         interleave, tile_m, tile_n, tile_k, stages, mma,
                                         warps_m, warps_n, precision=precision)
+        if ok and bias and precision not in limits.BIAS_PRECISIONS:
+            ok, reason = False, f"expert biases are built for {', '.join(limits.BIAS_PRECISIONS)}, not {precision}"
         if not ok:
             raise ValueError(reason)
         self.num_experts, self.hidden, self.intermediate = num_experts, hidden, intermediate
         self.top_k, self.activation, self.interleave = top_k, activation, interleave
+        self.bias = bool(bias)
         super().__init__(2 * intermediate, hidden, tile_m, tile_n, tile_k, stages, mma,
                          warps_m, warps_n, pdl, ctas, precision)
 
@@ -587,8 +623,8 @@ class GroupedGluGemm(_GroupedGemmBase):
                       interleave=16, tile_m=128, tile_n=128, tile_k=64, stages=4, mma="warp",
                       warps_m=None, warps_n=None, arch=None, precision="bf16"):
         """(ok, reason) for this problem, these tunables and, if given, the target arch."""
-        if activation not in ("swiglu", "geglu"):
-            return False, f"activation {activation!r} must be 'swiglu' or 'geglu'"
+        if activation not in limits.ACTIVATIONS:
+            return False, f"activation {activation!r} must be one of {', '.join(limits.ACTIVATIONS)}"
         if num_experts < 1 or top_k < 1 or top_k > num_experts:
             return False, f"need 1 <= top_k={top_k} <= num_experts={num_experts}"
         ok, reason = limits.check_glu_shape(intermediate, tile_n, interleave, activation)
@@ -614,21 +650,26 @@ class GroupedGluGemm(_GroupedGemmBase):
             ("tile_expert", make_fake_tensor(Int32, (t,), (1,), assumed_align=16)),
             ("h", make_fake_tensor(BFloat16, (r, self.intermediate), (self.intermediate, 1),
                                    assumed_align=16)),
+            ("b13", make_fake_tensor(BFloat16, (e, i2), (i2, 1), assumed_align=16) if self.bias else None),
             ("stream", make_fake_stream()),
         ]
 
     @cute.jit
     def __call__(self, x: cute.Tensor, w13: cute.Tensor, sorted_ids: cute.Tensor,
-                 tile_expert: cute.Tensor, h: cute.Tensor, stream: cuda.CUstream):
+                 tile_expert: cute.Tensor, h: cute.Tensor, b13: Optional[cute.Tensor], stream: cuda.CUstream):
         grid, block = self._launch_common(self.n // self.tile_n, tile_expert)
-        self.kernel(x, w13, sorted_ids, tile_expert, h).launch(grid=grid, block=block,
-                                                               stream=stream, use_pdl=self.pdl)
+        self.kernel(x, w13, sorted_ids, tile_expert, h, b13).launch(grid=grid, block=block,
+                                                                    stream=stream, use_pdl=self.pdl)
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mW: cute.Tensor, mIds: cute.Tensor,
-               mTileExpert: cute.Tensor, mH: cute.Tensor):
+               mTileExpert: cute.Tensor, mH: cute.Tensor, mB: Optional[cute.Tensor]):
         tidx, _, _ = cute.arch.thread_idx()
-        self._tile(tidx, mX, mW, mIds, mTileExpert, (mH,))
+        self._tile(tidx, mX, mW, mIds, mTileExpert, self._epi(mH, mB, mIds, mTileExpert))
+
+    def _epi(self, mH, mB, mIds, mTileExpert):
+        """The epilogue's tensors: (h,), with biases (h, b13, sorted_ids, tile_expert)."""
+        return (mH, mB, mIds, mTileExpert) if self.bias else (mH,)
 
     @cute.jit
     def _a_rows(self, tidx, mIds, row0):
@@ -644,9 +685,11 @@ class GroupedGluGemm(_GroupedGemmBase):
         return a_rows
 
     @cute.jit
-    def _epilogue(self, etid, sC, mH, row0, bn):
+    def _epilogue(self, etid, sC, epi, row0, bn, expert):
         """h rows of the tile from the staged fp32 gate/up columns; ``etid`` indexes the
-        accumulator-holding threads."""
+        accumulator-holding threads. With biases the gate/up biases of each 8-column chunk are
+        added first, and padding rows (whose sums are zero) are written as zeros."""
+        mH = epi[0]
         tpr, rows_per_pass, passes = self._epilogue_thread_layout()
         half = self.tile_n // 2
         c8 = etid % tpr
@@ -655,7 +698,18 @@ class GroupedGluGemm(_GroupedGemmBase):
             if const_expr(self.tile_m % rows_per_pass == 0) or row < self.tile_m:
                 g = cute.local_tile(sC, (1, _COPY_ELEMS), (row, c8)).load()
                 u = cute.local_tile(sC, (1, _COPY_ELEMS), (row, c8 + half // _COPY_ELEMS)).load()
-                out = self._act(g) * u
+                if const_expr(self.bias):
+                    brow = self._bias_row(epi[1], expert)
+                    hc = bn * half + c8 * _COPY_ELEMS  # the chunk's first h column
+                    gcol = (hc // self.interleave) * 2 * self.interleave + hc % self.interleave
+                    keep = Float32(0.0)
+                    if epi[2][row0 + row] >= 0:
+                        keep = Float32(1.0)
+                    g = g + self._bias_at(brow, gcol, _COPY_ELEMS).reshape(g.shape)
+                    u = u + self._bias_at(brow, gcol + self.interleave, _COPY_ELEMS).reshape(u.shape)
+                    out = self._glu(g, u) * keep
+                else:
+                    out = self._glu(g, u)
                 dst = cute.local_tile(self._row(mH, row0 + row, self.intermediate),
                                       (_COPY_ELEMS,), (bn * (half // _COPY_ELEMS) + c8,))
                 dst.store(out.to(BFloat16))
@@ -673,15 +727,35 @@ class GroupedGluGemm(_GroupedGemmBase):
         transposes each group's bf16 pairs (_quad_transpose) and lane q stores h block 4G + q
         as one 16-byte vector, as GEMM2 does; otherwise (tile_n 32, 96, 160, 224) each lane
         stores its pairs, 4 bytes at a time."""
-        (mH,) = epi
+        mH = epi[0]
+        brow = self._epi_bias_row(epi, row0)
         tCcC = self._acc_coords(ctid, tiled_mma)
         if const_expr(self.tile_n % 64 == 0):
-            self._epilogue_regs_chunks(tCcC, acc, pairs, mH, row0, bn)
+            self._epilogue_regs_chunks(tCcC, acc, pairs, mH, brow, row0, bn)
         else:
-            self._epilogue_regs_pairs(tCcC, acc, pairs, mH, row0, bn)
+            self._epilogue_regs_pairs(tCcC, acc, pairs, mH, brow, row0, bn)
+
+    def _epi_bias_row(self, epi, row0):
+        """With biases, the bias row of the tile's expert (epi as _epi builds it); else None."""
+        if not self.bias:
+            return None
+        return self._bias_row(epi[1], epi[3][row0 // self.tile_m])
 
     @cute.jit
-    def _epilogue_regs_chunks(self, tCcC, acc, pairs, mH, row0, bn):
+    def _h_pair(self, acc, gi, ui, brow, col):
+        """Two h values from the gate pair at accumulator index gi and its up partner at ui;
+        with biases, those of the gate pair's w13 row ``col`` and its partner's added first."""
+        if const_expr(self.bias or self.activation == "swigluoai"):
+            g, u = self._pair(acc, gi), self._pair(acc, ui)
+            if const_expr(self.bias):
+                g = g + self._bias_at(brow, col, 2)
+                u = u + self._bias_at(brow, col + self.interleave, 2)
+            return self._glu(g, u)
+        else:  # the plain GLU kernels in the order they were traced (and tuned) in
+            return self._act(self._pair(acc, gi)) * self._pair(acc, ui)
+
+    @cute.jit
+    def _epilogue_regs_chunks(self, tCcC, acc, pairs, mH, brow, row0, bn):
         """_epilogue_regs in 16-byte stores: per row and group G of four h blocks, lane q
         computes its pairs of blocks 4G..4G+3 and the quad transpose leaves it block 4G + q."""
         nb = self.interleave // 8  # n8 blocks per gate (or up) block
@@ -707,7 +781,7 @@ class GroupedGluGemm(_GroupedGemmBase):
                         gi = self._acc_index(hrow, glu_gate_block(4 * grp + i, self.interleave))
                         ui = gi + 4 * nb
                         frag = cute.make_rmem_tensor(cute.make_layout(2), BFloat16)
-                        frag.store((self._act(self._pair(acc, gi)) * self._pair(acc, ui)).to(BFloat16))
+                        frag.store(self._h_pair(acc, gi, ui, brow, bn * self.tile_n + tCcC[gi][1]).to(BFloat16))
                         packed[i] = cute.recast_tensor(frag, Int32)[0]
                 # outside `if valid`: every lane of the warp takes part in the shuffles
                 chunk = self._quad_transpose(packed, 0, q, quad0)
@@ -715,7 +789,7 @@ class GroupedGluGemm(_GroupedGemmBase):
                 dst.store(cute.recast_tensor(chunk, BFloat16).load())
 
     @cute.jit
-    def _epilogue_regs_pairs(self, tCcC, acc, pairs, mH, row0, bn):
+    def _epilogue_regs_pairs(self, tCcC, acc, pairs, mH, brow, row0, bn):
         """_epilogue_regs in 4-byte stores: each lane its own bf16 pairs."""
         g = self.interleave
         half = self.tile_n // 2
@@ -731,7 +805,7 @@ class GroupedGluGemm(_GroupedGemmBase):
                     hc = (c // (2 * g)) * g + c % g
                     dst = cute.local_tile(dst_row, (2,), (bn * (half // 2) + hc // 2,))
                     if valid:
-                        dst.store((self._act(self._pair(acc, gi)) * self._pair(acc, ui)).to(BFloat16))
+                        dst.store(self._h_pair(acc, gi, ui, brow, bn * self.tile_n + c).to(BFloat16))
                     else:
                         zero = cute.make_rmem_tensor(cute.make_layout(2), BFloat16)
                         zero.fill(0.0)
@@ -740,6 +814,10 @@ class GroupedGluGemm(_GroupedGemmBase):
     @cute.jit
     def _act(self, g):
         return glu_act(g, self.activation)
+
+    @cute.jit
+    def _glu(self, g, u):
+        return glu(g, u, self.activation)
 
 
 class GroupedDownGemm(_GroupedGemmBase):
@@ -750,6 +828,9 @@ class GroupedDownGemm(_GroupedGemmBase):
       sorted_ids [R], tile_expert [T] int32; topk_weights [M, top_k] fp32; y [M*top_k, H] bf16.
       The routing weight is applied in fp32 before the bf16 store; padding rows are not
       stored; rows of y no pair maps to are not written. Grid (H / tile_n, T), as GEMM1.
+      Expert biases (``bias=True``, gpt-oss): ``__call__(h, w2, sorted_ids, tile_expert,
+      topk_weights, y, b2, stream)`` with b2 [E, H] bf16, added in fp32 before the routing weight
+      (y[p] = w * (h . w2_e^T + b2_e)); without biases b2 is None.
 
     Constraints:
       * bf16 in, fp32 accumulate, bf16 out; all tensors 16-byte aligned and row-major.
@@ -763,14 +844,18 @@ class GroupedDownGemm(_GroupedGemmBase):
     def __init__(self, num_experts: int, hidden: int, intermediate: int, top_k: int,
                  tile_m: int = 128, tile_n: int = 128, tile_k: int = 64, stages: int = 4,
                  mma: str = "warp", warps_m: int | None = None, warps_n: int | None = None,
-                 pdl: bool = False, ctas: int = PERSISTENT_CTAS, precision: str = "bf16"):
+                 pdl: bool = False, ctas: int = PERSISTENT_CTAS, precision: str = "bf16",
+                 bias: bool = False):
         ok, reason = self.can_implement(num_experts, hidden, intermediate, top_k, tile_m,
                                         tile_n, tile_k, stages, mma, warps_m, warps_n,
                                         precision=precision)
+        if ok and bias and precision not in limits.BIAS_PRECISIONS:
+            ok, reason = False, f"expert biases are built for {', '.join(limits.BIAS_PRECISIONS)}, not {precision}"
         if not ok:
             raise ValueError(reason)
         self.num_experts, self.hidden, self.intermediate = num_experts, hidden, intermediate
         self.top_k = top_k
+        self.bias = bool(bias)
         super().__init__(hidden, intermediate, tile_m, tile_n, tile_k, stages, mma,
                          warps_m, warps_n, pdl, ctas, precision)
 
@@ -803,22 +888,27 @@ class GroupedDownGemm(_GroupedGemmBase):
             ("topk_weights", make_fake_tensor(Float32, (m, self.top_k), (self.top_k, 1),
                                               assumed_align=16)),
             ("y", make_fake_tensor(BFloat16, (mk, hd), (hd, 1), assumed_align=16)),
+            ("b2", make_fake_tensor(BFloat16, (e, hd), (hd, 1), assumed_align=16) if self.bias else None),
             ("stream", make_fake_stream()),
         ]
 
     @cute.jit
     def __call__(self, h: cute.Tensor, w2: cute.Tensor, sorted_ids: cute.Tensor,
                  tile_expert: cute.Tensor, topk_weights: cute.Tensor, y: cute.Tensor,
-                 stream: cuda.CUstream):
+                 b2: Optional[cute.Tensor], stream: cuda.CUstream):
         grid, block = self._launch_common(self.n // self.tile_n, tile_expert)
-        self.kernel(h, w2, sorted_ids, tile_expert, topk_weights, y).launch(
+        self.kernel(h, w2, sorted_ids, tile_expert, topk_weights, y, b2).launch(
             grid=grid, block=block, stream=stream, use_pdl=self.pdl)
 
     @cute.kernel
     def kernel(self, mH: cute.Tensor, mW: cute.Tensor, mIds: cute.Tensor,
-               mTileExpert: cute.Tensor, mTopkW: cute.Tensor, mY: cute.Tensor):
+               mTileExpert: cute.Tensor, mTopkW: cute.Tensor, mY: cute.Tensor, mB: Optional[cute.Tensor]):
         tidx, _, _ = cute.arch.thread_idx()
-        self._tile(tidx, mH, mW, mIds, mTileExpert, (mIds, mTopkW, mY))
+        self._tile(tidx, mH, mW, mIds, mTileExpert, self._epi(mIds, mTopkW, mY, mB, mTileExpert))
+
+    def _epi(self, mIds, mTopkW, mY, mB, mTileExpert):
+        """The epilogue's tensors: (sorted_ids, topk_weights, y), with biases + (b2, tile_expert)."""
+        return (mIds, mTopkW, mY, mB, mTileExpert) if self.bias else (mIds, mTopkW, mY)
 
     @cute.jit
     def _a_rows(self, tidx, mIds, row0):
@@ -842,7 +932,8 @@ class GroupedDownGemm(_GroupedGemmBase):
         shuffles, so lane q holds all of block 4g + q and stores it as one 16-byte vector: a
         quarter of the store instructions of pair-wise stores (which filled the load/store
         queue: ~20% of GEMM2's stall samples, tools/results/NOTES.md)."""
-        _, _, mY = epi
+        mY = epi[2]
+        brow = self._epi_bias_row(epi, row0)
         tCcC = self._acc_coords(ctid, tiled_mma)
         lane = cute.arch.lane_idx()
         q = lane % 4
@@ -853,7 +944,10 @@ class GroupedDownGemm(_GroupedGemmBase):
             packed = cute.make_rmem_tensor(cute.make_layout(self.tile_n // 8), Int32)
             for j in cutlass.range_constexpr(self.tile_n // 8):
                 frag = cute.make_rmem_tensor(cute.make_layout(2), BFloat16)
-                frag.store((self._pair(acc, self._acc_index(hrow, j)) * scale).to(BFloat16))
+                v = self._pair(acc, self._acc_index(hrow, j))
+                if const_expr(self.bias):
+                    v = v + self._bias_at(brow, bn * self.tile_n + tCcC[self._acc_index(hrow, j)][1], 2)
+                frag.store((v * scale).to(BFloat16))
                 packed[j] = cute.recast_tensor(frag, Int32)[0]
             dst_row = self._row(mY, p, self.hidden)  # used only where p >= 0
             # the tile column of this lane's pair in block 0 is 2q: block 4g + q starts at 32g + 8q
@@ -864,9 +958,16 @@ class GroupedDownGemm(_GroupedGemmBase):
                     dst = cute.local_tile(dst_row, (8,), ((col0 + 32 * g) // 8,))
                     dst.store(cute.recast_tensor(chunk, BFloat16).load())
 
+    def _epi_bias_row(self, epi, row0):
+        """With biases, the bias row of the tile's expert (epi as _epi builds it); else None."""
+        if not self.bias:
+            return None
+        return self._bias_row(epi[3], epi[4][row0 // self.tile_m])
+
     @cute.jit
-    def _epilogue(self, etid, sC, mIds, mTopkW, mY, row0, bn):
+    def _epilogue(self, etid, sC, epi, row0, bn, expert):
         """Scaled rows of the tile scattered to y; ``etid`` indexes the accumulator-holding threads."""
+        mIds, mTopkW, mY = epi[0], epi[1], epi[2]
         tpr, rows_per_pass, passes = self._epilogue_thread_layout()
         c8 = etid % tpr
         for it in cutlass.range_constexpr(passes):
@@ -875,7 +976,11 @@ class GroupedDownGemm(_GroupedGemmBase):
                 p = mIds[row0 + row]
                 if p >= 0:
                     scale = mTopkW[p // self.top_k, p % self.top_k]
-                    v = cute.local_tile(sC, (1, _COPY_ELEMS), (row, c8)).load() * scale
+                    v = cute.local_tile(sC, (1, _COPY_ELEMS), (row, c8)).load()
+                    if const_expr(self.bias):
+                        col = bn * self.tile_n + c8 * _COPY_ELEMS
+                        v = v + self._bias_at(self._bias_row(epi[3], expert), col, _COPY_ELEMS).reshape(v.shape)
+                    v = v * scale
                     dst = cute.local_tile(self._row(mY, p, self.hidden), (_COPY_ELEMS,),
                                           (bn * (self.tile_n // _COPY_ELEMS) + c8,))
                     dst.store(v.to(BFloat16))

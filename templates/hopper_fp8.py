@@ -304,7 +304,7 @@ class HopperGluGemmFp8(_Fp8Consumer, HopperGluGemm):
                     for i in cutlass.range_constexpr(8):
                         gi = self._acc_index(hrow, glu_gate_block(8 * blk + i, self.interleave))
                         ui = gi + 4 * nb
-                        v = self._act(self._pair(acc, gi)) * self._pair(acc, ui)
+                        v = self._h_pair(acc, gi, ui, None, 0)
                         vals[2 * i] = v[0]
                         vals[2 * i + 1] = v[1]
                     for i in cutlass.range_constexpr(16):

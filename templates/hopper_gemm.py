@@ -37,6 +37,8 @@ Constraints (beyond those of ``GroupedGluGemm`` / ``GroupedDownGemm`` with mma="
   * pdl=True: every thread waits for the previous grid before its first read.
 """
 
+from typing import Optional
+
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
@@ -441,27 +443,28 @@ class HopperGluGemm(_HopperWs, GroupedGluGemm):
 
     @cute.jit
     def __call__(self, x: cute.Tensor, w13: cute.Tensor, sorted_ids: cute.Tensor,
-                 tile_expert: cute.Tensor, h: cute.Tensor, stream: cuda.CUstream):
+                 tile_expert: cute.Tensor, h: cute.Tensor, b13: Optional[cute.Tensor], stream: cuda.CUstream):
         grid, block = self._launch_common(self.n // self.tile_n, tile_expert)
         tma_b, mWt = self._make_tma_b(w13)
         if const_expr(self.cluster_m == 1):
-            self.kernel_ws(tma_b, mWt, x, sorted_ids, tile_expert, h).launch(
+            self.kernel_ws(tma_b, mWt, x, sorted_ids, tile_expert, h, b13).launch(
                 grid=grid, block=block, stream=stream, use_pdl=self.pdl, min_blocks_per_mp=1)
         else:
-            self.kernel_mc(tma_b, self._make_tma_bm(w13), mWt, x, sorted_ids, tile_expert, h).launch(
+            self.kernel_mc(tma_b, self._make_tma_bm(w13), mWt, x, sorted_ids, tile_expert, h, b13).launch(
                 grid=grid, block=block, stream=stream, **self._launch_kw())
 
     @cute.kernel
     def kernel_ws(self, tma_b: cute.CopyAtom, mWt: cute.Tensor, mX: cute.Tensor, mIds: cute.Tensor,
-                  mTileExpert: cute.Tensor, mH: cute.Tensor):
+                  mTileExpert: cute.Tensor, mH: cute.Tensor, mB: Optional[cute.Tensor]):
         tidx, _, _ = cute.arch.thread_idx()
-        self._ws_tiles(tidx, None, None, tma_b, mWt, mX, mIds, mTileExpert, (mH,))
+        self._ws_tiles(tidx, None, None, tma_b, mWt, mX, mIds, mTileExpert, self._epi(mH, mB, mIds, mTileExpert))
 
     @cute.kernel
     def kernel_mc(self, tma_b: cute.CopyAtom, tma_bm: cute.CopyAtom, mWt: cute.Tensor, mX: cute.Tensor,
-                  mIds: cute.Tensor, mTileExpert: cute.Tensor, mH: cute.Tensor):
+                  mIds: cute.Tensor, mTileExpert: cute.Tensor, mH: cute.Tensor, mB: Optional[cute.Tensor]):
         tidx, _, _ = cute.arch.thread_idx()
-        self._ws_tiles(tidx, None, None, tma_b, mWt, mX, mIds, mTileExpert, (mH,), tma_bm)
+        self._ws_tiles(tidx, None, None, tma_b, mWt, mX, mIds, mTileExpert, self._epi(mH, mB, mIds, mTileExpert),
+                       tma_bm)
 
 
 class HopperDownGemm(_HopperWs, GroupedDownGemm):
@@ -470,27 +473,29 @@ class HopperDownGemm(_HopperWs, GroupedDownGemm):
     @cute.jit
     def __call__(self, h: cute.Tensor, w2: cute.Tensor, sorted_ids: cute.Tensor,
                  tile_expert: cute.Tensor, topk_weights: cute.Tensor, y: cute.Tensor,
-                 stream: cuda.CUstream):
+                 b2: Optional[cute.Tensor], stream: cuda.CUstream):
         grid, block = self._launch_common(self.n // self.tile_n, tile_expert)
         tma_a, mAt = self._make_tma_a(h)
         tma_b, mWt = self._make_tma_b(w2)
         if const_expr(self.cluster_m == 1):
-            self.kernel_ws(tma_a, mAt, tma_b, mWt, sorted_ids, tile_expert, topk_weights, y).launch(
+            self.kernel_ws(tma_a, mAt, tma_b, mWt, sorted_ids, tile_expert, topk_weights, y, b2).launch(
                 grid=grid, block=block, stream=stream, use_pdl=self.pdl, min_blocks_per_mp=1)
         else:
             self.kernel_mc(tma_a, mAt, tma_b, self._make_tma_bm(w2), mWt, sorted_ids, tile_expert,
-                           topk_weights, y).launch(grid=grid, block=block, stream=stream, **self._launch_kw())
+                           topk_weights, y, b2).launch(grid=grid, block=block, stream=stream, **self._launch_kw())
 
     @cute.kernel
     def kernel_ws(self, tma_a: cute.CopyAtom, mAt: cute.Tensor, tma_b: cute.CopyAtom,
                   mWt: cute.Tensor, mIds: cute.Tensor, mTileExpert: cute.Tensor,
-                  mTopkW: cute.Tensor, mY: cute.Tensor):
+                  mTopkW: cute.Tensor, mY: cute.Tensor, mB: Optional[cute.Tensor]):
         tidx, _, _ = cute.arch.thread_idx()
-        self._ws_tiles(tidx, tma_a, mAt, tma_b, mWt, None, mIds, mTileExpert, (mIds, mTopkW, mY))
+        self._ws_tiles(tidx, tma_a, mAt, tma_b, mWt, None, mIds, mTileExpert,
+                       self._epi(mIds, mTopkW, mY, mB, mTileExpert))
 
     @cute.kernel
     def kernel_mc(self, tma_a: cute.CopyAtom, mAt: cute.Tensor, tma_b: cute.CopyAtom,
                   tma_bm: cute.CopyAtom, mWt: cute.Tensor, mIds: cute.Tensor, mTileExpert: cute.Tensor,
-                  mTopkW: cute.Tensor, mY: cute.Tensor):
+                  mTopkW: cute.Tensor, mY: cute.Tensor, mB: Optional[cute.Tensor]):
         tidx, _, _ = cute.arch.thread_idx()
-        self._ws_tiles(tidx, tma_a, mAt, tma_b, mWt, None, mIds, mTileExpert, (mIds, mTopkW, mY), tma_bm)
+        self._ws_tiles(tidx, tma_a, mAt, tma_b, mWt, None, mIds, mTileExpert,
+                       self._epi(mIds, mTopkW, mY, mB, mTileExpert), tma_bm)

@@ -33,8 +33,10 @@ def _compile(obj, arch):
 def test_glu_compiles(arch):
     obj = GroupedGluGemm(**QWEN3_30B, activation="swiglu", tile_m=64, tile_n=128, tile_k=64,
                          stages=3)
-    assert [n for n, _ in obj.fake_arguments()] == ["x", "w13", "sorted_ids", "tile_expert", "h",
-                                                    "stream"]
+    # the expert biases' slot holds None without biases: no argument of the compiled kernel
+    assert [(n, f is None) for n, f in obj.fake_arguments()] == [
+        ("x", False), ("w13", False), ("sorted_ids", False), ("tile_expert", False), ("h", False),
+        ("b13", True), ("stream", False)]
     assert GroupedGluGemm.can_implement(**QWEN3_30B, tile_m=64, stages=3, arch=arch)[0]
     assert _compile(obj, arch) is not None
 
@@ -42,8 +44,9 @@ def test_glu_compiles(arch):
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_121a"])
 def test_down_compiles(arch):
     obj = GroupedDownGemm(**QWEN3_30B, tile_m=64, tile_n=128, tile_k=64, stages=3)
-    assert [n for n, _ in obj.fake_arguments()] == ["h", "w2", "sorted_ids", "tile_expert",
-                                                    "topk_weights", "y", "stream"]
+    assert [(n, f is None) for n, f in obj.fake_arguments()] == [
+        ("h", False), ("w2", False), ("sorted_ids", False), ("tile_expert", False), ("topk_weights", False),
+        ("y", False), ("b2", True), ("stream", False)]
     assert _compile(obj, arch) is not None
 
 
@@ -337,3 +340,34 @@ def test_glu_epilogue_chunk_mapping(tile_n, interleave):
     for (row, hcol), (_, gcol, ucol) in stored.items():
         assert (gcol // g) % 2 == 0 and ucol == gcol + g, (row, hcol, gcol, ucol)
         assert hcol == (gcol // (2 * g)) * g + gcol % g
+
+
+GPT_OSS = dict(num_experts=128, hidden=2880, intermediate=2880, top_k=4)
+
+
+@pytest.mark.parametrize("mma, tile_m, tile_n, stages", [("warp", 16, 32, 8), ("warp", 64, 64, 3),
+                                                         ("hopws", 128, 192, 4), ("hoppp", 64, 192, 6)])
+def test_expert_biases_and_clamped_swiglu_compile(mma, tile_m, tile_n, stages):
+    """gpt-oss's GEMMs (bias=True, activation "swigluoai"): the biases are the kernels' last tensor
+    arguments (b13 [E, 2I] / b2 [E, H] bf16), the staged and the register epilogues compile for
+    each core, and no thread spills to local memory; fp8 refuses biases with the reason."""
+    from moe_aot_templates.hopper_gemm import HopperDownGemm, HopperGluGemm
+
+    from moe_aot.kernel_build import compile_kernel
+
+    ws = mma in ("hopws", "hoppp")
+    kw = dict(tile_m=tile_m, tile_n=tile_n, tile_k=64, stages=stages, mma=mma, bias=True)
+    glu = (HopperGluGemm if ws else GroupedGluGemm)(**GPT_OSS, activation="swigluoai", **kw)
+    down = (HopperDownGemm if ws else GroupedDownGemm)(**GPT_OSS, **kw)
+    for obj, name, args in ((glu, "t_glu", ["x", "w13", "sorted_ids", "tile_expert", "h", "b13", "stream"]),
+                            (down, "t_down", ["h", "w2", "sorted_ids", "tile_expert", "topk_weights", "y", "b2",
+                                              "stream"])):
+        art = compile_kernel(obj, "sm_90a", name)
+        assert [a["name"] for a in art.meta["args"]] == args
+        bias = {a["name"]: a for a in art.meta["args"]}["b13" if obj is glu else "b2"]
+        assert bias["static_shape"] == [128, 2 * 2880 if obj is glu else 2880] and bias["dtype"] == "BFloat16", bias
+        body = art.ptx[art.ptx.index(".entry"):]
+        assert "ld.local" not in body and "st.local" not in body
+    with pytest.raises(ValueError, match="expert biases are built for bf16"):
+        GroupedGluGemm(**QWEN3_30B, tile_m=64, tile_n=128, tile_k=128, stages=4, mma="hopws", precision="fp8",
+                       bias=True)

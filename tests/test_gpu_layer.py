@@ -17,9 +17,15 @@ if not torch.cuda.is_available():
 from moe_aot.dbread import NoDatabaseError  # noqa: E402
 from moe_aot.runtime.layer import MoeLayer, moe_forward  # noqa: E402
 from moe_aot.runtime.library import KernelArgumentError  # noqa: E402
-from moe_aot.runtime.reference import moe_reference, rel_err  # noqa: E402
+from moe_aot.runtime.reference import rel_err  # noqa: E402
 from moe_aot.runtime.store import KernelMissingError, KernelStore  # noqa: E402
-from moe_aot.runtime.verify import TOLERANCE, check_stages, random_routing, random_weights  # noqa: E402
+from moe_aot.runtime.verify import (  # noqa: E402
+    TOLERANCE,
+    check_stages,
+    layer_reference,
+    random_routing,
+    random_weights,
+)
 from moe_aot.spec import PRESETS, make_spec  # noqa: E402
 from moe_aot.variants import default_variant  # noqa: E402
 
@@ -81,7 +87,7 @@ def test_invalid_ids_are_dropped(store):
     ids[::3, 0] = spec.experts + 5
     ids[1::5, -1] = -7
     out = layer.forward(x, w13, w2, tw, ids)
-    e = rel_err(out, moe_reference(x, w13, w2, tw, ids, spec.activation))
+    e = rel_err(out, layer_reference(spec, x, w13, w2, tw, ids))
     assert e <= TOLERANCE, e
 
 
@@ -106,7 +112,7 @@ def test_cuda_graph_replay_with_new_inputs(store):
         out.fill_(float("nan"))
         g.replay()
         torch.cuda.synchronize()
-        e = rel_err(out, moe_reference(x, w13, w2, tw, ids, spec.activation))
+        e = rel_err(out, layer_reference(spec, x, w13, w2, tw, ids))
         assert e <= TOLERANCE, e
 
 
@@ -142,7 +148,7 @@ def test_repeated_eager_calls_with_new_buffers(store):
         tw, ids = random_routing(33, spec, layer.device)
         out = torch.full((33, spec.hidden), float("nan"), device=layer.device, dtype=torch.bfloat16)
         layer.forward(x, w13, w2, tw, ids, out=out)
-        e = rel_err(out, moe_reference(x, w13, w2, tw, ids, spec.activation))
+        e = rel_err(out, layer_reference(spec, x, w13, w2, tw, ids))
         assert e <= TOLERANCE, e
 
 
@@ -187,10 +193,10 @@ def test_pdl_twin_in_a_graph_back_to_back(layer_and_weights, tokens):
         out.fill_(float("nan"))
         g.replay()
         torch.cuda.synchronize()
-        ref_mid = moe_reference(x, w13, w2, tw, ids, spec.activation)
+        ref_mid = layer_reference(spec, x, w13, w2, tw, ids)
         assert rel_err(mid, ref_mid) <= TOLERANCE
         # the second layer against the reference on the first layer's actual (bf16) output
-        e = rel_err(out, moe_reference(mid, w13, w2, tw2, ids2, spec.activation))
+        e = rel_err(out, layer_reference(spec, mid, w13, w2, tw2, ids2))
         assert e <= TOLERANCE, e
 
 

@@ -118,7 +118,7 @@ def test_bad_inputs_are_refused_with_one_sentence():
         with pytest.raises(KernelArgumentError, match=msg) as exc:
             op(*args)
         assert str(exc.value).count(". ") == 0 and "\n" not in str(exc.value)
-    with pytest.raises(KernelArgumentError, match="activation must be one of swiglu, geglu, got 'relu'"):
+    with pytest.raises(KernelArgumentError, match="activation must be one of swiglu, geglu, swigluoai, got 'relu'"):
         op(x, w13, down, tw, ids, "relu")
 
 

@@ -51,6 +51,11 @@ def _spec(workload):
             spec = make_spec(m, precision=p)
             if spec.workload_key == workload:
                 return spec
+    # gpt-oss's shape with plain SwiGLU and no biases: the preset before it computed gpt-oss's own
+    # activation, tuned under that workload key
+    spec = make_spec("gpt-oss-120b", activation="swiglu", bias=False)
+    if spec.workload_key == workload:
+        return spec
     raise KeyError(workload)
 
 

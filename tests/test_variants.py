@@ -195,10 +195,13 @@ def test_name_layouts_name_every_field_and_parse_inverts_them():
         name = json.loads(line)["variant"]
         v = LayerVariant.parse(name)
         workload = json.loads(line)["workload"]
-        spec = next(make_spec(m, precision=p) for m in ("qwen3-30b-a3b", "qwen3-235b-a22b", "gpt-oss-120b",
-                                                        "deepseek-v3", "mixtral-8x7b")
-                    for p in ("bf16", "fp8", "fp8-block128")
-                    if (m != "gpt-oss-120b" or p == "bf16") and make_spec(m, precision=p).workload_key == workload)
+        # the presets in every precision they build, and gpt-oss's shape with plain SwiGLU and no
+        # biases (the preset before it computed gpt-oss's own activation)
+        specs = [make_spec(m, precision=p) for m in ("qwen3-30b-a3b", "qwen3-235b-a22b", "gpt-oss-120b",
+                                                     "deepseek-v3", "mixtral-8x7b")
+                 for p in ("bf16", "fp8", "fp8-block128") if m != "gpt-oss-120b" or p == "bf16"]
+        specs.append(make_spec("gpt-oss-120b", activation="swiglu", bias=False))
+        spec = next(s for s in specs if s.workload_key == workload)
         assert v.name(spec) == name
     assert LayerVariant.parse("x_m128r16_glun256k64s4hopwsc2_downn128k64s6hoppp_pdl") == LayerVariant(
         128, GemmTiles(256, 64, 4, "hopws", 2), GemmTiles(128, 64, 6, "hoppp"), 16, True)

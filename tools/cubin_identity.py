@@ -27,7 +27,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--db", default="cache/moe_aot.sqlite")
     ap.add_argument("--picks", default="cache/tuned/NVIDIA_H200.jsonl")
-    ap.add_argument("--match", default="", help="only kernels whose name contains this")
+    ap.add_argument("--match", default="", help="only kernels whose name contains this (comma-separated: any of them)")
     ap.add_argument("--limit", type=int, default=0, help="at most this many kernels (0: all)")
     args = ap.parse_args()
     db = Database(f"sqlite:///{Path(args.db).resolve()}", readonly=True)
@@ -40,7 +40,7 @@ def main() -> int:
         variants += [LayerVariant.parse(p["variant"]) for p in picks if p["workload"] == spec.workload_key]
         for v in variants:
             for kv in v.kernels(spec):
-                if args.match in kv.name:
+                if any(m in kv.name for m in args.match.split(",")):
                     kernels.setdefault(kv.name, (kv, spec.target))
     stored = {a.name: a for a in db.list_artifacts(status="ok")}
     todo = [k for k in sorted(kernels) if k in stored]

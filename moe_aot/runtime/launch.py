@@ -33,11 +33,12 @@ struct plan {
     void **stream[4];
     int *ret[4];
     int n;
-    void **dst[8];
-    int src[8];
+    void **dst[10];
+    int src[10];
 };
-int moe_aot_launch(struct plan *p, void *x, void *w13, void *w2, void *tw, void *ids, void *out, void *stream) {
-    void *src[6] = {x, w13, w2, tw, ids, out};
+int moe_aot_launch(struct plan *p, void *x, void *w13, void *w2, void *tw, void *ids, void *out, void *b13,
+                   void *b2, void *stream) {
+    void *src[8] = {x, w13, w2, tw, ids, out, b13, b2};
     for (int i = 0; i < p->n; i++) *p->dst[i] = src[p->src[i]];
     for (int k = 0; k < 4; k++) {
         *p->stream[k] = stream;
@@ -52,13 +53,27 @@ int moe_aot_launch(struct plan *p, void *x, void *w13, void *w2, void *tw, void 
 
 class _Plan(ctypes.Structure):
     _fields_ = [("run", ctypes.c_void_p * 4), ("packed", ctypes.c_void_p * 4), ("stream", ctypes.c_void_p * 4),
-                ("ret", ctypes.c_void_p * 4), ("n", ctypes.c_int), ("dst", ctypes.c_void_p * 8),
-                ("src", ctypes.c_int * 8)]
+                ("ret", ctypes.c_void_p * 4), ("n", ctypes.c_int), ("dst", ctypes.c_void_p * 10),
+                ("src", ctypes.c_int * 10)]
 
 
-# Which bound argument each caller tensor feeds: (kernel 0-3, tensor argument index), per caller
-# tensor in the order x, w13, w2, topk_weights, topk_ids, out.
-_FEEDS = (((1, 0),), ((1, 1),), ((2, 1),), ((2, 4),), ((0, 0), (3, 1)), ((3, 2),))
+# Which kernel arguments each caller tensor feeds, by the kernels' own argument names: per caller
+# tensor in the order x, w13, w2, topk_weights, topk_ids, out, b13, b2 (the expert biases feed only
+# the kernels that take them), the (kernel 0-3: routing, GEMM1, GEMM2, combine, argument name) pairs.
+_FEEDS = (((1, "x"),), ((1, "w13"),), ((2, "w2"),), ((2, "topk_weights"),), ((0, "topk_ids"), (3, "topk_ids")),
+          ((3, "out"),), ((1, "b13"),), ((2, "b2"),))
+
+
+def feeds(bound) -> list[tuple[int, int, int]]:
+    """(caller tensor, kernel, tensor argument index) of every kernel argument a caller tensor
+    feeds, for these bound kernels (an argument a kernel does not take is skipped)."""
+    out = []
+    for i, pairs in enumerate(_FEEDS):
+        for k, name in pairs:
+            names = bound[k]._lib.arg_names
+            if name in names:
+                out.append((i, k, names.index(name)))
+    return out
 
 _native_fn = None  # the loaded launcher; False once it is known to be unavailable here
 _building = None  # the thread compiling it, while it runs
@@ -112,7 +127,7 @@ def _build(path: Path):
         fn = ctypes.CDLL(str(path), mode=ctypes.RTLD_LOCAL).moe_aot_launch
     except (OSError, subprocess.SubprocessError):
         return False
-    fn.argtypes = [ctypes.c_void_p] * 8
+    fn.argtypes = [ctypes.c_void_p] * 10
     fn.restype = ctypes.c_int
     return fn
 
@@ -138,6 +153,9 @@ class LayerPlan:
                        (spec.experts, spec.hidden, spec.intermediate), (M, spec.top_k), (M, spec.top_k),
                        (M, spec.hidden))
         self.out_shape = torch.Size(self.shapes[5])
+        self.bias = spec.bias
+        self.bias_shapes = ((spec.experts, 2 * spec.intermediate), (spec.experts, spec.hidden))
+        self._feeds = feeds(bound)
         self._plan = None
         self._attach(native_launcher(unpack_dir, wait=False))
 
@@ -152,7 +170,7 @@ class LayerPlan:
                 p.packed[k] = ctypes.addressof(b._packed)
                 p.stream[k] = ctypes.addressof(b._stream)
                 p.ret[k] = ctypes.addressof(b._ret)
-            slots = [(i, k, a) for i, feeds in enumerate(_FEEDS) for k, a in feeds]
+            slots = self._feeds
             p.n = len(slots)
             for j, (i, k, a) in enumerate(slots):
                 p.dst[j] = ctypes.addressof(bound[k]._structs[a])  # `data` is each struct's first field
@@ -164,7 +182,7 @@ class LayerPlan:
     def native(self) -> bool:
         return self._plan is not None
 
-    def run(self, x, w13, w2, tw, ids, out):
+    def run(self, x, w13, w2, tw, ids, out, b13=None, b2=None):
         T, dev, (sx, s13, s2, stw, sids, sout) = torch.Tensor, self.device, self.shapes
         bf = torch.bfloat16
         if not (isinstance(x, T) and isinstance(w13, T) and isinstance(w2, T) and isinstance(tw, T)
@@ -182,8 +200,19 @@ class LayerPlan:
         elif not (isinstance(out, T) and out.shape == sout and out.dtype is bf and out.device == dev
                   and out.is_contiguous()):
             return None
-        p = (x.data_ptr(), w13.data_ptr(), w2.data_ptr(), tw.data_ptr(), ids.data_ptr(), out.data_ptr())
-        if (p[0] | p[1] | p[2] | p[3] | p[4] | p[5]) & 15:
+        if self.bias:
+            sb13, sb2 = self.bias_shapes
+            if not (isinstance(b13, T) and isinstance(b2, T) and b13.shape == sb13 and b2.shape == sb2
+                    and b13.dtype is bf and b2.dtype is bf and b13.device == dev and b2.device == dev
+                    and b13.is_contiguous() and b2.is_contiguous()):
+                return None
+            p = (x.data_ptr(), w13.data_ptr(), w2.data_ptr(), tw.data_ptr(), ids.data_ptr(), out.data_ptr(),
+                 b13.data_ptr(), b2.data_ptr())
+        elif b13 is not None or b2 is not None:
+            return None
+        else:
+            p = (x.data_ptr(), w13.data_ptr(), w2.data_ptr(), tw.data_ptr(), ids.data_ptr(), out.data_ptr(), 0, 0)
+        if (p[0] | p[1] | p[2] | p[3] | p[4] | p[5] | p[6] | p[7]) & 15:
             return None
         stream = current_stream(self.index if self.index is not None else torch.cuda.current_device())
         if self._plan is None and _native_fn:  # compiled in the background since this plan was made
@@ -195,9 +224,8 @@ class LayerPlan:
                 raise KernelLaunchError(f"{b._lib.name}: launch failed (cudaError {b._ret.value})", b._ret.value)
             return out
         route, glu, down, comb = self.bound
-        for i, feeds in enumerate(_FEEDS):
-            for k, a in feeds:
-                self.bound[k]._structs[a].data = p[i]
+        for i, k, a in self._feeds:
+            self.bound[k]._structs[a].data = p[i]
         route(stream)
         glu(stream)
         down(stream)

@@ -14,7 +14,7 @@ import torch
 from ..gemm_limits import FP8, H_SCALE_BLOCK, SCALE_BLOCK
 from ..spec import LayerSpec, make_spec
 from ..variants import INTERLEAVE, TILE_M, LayerVariant, bucket_for, default_variant
-from .launch import LayerPlan
+from .launch import LayerPlan, feeds
 from .library import KernelArgumentError, KernelLibrary
 from .reference import interleave_gate_up, max_tiles
 from .store import KernelStore
@@ -24,6 +24,15 @@ def prepare_weights(w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor:
     """Interleave gate and up weights ([E, I, H] each) once, at weight-load time, into the
     [E, 2I, H] layout GEMM1 reads (blocks of INTERLEAVE rows alternate gate / up)."""
     return interleave_gate_up(w_gate, w_up, INTERLEAVE)
+
+
+def prepare_biases(b_gate: torch.Tensor, b_up: torch.Tensor) -> torch.Tensor:
+    """Gate and up expert biases ([E, I] each) -> the [E, 2I] b13 GEMM1 adds, interleaved as
+    prepare_weights interleaves the weights' rows."""
+    if b_gate.dim() != 2 or b_up.shape != b_gate.shape:
+        raise KernelArgumentError(f"gate and up biases must both be [experts, intermediate], got "
+                                  f"{tuple(b_gate.shape)} and {tuple(b_up.shape)}")
+    return interleave_gate_up(b_gate.unsqueeze(-1), b_up.unsqueeze(-1), INTERLEAVE).squeeze(-1).contiguous()
 
 
 @dataclass
@@ -130,14 +139,21 @@ class MoeLayer:
         return ws
 
     # -- checks --------------------------------------------------------------------------------
-    def check_inputs(self, x, w13, w2, topk_weights, topk_ids, out) -> None:
+    def check_inputs(self, x, w13, w2, topk_weights, topk_ids, out, b13=None, b2=None) -> None:
+        """Raise KernelArgumentError naming the first bad input (weights as forward takes them;
+        a bias layer's biases either in its (weights, biases) pairs or as b13 / b2)."""
         s = self.spec
+        if s.bias and b13 is None and b2 is None:
+            w13, b13, w2, b2 = self._bias_pairs(w13, w2)
         M = x.shape[0] if isinstance(x, torch.Tensor) and x.dim() == 2 else None
         if s.precision in FP8:
             weights = self._fp8_weight_checks(w13, w2)
         else:
             weights = [("w13", w13, (s.experts, 2 * s.intermediate, s.hidden), torch.bfloat16),
                        ("w2", w2, (s.experts, s.hidden, s.intermediate), torch.bfloat16)]
+        if s.bias:
+            weights += [("b13", b13, (s.experts, 2 * s.intermediate), torch.bfloat16),
+                        ("b2", b2, (s.experts, s.hidden), torch.bfloat16)]
         expect = [("x", x, (M, s.hidden), torch.bfloat16)] + weights + [
             ("topk_weights", topk_weights, (M, s.top_k), torch.float32),
             ("topk_ids", topk_ids, (M, s.top_k), torch.int32),
@@ -181,19 +197,24 @@ class MoeLayer:
     def forward(self, x, w13, w2, topk_weights, topk_ids, out=None, workspace: Workspace | None = None):
         """out[m] = sum_k topk_weights[m,k] * FFN_{topk_ids[m,k]}(x[m]). Ids outside [0, experts)
         contribute nothing (documented, tested). Returns `out` (allocated if None). fp8 layers
-        take w13 and w2 as (e4m3 weights, fp32 scales) pairs (prepare_fp8_weights)."""
+        take w13 and w2 as (e4m3 weights, fp32 scales) pairs (prepare_fp8_weights); layers with
+        expert biases (spec bias=True, gpt-oss) as (bf16 weights, bf16 biases) pairs: (w13, b13)
+        with b13 [E, 2I] interleaved as w13's rows (prepare_biases), and (w2, b2) with b2 [E, H]."""
         if self.spec.precision in FP8:
             return self._forward_fp8(x, w13, w2, topk_weights, topk_ids, out, workspace)
+        b13 = b2 = None
+        if self.spec.bias:
+            w13, b13, w2, b2 = self._bias_pairs(w13, w2)
         ws = workspace if workspace is not None else self._workspace
         try:
             fast = self._fast.get((len(x), id(ws), id(self.variants)))
         except TypeError:  # not a tensor, or 0-d: the checks below say what is wrong
             fast = None
         if fast is not None:  # a repeated call: the same checks, then one launch call
-            done = fast.run(x, w13, w2, topk_weights, topk_ids, out)
+            done = fast.run(x, w13, w2, topk_weights, topk_ids, out, b13, b2)
             if done is not None:
                 return done
-        self.check_inputs(x, w13, w2, topk_weights, topk_ids, out)
+        self.check_inputs(x, w13, w2, topk_weights, topk_ids, out, b13, b2)
         M = x.shape[0]
         if out is None:
             out = torch.empty(M, self.spec.hidden, dtype=torch.bfloat16, device=self.device)
@@ -219,34 +240,27 @@ class MoeLayer:
             # First call at this size: launch with full per-kernel contract checks, then keep the
             # filled argument structs; later calls only swap the caller's data pointers (every
             # other size and stride is fixed by M and the spec, and check_inputs re-checked them).
-            route(topk_ids, ws.counts, ws.offsets, sorted_ids, tile_expert)
-            glu(x, w13, sorted_ids, tile_expert, h)
-            down(h, w2, sorted_ids, tile_expert, topk_weights, y)
-            comb(y, topk_ids, out)
+            bias13, bias2 = ((b13,), (b2,)) if self.spec.bias else ((), ())
+            args = ((topk_ids, ws.counts, ws.offsets, sorted_ids, tile_expert),
+                    (x, w13, sorted_ids, tile_expert, h) + bias13,
+                    (h, w2, sorted_ids, tile_expert, topk_weights, y) + bias2,
+                    (y, topk_ids, out))
+            for lib, a in zip((route, glu, down, comb), args):
+                lib(*a)
             if len(self._plans) >= 64:  # bounded: each plan keeps its workspace alive
                 self._plans.clear()
                 self._fast.clear()
-            self._plans[key] = (ws, route.bind(topk_ids, ws.counts, ws.offsets, sorted_ids, tile_expert),
-                                glu.bind(x, w13, sorted_ids, tile_expert, h),
-                                down.bind(h, w2, sorted_ids, tile_expert, topk_weights, y),
-                                comb.bind(y, topk_ids, out))
+            self._plans[key] = (ws,) + tuple(lib.bind(*a) for lib, a in zip((route, glu, down, comb), args))
             self._fast[(M, id(ws), id(self.variants))] = LayerPlan(ws, self._plans[key][1:], self.spec, M,
                                                                    self.device, self.store.unpack_dir)
             return out
-        _, b_route, b_glu, b_down, b_comb = plan
-        ids_ptr = topk_ids.data_ptr()
-        b_route.set_data(0, ids_ptr)
-        b_glu.set_data(0, x.data_ptr())
-        b_glu.set_data(1, w13.data_ptr())
-        b_down.set_data(1, w2.data_ptr())
-        b_down.set_data(4, topk_weights.data_ptr())
-        b_comb.set_data(1, ids_ptr)
-        b_comb.set_data(2, out.data_ptr())
+        bound = plan[1:]
+        ptrs = (x, w13, w2, topk_weights, topk_ids, out, b13, b2)
+        for i, k, a in feeds(bound):  # the caller's tensors into the kernels' arguments, by name
+            bound[k].set_data(a, ptrs[i].data_ptr())
         stream = torch.cuda.current_stream(self.device).cuda_stream
-        b_route(stream)
-        b_glu(stream)
-        b_down(stream)
-        b_comb(stream)
+        for launch in bound:
+            launch(stream)
         return out
 
     __call__ = forward
@@ -256,6 +270,14 @@ class MoeLayer:
     _FP8_CALLER_ARGS = (("routing", 0, "ids"), ("quant", 0, "x"), ("glu", 2, "w13"), ("glu", 3, "w13s"),
                         ("down", 2, "w2"), ("down", 3, "w2s"), ("down", 6, "tw"), ("combine", 1, "ids"),
                         ("combine", 2, "out"))
+
+    def _bias_pairs(self, w13, w2):
+        """(w13, b13, w2, b2) from a bias layer's (weights, biases) pairs."""
+        for name, w in (("w13", w13), ("w2", w2)):
+            if not (isinstance(w, (tuple, list)) and len(w) == 2):
+                raise KernelArgumentError(f"{name} must be a (bf16 weights, bf16 biases) pair for {self.spec.label()}, "
+                                          f"whose spec has expert biases (bias=True); got {type(w).__name__}")
+        return w13[0], w13[1], w2[0], w2[1]
 
     def _forward_fp8(self, x, w13, w2, topk_weights, topk_ids, out, workspace):
         """routing -> quantization of x -> GEMM1 (e4m3 h) -> GEMM2 -> combine. The first call at
@@ -339,13 +361,18 @@ def moe_forward(x, w13_prepared, w2, topk_weights, topk_ids, out=None, workspace
     """One call for the whole fused layer; the layer shape is read off the tensors. bf16:
     w13_prepared from prepare_weights(), w2 a tensor; fp8: both (e4m3 weights, fp32 scales) pairs
     from prepare_fp8_weights() or fp8.from_block128_checkpoint(), the precision read off the
-    scales' shape (w13 scales [E, 2]: "fp8", [E, 2I/128, H/128]: "fp8-block128")."""
-    precision = "bf16"
+    scales' shape (w13 scales [E, 2]: "fp8", [E, 2I/128, H/128]: "fp8-block128"). Expert biases
+    (gpt-oss, activation="swigluoai"): both as (bf16 weights, bf16 biases) pairs, (w13, b13 from
+    prepare_biases()) and (w2, b2 [E, H])."""
+    precision, bias = "bf16", False
     w13 = w13_prepared
     if isinstance(w13_prepared, (tuple, list)) and len(w13_prepared) == 2 and \
             all(isinstance(t, torch.Tensor) for t in w13_prepared):
-        w13, scales = w13_prepared
-        precision = "fp8" if scales.dim() == 2 else "fp8-block128"
+        w13, second = w13_prepared
+        if w13.dtype == torch.bfloat16:
+            bias = True
+        else:
+            precision = "fp8" if second.dim() == 2 else "fp8-block128"
     if not isinstance(w13, torch.Tensor) or w13.dim() != 3:
         raise KernelArgumentError("w13_prepared must be a [experts, 2*intermediate, hidden] tensor "
                                   "from prepare_weights(), or an fp8 (weights, scales) pair from "
@@ -355,11 +382,11 @@ def moe_forward(x, w13_prepared, w2, topk_weights, topk_ids, out=None, workspace
     if not isinstance(x, torch.Tensor) or not x.is_cuda:
         raise KernelArgumentError("x must be a CUDA tensor [tokens, hidden] (bf16)")
     E, I2, H = w13.shape
-    key = (E, topk_ids.shape[1], H, I2 // 2, activation, precision, x.device.index if x.is_cuda else None)
+    key = (E, topk_ids.shape[1], H, I2 // 2, activation, precision, bias, x.device.index if x.is_cuda else None)
     layer = _LAYERS.get(key)
     if layer is None:
         spec = make_spec(experts=E, top_k=topk_ids.shape[1], hidden=H, intermediate=I2 // 2,
-                         activation=activation, precision=precision, target=device_target(x.device))
+                         activation=activation, precision=precision, bias=bias, target=device_target(x.device))
         layer = _LAYERS[key] = MoeLayer(spec, store=store, device=x.device.index)
     return layer.forward(x, w13_prepared, w2, topk_weights, topk_ids, out, workspace)
 

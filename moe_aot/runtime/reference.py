@@ -66,32 +66,55 @@ def activation_fn(name: str):
     raise ValueError(name)
 
 
-def glu_reference(x, w13, topk_ids, activation="swiglu", block=16):
-    """[M*top_k, I] fp32: act(x[m] @ gate_e^T) * (x[m] @ up_e^T) for every pair (m, k), e = topk_ids[m, k];
-    rows of invalid ids are zeros."""
+SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT = 1.702, 7.0  # gpt-oss's published constants (gemm_limits has the kernels')
+
+
+def glu_fn(name: str):
+    """h = f(gate, up): act(gate) * up, or gpt-oss's clamped SwiGLU ("swigluoai") as transformers'
+    GptOssExperts computes it: gate clamped to <= limit, up to [-limit, limit],
+    (up + 1) * gate * sigmoid(alpha * gate)."""
+    if name == "swigluoai":
+        def swigluoai(g, u):
+            g = g.clamp(max=SWIGLUOAI_LIMIT)
+            u = u.clamp(min=-SWIGLUOAI_LIMIT, max=SWIGLUOAI_LIMIT)
+            return (u + 1) * (g * torch.sigmoid(SWIGLUOAI_ALPHA * g))
+        return swigluoai
+    act = activation_fn(name)
+    return lambda g, u: act(g) * u
+
+
+def glu_reference(x, w13, topk_ids, activation="swiglu", block=16, b13=None):
+    """[M*top_k, I] fp32: glu(x[m] @ gate_e^T (+ gate bias), x[m] @ up_e^T (+ up bias)) for every
+    pair (m, k), e = topk_ids[m, k] (b13: [E, 2I] interleaved as w13's rows); rows of invalid ids
+    are zeros."""
     M, K = topk_ids.shape
     E, I2, H = w13.shape
     # split per expert below: whole-model copies (split_gate_up, fp32) can be tens of GB
     v = w13.reshape(E, I2 // (2 * block), 2, block, H)
+    bv = None if b13 is None else b13.reshape(E, I2 // (2 * block), 2, block)
     ids = topk_ids.reshape(-1).long()
     out = torch.zeros(M * K, I2 // 2, dtype=torch.float32, device=x.device)
     ids = ids.to(x.device)
     xs = x.float().repeat_interleave(K, dim=0)
-    act = activation_fn(activation)
+    fn = glu_fn(activation)
     for e in torch.unique(ids).tolist():
         if not 0 <= e < E:
             continue
         rows = (ids == e).nonzero().squeeze(1)
         a = xs[rows]
         gate, up = (v[e, :, j].reshape(I2 // 2, H).float() for j in (0, 1))
-        out[rows] = act(a @ gate.t()) * (a @ up.t())
+        g, u = a @ gate.t(), a @ up.t()
+        if bv is not None:
+            g, u = g + bv[e, :, 0].reshape(-1).float(), u + bv[e, :, 1].reshape(-1).float()
+        out[rows] = fn(g, u)
     return out
 
 
-def moe_reference(x, w13, w2, topk_weights, topk_ids, activation="swiglu", block=16):
-    """The whole layer in fp32: sum_k w[m,k] * (GLU(x[m]) @ w2_e^T); invalid ids contribute nothing."""
+def moe_reference(x, w13, w2, topk_weights, topk_ids, activation="swiglu", block=16, b13=None, b2=None):
+    """The whole layer in fp32: sum_k w[m,k] * (GLU(x[m]) @ w2_e^T (+ b2_e)); invalid ids
+    contribute nothing. b13 [E, 2I] (interleaved as w13's rows) and b2 [E, H]: expert biases."""
     M, K = topk_ids.shape
-    h = glu_reference(x, w13, topk_ids, activation, block)
+    h = glu_reference(x, w13, topk_ids, activation, block, b13)
     ids = topk_ids.reshape(-1).long()
     y = torch.zeros(M * K, w2.shape[1], dtype=torch.float32, device=x.device)
     for e in torch.unique(ids).tolist():
@@ -99,6 +122,8 @@ def moe_reference(x, w13, w2, topk_weights, topk_ids, activation="swiglu", block
             continue
         rows = (ids == e).nonzero().squeeze(1)
         y[rows] = h[rows] @ w2[e].float().t()
+        if b2 is not None:
+            y[rows] += b2[e].float()
     y = y * topk_weights.reshape(-1, 1).float()
     return y.reshape(M, K, -1).sum(1)
 

@@ -30,9 +30,13 @@ def random_routing(tokens: int, spec: LayerSpec, device, skew: bool = False, onl
     return w.contiguous(), ids.to(torch.int32).contiguous()
 
 
+BIAS_STD = 0.5  # random expert biases: N(0, 0.25), about half the spread of the GEMMs' sums
+
+
 def random_weights(spec: LayerSpec, device, scale: float = 1.0):
     """Random prepared weights of the layer: bf16 w13 (interleaved) and w2, or for fp8 layers
-    the (e4m3, scales) pairs of random bf16 weights quantized by prepare_fp8_weights."""
+    the (e4m3, scales) pairs of random bf16 weights quantized by prepare_fp8_weights, or for
+    layers with expert biases the (weights, biases) pairs (w13, b13), (w2, b2)."""
     H, I, E = spec.hidden, spec.intermediate, spec.experts
     if spec.precision in FP8:
         from . import fp8
@@ -48,7 +52,18 @@ def random_weights(spec: LayerSpec, device, scale: float = 1.0):
         return tuple((torch.cat([p[0] for p in ps]), torch.cat([p[1] for p in ps])) for ps in (parts13, parts2))
     w13 = (torch.randn(E, 2 * I, H, device=device, dtype=torch.bfloat16) * (scale / H ** 0.5))
     w2 = (torch.randn(E, H, I, device=device, dtype=torch.bfloat16) * (scale / I ** 0.5))
+    if spec.bias:
+        b13 = torch.randn(E, 2 * I, device=device, dtype=torch.bfloat16) * BIAS_STD
+        b2 = torch.randn(E, H, device=device, dtype=torch.bfloat16) * BIAS_STD
+        return (w13, b13), (w2, b2)
     return w13, w2
+
+
+def unbias(spec: LayerSpec, w13, w2):
+    """(w13, b13, w2, b2) of a layer's weights as forward takes them (biases None without)."""
+    if spec.bias:
+        return w13[0], w13[1], w2[0], w2[1]
+    return w13, None, w2, None
 
 
 def layer_reference(spec: LayerSpec, x, w13, w2, topk_weights, topk_ids):
@@ -58,7 +73,8 @@ def layer_reference(spec: LayerSpec, x, w13, w2, topk_weights, topk_ids):
 
         return fp8.moe_fp8_reference(x, w13, w2, topk_weights, topk_ids, spec.precision, spec.activation,
                                      INTERLEAVE)
-    return moe_reference(x, w13, w2, topk_weights, topk_ids, spec.activation)
+    w13, b13, w2, b2 = unbias(spec, w13, w2)
+    return moe_reference(x, w13, w2, topk_weights, topk_ids, spec.activation, INTERLEAVE, b13, b2)
 
 
 def check_stages(layer: MoeLayer, x, w13, w2, topk_weights, topk_ids) -> list[dict]:
@@ -91,9 +107,12 @@ def check_stages(layer: MoeLayer, x, w13, w2, topk_weights, topk_ids) -> list[di
 def _check_glu(layer, x, w13, topk_ids, sorted_ids, tile_expert, offsets, v, glu) -> dict:
     spec = layer.spec
     T = tile_expert.numel()
+    b13 = None
+    if spec.bias:
+        w13, b13 = w13
     h = torch.full((T * v.tile_m, spec.intermediate), float("nan"), device=x.device, dtype=torch.bfloat16)
-    glu(x, w13, sorted_ids, tile_expert, h)
-    href = glu_reference(x, w13, topk_ids, spec.activation)
+    glu(x, w13, sorted_ids, tile_expert, h, *(() if b13 is None else (b13,)))
+    href = glu_reference(x, w13, topk_ids, spec.activation, INTERLEAVE, b13)
     valid = sorted_ids >= 0
     got = torch.zeros_like(href)
     got[sorted_ids[valid].long()] = h[valid].float()
