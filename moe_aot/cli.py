@@ -418,9 +418,13 @@ def _all_precisions(model: str) -> list:
               help="Keep polling this long for new ready trials (a compiling side still at work).")
 @click.option("--replays", type=int, default=100, show_default=True, help="CUDA-graph replays per measurement.")
 @click.option("--confirm", type=int, default=None, callback=_confirm, help=CONFIRM_HELP)
+@click.option("--devices", default=None,
+              help="Measure on several GPUs of this host at once: 'all' or indices such as 0,1 (one worker "
+                   "process per GPU, all on one database; with it --trials is per worker). Default: one "
+                   "worker on the current GPU.")
 @click.option("--export-dir", default=None, help=EXPORT_HELP)
 @click.option("--db", "db_url", default=None, help=DB_HELP)
-def measure_cmd(models, target, tokens, trials, timeout_s, wait_s, replays, confirm, export_dir, db_url):
+def measure_cmd(models, target, tokens, trials, timeout_s, wait_s, replays, confirm, devices, export_dir, db_url):
     """On the GPU machine (no DSL needed): measure the trials `tune --compile-only` left ready for
     this GPU, record them, tell the studies, keep the best and export them as text. Several
     processes may measure the same database at once.
@@ -431,7 +435,14 @@ def measure_cmd(models, target, tokens, trials, timeout_s, wait_s, replays, conf
     candidate is judged by the median of all its measurements and must beat the default's median
     of the same round; one line per round shows the medians and the pick. A round is due until
     the bucket's candidates have been in one, so running `measure` again runs the rounds that
-    --timeout left out or a failure cut short; rounds do not count against --trials."""
+    --timeout left out or a failure cut short; rounds do not count against --trials.
+
+    Several GPUs (--devices all): one worker per GPU, each seeing only its GPU, sharing the
+    studies; each ready trial, default and round is measured by one of them, and records say
+    which GPU measured them (stats "device": index and UUID) under the GPU model's key, so GPUs
+    of one model pool their records. Lines start with `[gpu N]`; Ctrl-C stops every worker,
+    keeps what was measured and derives the picks from it. Use a PostgreSQL server on the
+    host (`URL=$(tools/pg_local.sh)`, then --db "$URL"); a SQLite file works on a local disk."""
     from .measure_worker import measure
     from .picks import CONFIRM_K
 
@@ -444,6 +455,9 @@ def measure_cmd(models, target, tokens, trials, timeout_s, wait_s, replays, conf
         workloads = {spec.workload_key for n in names for spec in _all_precisions(n)} or None
     except SpecError as exc:
         raise _fail(exc) from None
+    if devices is not None:
+        return _measure_devices(url, devices, replays, workloads, target, _tokens(tokens) if tokens else None, trials,
+                                timeout_s, wait_s, CONFIRM_K if confirm is None else confirm, export_dir)
     measurer = _gpu_measurer(url, replays)
     try:
         n = measure(url, measurer, workloads, target, _tokens(tokens) if tokens else None, trials, timeout_s, wait_s,
@@ -452,6 +466,45 @@ def measure_cmd(models, target, tokens, trials, timeout_s, wait_s, replays, conf
         with Database(url) as db:
             _export(db, export_dir, measurer.gpu)
     except (LookupError, DatabaseError) as exc:
+        raise _fail(exc) from None
+
+
+def _measure_devices(url, devices, replays, workloads, target, buckets, trials, timeout_s, wait_s, confirm,
+                     export_dir):
+    """`measure --devices`: the GPUs named, one spawned worker each (measure_worker.measure_devices)."""
+    import functools
+
+    from .measure_worker import gpu_measurer_on, measure_devices, parse_devices
+
+    try:
+        import torch
+        visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except ImportError:
+        visible = 0
+    if visible == 0:
+        raise click.ClickException("--devices measures on this machine's GPUs and none is visible here")
+    try:
+        chosen = parse_devices(devices, visible)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--devices") from None
+    t0 = time.perf_counter()
+    try:
+        counts = measure_devices(url, chosen, functools.partial(gpu_measurer_on, url, replays), workloads, target,
+                                 buckets, trials, timeout_s, wait_s, confirm)
+    except KeyboardInterrupt:
+        raise click.ClickException("interrupted: every worker stopped; what was measured is recorded and the picks "
+                                   "are derived from it (run the same command again to go on)") from None
+    except (LookupError, RuntimeError, DatabaseError) as exc:
+        raise _fail(exc) from None
+    per = ", ".join(f"GPU {d}: {n}" for d, n in counts.items())
+    click.echo(f"{sum(counts.values())} trial(s) measured on {len(counts)} GPUs ({per}) in "
+               f"{time.perf_counter() - t0:.1f}s", err=True)
+    try:
+        with Database(url) as db:
+            gpus = sorted({torch.cuda.get_device_name(d) for d in chosen})
+            for g in gpus:
+                _export(db, export_dir, g)
+    except DatabaseError as exc:
         raise _fail(exc) from None
 
 

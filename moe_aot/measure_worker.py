@@ -39,6 +39,7 @@ from .tuner import (
     Outcome,
     baseline_trial,
     default_recorded,
+    device_stats,
     line,
     measure_trial,
     open_storage,
@@ -92,7 +93,8 @@ class GpuMeasurer:
     """measure_variant on the current GPU: correctness check against the fp32 reference, then
     CUDA-graph replays over several input sets, median. Failures come back typed as Outcomes."""
 
-    def __init__(self, db_url: str | None, replays: int = 100, device: int | None = None):
+    def __init__(self, db_url: str | None, replays: int = 100, device: int | None = None,
+                 index: int | None = None):
         import torch
 
         from .runtime.store import KernelStore
@@ -100,8 +102,14 @@ class GpuMeasurer:
         if not torch.cuda.is_available():
             raise RuntimeError("measuring needs a CUDA GPU; none is visible here")
         self.device = torch.device("cuda", torch.cuda.current_device() if device is None else device)
+        torch.cuda.set_device(self.device)  # CUDA graphs and the runtime's streams on this GPU
         self.gpu = torch.cuda.get_device_name(self.device)
         self.driver = driver_version()
+        # Which GPU of the host measured (tuner.device_stats): `index` is the host's numbering where
+        # a --devices worker sees its GPU as cuda:0 through CUDA_VISIBLE_DEVICES.
+        uuid = getattr(torch.cuda.get_device_properties(self.device), "uuid", None)  # as nvidia-smi -L
+        self.device_info = {"index": self.device.index if index is None else index,
+                            "uuid": None if uuid is None else f"GPU-{uuid}".replace("GPU-GPU-", "GPU-")}
         self.store = KernelStore(db_url)
         self.replays = replays
         self._weights: tuple[LayerSpec, tuple] | None = None
@@ -177,12 +185,19 @@ def _has_ready(study: optuna.Study) -> bool:
 
 def measure(db_url: str, measurer, workloads=None, target: str | None = None, buckets=None,
             max_trials: int | None = None, timeout_s: float | None = None, wait_s: float = 0.0,
-            progress: Callable[[str], None] = line, poll_s: float = 2.0, confirm: int = CONFIRM_K) -> int:
+            progress: Callable[[str], None] = line, poll_s: float = 2.0, confirm: int = CONFIRM_K,
+            claim_once: Callable[[str], bool] | None = None, commit: bool = True) -> int:
     """Measure ready trials of `measurer.gpu`'s studies until none is left (or, with wait_s, none
     arrived for that long: a compiling side may still be adding some), `max_trials` were measured
     or `timeout_s` passed. A study with no ready trial left gets a confirmation round of up to
     `confirm` candidates when one is due (confirm_round; not after `timeout_s`, and not counted in
-    `max_trials`). Returns how many trials this worker measured."""
+    `max_trials`). Returns how many trials this worker measured.
+
+    claim_once(key) -> bool, for workers started together (measure_devices): a default's
+    measurement and a confirmation round are work outside the trials' WAITING -> RUNNING claims,
+    so the workers claim them by key through it, and a round waits until its study is settled
+    (no trial ready or running anywhere), so it sees every candidate's record. commit=False
+    leaves deriving the picks to the caller (concurrent first inserts of one pick would collide)."""
     if confirm < 0:
         raise ValueError(f"confirm must be 0 (no confirmation rounds) or a number of candidates, not {confirm}")
     db = Database(db_url)
@@ -205,6 +220,14 @@ def measure(db_url: str, measurer, workloads=None, target: str | None = None, bu
 
     def confirm_drained(study):
         if confirm and time.monotonic() < deadline:
+            if claim_once is not None:
+                trials = study.get_trials(deepcopy=False)
+                if any(t.state == TrialState.RUNNING or (t.state == TrialState.WAITING and t.user_attrs.get("ready"))
+                       for t in trials):
+                    return  # not settled: whoever finishes its last trial considers the round
+                confirmed.add(study.study_name)
+                if not claim_once(f"confirm|{study.study_name}|{sum(t.state.is_finished() for t in trials)}"):
+                    return
             spec, _, tokens = study_of(study)
             confirm_round(db, spec, tokens, measurer, confirm, progress=progress)
             confirmed.add(study.study_name)
@@ -215,7 +238,7 @@ def measure(db_url: str, measurer, workloads=None, target: str | None = None, bu
                 if study.study_name not in checked:
                     checked.add(study.study_name)
                     spec, _, tokens = study_of(study)
-                    _measure_default(db, study, spec, tokens, measurer, progress)
+                    _measure_default(db, study, spec, tokens, measurer, progress, claim_once)
             got = next(((s, c) for s in studies if (c := claim(s))), None)
             if got is None:
                 for s in studies:
@@ -246,7 +269,8 @@ def measure(db_url: str, measurer, workloads=None, target: str | None = None, bu
         if confirm and time.monotonic() >= deadline and len(confirmed) < len(studies):
             progress("[confirm] --timeout spent: no confirmation round for the buckets not yet considered; "
                      "`moe-aot measure` runs the rounds that are due")
-        commit_picks(db, measurer.gpu)
+        if commit:
+            commit_picks(db, measurer.gpu)
     finally:
         db.close()
     return done
@@ -260,7 +284,7 @@ def _line(db, spec, tokens, trial, out, variant, measurer, tag) -> str:
 
 
 def _measure_default(db: Database, study: optuna.Study, spec: LayerSpec, tokens: int, measurer,
-                     progress) -> None:
+                     progress, claim_once: Callable[[str], bool] | None = None) -> None:
     """Measure the bucket's default first when its binaries have no record under this GPU and
     driver and no ready trial of it is waiting (a new driver, or candidates compiled under a new
     toolchain): every pick is compared with the default measured beside it."""
@@ -278,6 +302,8 @@ def _measure_default(db: Database, study: optuna.Study, spec: LayerSpec, tokens:
         progress(f"[default] {spec.label()} tokens={tokens}: not measured, {exc} "
                  "(`moe-aot tune --compile-only` compiles it)")
         return
+    if claim_once is not None and not claim_once(f"default|{study.study_name}"):
+        return  # another worker of this run measures it
     trial, variant = baseline_trial(study, spec, tokens)
     try:
         out = measure_trial(db, study, trial, spec, tokens, variant, "-", None, measurer)
@@ -311,7 +337,8 @@ def confirm_round(db: Database, spec: LayerSpec, tokens: int, measurer, k: int =
     rid = uuid.uuid4().hex
     for i, r in enumerate(order):
         out = measurer(spec, LayerVariant.parse(r.variant), tokens)
-        stats = {**out.stats, "study": study_name(spec, measurer.gpu, tokens), "worker": worker_id(),
+        stats = {**out.stats, **device_stats(measurer), "study": study_name(spec, measurer.gpu, tokens),
+                 "worker": worker_id(),
                  "confirm": {"round": rid, "position": i, "size": len(order), "record": r.id}}
         db.add_record(workload=spec.workload_key, target=spec.target, toolchain=r.toolchain, gpu=measurer.gpu,
                       driver=measurer.driver, tokens=tokens, variant=r.variant, content=r.content,
@@ -330,3 +357,218 @@ def confirm_round(db: Database, spec: LayerSpec, tokens: int, measurer, k: int =
     progress(f"[confirm] {spec.label()} tokens={tokens:<6} medians: {shown}, default {us(plan.default.variant)}; "
              f"pick {chosen}")
     return True
+
+
+# -- several GPUs of one host: one measuring worker per GPU, one database ------------------------
+
+def parse_devices(text: str, visible: int) -> tuple[int, ...]:
+    """`--devices`: "all" (every visible GPU) or comma-separated indices of visible GPUs (as torch
+    numbers them, i.e. within CUDA_VISIBLE_DEVICES when that is set). Raises ValueError with
+    the sentence to show."""
+    text = (text or "").strip()
+    if text == "all":
+        if visible < 1:
+            raise ValueError("--devices all: no CUDA GPU is visible here")
+        return tuple(range(visible))
+    try:
+        devices = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise ValueError(f"--devices must be 'all' or comma-separated GPU indices such as 0,1, got {text!r}") from None
+    if not devices:
+        raise ValueError(f"--devices must be 'all' or comma-separated GPU indices such as 0,1, got {text!r}")
+    twice = sorted({d for d in devices if devices.count(d) > 1})
+    if twice:
+        raise ValueError(f"--devices names GPU {twice[0]} twice; one worker per GPU")
+    bad = [d for d in devices if not 0 <= d < visible]
+    if bad:
+        have = f"GPUs 0-{visible - 1}" if visible > 1 else "GPU 0" if visible else "no GPU"
+        raise ValueError(f"--devices {text}: there is no GPU {bad[0]}; this machine has {have}")
+    return tuple(devices)
+
+
+def child_visible_devices(device: int, environ=None) -> str:
+    """CUDA_VISIBLE_DEVICES for the worker of `device`: its entry of the parent's list (indices
+    or GPU-UUIDs) when the parent has one, else the index itself."""
+    import os
+
+    parent = (os.environ if environ is None else environ).get("CUDA_VISIBLE_DEVICES", "")
+    entries = [e.strip() for e in parent.split(",") if e.strip()]
+    return entries[device] if entries else str(device)
+
+
+def gpu_measurer_on(db_url: str, replays: int, device: int) -> GpuMeasurer:
+    """The measurer of a --devices worker: its GPU is the only one it sees (cuda:0); records
+    carry the host's index `device`."""
+    return GpuMeasurer(db_url, replays=replays, device=0, index=device)
+
+
+class ClaimDir:
+    """claim_once for workers started together: the first to create a key's file wins
+    (O_CREAT | O_EXCL is atomic on a local file system). The folder lives as long as one
+    `measure_devices` run, so a later run considers the defaults and rounds again."""
+
+    def __init__(self, path):
+        self.path = Path(path)
+
+    def __call__(self, key: str) -> bool:
+        import hashlib
+        import os
+
+        name = self.path / hashlib.sha256(key.encode()).hexdigest()[:32]
+        try:
+            os.close(os.open(name, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return False
+        return True
+
+
+def _interrupt_once(signum, frame):
+    """A worker's SIGINT: the terminal's Ctrl-C and the parent's forwarded one both arrive; the
+    first raises KeyboardInterrupt, the second must not cut short handing the trial back."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    raise KeyboardInterrupt
+
+
+def _device_worker(device: int, db_url: str, make_measurer, kwargs: dict, claims: str, events) -> None:
+    import signal
+
+    signal.signal(signal.SIGINT, _interrupt_once)
+    tag = f"[gpu {device}]"
+    try:
+        measurer = make_measurer(device)
+        events.put(("gpu", device, measurer.gpu))
+        try:
+            n = measure(db_url, measurer, progress=lambda s: line(f"{tag} {s}"), claim_once=ClaimDir(claims),
+                        commit=False, **kwargs)
+        except LookupError as exc:  # no studies for this GPU's model; others may have some
+            events.put(("none", device, str(exc)))
+            return
+        events.put(("done", device, n))
+    except KeyboardInterrupt:
+        events.put(("interrupted", device, None))
+    except BaseException as exc:
+        events.put(("error", device, f"{type(exc).__name__}: {exc}"))
+        raise
+
+
+def measure_devices(db_url: str, devices, make_measurer: Callable, workloads=None, target: str | None = None,
+                    buckets=None, max_trials: int | None = None, timeout_s: float | None = None,
+                    wait_s: float = 0.0, confirm: int = CONFIRM_K, progress: Callable[[str], None] = line,
+                    poll_s: float = 2.0, join_s: float = 60.0) -> dict[int, int]:
+    """One measuring worker per GPU of this host, all on one database and its studies; returns
+    the trials each device measured.
+
+    Each worker is a spawned process whose only GPU is its device (CUDA_VISIBLE_DEVICES set
+    before it starts, so nothing in it can touch another GPU) running `measure` with
+    `make_measurer(device)` (picklable: gpu_measurer_on in the CLI, a CPU stand-in in the
+    tests). Trials are claimed through optuna's WAITING -> RUNNING transition, one worker each;
+    defaults and confirmation rounds, which are no trials of the budget, through a claim folder
+    of this run (ClaimDir). --trials (`max_trials`) is per worker. Lines are prefixed
+    `[gpu N]`. The picks are derived once, here, after every worker has ended, from the records;
+    so also after Ctrl-C (SIGINT reaches the workers from the terminal or forwarded from here:
+    each hands back the trial it was measuring and stops, keeping every finished measurement),
+    after which KeyboardInterrupt is raised again.
+
+    Database: PostgreSQL (tools/pg_local.sh starts Debian's on the GPU host) is the intended
+    one. A SQLite file on a local disk is safe too: every write transaction there takes the
+    lock up front (BEGIN IMMEDIATE; optuna's storage likewise, tuner.open_storage), so a claim
+    cannot be won twice, and writes are milliseconds against seconds of measuring. A SQLite
+    file on a network file system is not (its locks are not reliable), which cannot be
+    detected here."""
+    import multiprocessing
+    import os
+    import queue
+    import signal
+    import tempfile
+
+    devices = list(devices)
+    if not devices:
+        raise ValueError("measure_devices needs at least one device")
+    kwargs = dict(workloads=workloads, target=target, buckets=buckets, max_trials=max_trials,
+                  timeout_s=timeout_s, wait_s=wait_s, confirm=confirm, poll_s=poll_s)
+    Database(db_url).close()
+    open_storage(db_url)  # optuna's tables exist before the workers race to create them
+    ctx = multiprocessing.get_context("spawn")
+    events = ctx.Queue()
+    counts: dict[int, int] = {}
+    gpus: set[str] = set()
+    none: dict[int, str] = {}
+    errors: dict[int, str] = {}
+    interrupted = False
+    with tempfile.TemporaryDirectory(prefix="moe_aot_claims_") as claims:
+        procs = {}
+        saved = os.environ.get("CUDA_VISIBLE_DEVICES")
+        try:
+            for d in devices:
+                os.environ["CUDA_VISIBLE_DEVICES"] = child_visible_devices(d, {"CUDA_VISIBLE_DEVICES": saved or ""})
+                p = ctx.Process(target=_device_worker, args=(d, db_url, make_measurer, kwargs, claims, events),
+                                name=f"moe-aot-measure-gpu{d}")
+                p.start()
+                procs[d] = p
+        finally:
+            if saved is None:
+                os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+            else:
+                os.environ["CUDA_VISIBLE_DEVICES"] = saved
+        progress(f"[devices] {len(procs)} measuring worker(s), GPUs {','.join(map(str, procs))}, one database")
+
+        def drain(block_s: float) -> None:
+            try:
+                ev = events.get(timeout=block_s)
+            except queue.Empty:
+                return
+            kind, d, val = ev
+            if kind == "gpu":
+                gpus.add(val)
+            elif kind == "done":
+                counts[d] = val
+            elif kind == "none":
+                none[d] = val
+            elif kind == "error":
+                errors[d] = val
+
+        try:
+            while any(p.is_alive() for p in procs.values()):
+                drain(0.5)
+        except KeyboardInterrupt:
+            interrupted = True
+            progress("[devices] interrupted: stopping every worker (finished measurements are kept)")
+            for p in procs.values():
+                if p.is_alive():
+                    try:
+                        os.kill(p.pid, signal.SIGINT)
+                    except ProcessLookupError:
+                        pass
+            end = time.monotonic() + join_s
+            while any(p.is_alive() for p in procs.values()) and time.monotonic() < end:
+                try:
+                    drain(0.5)
+                except (KeyboardInterrupt, Exception):  # a second Ctrl-C, or a message it cut in half
+                    continue
+        for p in procs.values():
+            p.join(1 if interrupted else None)
+            if p.is_alive():  # did not stop in join_s: its RUNNING trial is requeued next run
+                p.terminate()
+                p.join()
+        while not events.empty():
+            try:
+                drain(0.05)
+            except Exception:
+                break
+    with Database(db_url) as db:
+        for g in sorted(gpus):
+            commit_picks(db, g)
+    for d, p in procs.items():
+        if p.exitcode not in (0, None) and d not in errors and not interrupted:
+            errors[d] = f"exited with code {p.exitcode}"
+    if interrupted:
+        raise KeyboardInterrupt
+    if errors:
+        raise RuntimeError("; ".join(f"the worker of GPU {d} failed: {e}" for d, e in sorted(errors.items())))
+    if none and not counts:
+        raise LookupError(next(iter(none.values())))
+    for d, msg in sorted(none.items()):
+        progress(f"[gpu {d}] {msg}")
+    return {d: counts.get(d, 0) for d in procs}

@@ -285,10 +285,21 @@ def measure_trial(db: Database, study: optuna.Study, trial: optuna.Trial, spec: 
         compile_error = str(exc)
         content, toolchain = uncompiled_content(name, compiled_toolchain), compiled_toolchain
     out = (Outcome("compile_error", error=compile_error) if compile_error else
-           known_outcome(db, spec, measurer.gpu, measurer.driver, toolchain, tokens, content)
-           or measurer(spec, variant, tokens))
+           known_outcome(db, spec, measurer.gpu, measurer.driver, toolchain, tokens, content))
+    if out is None:
+        out = measurer(spec, variant, tokens)
+        out = dataclasses.replace(out, stats={**out.stats, **device_stats(measurer)})
     finish(db, study, trial, spec, tokens, variant, toolchain, measurer.gpu, measurer.driver, out, content)
     return out
+
+
+def device_stats(measurer) -> dict:
+    """{"device": {"index", "uuid"}} of the GPU that made a measurement, for its record's stats
+    (empty for a measurer that does not say). The record's key keeps the GPU model
+    (`measurer.gpu`), so the GPUs of one model on a host share one pool of records and each
+    candidate is measured once among them; the device only says which of them measured it."""
+    info = getattr(measurer, "device_info", None)
+    return {"device": dict(info)} if info else {}
 
 
 def default_recorded(db: Database, spec: LayerSpec, gpu: str, tokens: int, driver: str | None = None) -> bool:

@@ -5,6 +5,7 @@ that plays given draws per variant (noise, drift, a lucky first draw) and can fa
 from __future__ import annotations
 
 import math
+import os
 import time
 
 import optuna
@@ -126,3 +127,25 @@ def tune_worker(url, spec, buckets, trials, gpu, seed):
 
 def measure_worker_run(url, gpu):
     return measure_worker.measure(url, FakeMeasurer(gpu, delay_s=0.01), progress=lambda s: None)
+
+
+class DeviceFakeMeasurer(FakeMeasurer):
+    """The measurer of one `--devices` worker: says which GPU it is (device_info, as
+    GpuMeasurer does) and puts the CUDA_VISIBLE_DEVICES its process was started with into every
+    outcome's stats, so a test can check that each worker saw only its GPU."""
+
+    def __init__(self, gpu: str, device: int, delay_s: float = 0.0, driver: str | None = None):
+        super().__init__(gpu, delay_s)
+        self.device_info = {"index": device, "uuid": f"GPU-fake-{device}"}
+        if driver is not None:
+            self.driver = driver
+
+    def __call__(self, spec, variant, tokens) -> Outcome:
+        out = super().__call__(spec, variant, tokens)
+        out.stats = {**out.stats, "visible": os.environ.get("CUDA_VISIBLE_DEVICES")}
+        return out
+
+
+def fake_device_measurer(gpu, delay_s, driver, device) -> DeviceFakeMeasurer:
+    """make_measurer for measure_devices (functools.partial of it pickles into spawned workers)."""
+    return DeviceFakeMeasurer(gpu, device, delay_s, driver)
