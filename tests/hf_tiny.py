@@ -52,9 +52,13 @@ def tiny_model(family: str, *shape, device="cpu", dtype=None, seed: int = 0, exp
             if name.endswith(("gate.weight", "router.weight")) and p.dim() == 2:
                 p.normal_(0, 0.5 / p.shape[1] ** 0.5 * 4)
             elif name.endswith(("experts.gate_up_proj", "experts.down_proj")):
-                # [E, 2I, H], [E, H, I]: each block adds a part of the residual stream (the
-                # initializer's 0.02 leaves the experts so small that no error would show).
-                p.normal_(0, expert_scale * p.shape[-1] ** -0.5)
+                # [E, 2I, H], [E, H, I] (GPT-OSS: [E, H, 2I], [E, I, H]): each block adds a part of
+                # the residual stream (the initializer's 0.02 leaves the experts so small that no
+                # error would show).
+                fan_in = p.shape[-2] if family == "gpt_oss" else p.shape[-1]
+                p.normal_(0, expert_scale * fan_in ** -0.5)
+            elif name.endswith(("experts.gate_up_proj_bias", "experts.down_proj_bias")):
+                p.normal_(0, 0.1)  # GPT-OSS's expert biases (zeros at init)
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.uniform_(-0.05, 0.05)

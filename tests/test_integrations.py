@@ -418,8 +418,6 @@ def test_convert_one_block():
     assert isinstance(convert(mixtral, moe_fakes.Decoder().config), MoeBlock)
     with pytest.raises(PatchError, match="hidden_act 'gelu' has no moe-aot kernel"):
         convert(mixtral, moe_fakes.Decoder(hidden_act="gelu").config)
-    with pytest.raises(PatchError, match="GptOssMLP is a GPT-OSS block"):
-        convert(moe_fakes.GptOssMLP())
     with pytest.raises(PatchError, match="UnknownSparseMoeBlock is not a MoE block convert"):
         convert(moe_fakes.UnknownSparseMoeBlock())
 
@@ -431,8 +429,8 @@ def test_patch_refuses_unknown_and_gpt_oss_blocks_before_replacing_anything():
         patch(model)
     assert isinstance(model.layers[0].mlp, moe_fakes.MixtralSparseMoeBlock)
     model = moe_fakes.Decoder(moe_fakes.MixtralSparseMoeBlock(), moe_fakes.GptOssMLP())
-    with pytest.raises(PatchError, match="GPT-OSS block, whose experts compute a clamped SwiGLU with biases"):
-        patch(model)
+    with pytest.raises(PatchError, match=r"layers.1.mlp \(GptOssMLP\) is a GPT-OSS block and gpt_oss='refuse'"):
+        patch(model, gpt_oss="refuse")
     assert isinstance(model.layers[0].mlp, moe_fakes.MixtralSparseMoeBlock)
     assert patch(model, gpt_oss="keep") == ["layers.0.mlp"]
     assert isinstance(model.layers[1].mlp, moe_fakes.GptOssMLP)
@@ -450,7 +448,7 @@ def test_patch_refuses_unknown_and_gpt_oss_blocks_before_replacing_anything():
 
 
 # -- transformers patch, on tiny real models (where transformers is installed) ------------------
-HF_FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3"]
+HF_FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3", "gpt_oss"]
 
 
 @pytest.mark.parametrize("family", HF_FAMILIES)
@@ -468,20 +466,55 @@ def test_patched_transformers_model_matches_unpatched(family):
         for name in names:  # each block on the very input the original saw
             x, want = blocks_in[name]
             got = model.get_submodule(name)(x)
+            if isinstance(want, tuple):  # GPT-OSS's blocks return (hidden_states, router_scores)
+                assert torch.allclose(got[1].float(), want[1].float(), atol=1e-6), name
+                got, want = got[0], want[0]
             assert row_rel_err(got.reshape(-1, H), want.reshape(-1, H)) < 1.5e-2, name
         out = model(tokens).logits
     assert rel_err(out, ref) <= 2e-2
     assert (out.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.97
 
 
-def test_transformers_gpt_oss_is_refused():
+def test_gpt_oss_reference_is_transformers_gpt_oss_experts():
+    """The fp32 reference the kernels are checked against computes transformers' GptOssExperts
+    (clamped SwiGLU, biases in both GEMMs) on its own weights, clamps included; the converted
+    experts' CPU op agrees to bf16 rounding; other alpha/limit values are refused."""
     pytest.importorskip("transformers")
     from hf_tiny import tiny_model
 
-    model = tiny_model("gpt_oss", 8, 2, H, I)
-    with pytest.raises(PatchError, match=r"model.layers.0.mlp \(GptOssMLP\) is a GPT-OSS block"):
-        patch(model)
-    assert patch(model, gpt_oss="keep") == []
+    from moe_aot.integrations.modules import MoeExperts
+    from moe_aot.integrations.transformers import convert
+    from moe_aot.runtime.reference import moe_reference, row_rel_err
+
+    model = tiny_model("gpt_oss", 8, 2, H, I, expert_scale=3.0)  # large sums: both clamps bite
+    block = model.model.layers[0].mlp
+    e = block.experts
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        e.gate_up_proj_bias.normal_(0, 1.0, generator=gen)
+        e.down_proj_bias.normal_(0, 0.5, generator=gen)
+        x = torch.randn(24, H, generator=gen)
+        _, scores, ids = block.router(x)
+        want = e(x, ids, scores)
+        gu = x @ e.gate_up_proj[0] + e.gate_up_proj_bias[0]
+        assert (gu[:, 0::2] > 7).any() and (gu[:, 1::2].abs() > 7).any()  # the clamps are exercised
+        ex = MoeExperts.from_gpt_oss(e.gate_up_proj.float(), e.gate_up_proj_bias.float(), e.down_proj.float(),
+                                     e.down_proj_bias.float())
+        w13 = torch.cat([e.gate_up_proj[..., 0::2], e.gate_up_proj[..., 1::2]], -1).transpose(1, 2)
+        from moe_aot.runtime.layer import prepare_biases, prepare_weights
+        w13 = prepare_weights(w13[:, :I].contiguous(), w13[:, I:].contiguous())
+        b13 = prepare_biases(e.gate_up_proj_bias[:, 0::2].contiguous(), e.gate_up_proj_bias[:, 1::2].contiguous())
+        ref = moe_reference(x, w13, e.down_proj.transpose(1, 2), scores, ids.int(), "swigluoai", 16, b13,
+                            e.down_proj_bias)
+        assert row_rel_err(ref, want) < 1e-5
+        got = ex(x, scores, ids)
+        assert row_rel_err(got.float(), want) < 2e-2
+        assert ex.activation == "swigluoai" and "biases" in repr(ex)
+        out, router_scores = convert(block, model.config)(x[None])
+        assert row_rel_err(out[0].float(), want) < 2e-2 and torch.equal(router_scores.float(), scores.float())
+        e.limit = 8.0
+        with pytest.raises(PatchError, match="alpha 1.702 and limit 7.0 only, this block has alpha 1.702 and limit 8"):
+            convert(block, model.config)
 
 
 # -- the README's examples run as written -------------------------------------------------------

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..runtime.layer import prepare_fp8_weights, prepare_weights
+from ..runtime.layer import prepare_biases, prepare_fp8_weights, prepare_weights
 from ..runtime.library import KernelArgumentError
 from ..spec import ACTIVATIONS
 from . import op  # noqa: F401  (registers torch.ops.moe_aot.fused_moe)
@@ -37,7 +37,8 @@ class MoeExperts(nn.Module):
 
     def __init__(self, w13: torch.Tensor, w2: torch.Tensor, activation: str = "swiglu",
                  expert_map: torch.Tensor | None = None, w13_scale: torch.Tensor | None = None,
-                 w2_scale: torch.Tensor | None = None):
+                 w2_scale: torch.Tensor | None = None, b13: torch.Tensor | None = None,
+                 b2: torch.Tensor | None = None):
         super().__init__()
         if activation not in ACTIVATIONS:
             raise KernelArgumentError(f"activation must be one of {', '.join(ACTIVATIONS)}, got {activation!r}")
@@ -61,6 +62,11 @@ class MoeExperts(nn.Module):
         else:
             self.register_buffer("w13", w13.to(torch.bfloat16).contiguous())
             self.register_buffer("w2", w2.to(w13.device, torch.bfloat16).contiguous())
+        if (b13 is None) != (b2 is None) or (b13 is not None and self.fp8):
+            raise KernelArgumentError("expert biases need both b13 [E, 2I] and b2 [E, H], on bf16 experts")
+        # expert biases (gpt-oss): b13 interleaved as w13's rows (prepare_biases), b2 [E, H]
+        self.register_buffer("b13", None if b13 is None else b13.to(w13.device, torch.bfloat16).contiguous())
+        self.register_buffer("b2", None if b2 is None else b2.to(w13.device, torch.bfloat16).contiguous())
         if expert_map is not None:
             expert_map = expert_map.to(w13.device, torch.int32)
         self.register_buffer("expert_map", expert_map)
@@ -80,8 +86,9 @@ class MoeExperts(nn.Module):
     def extra_repr(self) -> str:
         local = "" if self.expert_map is None else f", expert_map over {self.expert_map.shape[0]} global experts"
         fp8 = f", fp8 ({'per expert' if self.w13_scale.dim() == 2 else '128x128 blocks'})" if self.fp8 else ""
+        bias = ", biases" if self.b13 is not None else ""
         return (f"experts={self.experts}, hidden={self.hidden}, intermediate={self.intermediate}, "
-                f"activation={self.activation}{fp8}{local}")
+                f"activation={self.activation}{bias}{fp8}{local}")
 
     # -- loading -------------------------------------------------------------------------------
     @classmethod
@@ -100,6 +107,20 @@ class MoeExperts(nn.Module):
     def from_fused(cls, w_gate_up, w_down, **kw) -> "MoeExperts":
         """transformers 5.x / vLLM layout: gate_up [E, 2I, H] with the gate rows first, down [E, H, I]."""
         return cls(prepare_fused_gate_up(w_gate_up.to(torch.bfloat16)), w_down, **kw)
+
+    @classmethod
+    def from_gpt_oss(cls, gate_up_proj, gate_up_proj_bias, down_proj, down_proj_bias, **kw) -> "MoeExperts":
+        """transformers' GptOssExperts layout: gate_up_proj [E, H, 2I] with gate and up in alternate
+        columns (gate even), its bias [E, 2I] likewise, down_proj [E, I, H], down_proj_bias [E, H];
+        activation "swigluoai" (gpt-oss's clamped SwiGLU) unless given."""
+        bf = torch.bfloat16
+        gu = gate_up_proj.detach().to(bf)
+        w13 = prepare_weights(gu[..., 0::2].transpose(1, 2).contiguous(), gu[..., 1::2].transpose(1, 2).contiguous())
+        b = gate_up_proj_bias.detach().to(bf)
+        kw.setdefault("activation", "swigluoai")
+        return cls(w13, down_proj.detach().to(bf).transpose(1, 2).contiguous(),
+                   b13=prepare_biases(b[:, 0::2].contiguous(), b[:, 1::2].contiguous()),
+                   b2=down_proj_bias.detach().to(bf), **kw)
 
     @classmethod
     def from_per_expert(cls, gates, ups, downs, **kw) -> "MoeExperts":
@@ -158,7 +179,7 @@ class MoeExperts(nn.Module):
             out = torch.ops.moe_aot.fused_moe_fp8(xs, self.w13, self.w13_scale, self.w2, self.w2_scale, tw, ids,
                                                   self.activation)
         else:
-            out = torch.ops.moe_aot.fused_moe(xs, self.w13, self.w2, tw, ids, self.activation)
+            out = torch.ops.moe_aot.fused_moe(xs, self.w13, self.w2, tw, ids, self.activation, self.b13, self.b2)
         return out.to(dtype).reshape(shape)
 
 

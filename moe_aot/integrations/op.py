@@ -21,6 +21,7 @@ runtime.fp8.from_block128_checkpoint), the precision read off the scales' shape.
 from __future__ import annotations
 
 import inspect
+from typing import Optional
 
 import torch
 
@@ -31,7 +32,8 @@ from ..variants import INTERLEAVE
 from .routing import ROUTINGS, grouped_topk, map_experts, softmax_topk, topk_softmax
 
 
-def check_op_inputs(x, w13, w2, topk_weights, topk_ids, activation: str = "swiglu") -> None:
+def check_op_inputs(x, w13, w2, topk_weights, topk_ids, activation: str = "swiglu", w13_bias=None,
+                    w2_bias=None) -> None:
     """The op's contract, checked on real and fake tensors alike (shapes, dtypes, devices)."""
     for name, t, rank in (("x", x, 2), ("w13", w13, 3), ("w2", w2, 3), ("topk_weights", topk_weights, 2),
                           ("topk_ids", topk_ids, 2)):
@@ -51,7 +53,18 @@ def check_op_inputs(x, w13, w2, topk_weights, topk_ids, activation: str = "swigl
     if tuple(w2.shape) != (E, H, I):
         raise KernelArgumentError(f"w2 must have shape ({E}, {H}, {I}) to match w13 {tuple(w13.shape)}, "
                                   f"got {tuple(w2.shape)}")
-    _check_rest(x, (("w13", w13), ("w2", w2)), topk_weights, topk_ids, activation)
+    biases = ()
+    if (w13_bias is None) != (w2_bias is None):
+        raise KernelArgumentError("expert biases come in pairs: give both w13_bias [E, 2I] and w2_bias [E, H], "
+                                  "or neither")
+    if w13_bias is not None:
+        for name, t, shape in (("w13_bias", w13_bias, (E, I2)), ("w2_bias", w2_bias, (E, H))):
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or t.dtype != torch.bfloat16:
+                got = f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
+                raise KernelArgumentError(f"{name} must be a bf16 tensor of shape {shape} (w13_bias interleaved "
+                                          f"as w13's rows, prepare_biases), got {got}")
+        biases = (("w13_bias", w13_bias), ("w2_bias", w2_bias))
+    _check_rest(x, (("w13", w13), ("w2", w2)) + biases, topk_weights, topk_ids, activation)
 
 
 def _check_rest(x, weights, topk_weights, topk_ids, activation) -> None:
@@ -86,25 +99,31 @@ def _layout_tags() -> dict:
 
 @torch.library.custom_op("moe_aot::fused_moe", mutates_args=(), device_types="cpu", **_layout_tags())
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor, activation: str = "swiglu") -> torch.Tensor:
-    """sum_k topk_weights[m, k] * FFN_{topk_ids[m, k]}(x[m]); see the module docstring."""
-    check_op_inputs(x, w13, w2, topk_weights, topk_ids, activation)
+              topk_ids: torch.Tensor, activation: str = "swiglu", w13_bias: Optional[torch.Tensor] = None,
+              w2_bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """sum_k topk_weights[m, k] * FFN_{topk_ids[m, k]}(x[m]); see the module docstring. Expert
+    biases (gpt-oss, with activation "swigluoai"): w13_bias [E, 2I] interleaved as w13's rows
+    (prepare_biases), w2_bias [E, H], both bf16."""
+    check_op_inputs(x, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias)
     if x.shape[0] == 0:
         return x.new_empty(0, x.shape[1])
-    return moe_reference(x, w13, w2, topk_weights, topk_ids, activation, INTERLEAVE).to(torch.bfloat16)
+    return moe_reference(x, w13, w2, topk_weights, topk_ids, activation, INTERLEAVE, w13_bias,
+                         w2_bias).to(torch.bfloat16)
 
 
 @fused_moe.register_kernel("cuda")
-def _fused_moe_cuda(x, w13, w2, topk_weights, topk_ids, activation="swiglu"):
+def _fused_moe_cuda(x, w13, w2, topk_weights, topk_ids, activation="swiglu", w13_bias=None, w2_bias=None):
     from ..runtime.layer import moe_forward  # loads kernels lazily; CPU use never opens a database
 
-    check_op_inputs(x, w13, w2, topk_weights, topk_ids, activation)
+    check_op_inputs(x, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias)
+    if w13_bias is not None:  # the layer with expert biases takes (weights, biases) pairs
+        w13, w2 = (w13, w13_bias), (w2, w2_bias)
     return moe_forward(x, w13, w2, topk_weights, topk_ids, activation=activation)
 
 
 @fused_moe.register_fake
-def _fused_moe_fake(x, w13, w2, topk_weights, topk_ids, activation="swiglu"):
-    check_op_inputs(x, w13, w2, topk_weights, topk_ids, activation)
+def _fused_moe_fake(x, w13, w2, topk_weights, topk_ids, activation="swiglu", w13_bias=None, w2_bias=None):
+    check_op_inputs(x, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias)
     return x.new_empty(x.shape)
 
 

@@ -11,8 +11,11 @@ Known blocks (transformers 5.x class names, attributes read):
 - DeepseekV3MoE: gate (weight, top_k, num_group, topk_group, norm_topk_prob,
   routed_scaling_factor, e_score_correction_bias), experts, shared_experts (kept as is); sigmoid
   grouped top-k in fp32.
-- GptOssMLP: refused. GPT-OSS's experts compute a clamped SwiGLU with biases in both GEMMs, which
-  the kernels do not compute yet; gpt_oss="keep" leaves those blocks to transformers' own code.
+- GptOssMLP: router (weight, bias, top_k; top-k of the logits, then softmax over the k), experts
+  (gate_up_proj [E, H, 2I] with gate/up in alternate columns, gate_up_proj_bias, down_proj,
+  down_proj_bias, alpha, limit): the clamped SwiGLU "swigluoai" with biases in both GEMMs, for
+  gpt-oss's published alpha 1.702 and limit 7.0 (others are refused). Like the original it
+  returns (hidden_states, router_scores). gpt_oss="keep" leaves those blocks to transformers.
 
 Any other module that looks like a MoE block (a child named experts beside a gate or router) is
 refused with its name, so a model is never half-patched silently. The patched blocks are
@@ -23,6 +26,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..gemm_limits import SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT
 from ..runtime.library import KernelArgumentError
 from .modules import MoeBlock, MoeExperts, Router
 
@@ -65,6 +69,26 @@ def _mixtral(block, config, where):
                     _experts(block, _activation(config, where)))
 
 
+class GptOssBlock(MoeBlock):
+    """GPT-OSS's MoE block: its decoder layers unpack (hidden_states, router_scores)."""
+
+    def forward(self, hidden_states: torch.Tensor):
+        shape = hidden_states.shape
+        x = hidden_states.reshape(-1, shape[-1])
+        topk_weights, topk_ids = self.router(x)
+        return self.experts(x, topk_weights, topk_ids).reshape(shape), topk_weights
+
+
+def _gpt_oss(block, config, where):
+    r, e = block.router, block.experts
+    alpha, limit = getattr(e, "alpha", None), getattr(e, "limit", None)
+    if (alpha, limit) != (SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT):
+        raise PatchError(f"{where}: the kernels compute gpt-oss's clamped SwiGLU for alpha {SWIGLUOAI_ALPHA} and "
+                         f"limit {SWIGLUOAI_LIMIT} only, this block has alpha {alpha} and limit {limit}")
+    return GptOssBlock(Router(r.weight, r.top_k, "topk_softmax", bias=r.bias),
+                       MoeExperts.from_gpt_oss(e.gate_up_proj, e.gate_up_proj_bias, e.down_proj, e.down_proj_bias))
+
+
 def _deepseek_v3(block, config, where):
     g = block.gate
     router = Router(g.weight, g.top_k, "grouped_topk", renormalize=bool(g.norm_topk_prob),
@@ -79,17 +103,15 @@ BLOCKS = {
     "Qwen2MoeSparseMoeBlock": _qwen2,
     "MixtralSparseMoeBlock": _mixtral,
     "DeepseekV3MoE": _deepseek_v3,
+    "GptOssMLP": _gpt_oss,
 }
 
 
 def convert(block: nn.Module, config=None) -> MoeBlock:
     """One known block -> its MoeBlock (the block is left as it is); config (for hidden_act)
     defaults to block.config, which only some blocks carry.
-    Raises PatchError for a GPT-OSS or unknown block."""
+    Raises PatchError for an unknown block."""
     cls = type(block).__name__
-    if cls in GPT_OSS:
-        raise PatchError(f"{cls} is a GPT-OSS block, whose experts compute a clamped SwiGLU with biases that the "
-                         "moe-aot kernels do not compute yet")
     if cls not in BLOCKS:
         raise PatchError(f"{cls} is not a MoE block convert() knows; known blocks: {', '.join(BLOCKS)}")
     config = _config(block, config)
@@ -104,14 +126,15 @@ def _looks_like_moe(module: nn.Module) -> bool:
     return "experts" in children and ("gate" in children or "router" in children)
 
 
-def patch(model: nn.Module, gpt_oss: str = "refuse") -> list[str]:
+def patch(model: nn.Module, gpt_oss: str = "patch") -> list[str]:
     """Replace every known sparse-MoE block of model in place; returns the replaced modules' names.
 
-    gpt_oss: "refuse" (default) raises on GPT-OSS blocks; "keep" leaves them unpatched.
+    gpt_oss: "patch" (default) replaces GPT-OSS blocks too; "keep" leaves them to transformers;
+    "refuse" raises on them.
     Raises PatchError, before replacing anything, on an unknown MoE-looking block or when the model
     has no MoE block at all."""
-    if gpt_oss not in ("refuse", "keep"):
-        raise PatchError(f"gpt_oss must be 'refuse' or 'keep', got {gpt_oss!r}")
+    if gpt_oss not in ("patch", "refuse", "keep"):
+        raise PatchError(f"gpt_oss must be 'patch', 'keep' or 'refuse', got {gpt_oss!r}")
     config = getattr(model, "config", None)
     targets, skip = [], ()
     for name, module in model.named_modules():
@@ -121,23 +144,21 @@ def patch(model: nn.Module, gpt_oss: str = "refuse") -> list[str]:
         where = f"{name or 'model'} ({cls})"
         if isinstance(module, MoeBlock):
             skip += (name,)
+        elif cls in GPT_OSS and gpt_oss != "patch":
+            if gpt_oss == "refuse":
+                raise PatchError(f"{where} is a GPT-OSS block and gpt_oss='refuse'; pass gpt_oss='patch' (the "
+                                 "default) to replace it or 'keep' to leave it to transformers")
+            skip += (name,)
         elif cls in BLOCKS:
             targets.append((name, module))
             skip += (name,)
-        elif cls in GPT_OSS:
-            if gpt_oss == "refuse":
-                raise PatchError(f"{where} is a GPT-OSS block, whose experts compute a clamped SwiGLU with biases "
-                                 "that the moe-aot kernels do not compute yet; pass gpt_oss='keep' to leave such "
-                                 "blocks to transformers")
-            skip += (name,)
         elif _looks_like_moe(module):
             raise PatchError(f"{where} looks like a MoE block that patch() does not know; known blocks: "
-                             f"{', '.join(list(BLOCKS) + list(GPT_OSS))}")
+                             f"{', '.join(BLOCKS)}")
     if not targets:
         if skip:
             return []
-        raise PatchError(f"{type(model).__name__} has no sparse-MoE block patch() knows "
-                         f"({', '.join(list(BLOCKS) + list(GPT_OSS))})")
+        raise PatchError(f"{type(model).__name__} has no sparse-MoE block patch() knows ({', '.join(BLOCKS)})")
     for name, module in targets:  # every block's activation is checked before any is replaced
         if _config(module, config) is None:
             raise PatchError(f"{name} ({type(module).__name__}): neither the block nor the model has a config to "
