@@ -361,3 +361,13 @@ def test_out_is_aliased_to_the_result(small_db, host_jax, tmp_path):
     _kernel_libs(db)  # the stand-ins write nothing: the caller's (NaN) contents must come through
     got = np.asarray(jax.block_until_ready(f(out, *args)).astype(jnp.float32))
     assert got.shape == (16, H) and np.isnan(got).all()
+
+
+def test_readme_example_runs_up_to_the_gpu():
+    import re
+
+    text = (Path(__file__).parent.parent / "README.md").read_text()
+    m = re.search(r"<!-- example: level3 \(GPU\) -->\n```python\n(.*?)```", text, re.S)
+    assert m, "README has no level 3 example"
+    with pytest.raises(KernelArgumentError, match="fused_moe runs on an NVIDIA GPU"):
+        exec(compile(m.group(1), "README:level3", "exec"), {})

@@ -531,9 +531,15 @@ def _device_facts(device) -> tuple[int, str, str]:
 def _pick_device(x, device):
     if device is not None:
         return device
-    if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and len(x.devices()) == 1:
-        return next(iter(x.devices()))
-    d = jax.config.jax_default_device
+    tracer = getattr(jax.core, "Tracer", ())
+    if isinstance(x, jax.Array) and not isinstance(x, tracer):
+        try:
+            devices = x.devices()
+        except Exception:  # an abstract value after all: the default device
+            devices = ()
+        if len(devices) == 1:
+            return next(iter(devices))
+    d = getattr(jax.config, "jax_default_device", None)
     if isinstance(d, str):
         return jax.devices(d)[0]
     return d if d is not None else jax.devices()[0]
