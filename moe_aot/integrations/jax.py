@@ -375,7 +375,12 @@ def register(platform: str = "CUDA", unpack_dir=None) -> None:
         traits = getattr(getattr(_xla_client(), "CustomCallTargetTraits", None), "COMMAND_BUFFER_COMPATIBLE", None)
         if traits is not None and not host:
             kwargs["traits"] = traits
-        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(fn), platform=platform, api_version=1, **kwargs)
+        try:
+            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(fn), platform=platform, api_version=1, **kwargs)
+        except TypeError:  # a jaxlib whose registration takes no traits: the metadata answer declares it
+            if not kwargs:
+                raise
+            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(fn), platform=platform, api_version=1)
         _registered.add((target, platform))
 
 
