@@ -216,3 +216,28 @@ def test_gpu_measurer_measures_the_default_on_this_gpu(store):
     out = m(spec, default_variant(spec, 16), 16)
     assert out.status == "ok", out.error
     assert out.median_us > 0 and out.rel_err < TOLERANCE
+
+
+@pytest.mark.parametrize("tokens", [1, 256, 4096])
+def test_gpt_oss_clamps_and_biases(store, tokens):
+    """gpt-oss's layer (clamped SwiGLU, expert biases in both GEMMs) with weights six times the
+    usual scale, so that both clamps engage on many gate/up sums: every stage against the fp32
+    reference (GEMM1's padding rows zero despite the biases), the bucket's variant and its default."""
+    if "gpt-oss-120b" not in MODELS:
+        pytest.skip("gpt-oss-120b not among MOE_AOT_TEST_MODELS")
+    from moe_aot.runtime.reference import split_gate_up
+
+    spec = make_spec("gpt-oss-120b", target="sm_90a")
+    layer = MoeLayer(spec, store)
+    (w13, b13), (w2, b2) = random_weights(spec, layer.device, scale=6.0)
+    x = torch.randn(tokens, spec.hidden, device=layer.device, dtype=torch.bfloat16)
+    tw, ids = random_routing(tokens, spec, layer.device)
+    e = int(ids[0, 0])
+    gate, up = (w[e].float() for w in split_gate_up(w13[e:e + 1]))
+    g = x[:1].float() @ gate[0].t()
+    u = x[:1].float() @ up[0].t()
+    assert (g > 7).float().mean() > 0.05 and (u.abs() > 7).float().mean() > 0.05  # both clamps bite
+    for lay in (layer, MoeLayer(spec, store, device=layer.device.index,
+                                variants={tokens: default_variant(spec, tokens)})):
+        bad = [row for row in check_stages(lay, x, (w13, b13), (w2, b2), tw, ids) if not row["ok"]]
+        assert not bad, f"gpt-oss tokens={tokens}: {bad}"

@@ -25,9 +25,9 @@ from moe_aot.integrations import (
     topk_softmax,
 )
 from moe_aot.integrations.transformers import PatchError, patch
-from moe_aot.runtime.layer import prepare_weights
+from moe_aot.runtime.layer import prepare_biases, prepare_weights
 from moe_aot.runtime.library import KernelArgumentError
-from moe_aot.runtime.reference import rel_err, row_rel_err
+from moe_aot.runtime.reference import moe_reference, rel_err, row_rel_err
 
 sys.path.insert(0, str(Path(__file__).parent))
 import moe_fakes  # noqa: E402
@@ -242,8 +242,16 @@ def test_fused_experts_expert_map_and_refusals():
         fused_experts(x, w1, down, tw, ids, w1_scale=torch.ones(E))
     with pytest.raises(KernelArgumentError, match="a1_scale asks for static activation scales"):
         fused_experts(x, w1, down, tw, ids, a1_scale=torch.ones(1))
-    with pytest.raises(KernelArgumentError, match="w1_bias asks for expert biases"):
+    with pytest.raises(KernelArgumentError, match="expert biases come in pairs"):
         fused_experts(x, w1, down, tw, ids, w1_bias=torch.zeros(E, 2 * I))
+    # gpt-oss through vLLM's form: w1_bias [E, 2I] gate half first, w2_bias [E, H], "swigluoai"
+    gen = torch.Generator().manual_seed(3)
+    b1, b2 = torch.randn(E, 2 * I, generator=gen), torch.randn(E, H, generator=gen)
+    got = fused_experts(x, w1, down, tw, ids, activation="swigluoai", w1_bias=b1, w2_bias=b2)
+    want = moe_reference(x, prepare_weights(gate, up), down, tw, ids, "swigluoai", 16,
+                         prepare_biases(b1[:, :I].bfloat16(), b1[:, I:].bfloat16()), b2.bfloat16())
+    assert row_rel_err(got.float(), want) < 1e-2
+    assert fused_experts(x, w1, down, tw, ids, activation="swigluoai", w1_bias=b1, w2_bias=b2).equal(got)
     with pytest.raises(KernelArgumentError, match="unknown argument 'foo'"):
         fused_experts(x, w1, down, tw, ids, foo=1)
     with pytest.raises(KernelArgumentError, match="activation must be one of .*got 'gelu'"):

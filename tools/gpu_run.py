@@ -159,6 +159,8 @@ def main():
     ap.add_argument("--db", default=str(ROOT / "cache" / "moe_aot.sqlite"))
     ap.add_argument("--tests", action="store_true")
     ap.add_argument("--test-args", default="", help="extra pytest arguments, e.g. '-k qwen3'")
+    ap.add_argument("--test-files", default="tests/test_gpu_layer.py,tests/test_gpu_fp8.py",
+                    help="comma-separated GPU test files (the database must hold their kernels)")
     ap.add_argument("--coldstart", action="store_true")
     ap.add_argument("--coldstart-compare", default=None, metavar="DIR",
                     help="with --coldstart: also time the moe_aot package under DIR (e.g. scratch/before from "
@@ -247,8 +249,7 @@ def main():
 
     if ns.tests:
         cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-rfE", "-p", "no:cacheprovider",
-               f"--junitxml={out / 'gpu_tests.xml'}", "tests/test_gpu_layer.py", "tests/test_gpu_fp8.py",
-               *ns.test_args.split()]
+               f"--junitxml={out / 'gpu_tests.xml'}", *ns.test_files.split(","), *ns.test_args.split()]
         rc, log, secs = sh(cmd, log=out / "gpu_tests.log", env=env, timeout=540)
         summary["tests"] = {"rc": rc, "seconds": round(secs, 1), "tail": log.strip().splitlines()[-1:]}
         print(log[-6000:], flush=True)

@@ -21,13 +21,14 @@ import weakref
 
 import torch
 
-from ..runtime.layer import prepare_weights
+from ..runtime.layer import prepare_biases, prepare_weights
 from ..runtime.library import KernelArgumentError
 from . import op  # noqa: F401  (registers torch.ops.moe_aot.fused_moe)
 from .routing import map_experts
 
 # vLLM / SGLang activation names -> the spec's activation.
-ACTIVATION_NAMES = {"silu": "swiglu", "swiglu": "swiglu", "gelu_tanh": "geglu", "geglu": "geglu"}
+ACTIVATION_NAMES = {"silu": "swiglu", "swiglu": "swiglu", "gelu_tanh": "geglu", "geglu": "geglu",
+                    "swigluoai": "swigluoai"}  # gpt-oss's clamped SwiGLU (with w1_bias / w2_bias)
 
 
 def prepare_fused_gate_up(w1: torch.Tensor) -> torch.Tensor:
@@ -41,6 +42,19 @@ def prepare_fused_gate_up(w1: torch.Tensor) -> torch.Tensor:
         return prepare_weights(gate, up)
     except ValueError as exc:
         raise KernelArgumentError(f"w1 {tuple(w1.shape)} cannot be prepared: {exc}") from None
+
+
+def prepare_fused_bias(w1_bias: torch.Tensor) -> torch.Tensor:
+    """vLLM's w1_bias [E, 2I] (gate half first) -> the kernels' b13, interleaved as w13's rows."""
+    if not isinstance(w1_bias, torch.Tensor) or w1_bias.dim() != 2 or w1_bias.shape[1] % 2:
+        got = tuple(w1_bias.shape) if isinstance(w1_bias, torch.Tensor) else type(w1_bias).__name__
+        raise KernelArgumentError(f"w1_bias must be an [experts, 2*intermediate] tensor with the gate half first, "
+                                  f"got {got}")
+    gate, up = w1_bias.to(torch.bfloat16).chunk(2, dim=1)
+    try:
+        return prepare_biases(gate.contiguous(), up.contiguous())
+    except ValueError as exc:
+        raise KernelArgumentError(f"w1_bias {tuple(w1_bias.shape)} cannot be prepared: {exc}") from None
 
 
 def prepare_fp8_gate_up(w1: torch.Tensor, w1_scale: torch.Tensor):
@@ -88,14 +102,18 @@ class PreparedCache:
         version = None if w.is_inference() else w._version
         return (w.data_ptr(), version, tuple(w.shape), tuple(w.stride()), w.dtype, w.device)
 
-    def get(self, w1: torch.Tensor, scale: torch.Tensor | None = None):
+    def get(self, w1: torch.Tensor, scale: torch.Tensor | None = None, bias: bool = False):
         """The prepared w13 of w1 (bf16), or with ``scale`` the prepared fp8 (w13, scales) pair
-        (prepare_fp8_gate_up): keyed by both tensors."""
-        key = self._key(w1) + (() if scale is None else self._key(scale))
+        (prepare_fp8_gate_up): keyed by both tensors; with bias=True, w1 is w1_bias and the
+        prepared b13 is returned (prepare_fused_bias)."""
+        key = self._key(w1) + (() if scale is None else self._key(scale)) + (("bias",) if bias else ())
         hit = self._entries.get(id(w1))
         if hit is not None and hit[0]() is w1 and hit[1] == key:
             return hit[2]
-        prepared = prepare_fused_gate_up(w1) if scale is None else prepare_fp8_gate_up(w1, scale)
+        if bias:
+            prepared = prepare_fused_bias(w1)
+        else:
+            prepared = prepare_fused_gate_up(w1) if scale is None else prepare_fp8_gate_up(w1, scale)
         ident = id(w1)
 
         def drop(ref, ident=ident, entries=self._entries):
@@ -121,7 +139,7 @@ _UNSUPPORTED = {  # argument -> what it asks for, refused when not at its defaul
     "per_channel_quant": "per-channel weight scales", "w1_zp": "quantized weights", "w2_zp": "quantized weights",
     "a1_scale": "static activation scales (the fp8 layers quantize x on the GPU, per token or per 1x128 block)",
     "a2_scale": "static activation scales (the fp8 layers quantize x on the GPU, per token or per 1x128 block)",
-    "w1_bias": "expert biases", "w2_bias": "expert biases", "no_combine": "uncombined per-expert outputs",
+    "no_combine": "uncombined per-expert outputs",
 }
 FP8_ARGS = ("use_fp8_w8a8", "w1_scale", "w2_scale", "block_shape")
 
@@ -130,7 +148,8 @@ def fused_experts(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tenso
                   topk_weights: torch.Tensor, topk_ids: torch.Tensor, inplace: bool = False,
                   activation: str = "silu", apply_router_weight_on_input: bool = False,
                   global_num_experts: int = -1, expert_map: torch.Tensor | None = None,
-                  routed_scaling_factor: float | None = None, **unsupported) -> torch.Tensor:
+                  routed_scaling_factor: float | None = None, w1_bias: torch.Tensor | None = None,
+                  w2_bias: torch.Tensor | None = None, **unsupported) -> torch.Tensor:
     """vLLM's/SGLang's fused_experts on the moe-aot kernels.
 
     hidden_states [M, H] bf16; w1 [E, 2I, H] bf16, gate rows first; w2 [E, H, I] bf16;
@@ -140,7 +159,9 @@ def fused_experts(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tenso
     scales the output. fp8 (use_fp8_w8a8=True): w1, w2 float8_e4m3fn with w1_scale / w2_scale per
     expert ([E], [E, 2] for gate and up) or, with block_shape=[128, 128], per 128x128 block (vLLM's
     layout, gate blocks first); x is quantized on the GPU (per token, or per 1x128 block), so
-    a1_scale / a2_scale are refused. Other quantizations, expert biases and uncombined output are refused.
+    a1_scale / a2_scale are refused. Expert biases (bf16 layers, gpt-oss with activation
+    "swigluoai"): w1_bias [E, 2I] (gate half first, interleaved once and cached like w1) and
+    w2_bias [E, H]. Other quantizations and uncombined output are refused.
     """
     fp8_args = {k: unsupported.pop(k) for k in FP8_ARGS if k in unsupported}
     for name, value in unsupported.items():
@@ -148,8 +169,8 @@ def fused_experts(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tenso
             raise KernelArgumentError(f"fused_experts got an unknown argument {name!r}")
         if value is not None and value is not False:
             raise KernelArgumentError(f"{name} asks for {_UNSUPPORTED[name]}, which the moe-aot kernels do not "
-                                      "compute yet (bf16, or fp8 with per-expert or 128x128-block scales, "
-                                      "without biases)")
+                                      "compute yet (bf16 with or without expert biases, or fp8 with per-expert "
+                                      "or 128x128-block scales)")
     use_fp8 = bool(fp8_args.get("use_fp8_w8a8"))
     if not use_fp8 and any(fp8_args.get(k) is not None for k in FP8_ARGS[1:]):
         raise KernelArgumentError("w1_scale, w2_scale and block_shape are fp8 arguments: pass use_fp8_w8a8=True")
@@ -188,6 +209,10 @@ def fused_experts(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tenso
                                       f"expert_map ({expert_map.shape[0]})")
         ids = map_experts(topk_ids, expert_map)
     ids = ids.to(torch.int32).contiguous()
+    if (w1_bias is None) != (w2_bias is None):
+        raise KernelArgumentError("expert biases come in pairs: give both w1_bias and w2_bias, or neither")
+    if use_fp8 and w1_bias is not None:
+        raise KernelArgumentError("expert biases (w1_bias, w2_bias) are built for bf16 experts only, not fp8")
     if use_fp8:
         w13, w13_scale = PREPARED.get(w1, fp8_args["w1_scale"])
         w2_scale = fp8_args["w2_scale"].float()
@@ -201,8 +226,10 @@ def fused_experts(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tenso
                                               ACTIVATION_NAMES[activation])
     else:
         w13 = PREPARED.get(w1)
+        b13 = None if w1_bias is None else PREPARED.get(w1_bias, bias=True)
+        b2 = None if w2_bias is None else w2_bias.to(torch.bfloat16).contiguous()
         out = torch.ops.moe_aot.fused_moe(hidden_states_in.contiguous(), w13, w2, weights.contiguous(), ids,
-                                          ACTIVATION_NAMES[activation])
+                                          ACTIVATION_NAMES[activation], b13, b2)
     if inplace:
         return hidden_states.copy_(out)
     return out
