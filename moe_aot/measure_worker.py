@@ -434,7 +434,8 @@ def _interrupt_once(signum, frame):
 def _device_worker(device: int, db_url: str, make_measurer, kwargs: dict, claims: str, events) -> None:
     import signal
 
-    signal.signal(signal.SIGINT, _interrupt_once)
+    if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:  # started with SIGINT ignored (nohup, &): keep it so
+        signal.signal(signal.SIGINT, _interrupt_once)
     tag = f"[gpu {device}]"
     try:
         measurer = make_measurer(device)
