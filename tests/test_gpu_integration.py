@@ -103,16 +103,25 @@ def test_fused_experts_matches_reference_every_row(gate_first_layer, tokens):
     spec, w1, w2, w13 = gate_first_layer
     x = torch.randn(tokens, spec.hidden, device=DEV, dtype=torch.bfloat16)
     tw, ids = random_routing(tokens, spec, DEV, skew=tokens > 1)
-    ref = moe_reference(x, w13, w2, tw, ids, spec.activation)
-    out = fused_experts(x, w1, w2, tw, ids.long())
+    kw, refb = {}, (None, None)
+    if spec.bias:  # gpt-oss: vLLM's w1_bias (gate half first) and w2_bias with its activation
+        from moe_aot.integrations.functional import prepare_fused_bias
+
+        gen = torch.Generator(device=DEV).manual_seed(tokens)
+        kw = dict(activation=spec.activation,
+                  w1_bias=torch.randn(spec.experts, 2 * spec.intermediate, device=DEV, generator=gen).bfloat16(),
+                  w2_bias=torch.randn(spec.experts, spec.hidden, device=DEV, generator=gen).bfloat16())
+        refb = (prepare_fused_bias(kw["w1_bias"]), kw["w2_bias"])
+    ref = moe_reference(x, w13, w2, tw, ids, spec.activation, 16, *refb)
+    out = fused_experts(x, w1, w2, tw, ids.long(), **kw)
     assert rel_err(out, ref) <= TOLERANCE and row_rel_err(out, ref) <= ROW_TOLERANCE, spec.label()
     # expert parallelism: this rank holds global experts E..2E-1 of 2E; the rest contribute nothing
     E = spec.experts
     emap = torch.cat([torch.full((E,), -1, dtype=torch.int32), torch.arange(E, dtype=torch.int32)]).to(DEV)
     gids = torch.where(torch.rand(ids.shape, device=DEV) < 0.5, ids + E, ids)
     local = torch.where(gids >= E, gids - E, torch.full_like(gids, -1))
-    out = fused_experts(x, w1, w2, tw, gids, global_num_experts=2 * E, expert_map=emap)
-    ref = moe_reference(x, w13, w2, tw, local, spec.activation)
+    out = fused_experts(x, w1, w2, tw, gids, global_num_experts=2 * E, expert_map=emap, **kw)
+    ref = moe_reference(x, w13, w2, tw, local, spec.activation, 16, *refb)
     assert rel_err(out, ref) <= TOLERANCE and row_rel_err(out, ref) <= ROW_TOLERANCE, spec.label()
 
 
@@ -311,6 +320,9 @@ def test_patched_transformers_model_matches_unpatched(store, family, capsys):
         for name in names:  # each block on the very input the original saw
             x, want = blocks_in[name]
             got = model.get_submodule(name)(x)
+            if isinstance(want, tuple):  # GPT-OSS's blocks return (hidden_states, router_scores)
+                assert torch.allclose(got[1].float(), want[1].float(), atol=1e-6), name
+                got, want = got[0], want[0]
             assert row_rel_err(got.reshape(-1, x.shape[-1]), want.reshape(-1, x.shape[-1])) <= ROW_TOLERANCE, name
         out = model(prefill).logits.float()
         t_new = (_time_ms(lambda: model(prefill)), _time_ms(lambda: model(decode)))

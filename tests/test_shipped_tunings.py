@@ -26,8 +26,11 @@ TUNED = ROOT / "cache" / "tuned" / "NVIDIA_H200.jsonl"
 # tuning_2026-12-01d is not among them: it measured GEMM1 kernels that were changed before
 # anything shipped (tools/results/NOTES.md). g, h and i are the first fp8 sessions (fp8 and
 # fp8-block128 at 1, 16, 256 and 4096 tokens; g: the two Qwen3 models, h: DeepSeek-V3, i: Mixtral).
+# j: gpt-oss-120b's seven buckets once the preset computed gpt-oss's clamped SwiGLU with expert
+# biases (a new workload key; the plain-SwiGLU records of that shape stay, as a custom layer's).
 SESSIONS = ("tuning_2026-12-01", "tuning_2026-12-01b", "tuning_2026-12-01c", "tuning_2026-12-01e",
-            "tuning_2026-12-01f", "tuning_2026-12-01g", "tuning_2026-12-01h", "tuning_2026-12-01i")
+            "tuning_2026-12-01f", "tuning_2026-12-01g", "tuning_2026-12-01h", "tuning_2026-12-01i",
+            "tuning_2026-12-01j")
 FP8_BUCKETS = (1, 16, 256, 4096)
 RECORD_FILES = [ROOT / "tools" / "results" / d / "all_records.json" for d in SESSIONS]
 
@@ -100,14 +103,15 @@ def test_committed_picks_are_derived_from_the_records_and_never_slower_than_the_
             pick_us = sorted(x["median_us"] for x in bucket if x["variant"] == r["variant"])
             assert len(pick_us) >= 3 and round(pick_us[0], 3) <= r["median_us"] <= round(pick_us[-1], 3), r
             assert r["median_us"] <= r["default_us"] <= max(default_us), r
-    assert len(rows) == 35 + 4 * 2 * len(FP8_BUCKETS)
+    assert len(rows) == 35 + 7 + 4 * 2 * len(FP8_BUCKETS)
     assert confirmed == len(rows) - 4  # every bucket had a round but four fp8 ones (above)
 
 
 def test_committed_picks_are_valid_variants():
     rows = [json.loads(line) for line in TUNED.read_text().splitlines() if line.strip()]
-    # bf16: five models x seven buckets; fp8 and fp8-block128: four models x four buckets
-    assert len(rows) == 35 + 2 * 4 * len(FP8_BUCKETS)
+    # bf16: five models x seven buckets (and gpt-oss's shape with plain SwiGLU); fp8 and
+    # fp8-block128: four models x four buckets
+    assert len(rows) == 35 + 7 + 2 * 4 * len(FP8_BUCKETS)
     for r in rows:
         assert r["gpu"] == "NVIDIA H200" and r["target"] == "sm_90a" and r["median_us"] > 0
         v = LayerVariant.parse(r["variant"])

@@ -36,9 +36,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from moe_aot.runtime.layer import MoeLayer  # noqa: E402
 from moe_aot.runtime.measure import graph_times_us, input_sets, measure_variant  # noqa: E402
-from moe_aot.runtime.reference import moe_reference, rel_err, split_gate_up  # noqa: E402
+from moe_aot.runtime.reference import glu_fn, rel_err, split_gate_up  # noqa: E402
 from moe_aot.runtime.store import KernelStore  # noqa: E402
-from moe_aot.runtime.verify import random_weights  # noqa: E402
+from moe_aot.runtime.verify import layer_reference, random_weights, unbias  # noqa: E402
 from moe_aot.spec import BENCH_TOKENS, PRESETS, make_spec  # noqa: E402
 from moe_aot.variants import default_variant  # noqa: E402
 
@@ -61,8 +61,9 @@ def matmul_rate() -> float:
     return 2 * 8192 ** 3 / statistics.median(times)
 
 
-def torch_unfused(x, w_gate_up_t, w2_t, tw, ids, experts):
-    """The unfused PyTorch path most model code runs (grouped GEMMs from torch itself)."""
+def torch_unfused(x, w_gate_up_t, w2_t, tw, ids, experts, glu=None, b_gate_up=None, b2=None):
+    """The unfused PyTorch path most model code runs (grouped GEMMs from torch itself); glu(g, u)
+    (default SwiGLU) and the expert biases [E, 2I] (gate half first) / [E, H] as the layer has them."""
     M, K = ids.shape
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
@@ -72,9 +73,14 @@ def torch_unfused(x, w_gate_up_t, w2_t, tw, ids, experts):
     offs = torch.cumsum(counts, 0).to(torch.int32)
     a = x[tok]
     gu = torch._grouped_mm(a, w_gate_up_t, offs=offs)
+    e_sorted = flat[order].long()
+    if b_gate_up is not None:
+        gu = gu + b_gate_up[e_sorted]
     g, u = gu.chunk(2, dim=-1)
-    h = torch.nn.functional.silu(g) * u
+    h = torch.nn.functional.silu(g) * u if glu is None else glu(g.float(), u.float()).to(g.dtype)
     y = torch._grouped_mm(h, w2_t, offs=offs)
+    if b2 is not None:
+        y = y + b2[e_sorted]
     y = y * tw.reshape(-1)[order].unsqueeze(1).to(y.dtype)
     out = torch.zeros(M, x.shape[1], device=x.device, dtype=torch.float32)
     out.index_add_(0, tok, y.float())
@@ -116,10 +122,13 @@ def bench_model(name: str, tokens_list, replays: int, rate: float, store, pdl: b
     spec = make_spec(name, target="sm_90a")
     layer = MoeLayer(spec, store)
     dev = layer.device
-    w13, w2 = random_weights(spec, dev)
-    gate, up = split_gate_up(w13)
+    w13, w2 = random_weights(spec, dev)  # (weights, biases) pairs for gpt-oss (bias=True)
+    W13, b13, W2, b2 = unbias(spec, w13, w2)
+    gate, up = split_gate_up(W13)
     w_gu_t = torch.cat([gate, up], dim=1).transpose(1, 2)  # [E, H, 2I] view of an [E, 2I, H] tensor
-    w2_t = w2.transpose(1, 2)  # [E, I, H]
+    w2_t = W2.transpose(1, 2)  # [E, I, H]
+    b_gu = None if b13 is None else torch.cat(split_gate_up(b13.unsqueeze(-1)), dim=1).squeeze(-1)
+    unfused_kw = dict(glu=glu_fn(spec.activation), b_gate_up=b_gu, b2=b2)
     rows = []
     for M in tokens_list:
         sets = input_sets(spec, M, dev)
@@ -128,9 +137,9 @@ def bench_model(name: str, tokens_list, replays: int, rate: float, store, pdl: b
         x, tw, ids, out = sets[0]
         out.fill_(float("nan"))
         layer.forward(x, w13, w2, tw, ids, out=out)
-        ref = moe_reference(x, w13, w2, tw, ids, spec.activation)
+        ref = layer_reference(spec, x, w13, w2, tw, ids)
         err = rel_err(out, ref)
-        t_err = rel_err(torch_unfused(x, w_gu_t, w2_t, tw, ids, spec.experts), ref)
+        t_err = rel_err(torch_unfused(x, w_gu_t, w2_t, tw, ids, spec.experts, **unfused_kw), ref)
         del ref
         # the model's tensors bound as defaults: they are deleted (del below) once the model is done
         ours = graph_time_us([lambda s=s, lay=layer, w=(w13, w2): lay.forward(s[0], *w, s[1], s[2], out=s[3],
@@ -139,7 +148,7 @@ def bench_model(name: str, tokens_list, replays: int, rate: float, store, pdl: b
         selected = statistics.mean(int(torch.unique(s[2]).numel()) for s in sets)
         # each GEMM alone, right after the layer's replays (the same sustained clock state)
         gemms = gemm_times(layer, M, replays, spec, selected)
-        theirs = graph_time_us([lambda s=s: torch_unfused(s[0], w_gu_t, w2_t, s[1], s[2], spec.experts)
+        theirs = graph_time_us([lambda s=s: torch_unfused(s[0], w_gu_t, w2_t, s[1], s[2], spec.experts, **unfused_kw)
                                 for s in sets], replays)
         flops = 6 * M * spec.top_k * spec.hidden * spec.intermediate
         bytes_ = selected * 3 * spec.hidden * spec.intermediate * 2 + 2 * M * spec.hidden * 2
@@ -176,7 +185,7 @@ def bench_model(name: str, tokens_list, replays: int, rate: float, store, pdl: b
         rows.append(row)
         print(f"{name:16} M={M:6} ours {ours:9.1f} us  floor {floor:9.1f}  torch {theirs:9.1f}  "
               f"ours/floor {ours / floor:5.2f}  torch/ours {theirs / ours:5.2f}  err {err:.1e}", flush=True)
-    del w13, w2, layer
+    del w13, w2, W13, W2, layer
     torch.cuda.empty_cache()
     return rows
 

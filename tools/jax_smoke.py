@@ -145,6 +145,9 @@ def main(argv=None) -> int:
     print(json.dumps({k: report[k] for k in ("jax", "jaxlib", "xla_flags", "device")}), flush=True)
     try:
         report["shim"] = str(mj.build_shim())
+        mj.register()
+        report["traits_registered"] = dict(mj.REGISTERED_TRAITS)
+        print(json.dumps({"traits_registered": report["traits_registered"]}), flush=True)
         spec = make_spec(ns.model, target="sm_90a")
         key = jax.random.PRNGKey(0)
         w13, w2 = weights(key, spec)

@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import importlib
 import os
 import shutil
 import subprocess
@@ -312,6 +313,7 @@ _TARGETS = {"9.0": "sm_90a", "10.0": "sm_100a", "12.1": "sm_121a"}
 # -- the shim: built once per machine, loaded and registered once per process ----------------------
 _lock = threading.RLock()
 _shim_lib = None
+REGISTERED_TRAITS: dict = {}  # target -> whether its registration carried the command-buffer trait
 _registered: set[tuple[str, str]] = set()
 
 
@@ -380,16 +382,21 @@ def register(platform: str = "CUDA", unpack_dir=None) -> None:
         except TypeError:  # a jaxlib whose registration takes no traits: the metadata answer declares it
             if not kwargs:
                 raise
+            kwargs = {}
             jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(fn), platform=platform, api_version=1)
+        REGISTERED_TRAITS[target] = "traits" in kwargs  # for diagnostics (tools/jax_smoke.py)
         _registered.add((target, platform))
 
 
 def _xla_client():
-    try:
-        from jaxlib import xla_client
-    except ImportError:  # a jaxlib without it: the handler's metadata still declares the trait
-        return None
-    return xla_client
+    for name in ("jaxlib.xla_client", "jax._src.lib.xla_client"):
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        if hasattr(module, "CustomCallTargetTraits"):
+            return module
+    return None  # a jaxlib without it: the handler's metadata still declares the trait
 
 
 # -- plans: one per (layer, tokens, device, argument set), made at trace time -----------------------
