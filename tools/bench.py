@@ -87,8 +87,11 @@ def torch_unfused(x, w_gate_up_t, w2_t, tw, ids, experts, glu=None, b_gate_up=No
     return out.to(torch.bfloat16)
 
 
-def graph_time_us(fns, replays: int) -> float:
-    return statistics.median(graph_times_us(fns, replays))
+WARMUP_S = 0.25  # untimed replays before each point's first timing (the clocks after the previous point)
+
+
+def graph_time_us(fns, replays: int, warmup_s: float = 0.0) -> float:
+    return statistics.median(graph_times_us(fns, replays, warmup_s))
 
 
 def gemm_times(layer, M, replays: int, spec, selected: float) -> dict:
@@ -144,7 +147,7 @@ def bench_model(name: str, tokens_list, replays: int, rate: float, store, pdl: b
         # the model's tensors bound as defaults: they are deleted (del below) once the model is done
         ours = graph_time_us([lambda s=s, lay=layer, w=(w13, w2): lay.forward(s[0], *w, s[1], s[2], out=s[3],
                                                                             workspace=lay.workspace(M))
-                              for s in sets], replays)
+                              for s in sets], replays, WARMUP_S)
         selected = statistics.mean(int(torch.unique(s[2]).numel()) for s in sets)
         # each GEMM alone, right after the layer's replays (the same sustained clock state)
         gemms = gemm_times(layer, M, replays, spec, selected)

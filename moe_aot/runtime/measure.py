@@ -5,6 +5,7 @@ against the fp32 reference on a NaN-poisoned output."""
 from __future__ import annotations
 
 import statistics
+import time
 
 import torch
 
@@ -16,8 +17,10 @@ from .verify import TOLERANCE, layer_reference, random_routing
 INPUT_SETS = 4
 
 
-def graph_times_us(fns, replays: int) -> list[float]:
-    """Per-replay times (µs) of CUDA graphs of `fns`, replayed in turn on the current stream."""
+def graph_times_us(fns, replays: int, warmup_s: float = 0.0) -> list[float]:
+    """Per-replay times (µs) of CUDA graphs of `fns`, replayed in turn on the current stream;
+    with warmup_s, the graphs are first replayed untimed for about that long (the GPU's clocks
+    settle after a change of load, e.g. from one model's largest point to the next's smallest)."""
     graphs = []
     side = torch.cuda.Stream()
     for fn in fns:
@@ -32,6 +35,12 @@ def graph_times_us(fns, replays: int) -> list[float]:
     for g in graphs:
         g.replay()
     torch.cuda.synchronize()
+    if warmup_s > 0:
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < warmup_s:
+            for g in graphs:
+                g.replay()
+            torch.cuda.synchronize()
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(replays)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(replays)]
     for i in range(replays):
