@@ -321,7 +321,8 @@ def test_patched_transformers_model_matches_unpatched(store, family, capsys):
             x, want = blocks_in[name]
             got = model.get_submodule(name)(x)
             if isinstance(want, tuple):  # GPT-OSS's blocks return (hidden_states, router_scores)
-                assert torch.allclose(got[1].float(), want[1].float(), atol=1e-6), name
+                # transformers' softmax runs in the model's bf16, ours in fp32
+                assert torch.allclose(got[1].float(), want[1].float(), atol=4e-3), name
                 got, want = got[0], want[0]
             assert row_rel_err(got.reshape(-1, x.shape[-1]), want.reshape(-1, x.shape[-1])) <= ROW_TOLERANCE, name
         out = model(prefill).logits.float()

@@ -234,8 +234,8 @@ def test_gpt_oss_clamps_and_biases(store, tokens):
     tw, ids = random_routing(tokens, spec, layer.device)
     e = int(ids[0, 0])
     gate, up = (w[0].float() for w in split_gate_up(w13[e:e + 1]))
-    g = x[:1].float() @ gate[0].t()
-    u = x[:1].float() @ up[0].t()
+    g = x[:1].float() @ gate.t()
+    u = x[:1].float() @ up.t()
     assert (g > 7).float().mean() > 0.05 and (u.abs() > 7).float().mean() > 0.05  # both clamps bite
     for lay in (layer, MoeLayer(spec, store, device=layer.device.index,
                                 variants={tokens: default_variant(spec, tokens)})):
