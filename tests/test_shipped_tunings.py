@@ -28,9 +28,12 @@ TUNED = ROOT / "cache" / "tuned" / "NVIDIA_H200.jsonl"
 # fp8-block128 at 1, 16, 256 and 4096 tokens; g: the two Qwen3 models, h: DeepSeek-V3, i: Mixtral).
 # j: gpt-oss-120b's seven buckets once the preset computed gpt-oss's clamped SwiGLU with expert
 # biases (a new workload key; the plain-SwiGLU records of that shape stay, as a custom layer's).
+# l: the 1- and 16-token buckets of the other four models, each with its shipped pick and the
+# best of round k (128-wide k-tiles, 6 and 8 stages) beside the default. tuning_2026-12-01k is not
+# among them: it left the shipped picks out, so it could not say whether its best beat them.
 SESSIONS = ("tuning_2026-12-01", "tuning_2026-12-01b", "tuning_2026-12-01c", "tuning_2026-12-01e",
             "tuning_2026-12-01f", "tuning_2026-12-01g", "tuning_2026-12-01h", "tuning_2026-12-01i",
-            "tuning_2026-12-01j")
+            "tuning_2026-12-01j", "tuning_2026-12-01l")
 FP8_BUCKETS = (1, 16, 256, 4096)
 RECORD_FILES = [ROOT / "tools" / "results" / d / "all_records.json" for d in SESSIONS]
 
