@@ -14,10 +14,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import field
 
 from . import gemm_limits as limits
-from .spec import BENCH_TOKENS, LayerSpec
+from .spec import BENCH_TOKENS, LayerSpec, value_class
 
 # Which MMA families each target offers the tuner (what each can be built with, shared memory
 # included: gemm_limits.py, the templates' own rules). "hopws"
@@ -43,7 +43,7 @@ def arch_tag(target: str) -> str:
     return target.replace("_", "")
 
 
-@dataclass(frozen=True, order=True)
+@value_class(order=True)
 class GemmTiles:
     """Tunables of one grouped GEMM (tile_m lives in the LayerVariant: routing shares it)."""
     tile_n: int = 128
@@ -53,6 +53,9 @@ class GemmTiles:
     # CTAs per cluster along M (hopws only): 2 multicasts each weight tile to two M tiles of one
     # expert. Named only when > 1, so every cluster-1 name (and database key) is unchanged.
     cluster: int = 1
+
+    def __init__(self, tile_n: int = 128, tile_k: int = 64, stages: int = 3, mma: str = "warp", cluster: int = 1):
+        vars(self).update(tile_n=tile_n, tile_k=tile_k, stages=stages, mma=mma, cluster=cluster)
 
     @property
     def tag(self) -> str:
@@ -70,27 +73,38 @@ class GemmTiles:
                 + ((("precision", precision),) if precision != "bf16" else ()))
 
 
-@dataclass(frozen=True)
+@value_class
 class KernelVariant:
     """One kernel to compile: its role, canonical name and the template's constructor arguments."""
     role: str  # "routing" | "glu" | "down" | "combine"
     name: str
     params: tuple = field(compare=False)  # ((key, value), ...) in constructor order
 
+    def __init__(self, role: str, name: str, params: tuple):
+        vars(self).update(role=role, name=name, params=params)
+
     def kwargs(self) -> dict:
         return dict(self.params)
 
 
-@dataclass(frozen=True)
+_DEFAULT_TILES = GemmTiles()
+
+
+@value_class
 class LayerVariant:
+    """Every compile-time choice of a layer's kernels; its name is its database key."""
     tile_m: int = 64
-    glu: GemmTiles = GemmTiles()
-    down: GemmTiles = GemmTiles()
+    glu: GemmTiles = _DEFAULT_TILES
+    down: GemmTiles = _DEFAULT_TILES
     route_cluster: int = 1  # CTAs of the routing kernel's cluster: 1 for few tokens, 8-16 for many
     # Programmatic dependent launch: GEMM1, GEMM2 and the combine launch while their predecessor
     # still runs and wait on the chip (griddepcontrol); GEMM2 fetches its first weight k-tiles
     # before that wait. Off in the defaults until measured on the GPU.
     pdl: bool = False
+
+    def __init__(self, tile_m: int = 64, glu: GemmTiles = _DEFAULT_TILES, down: GemmTiles = _DEFAULT_TILES,
+                 route_cluster: int = 1, pdl: bool = False):
+        vars(self).update(tile_m=tile_m, glu=glu, down=down, route_cluster=route_cluster, pdl=pdl)
 
     def name(self, spec: LayerSpec) -> str:
         return (f"moe_layer_{arch_tag(spec.target)}_{spec.precision_tag}_{spec.shape_tag}_{spec.activation}"

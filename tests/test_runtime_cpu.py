@@ -678,3 +678,32 @@ def test_repeated_fp8_forward_launches_with_the_new_pointers(small_fp8_db, tmp_p
     with pytest.raises(KernelArgumentError, match="w13 scales must have shape"):
         layer.forward(x, (w13, w13s[:, :1]), (w2, w2s), tw, ids, out=out2)
     assert ctypes.c_long.in_dll(libs["glu"]._lib, "calls").value == calls  # refused before any launch
+
+
+def test_last_plan_is_used_only_for_its_own_size_workspace_and_picks(recording_layer):
+    """The bf16 fast path tries the plan used last first: another token count, another workspace
+    or another picks dict must each get (or build) their own plan, never launch with it."""
+    from moe_aot.runtime.layer import Workspace
+
+    layer, args = recording_layer
+    route = layer.kernels(16)[1]
+    def at(M, **kw):
+        a = [t[:M] if t.shape[0] == 16 and t.dim() == 2 and t.shape[1] in (2, 256) and i in (0, 3, 4) else t
+             for i, t in enumerate(args)]
+        out = torch.zeros(M, 256, dtype=torch.bfloat16)
+        assert layer.forward(*a, out=out, **kw) is out
+        return layer._last
+    p16 = at(16)
+    p8 = at(8)
+    assert (p16.M, p8.M) == (16, 8) and p8 is not p16
+    assert at(16) is p16 and at(8) is p8  # found again by size, each time the right plan
+    ws2 = Workspace.allocate(layer.spec, 16, torch.device("cpu"))
+    p_ws2 = at(16, workspace=ws2)
+    assert p_ws2.ws is ws2 and p_ws2 is not p16
+    assert _seen(route._lib, 2)[1] == ws2.counts.data_ptr()  # routing counted into the given workspace
+    assert at(16) is p16 and _seen(route._lib, 2)[1] == layer._workspace.counts.data_ptr()
+    layer.variants = {16: default_variant(layer.spec, 16)}  # other picks: the plan is not tried first
+    calls = []
+    p16.run = lambda *a: calls.append(a)
+    at(16)
+    assert not calls

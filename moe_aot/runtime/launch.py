@@ -14,6 +14,7 @@ import ctypes
 import hashlib
 import os
 import shutil
+import struct
 import subprocess
 import tempfile
 import threading
@@ -35,13 +36,12 @@ struct plan {
     int n;
     void **dst[10];
     int src[10];
+    void *args[9]; /* x, w13, w2, tw, ids, out, b13, b2, stream: written by the caller before each call */
 };
-int moe_aot_launch(struct plan *p, void *x, void *w13, void *w2, void *tw, void *ids, void *out, void *b13,
-                   void *b2, void *stream) {
-    void *src[8] = {x, w13, w2, tw, ids, out, b13, b2};
-    for (int i = 0; i < p->n; i++) *p->dst[i] = src[p->src[i]];
+int moe_aot_launch(struct plan *p) {
+    for (int i = 0; i < p->n; i++) *p->dst[i] = p->args[p->src[i]];
     for (int k = 0; k < 4; k++) {
-        *p->stream[k] = stream;
+        *p->stream[k] = p->args[8];
         *p->ret[k] = 0;
         p->run[k](p->packed[k]);
         if (*p->ret[k]) return k + 1;
@@ -54,7 +54,13 @@ int moe_aot_launch(struct plan *p, void *x, void *w13, void *w2, void *tw, void 
 class _Plan(ctypes.Structure):
     _fields_ = [("run", ctypes.c_void_p * 4), ("packed", ctypes.c_void_p * 4), ("stream", ctypes.c_void_p * 4),
                 ("ret", ctypes.c_void_p * 4), ("n", ctypes.c_int), ("dst", ctypes.c_void_p * 10),
-                ("src", ctypes.c_int * 10)]
+                ("src", ctypes.c_int * 10), ("args", ctypes.c_void_p * 9)]
+
+
+# The call's nine pointers go into the plan's `args` with one pack_into, and the launcher takes
+# the plan alone: converting nine ctypes arguments cost more than the four launches' Python did.
+_pack_args = struct.Struct("@9P").pack_into
+_ARGS_OFFSET = _Plan.args.offset
 
 
 # Which kernel arguments each caller tensor feeds, by the kernels' own argument names: per caller
@@ -127,7 +133,7 @@ def _build(path: Path):
         fn = ctypes.CDLL(str(path), mode=ctypes.RTLD_LOCAL).moe_aot_launch
     except (OSError, subprocess.SubprocessError):
         return False
-    fn.argtypes = [ctypes.c_void_p] * 10
+    fn.argtypes = [ctypes.c_void_p]
     fn.restype = ctypes.c_int
     return fn
 
@@ -146,12 +152,17 @@ class LayerPlan:
     16-byte alignment) and launches only if every one passes; otherwise it returns None and the
     caller takes the checked slow path, which names what is wrong."""
 
-    def __init__(self, ws, bound: tuple[BoundLaunch, ...], spec, M: int, device: torch.device, unpack_dir=None):
+    def __init__(self, ws, bound: tuple[BoundLaunch, ...], spec, M: int, device: torch.device, unpack_dir=None,
+                 variants=None):
         self.ws, self.bound, self.device, self.M = ws, bound, device, M
+        self.variants = variants  # the picks it was made from (MoeLayer checks it is still the same dict)
         self.index = device.index
         self.shapes = ((M, spec.hidden), (spec.experts, 2 * spec.intermediate, spec.hidden),
                        (spec.experts, spec.hidden, spec.intermediate), (M, spec.top_k), (M, spec.top_k),
                        (M, spec.hidden))
+        self._in_shapes = self.shapes[:5]
+        self._in_dtypes = (torch.bfloat16,) * 3 + (torch.float32, torch.int32)
+        self._devices = (device,) * 5
         self.out_shape = torch.Size(self.shapes[5])
         self.bias = spec.bias
         self.bias_shapes = ((spec.experts, 2 * spec.intermediate), (spec.experts, spec.hidden))
@@ -183,49 +194,53 @@ class LayerPlan:
         return self._plan is not None
 
     def run(self, x, w13, w2, tw, ids, out, b13=None, b2=None):
-        T, dev, (sx, s13, s2, stw, sids, sout) = torch.Tensor, self.device, self.shapes
-        bf = torch.bfloat16
+        # Each group of checks is one tuple comparison (dtypes compare by identity, devices by
+        # type and index, shapes element-wise): the same checks in fewer Python steps.
+        T, dev, bf = torch.Tensor, self.device, torch.bfloat16
         if not (isinstance(x, T) and isinstance(w13, T) and isinstance(w2, T) and isinstance(tw, T)
                 and isinstance(ids, T)
-                and x.shape == sx and w13.shape == s13 and w2.shape == s2 and tw.shape == stw and ids.shape == sids
-                and x.dtype is bf and w13.dtype is bf and w2.dtype is bf and tw.dtype is torch.float32
-                and ids.dtype is torch.int32
-                and x.device == dev and w13.device == dev and w2.device == dev and tw.device == dev
-                and ids.device == dev
+                and (x.shape, w13.shape, w2.shape, tw.shape, ids.shape) == self._in_shapes
+                and (x.dtype, w13.dtype, w2.dtype, tw.dtype, ids.dtype) == self._in_dtypes
+                and (x.device, w13.device, w2.device, tw.device, ids.device) == self._devices
                 and x.is_contiguous() and w13.is_contiguous() and w2.is_contiguous() and tw.is_contiguous()
                 and ids.is_contiguous()):
             return None
         if out is None:
-            out = torch.empty(self.out_shape, dtype=bf, device=dev)
-        elif not (isinstance(out, T) and out.shape == sout and out.dtype is bf and out.device == dev
+            # x.new_empty is torch.empty with x's dtype and device (both checked to be the
+            # layer's), parsed in half the time; a subclass of Tensor could answer it differently
+            out = x.new_empty(self.out_shape) if type(x) is T else torch.empty(self.out_shape, dtype=bf, device=dev)
+        elif not (isinstance(out, T) and out.shape == self.shapes[5] and out.dtype is bf and out.device == dev
                   and out.is_contiguous()):
             return None
         if self.bias:
-            sb13, sb2 = self.bias_shapes
-            if not (isinstance(b13, T) and isinstance(b2, T) and b13.shape == sb13 and b2.shape == sb2
+            if not (isinstance(b13, T) and isinstance(b2, T) and (b13.shape, b2.shape) == self.bias_shapes
                     and b13.dtype is bf and b2.dtype is bf and b13.device == dev and b2.device == dev
                     and b13.is_contiguous() and b2.is_contiguous()):
                 return None
-            p = (x.data_ptr(), w13.data_ptr(), w2.data_ptr(), tw.data_ptr(), ids.data_ptr(), out.data_ptr(),
-                 b13.data_ptr(), b2.data_ptr())
+            p6, p7 = b13.data_ptr(), b2.data_ptr()
         elif b13 is not None or b2 is not None:
             return None
         else:
-            p = (x.data_ptr(), w13.data_ptr(), w2.data_ptr(), tw.data_ptr(), ids.data_ptr(), out.data_ptr(), 0, 0)
-        if (p[0] | p[1] | p[2] | p[3] | p[4] | p[5] | p[6] | p[7]) & 15:
+            p6 = p7 = 0
+        p0, p1, p2, p3, p4, p5 = x.data_ptr(), w13.data_ptr(), w2.data_ptr(), tw.data_ptr(), ids.data_ptr(), \
+            out.data_ptr()
+        if (p0 | p1 | p2 | p3 | p4 | p5 | p6 | p7) & 15:
             return None
-        stream = current_stream(self.index if self.index is not None else torch.cuda.current_device())
+        index = self.index if self.index is not None else torch.cuda.current_device()
+        stream = _raw_stream(index) if _raw_stream is not None else torch.cuda.current_stream(index).cuda_stream
         if self._plan is None and _native_fn:  # compiled in the background since this plan was made
             self._attach(_native_fn)
         if self._plan is not None:
-            failed = self._fn(self._plan_ptr, *p, stream)
+            _pack_args(self._plan, _ARGS_OFFSET, p0, p1, p2, p3, p4, p5, p6, p7, stream)
+            failed = self._fn(self._plan_ptr)
             if failed:
                 b = self.bound[failed - 1]
                 raise KernelLaunchError(f"{b._lib.name}: launch failed (cudaError {b._ret.value})", b._ret.value)
             return out
-        route, glu, down, comb = self.bound
+        p = (p0, p1, p2, p3, p4, p5, p6, p7)
         for i, k, a in self._feeds:
             self.bound[k]._structs[a].data = p[i]
+        route, glu, down, comb = self.bound
         route(stream)
         glu(stream)
         down(stream)
