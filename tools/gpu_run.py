@@ -249,7 +249,7 @@ def main():
 
     if ns.tests:
         cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-rfE", "-p", "no:cacheprovider",
-               f"--junitxml={out / 'gpu_tests.xml'}", *ns.test_files.split(","), *ns.test_args.split()]
+               f"--junitxml={out / 'gpu_tests.xml'}", *ns.test_files.split(","), *shlex.split(ns.test_args)]
         rc, log, secs = sh(cmd, log=out / "gpu_tests.log", env=env, timeout=540)
         summary["tests"] = {"rc": rc, "seconds": round(secs, 1), "tail": log.strip().splitlines()[-1:]}
         print(log[-6000:], flush=True)
