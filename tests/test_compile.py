@@ -103,12 +103,12 @@ def test_compile_kernel_tells_a_template_bug_from_a_refusal():
 
     class Bug(GroupedDownGemm):
         @cute.jit
-        def _epilogue(self, etid, sC, mIds, mTopkW, mY, row0, bn):
+        def _epilogue(self, etid, sC, epi, row0, bn, expert):
             undefined_in_template(etid)  # noqa: F821
 
     class Refusal(GroupedDownGemm):
         @cute.jit
-        def _epilogue(self, etid, sC, mIds, mTopkW, mY, row0, bn):
+        def _epilogue(self, etid, sC, epi, row0, bn, expert):
             assert self.tile_n > 4096, "this shape is refused at compile time"
 
     kw = dict(tile_m=64, tile_n=64, tile_k=64, stages=3)
