@@ -69,7 +69,9 @@ def spec_options(f):
         click.option("--top-k", "top_k", type=int, help="Experts per token (overrides --model's, as --experts)."),
         click.option("--hidden", type=int, help="Hidden size H (overrides --model's, as --experts)."),
         click.option("--intermediate", type=int, help="Intermediate size I per expert (overrides --model's)."),
-        click.option("--activation", default=None, help="swiglu (default) or geglu."),
+        click.option("--activation", default=None,
+                     help="swiglu (default), geglu or swigluoai (gpt-oss's clamped SwiGLU); expert biases "
+                          "come with a preset (gpt-oss-120b) or `bias = true` in a --spec file."),
         click.option("--precision", default=None,
                      help="bf16 (default); on sm_90a also fp8 (per-tensor weights, per-token x) and fp8-block128 "
                           "(DeepSeek-V3-style 128x128 weight blocks); mxfp8, nvfp4 are not yet supported."),
