@@ -4,7 +4,9 @@
         [--command-buffers] [--json out.json]
 
 For each token count: the plan (variant, key, workspace shapes), whether the custom call sits in
-one of XLA's command buffers (from the optimized HLO), the error against the fp32 jnp reference
+one of XLA's command buffers (from the thunk sequence XLA dumps after its thunk passes, where
+command buffers are formed; tools/jax_cmdbuf_probe.py tries several flag sets and times them),
+the error against the fp32 jnp reference
 on fresh random inputs with the output poisoned with NaN (every row), and whether dispatching
 the call waited for the GPU (it must not: a long matmul chain queued before it is still running
 when the call returns). --command-buffers turns on XLA's command buffers for custom calls
@@ -73,19 +75,22 @@ def weights(key, spec):
     return w13, w2
 
 
-def hlo_placement(text: str, target: str) -> dict:
-    """The computations of an optimized HLO module that hold the custom call, and whether one
-    of them is a command buffer (XLA outlines each command buffer into a computation so named)."""
-    blocks, name = {}, None
-    for line in text.splitlines():
-        if line and not line[0].isspace() and line.rstrip().endswith("{"):
-            parts = line.split()
-            name = parts[1] if parts[0] == "ENTRY" else parts[0]
-            blocks[name] = []
-        elif name is not None:
-            blocks[name].append(line)
-    holders = [n for n, body in blocks.items() if any(f'custom_call_target="{target}"' in ln for ln in body)]
-    return {"computations": holders, "in_command_buffer": any("command_buffer" in n for n in holders)}
+def hlo_placement(text: str, target: str, dump_dir=None, module: str | None = None) -> dict:
+    """The computations of an optimized HLO module that hold the custom call, and whether the
+    call ends inside a command buffer. XLA forms command buffers on the thunk sequence after
+    compilation (CommandBufferConversionPass), so the HLO never shows them: with `dump_dir` (the
+    run's --xla_dump_to) and the module's name the answer is read from the dumped thunk sequence
+    (tools/jax_cmdbuf_probe.py); without, from HLO computation names (older XLA outlined command
+    buffers into computations so named)."""
+    from jax_cmdbuf_probe import hlo_placement as hlo, thunk_placement
+
+    h = hlo(text, target)
+    out = {"computations": h["computations"], "in_command_buffer": h["hlo_command_buffer"]}
+    if dump_dir is not None and module is not None:
+        t = thunk_placement(dump_dir, module)
+        out["thunks"] = {k: t[k] for k in ("file", "kinds", "custom_calls")}
+        out["in_command_buffer"] = bool(t["in_command_buffer"]) or h["hlo_command_buffer"]
+    return out
 
 
 def dispatch_is_async(call, args, size: int = 8192, n: int = 60) -> dict:
@@ -126,10 +131,16 @@ def main(argv=None) -> int:
     ap.add_argument("--db", default=None, help="kernel database URL (default MOE_AOT_DB)")
     ap.add_argument("--json", default=None)
     ns = ap.parse_args(argv)
-    if ns.command_buffers:
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + CB_FLAGS).strip()
+    dump_dir = None
+    if ns.command_buffers:  # and a dump, where the thunk sequence says whether the call is in one
+        import tempfile
+
+        dump_dir = tempfile.mkdtemp(prefix="jax_smoke_dump_")
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + CB_FLAGS +
+                                   f" --xla_dump_to={dump_dir}").strip()
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
     import jax
     import jax.numpy as jnp
     import jaxlib
@@ -152,7 +163,10 @@ def main(argv=None) -> int:
         key = jax.random.PRNGKey(0)
         w13, w2 = weights(key, spec)
         ref_fn = jax.jit(mj.moe_reference)
-        f = jax.jit(lambda out, *a: mj.fused_moe(*a, out=out, db=ns.db), donate_argnums=0)
+        def smoke_call(out, *a):
+            return mj.fused_moe(*a, out=out, db=ns.db)
+
+        f = jax.jit(smoke_call, donate_argnums=0)
         for i, M in enumerate(int(t) for t in ns.tokens.split(",")):
             kind = ("uniform", "invalid", "skew")[i % 3]
             kx, kr = jax.random.split(jax.random.fold_in(key, M))
@@ -164,7 +178,7 @@ def main(argv=None) -> int:
             compiled = lowered.compile()  # what runs below: its HLO is what is inspected
             case = {"tokens": M, "routing": kind, "variant": plan.variant, "key": plan.key,
                     "results": {n: list(s) for n, (s, _) in plan.results.items()},
-                    **hlo_placement(compiled.as_text(), mj.TARGET)}
+                    **hlo_placement(compiled.as_text(), mj.TARGET, dump_dir, "jit_smoke_call")}
             out = compiled(poison, x, w13, w2, tw, ids)
             case.update(row_report(out, ref_fn(x, w13, w2, tw, ids)))
             case["ok"] = (case["n_nonfinite_rows"] == 0 and not case["zero_rows_nonzero"]

@@ -31,6 +31,12 @@ How it works, and why:
   of the custom call: XLA allocates them from its own buffer assignment and drops them after the
   call, so the handler allocates nothing, owns no memory, and the call is a pure function of its
   operands' addresses -- which is what lets XLA trace it into a command buffer (CUDA graph).
+  XLA forms command buffers on the thunk sequence after compilation (the thunk pass
+  CommandBufferConversionPass: a typed-FFI call is taken when CUSTOM_CALL is among
+  --xla_gpu_enable_command_buffer, its handler's registration carries the trait, and the run of
+  convertible thunks holds at least --xla_gpu_graph_min_graph_size of them, 5 by default), so the
+  optimized HLO never shows them: the dump's *.thunk_sequence_after_thunk_passes.txt does
+  (tools/jax_cmdbuf_probe.py).
 - Per call the handler finds the plan, checks each buffer's dtype and dims against it and every
   pointer's alignment against the kernel's assumption (before launching anything), copies the
   bound structs onto its stack, writes the data pointers into them and calls the kernels' host
@@ -379,8 +385,13 @@ def register(platform: str = "CUDA", unpack_dir=None) -> None:
             kwargs["traits"] = traits
         try:
             jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(fn), platform=platform, api_version=1, **kwargs)
-        except TypeError:  # a jaxlib whose registration takes no traits: the metadata answer declares it
-            if not kwargs:
+        except Exception as exc:
+            # A jaxlib whose registration takes no traits (TypeError), or a CUDA plugin that refuses
+            # them ("The plugin does not support custom call traits": jaxlib's gpu_plugin_extension
+            # before the plugin's traits-aware entry point). Either way the handler's metadata answer
+            # declares the trait: XLA's RegisterHandler ORs the traits it reads from the handler into
+            # the registration (xla/ffi/ffi_registry.cc), which the command-buffer conversion pass checks.
+            if not kwargs or not (isinstance(exc, TypeError) or "traits" in str(exc)):
                 raise
             kwargs = {}
             jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(fn), platform=platform, api_version=1)
