@@ -21,16 +21,19 @@ from .variants import KernelVariant, LayerVariant, can_implement
 
 
 def templates_hash() -> str:
-    """Hash of the kernel sources (the templates and the validity rules they import,
-    gemm_limits.py): editing either must never reuse a stale binary."""
+    """Hash of the kernel sources (the templates, the validity rules they import, gemm_limits.py,
+    and the CUDA runtime shim every library links, cudart_shim.c): editing any must never reuse a
+    stale binary."""
     import hashlib
 
     import moe_aot_templates
 
     from . import gemm_limits
+    from .kernel_build import CUDART_SHIM
 
     h = hashlib.sha256()
-    for path in sorted(Path(moe_aot_templates.__file__).parent.glob("*.py")) + [Path(gemm_limits.__file__)]:
+    for path in (sorted(Path(moe_aot_templates.__file__).parent.glob("*.py")) + [Path(gemm_limits.__file__)]
+                 + [CUDART_SHIM]):
         h.update(path.name.encode() + b"\0" + path.read_bytes())
     return h.hexdigest()[:12]
 

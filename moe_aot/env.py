@@ -6,9 +6,6 @@ MOE_AOT_CACHE_DIR  folder of the default SQLite database, of unpacked kernel lib
                    in a source checkout, else $XDG_CACHE_HOME/moe-aot (~/.cache/moe-aot).
 MOE_AOT_NATIVE_LAUNCH  0 to launch a layer's four kernels from Python instead of through the
                    small C launcher built at first use (runtime/launch.py; default 1).
-MOE_AOT_CUDA_HOME  CUDA toolkit root whose lib64/libcudart_static.a links kernel libraries
-                   (default: the pinned nvidia-cuda-runtime wheel, then CUDA_HOME, then
-                   /usr/local/cuda); only the compiler needs it.
 """
 from __future__ import annotations
 
@@ -41,25 +38,6 @@ def default_db_url() -> str:
 
 def native_launch() -> bool:
     return os.environ.get("MOE_AOT_NATIVE_LAUNCH", "1") != "0"
-
-
-def cudart_static() -> Path:
-    """CUDA's static runtime, linked into every kernel library. The first that exists of: the
-    toolkit MOE_AOT_CUDA_HOME names, the pinned wheel's copy, CUDA_HOME / CUDA_PATH, /usr/local/cuda;
-    the first candidate when none exists (the compiler reports it missing)."""
-    candidates = []
-    if os.environ.get("MOE_AOT_CUDA_HOME"):
-        candidates.append(Path(os.environ["MOE_AOT_CUDA_HOME"]) / "lib64" / "libcudart_static.a")
-    import importlib.util
-
-    spec = importlib.util.find_spec("nvidia")
-    for root in (spec.submodule_search_locations or []) if spec else []:
-        candidates.append(Path(root) / "cu13" / "lib" / "libcudart_static.a")
-    for var in ("CUDA_HOME", "CUDA_PATH"):
-        if os.environ.get(var):
-            candidates.append(Path(os.environ[var]) / "lib64" / "libcudart_static.a")
-    candidates.append(Path("/usr/local/cuda/lib64/libcudart_static.a"))
-    return next((c for c in candidates if c.exists()), candidates[0])
 
 
 def templates_dir() -> Path:

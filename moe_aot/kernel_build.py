@@ -2,7 +2,8 @@
 
 An artifact is everything the runtime needs and nothing of the DSL: a self-contained shared
 library (the DSL's exported host launcher with its embedded fatbin, linked against the DSL's tiny
-static runtime and CUDA's static cudart, so it needs only libcuda.so.1), the cubin and PTX for
+static runtime and the project's CUDA runtime shim `cudart_shim.c`, the runtime entry points
+those call written over the driver API, so it needs only libc and libcuda.so.1), the cubin and PTX for
 inspection, and metadata: the host ABI (entry points, one C struct per tensor argument), the
 compile-time assumptions the runtime must check before launching (static modes, divisibility,
 alignment) and the toolchain fingerprint.
@@ -23,11 +24,13 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import env
-
 # Baseline x86-64: the DSL's default host target is the build CPU (AVX-512 code can SIGILL elsewhere).
 HOST_TARGET_X86_64 = "llvm -mtriple=x86_64-unknown-linux-gnu -mcpu=x86-64"
-ARTIFACT_FORMAT = 1
+# 1: libraries linked with CUDA's static cudart; 2: with cudart_shim.c (same cubins, another host
+# link). The format is part of every artifact's toolchain key, so a build never reuses a format-1
+# library as a format-2 one.
+ARTIFACT_FORMAT = 2
+CUDART_SHIM = Path(__file__).resolve().parent / "cudart_shim.c"
 
 
 class KernelCompileError(RuntimeError):
@@ -104,6 +107,7 @@ def toolchain_fingerprint(arch: str, host_target: str = HOST_TARGET_X86_64) -> d
         "arch": arch,
         "host_target": host_target,
         "artifact_format": ARTIFACT_FORMAT,
+        "cudart_shim": shim_digest(),
     }
 
 
@@ -134,19 +138,30 @@ def _tensor_abi(name: str, fake) -> dict:
     }
 
 
+def shim_digest() -> str:
+    """sha256 of the CUDA runtime shim's source: part of the toolchain fingerprint, so a changed
+    shim is a new toolchain and never hides behind libraries linked with the old one."""
+    return hashlib.sha256(CUDART_SHIM.read_bytes()).hexdigest()
+
+
+def link_command(obj: Path, out: Path, runtime_dir: Path) -> list[str]:
+    """The host link of one kernel library: the DSL's exported object, the DSL's static runtime
+    (only the members the object needs are pulled in) and the CUDA runtime shim, compiled with
+    hidden visibility. -z defs: a cuda* function the shim lacks fails the link instead of the
+    launch. -Bsymbolic: the library's _cuda* calls bind to its own copies even beside other CUDA
+    users. libdl/libpthread only where glibc still splits them off (as-needed)."""
+    static_rt = runtime_dir / "libcuda_dialect_runtime_static.a"
+    return ["gcc", "-shared", "-fPIC", "-O2", "-fvisibility=hidden", "-o", str(out), str(obj), str(static_rt),
+            str(CUDART_SHIM), "-Wl,-z,defs", "-Wl,--as-needed", "-ldl", "-lpthread", "-Wl,--exclude-libs,ALL",
+            "-Wl,-Bsymbolic", "-s"]
+
+
 def _link(obj: Path, out: Path, runtime_dir: Path) -> None:
     static_rt = runtime_dir / "libcuda_dialect_runtime_static.a"
-    cudart = env.cudart_static()
-    for needed in (static_rt, cudart):
+    for needed in (static_rt, CUDART_SHIM):
         if not needed.exists():
-            raise KernelCompileError(
-                f"cannot link the kernel library: {needed} is missing "
-                "(install nvidia-cuda-runtime==13.0.96, or set MOE_AOT_CUDA_HOME to a CUDA 13 toolkit "
-                "that has lib64/libcudart_static.a)")
-    # -Bsymbolic: the library's _cuda* calls bind to its own copies even beside other CUDA users.
-    cmd = ["gcc", "-shared", "-fPIC", "-o", str(out), str(obj), str(static_rt), str(cudart),
-           "-ldl", "-lrt", "-lpthread", "-Wl,--exclude-libs,ALL", "-Wl,-Bsymbolic", "-s"]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+            raise KernelCompileError(f"cannot link the kernel library: {needed} is missing")
+    proc = subprocess.run(link_command(obj, out, runtime_dir), capture_output=True, text=True)
     if proc.returncode != 0:
         raise KernelCompileError(f"linking {out.name} failed: {proc.stderr.strip()[-2000:]}")
 

@@ -15,7 +15,10 @@ from ..spec import LayerSpec
 from ..variants import LayerVariant
 from .library import KernelLaunchError, KernelLibrary, cached_library, library_dir
 
-ARTIFACT_FORMATS = {1}
+# 1: linked with CUDA's static cudart, 2: with the project's runtime shim. Both load the same way
+# and both are self-contained, so a database compiled before the shim keeps working (the newest
+# build of a kernel is loaded; `moe-aot build` again gives format 2).
+ARTIFACT_FORMATS = {1, 2}
 
 
 
