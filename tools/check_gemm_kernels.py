@@ -31,11 +31,19 @@ MODELS = [
     ("deepseek_v3", 256, 8, 7168, 2048),
     ("mixtral_8x7b", 8, 2, 4096, 14336),
     ("qwen3_235b", 128, 8, 4096, 1536),
+    # GEMM1's shapes as GEMM2s (H = 2I, I = H): A by TMA from rows already in routed order, the
+    # upper bound of what a permute-then-TMA GEMM1 could reach (compare their down with the
+    # real model's glu)
+    ("qwen3_30b_a3b_sw", 128, 8, 1536, 2048),
+    ("gpt_oss_120b_sw", 128, 4, 5760, 2880),
+    ("mixtral_8x7b_sw", 8, 2, 28672, 4096),
+    ("qwen3_235b_sw", 128, 8, 3072, 4096),
 ]
 TOKENS = [1, 16, 256, 4096]
 INTERLEAVE = 16
 
-ALL = [m[0] for m in MODELS]
+ALL = [m[0] for m in MODELS if not m[0].endswith("_sw")]
+SWAPPED = [m[0] for m in MODELS if m[0].endswith("_sw")]
 # (tag, mma, models, activation, tile_m, glu tiles (n, k, stages), down tiles (n, k, stages),
 #  token counts); a tile_n that does not divide N falls back to the next of 256, 192, 128, 64
 CONFIGS = [
@@ -80,6 +88,11 @@ CONFIGS = [
     ("pp64n64", "hoppp", ALL, "swiglu", 64, (64, 64, 8), (64, 64, 8), [1, 16]),
     # ping-pong warpgroups owning 128x128 tiles (two 64-row wgmma blocks each)
     ("pp128", "hoppp", ALL, "swiglu", 128, (128, 64, 6), (128, 64, 6), [1, 256, 1024, 4096, 16384]),
+    # GEMM2s with GEMM1's shapes (the *_sw models): A by TMA in routed order, against each real GEMM1
+    ("hw128sw", "hopws", SWAPPED, "swiglu", 128, (256, 64, 4), (256, 64, 4), [4096]),
+    ("pp64sw", "hoppp", SWAPPED, "swiglu", 64, (256, 64, 5), (256, 64, 5), [4096]),
+    ("hwbigsw", "hopws", ["qwen3_30b_a3b_sw", "mixtral_8x7b_sw"], "swiglu", 128, (256, 64, 4),
+     (256, 64, 4), [16384]),
 ]
 
 
@@ -152,8 +165,8 @@ def run_all(kdir: Path, out_dir: Path, iters: int, tokens=None, only=None, model
     torch.backends.cuda.matmul.allow_tf32 = False
     out_dir.mkdir(parents=True, exist_ok=True)
     manifest = json.loads((kdir / "manifest.json").read_text())
-    if only:
-        manifest = [v for v in manifest if v["tag"] in only]
+    if only:  # in the order given, so that two runs can time A B and then B A
+        manifest = sorted((v for v in manifest if v["tag"] in only), key=lambda v: only.index(v["tag"]))
     if models:
         manifest = [v for v in manifest if v["model"] in models]
     # one model's weights at a time: variants of a model run back to back
