@@ -249,7 +249,7 @@ def _tuned_uses(db: Database, kernel: str) -> list[str]:
 @click.option("--db", "db_url", default=None, help=DB_HELP)
 def verify_cmd(models, tokens, db_url):
     """On a GPU: run the stored kernels against the fp32 PyTorch reference."""
-    from .runtime.verify import verify_layer
+    from .harness.verify import verify_layer
 
     try:
         import torch

@@ -115,7 +115,7 @@ class GpuMeasurer:
         self._weights: tuple[LayerSpec, tuple] | None = None
 
     def weights(self, spec: LayerSpec):
-        from .runtime.verify import random_weights
+        from .harness.verify import random_weights
 
         if self._weights is None or self._weights[0] != spec:
             self._weights = None  # free the previous layer's weights before allocating
@@ -125,9 +125,9 @@ class GpuMeasurer:
     def __call__(self, spec: LayerSpec, variant: LayerVariant, tokens: int) -> Outcome:
         import torch
 
+        from .harness.measure import measure_variant
         from .runtime.layer import MoeLayer
         from .runtime.library import KernelLaunchError
-        from .runtime.measure import measure_variant
         from .runtime.store import KernelMissingError
 
         w13, w2 = self.weights(spec)

@@ -35,6 +35,7 @@ from cutlass import BFloat16, Float8E4M3FN, Float32, Int32, const_expr
 from cutlass.tensor_utils import LayoutEnum
 
 from moe_aot import gemm_limits as limits
+from moe_aot.layout import interleave_gate_up  # noqa: F401  (the w13 layout the GLU kernels read)
 
 _MMA_SHAPE = (16, 8, 16)
 RASTER_GROUP = 8  # M tiles walked per N tile by consecutive CTAs (L2 reuse of weight tiles)
@@ -83,20 +84,6 @@ def glu_gate_block(hb: int, interleave: int) -> int:
     is interleave / 8 n8 blocks further)."""
     nb = interleave // 8
     return (hb // nb) * 2 * nb + hb % nb
-
-
-def interleave_gate_up(w_gate, w_up, interleave: int = 16):
-    """[E, I, H] gate and up weights -> [E, 2I, H] in blocks of ``interleave`` rows:
-    rows [2jg, 2jg+g) are gate rows [jg, jg+g), rows [2jg+g, 2jg+2g) the matching up rows."""
-    e, i, h = w_gate.shape
-    if w_up.shape != w_gate.shape or i % interleave:
-        raise ValueError(f"gate {tuple(w_gate.shape)} / up {tuple(w_up.shape)} "
-                         f"do not interleave in blocks of {interleave}")
-    g = w_gate.reshape(e, i // interleave, 1, interleave, h)
-    u = w_up.reshape(e, i // interleave, 1, interleave, h)
-    import torch
-
-    return torch.cat([g, u], dim=2).reshape(e, 2 * i, h).contiguous()
 
 
 class _GroupedGemmBase:

@@ -11,9 +11,11 @@ torch = pytest.importorskip("torch")
 
 from moe_aot import gemm_limits as limits  # noqa: E402
 from moe_aot import variants as V  # noqa: E402
+from moe_aot.harness import fp8 as fp8_ref  # noqa: E402
+from moe_aot.harness.reference import moe_reference, rel_err  # noqa: E402
+from moe_aot.layout import interleave_gate_up, split_gate_up  # noqa: E402
 from moe_aot.runtime import fp8  # noqa: E402
 from moe_aot.runtime.layer import prepare_fp8_weights  # noqa: E402
-from moe_aot.runtime.reference import interleave_gate_up, moe_reference, rel_err, split_gate_up  # noqa: E402
 from moe_aot.spec import SpecError, make_spec  # noqa: E402
 
 
@@ -25,7 +27,7 @@ def _e4m3_half_step(v):
 @pytest.mark.parametrize("block", [None, 64, 128])
 def test_quantize_rows_rounds_to_nearest_e4m3(block):
     t = torch.randn(7, 256) * torch.logspace(-3, 2, 7).unsqueeze(1)
-    q, s = fp8.quantize_rows(t, block)
+    q, s = fp8_ref.quantize_rows(t, block)
     assert q.dtype == torch.float8_e4m3fn and s.dtype == torch.float32
     assert s.shape == ((7,) if block is None else (7, 256 // block))
     b = 256 if block is None else block
@@ -33,7 +35,7 @@ def test_quantize_rows_rounds_to_nearest_e4m3(block):
     assert scaled.abs().amax(-1).sub(limits.FP8_MAX).abs().max() < 1e-3  # each block's amax -> 448
     err = (q.float().view_as(scaled) - scaled).abs()
     assert (err <= _e4m3_half_step(scaled) * (1 + 1e-6)).all()
-    back = fp8.dequantize_rows(q, s, block)
+    back = fp8_ref.dequantize_rows(q, s, block)
     assert rel_err(back, t) < 0.04
 
 
@@ -46,13 +48,13 @@ def test_prepare_w13_dequantizes_to_the_interleaved_weights(precision):
     assert w13.shape == (3, 512, 384) and w13.dtype == torch.float8_e4m3fn
     assert s.shape == ((3, 2) if precision == "fp8" else (3, 4, 3))
     want = interleave_gate_up(gate, up)
-    got = fp8.dequantize_w13(w13, s, precision)
+    got = fp8_ref.dequantize_w13(w13, s, precision)
     assert rel_err(got, want) < 0.04
     # row by row: each interleaved row is a gate or an up row, within half an e4m3 step of it
     g, u = split_gate_up(got)
     for mine, ref in ((g, gate), (u, up)):
         assert rel_err(mine, ref) < 0.04
-    assert torch.equal(fp8.dequantize_w13(w13, s, precision, expert=2), got[2])
+    assert torch.equal(fp8_ref.dequantize_w13(w13, s, precision, expert=2), got[2])
 
 
 def test_block128_checkpoint_import_equals_quantizing_here():
@@ -82,9 +84,11 @@ def test_fp8_reference_tracks_the_bf16_layer(precision):
     ids = torch.stack([torch.randperm(e)[:k] for _ in range(m)]).int()
     tw = torch.softmax(torch.randn(m, k), -1)
     w13, w2 = prepare_fp8_weights(gate, up, down, precision)
-    got = fp8.moe_fp8_reference(x, w13, w2, tw, ids, precision)
+    got = fp8_ref.moe_fp8_reference(x, w13, w2, tw, ids, precision)
     want = moe_reference(x, interleave_gate_up(gate, up), down, tw, ids)
     assert 1e-3 < rel_err(got, want) < 0.1  # e4m3 costs a few percent, never nothing
+    # no tokens: an empty output, as the bf16 reference gives
+    assert fp8_ref.moe_fp8_reference(x[:0], w13, w2, tw[:0], ids[:0], precision).shape == (0, h)
 
 
 def test_spec_accepts_fp8_on_hopper_only_with_128_multiples():

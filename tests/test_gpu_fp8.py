@@ -14,13 +14,13 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("no CUDA GPU visible", allow_module_level=True)
 
-from moe_aot.dbread import NoDatabaseError  # noqa: E402
+from moe_aot.harness.reference import moe_reference, rel_err  # noqa: E402
+from moe_aot.harness.verify import TOLERANCE, check_stages, random_routing, random_weights  # noqa: E402
+from moe_aot.layout import interleave_gate_up  # noqa: E402
 from moe_aot.runtime import fp8  # noqa: E402
 from moe_aot.runtime.layer import MoeLayer, moe_forward, prepare_fp8_weights  # noqa: E402
 from moe_aot.runtime.library import KernelArgumentError  # noqa: E402
-from moe_aot.runtime.reference import interleave_gate_up, moe_reference, rel_err  # noqa: E402
-from moe_aot.runtime.store import KernelMissingError, KernelStore  # noqa: E402
-from moe_aot.runtime.verify import TOLERANCE, check_stages, random_routing, random_weights  # noqa: E402
+from moe_aot.runtime.store import KernelMissingError  # noqa: E402
 from moe_aot.spec import PRESETS, SpecError, make_spec  # noqa: E402
 
 
@@ -34,14 +34,6 @@ def _fp8_models():
             continue
         out.append(name)
     return out
-
-
-@pytest.fixture(scope="module")
-def store():
-    try:
-        return KernelStore()
-    except NoDatabaseError as exc:
-        pytest.skip(f"no kernel database: {exc}")
 
 
 def _layer(store, model, precision):

@@ -31,9 +31,7 @@ except RuntimeError:
 import jax.numpy as jnp  # noqa: E402
 
 import moe_aot.integrations.jax as mj  # noqa: E402
-from moe_aot.dbread import NoDatabaseError  # noqa: E402
-from moe_aot.runtime.store import KernelStore  # noqa: E402
-from moe_aot.runtime.verify import ROW_TOLERANCE, TOLERANCE  # noqa: E402
+from moe_aot.harness.verify import ROW_TOLERANCE, TOLERANCE  # noqa: E402
 from moe_aot.spec import make_spec  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -43,14 +41,6 @@ import jax_smoke  # noqa: E402
 MODELS = os.environ.get("MOE_AOT_JAX_TEST_MODELS", "qwen3-30b-a3b,mixtral-8x7b").split(",")
 # (tokens, routing): buckets 1, 16, 64, 256 and 1024 of the deployed picks
 CASES = [(1, "uniform"), (12, "invalid"), (37, "uniform"), (256, "skew"), (1000, "invalid")]
-
-
-@pytest.fixture(scope="module")
-def store():
-    try:
-        return KernelStore()
-    except NoDatabaseError as exc:  # nothing was compiled for this machine; a broken one fails
-        pytest.skip(f"no kernel database: {exc}")
 
 
 @pytest.fixture(scope="module", params=MODELS)

@@ -14,30 +14,21 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("no CUDA GPU visible", allow_module_level=True)
 
-from moe_aot.dbread import NoDatabaseError  # noqa: E402
-from moe_aot.runtime.layer import MoeLayer, moe_forward  # noqa: E402
-from moe_aot.runtime.library import KernelArgumentError  # noqa: E402
-from moe_aot.runtime.reference import rel_err  # noqa: E402
-from moe_aot.runtime.store import KernelMissingError, KernelStore  # noqa: E402
-from moe_aot.runtime.verify import (  # noqa: E402
+from moe_aot.harness.reference import rel_err  # noqa: E402
+from moe_aot.harness.verify import (  # noqa: E402
     TOLERANCE,
     check_stages,
     layer_reference,
     random_routing,
     random_weights,
 )
+from moe_aot.runtime.layer import MoeLayer, moe_forward  # noqa: E402
+from moe_aot.runtime.library import KernelArgumentError  # noqa: E402
+from moe_aot.runtime.store import KernelMissingError  # noqa: E402
 from moe_aot.spec import PRESETS, make_spec  # noqa: E402
 from moe_aot.variants import default_variant  # noqa: E402
 
 MODELS = os.environ.get("MOE_AOT_TEST_MODELS", ",".join(PRESETS)).split(",")
-
-
-@pytest.fixture(scope="module")
-def store():
-    try:
-        return KernelStore()
-    except NoDatabaseError as exc:  # nothing was compiled for this machine; a broken one fails
-        pytest.skip(f"no kernel database: {exc}")
 
 
 @pytest.fixture(scope="module", params=MODELS)
@@ -225,7 +216,7 @@ def test_gpt_oss_clamps_and_biases(store, tokens):
     reference (GEMM1's padding rows zero despite the biases), the bucket's variant and its default."""
     if "gpt-oss-120b" not in MODELS:
         pytest.skip("gpt-oss-120b not among MOE_AOT_TEST_MODELS")
-    from moe_aot.runtime.reference import split_gate_up
+    from moe_aot.layout import split_gate_up
 
     spec = make_spec("gpt-oss-120b", target="sm_90a")
     layer = MoeLayer(spec, store)

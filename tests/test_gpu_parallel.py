@@ -21,18 +21,18 @@ if GPUS < 2:
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
+from moe_aot.harness.reference import rel_err  # noqa: E402
+from moe_aot.harness.verify import random_routing  # noqa: E402
 from moe_aot.integrations import parallel as ep  # noqa: E402
 from moe_aot.integrations.modules import MoeExperts  # noqa: E402
-from moe_aot.runtime.reference import rel_err  # noqa: E402
-from moe_aot.runtime.verify import random_routing  # noqa: E402
 from moe_aot.spec import make_spec  # noqa: E402
 
 SPEC = make_spec("qwen3-30b-a3b")
 
 
 def _rank(rank, world, store, tokens, result):
+    from moe_aot.harness.verify import random_weights
     from moe_aot.runtime.store import KernelMissingError
-    from moe_aot.runtime.verify import random_weights
 
     torch.cuda.set_device(rank)
     ep.init_expert_parallel("nccl", init_method=f"file://{store}", rank=rank, world_size=world)

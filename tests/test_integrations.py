@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from moe_aot.harness.reference import moe_reference, rel_err, row_rel_err
 from moe_aot.integrations import (
     PREPARED,
     GatedMLP,
@@ -27,7 +28,6 @@ from moe_aot.integrations import (
 from moe_aot.integrations.transformers import PatchError, patch
 from moe_aot.runtime.layer import prepare_biases, prepare_weights
 from moe_aot.runtime.library import KernelArgumentError
-from moe_aot.runtime.reference import moe_reference, rel_err, row_rel_err
 
 sys.path.insert(0, str(Path(__file__).parent))
 import moe_fakes  # noqa: E402
@@ -358,6 +358,25 @@ def test_expert_parallel_ranks_sum_to_the_whole_layer():
     assert rel_err(parts[0], whole.float()) > 0.2
 
 
+@pytest.mark.parametrize("shape", [(0, H), (2, 0, H), (0, 3, H)])
+def test_empty_batch_gives_an_empty_output(shape):
+    """No tokens (a rank nobody routed to, an empty step) is a shape: the modules, the op and the
+    references return an empty output of the input's shape and dtype."""
+    gate, up, down = weights()
+    w13 = prepare_weights(gate, up)
+    x = torch.zeros(shape, dtype=torch.float32)
+    tw, ids = torch.zeros(*shape[:-1], K), torch.zeros(*shape[:-1], K, dtype=torch.int32)
+    out = MoeExperts(w13, down)(x, tw, ids)
+    assert out.shape == shape and out.dtype == torch.float32
+    bias = MoeExperts(w13, down, "swigluoai", b13=torch.zeros(E, 2 * I).bfloat16(), b2=torch.zeros(E, H).bfloat16())
+    assert bias(x, tw, ids).shape == shape
+    x0, tw0, ids0 = x.reshape(0, H).bfloat16(), tw.reshape(0, K), ids.reshape(0, K)
+    assert moe_reference(x0, w13, down, tw0, ids0).shape == (0, H)
+    assert torch.ops.moe_aot.fused_moe(x0, w13, down, tw0, ids0).shape == (0, H)
+    block = MoeBlock(Router(torch.randn(E, H), K), MoeExperts(w13, down))
+    assert block(x).shape == shape
+
+
 def test_moe_block_with_gated_shared_expert_against_a_loop():
     gate, up, down = weights()
     sg, su, sd = (w[0].float() for w in weights(E=1, I=48, seed=4))
@@ -490,9 +509,9 @@ def test_gpt_oss_reference_is_transformers_gpt_oss_experts():
     pytest.importorskip("transformers")
     from hf_tiny import tiny_model
 
+    from moe_aot.harness.reference import moe_reference, row_rel_err
     from moe_aot.integrations.modules import MoeExperts
     from moe_aot.integrations.transformers import convert
-    from moe_aot.runtime.reference import moe_reference, row_rel_err
 
     model = tiny_model("gpt_oss", 8, 2, H, I, expert_scale=3.0)  # large sums: both clamps bite
     block = model.model.layers[0].mlp
@@ -554,7 +573,7 @@ def _fp8_vllm_weights(block: bool):
     q1, s1 = fp8.quantize_tensor(torch.cat([gate, up], 1))  # one scale for gate and up, as vLLM keeps it
     dq, ds = fp8.quantize_tensor(down)
     g, u = q1.view(torch.uint8).chunk(2, 1)
-    from moe_aot.runtime.reference import interleave_gate_up
+    from moe_aot.layout import interleave_gate_up
 
     w13 = interleave_gate_up(g, u).view(fp8.E4M3)
     return q1, s1, dq, ds, ((w13, torch.stack([s1, s1], 1)), (dq, ds)), "fp8"
@@ -565,7 +584,7 @@ def test_fused_experts_fp8_on_vllm_layout(block):
     """use_fp8_w8a8 with vLLM's fp8 weights (per expert, or 128x128 blocks with block_shape) is
     the fp8 layer on them: on the CPU, the op's reference of the fp8 math, equal to the reference
     on the same weights prepared by moe-aot's own functions."""
-    from moe_aot.runtime import fp8
+    from moe_aot.harness import fp8 as fp8_ref
 
     w1, w1s, w2, w2s, (w13, w2p), precision = _fp8_vllm_weights(block)
     m, k = 7, 2
@@ -574,7 +593,7 @@ def test_fused_experts_fp8_on_vllm_layout(block):
     tw = torch.softmax(torch.randn(m, k), -1)
     out = fused_experts(x, w1, w2, tw, ids, use_fp8_w8a8=True, w1_scale=w1s, w2_scale=w2s,
                         block_shape=[128, 128] if block else None)
-    want = fp8.moe_fp8_reference(x, w13, w2p, tw, ids, precision).to(torch.bfloat16)
+    want = fp8_ref.moe_fp8_reference(x, w13, w2p, tw, ids, precision).to(torch.bfloat16)
     assert torch.equal(out, want)
     with pytest.raises(KernelArgumentError, match="block_shape must be"):
         fused_experts(x, w1, w2, tw, ids, use_fp8_w8a8=True, w1_scale=w1s, w2_scale=w2s, block_shape=[64, 64])
@@ -609,6 +628,7 @@ def test_moe_experts_fp8_from_bf16_and_from_a_deepseek_state_dict():
     """MoeExperts keeps fp8 experts in e4m3 (quantized here, or DeepSeek-V3's per-expert
     weight + weight_scale_inv as shipped) and computes the fp8 layer: on the CPU the op's
     reference of the fp8 math, the same from either source."""
+    from moe_aot.harness import fp8 as fp8_ref
     from moe_aot.integrations.modules import MoeExperts
     from moe_aot.runtime import fp8
 
@@ -632,7 +652,7 @@ def test_moe_experts_fp8_from_bf16_and_from_a_deepseek_state_dict():
     x = torch.randn(m, h).bfloat16()
     ids = torch.stack([torch.randperm(e)[:k] for _ in range(m)]).int()
     tw = torch.softmax(torch.randn(m, k), -1)
-    want = fp8.moe_fp8_reference(x, (mod.w13, mod.w13_scale), (mod.w2, mod.w2_scale), tw, ids, "fp8-block128")
+    want = fp8_ref.moe_fp8_reference(x, (mod.w13, mod.w13_scale), (mod.w2, mod.w2_scale), tw, ids, "fp8-block128")
     assert torch.equal(loaded(x, tw, ids), want.to(torch.bfloat16))
     with pytest.raises(KernelArgumentError, match="fp8 experts need"):
         MoeExperts(mod.w13, mod.w2)

@@ -72,9 +72,10 @@ def test_refusals_name_the_input_and_what_is_allowed():
             "topk_ids must be int32"),
            ((x, w13, w2, tw, jax.ShapeDtypeStruct((M + 1, K), jnp.int32)), {}, "must both have shape"),
            ((x, w13, w2, tw, ids), {"activation": "relu"}, "activation must be one of"),
-           ((x, w13, w2, tw, ids), {"b13": jax.ShapeDtypeStruct((E, 2 * I), bf)}, "b13 and b2 come together"),
+           ((x, w13, w2, tw, ids), {"b13": jax.ShapeDtypeStruct((E, 2 * I), bf)},
+            "expert biases come in pairs: give both b13"),
            ((x, w13, w2, tw, ids), {"b13": jax.ShapeDtypeStruct((E, I), bf), "b2": jax.ShapeDtypeStruct((E, H), bf)},
-            "b13 and b2 must have shapes"),
+            rf"b13 must have shape \({E}, {2 * I}\)"),
            ((x, w13, w2, tw, ids), {"out": jax.ShapeDtypeStruct((M, H + 1), bf)}, "out must have shape")]
     for args, kw, msg in bad:
         with pytest.raises(KernelArgumentError, match=msg):
@@ -95,7 +96,8 @@ def test_no_gpu_is_refused_with_a_sentence():
 
 def test_jnp_reference_and_interleave_agree_with_the_torch_ones():
     torch = pytest.importorskip("torch")
-    from moe_aot.runtime.reference import interleave_gate_up, moe_reference
+    from moe_aot.harness.reference import moe_reference
+    from moe_aot.layout import interleave_gate_up
 
     g = torch.Generator().manual_seed(0)
     M, E_, K_, H_, I_ = 5, 4, 2, 32, 32

@@ -9,29 +9,35 @@ import torch
 from moe_aot import dbread
 from moe_aot.compiler import compile_into
 from moe_aot.database import Database
+from moe_aot.harness.reference import routing_reference
+from moe_aot.layout import max_tiles, split_gate_up
 from moe_aot.runtime.layer import MoeLayer, prepare_weights
 from moe_aot.runtime.library import KernelArgumentError, check_tensor
-from moe_aot.runtime.reference import max_tiles, routing_reference, split_gate_up
 from moe_aot.runtime.store import KernelMissingError, KernelStore, usable
 from moe_aot.spec import make_spec
 from moe_aot.variants import default_variant
 
 
-def test_runtime_imports_neither_dsl_nor_tuner_nor_compiler(small_db):
+@pytest.mark.parametrize("harness", [False, True], ids=["runtime", "with_harness"])
+def test_runtime_imports_neither_dsl_nor_tuner_nor_compiler(small_db, harness):
     # Nor SQLAlchemy when the database is a SQLite file: opening it and reading picks and a
     # kernel's bytes takes the standard library only (most of the cold start was that import).
+    # The runtime and the integrations do not import the harness (references, checks, timer);
+    # the harness, which the GPU machine's measuring side runs, adds none of the heavy modules.
     url, spec = small_db
     name = default_variant(spec, 16).kernels(spec)[1].name
-    code = ("import sys, moe_aot.runtime.layer, moe_aot.runtime.store, moe_aot.runtime.verify\n"
-            "import moe_aot.integrations\n"
-            "from moe_aot.spec import make_spec\n"
+    code = ("import sys, moe_aot.runtime.layer, moe_aot.runtime.store, moe_aot.runtime.fp8\n"
+            "import moe_aot.integrations, moe_aot.integrations.modules, moe_aot.integrations.parallel\n"
+            + ("import moe_aot.harness.verify, moe_aot.harness.measure, moe_aot.harness.fp8\n" if harness else "")
+            + "from moe_aot.spec import make_spec\n"
             f"store = moe_aot.runtime.store.KernelStore({url!r})\n"
             "store.picks(make_spec(experts=8, top_k=2, hidden=256, intermediate=128), 'NVIDIA H200')\n"
             f"[v] = [v for v in store.db.artifact_versions({name!r})]\n"
             f"assert store.db.artifact({name!r}, v.toolchain)[0][:4] == b'\\x7fELF'\n"
             "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('cutlass', 'optuna', "
             "'moe_aot_templates', 'sqlalchemy') or m in ('moe_aot.compiler', 'moe_aot.kernel_build', "
-            "'moe_aot.tuner', 'moe_aot.database'))\n"
+            "'moe_aot.tuner', 'moe_aot.database')"
+            + ("" if harness else " or m.startswith('moe_aot.harness')") + ")\n"
             "print(bad); sys.exit(1 if bad else 0)")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -139,10 +145,20 @@ def test_picks_for_other_gpu_warn_and_fall_back(small_db, tmp_path):
 
 
 def test_runtime_weight_layout_is_the_templates():
+    # one function (moe_aot.layout) serves the runtime and the templates, and naming it from
+    # the templates keeps torch out of a kernel compile
     from moe_aot_templates.grouped_gemm import interleave_gate_up
 
+    from moe_aot import layout
+
+    assert interleave_gate_up is layout.interleave_gate_up
     g, u = torch.randn(2, 64, 16), torch.randn(2, 64, 16)
     assert torch.equal(prepare_weights(g, u), interleave_gate_up(g, u, 16))
+    assert all(torch.equal(a, b) for a, b in zip(split_gate_up(prepare_weights(g, u)), (g, u)))
+    code = ("import sys, moe_aot.compiler, moe_aot_templates.grouped_gemm, moe_aot_templates.hopper_gemm\n"
+            "sys.exit(1 if 'torch' in sys.modules else 0)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, "importing the templates imported torch\n" + proc.stdout + proc.stderr
 
 
 @pytest.mark.parametrize("model", ["qwen3-30b-a3b", "mixtral-8x7b", "deepseek-v3"])

@@ -515,8 +515,8 @@ def test_gpu_measurer_turns_each_result_into_a_typed_outcome(monkeypatch):
     import torch
 
     from moe_aot import measure_worker
+    from moe_aot.harness import measure as measure_mod
     from moe_aot.runtime import layer as layer_mod
-    from moe_aot.runtime import measure as measure_mod
     from moe_aot.runtime.store import KernelMissingError
     from moe_aot.spec import make_spec
     from moe_aot.tuner import Outcome

@@ -34,11 +34,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from moe_aot.runtime.layer import MoeLayer  # noqa: E402
-from moe_aot.runtime.measure import graph_times_us, input_sets, measure_variant  # noqa: E402
-from moe_aot.runtime.reference import glu_fn, rel_err, split_gate_up  # noqa: E402
+from moe_aot.harness.measure import graph_times_us, input_sets, measure_variant  # noqa: E402
+from moe_aot.harness.reference import glu_fn, rel_err  # noqa: E402
+from moe_aot.harness.verify import layer_reference, random_weights  # noqa: E402
+from moe_aot.layout import split_gate_up  # noqa: E402
+from moe_aot.runtime.layer import MoeLayer, split_biases  # noqa: E402
 from moe_aot.runtime.store import KernelStore  # noqa: E402
-from moe_aot.runtime.verify import layer_reference, random_weights, unbias  # noqa: E402
 from moe_aot.spec import BENCH_TOKENS, PRESETS, make_spec  # noqa: E402
 from moe_aot.variants import default_variant  # noqa: E402
 
@@ -126,7 +127,7 @@ def bench_model(name: str, tokens_list, replays: int, rate: float, store, pdl: b
     layer = MoeLayer(spec, store)
     dev = layer.device
     w13, w2 = random_weights(spec, dev)  # (weights, biases) pairs for gpt-oss (bias=True)
-    W13, b13, W2, b2 = unbias(spec, w13, w2)
+    W13, b13, W2, b2 = split_biases(spec, w13, w2)
     gate, up = split_gate_up(W13)
     w_gu_t = torch.cat([gate, up], dim=1).transpose(1, 2)  # [E, H, 2I] view of an [E, 2I, H] tensor
     w2_t = W2.transpose(1, 2)  # [E, I, H]

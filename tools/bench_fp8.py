@@ -31,11 +31,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench import HBM_BYTES_PER_S, graph_time_us, matmul_rate  # noqa: E402
 
 from moe_aot.gemm_limits import FP8, SCALE_BLOCK  # noqa: E402
+from moe_aot.harness.measure import graph_times_us, input_sets  # noqa: E402
+from moe_aot.harness.reference import moe_reference, rel_err  # noqa: E402
+from moe_aot.harness.verify import layer_reference  # noqa: E402
+from moe_aot.layout import interleave_gate_up  # noqa: E402
 from moe_aot.runtime.layer import MoeLayer, prepare_fp8_weights  # noqa: E402
-from moe_aot.runtime.measure import graph_times_us, input_sets  # noqa: E402
-from moe_aot.runtime.reference import interleave_gate_up, moe_reference, rel_err  # noqa: E402
 from moe_aot.runtime.store import KernelStore  # noqa: E402
-from moe_aot.runtime.verify import layer_reference  # noqa: E402
 from moe_aot.spec import SpecError, make_spec  # noqa: E402
 
 MODELS = ("qwen3-30b-a3b", "qwen3-235b-a22b", "deepseek-v3", "mixtral-8x7b")

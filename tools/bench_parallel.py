@@ -56,10 +56,10 @@ def _layer_rank(rank, world, store, models, tokens, iters, out):
     import torch
     import torch.distributed as dist
 
+    from moe_aot.harness.verify import random_routing
     from moe_aot.integrations import parallel as ep
     from moe_aot.integrations.modules import MoeExperts
     from moe_aot.runtime.layer import prepare_weights
-    from moe_aot.runtime.verify import random_routing
     from moe_aot.spec import make_spec
 
     torch.cuda.set_device(rank)

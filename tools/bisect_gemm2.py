@@ -5,7 +5,7 @@ For one model and token count, with the database's pick (MOE_AOT_DB): run the la
 benchmark input set, then time the same GEMM2 library by back-to-back CUDA-graph replays with
   a) the layer's own bound launch (what tools/bench.py times),
   b) the layer's routing buffers and h, called through the library (fresh launch arguments),
-  c) the reference routing (moe_aot.runtime.reference.routing_reference) of the same topk_ids,
+  c) the reference routing (moe_aot.harness.reference.routing_reference) of the same topk_ids,
      with h recomputed into a fresh buffer by the layer's GEMM1 library,
   d) as c) with the kernel check's input distribution (topk of softmax(randn)),
 and print one line per case (µs). Writes OUT/bisect_gemm2.json.
@@ -26,11 +26,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 def main():
     import torch
 
+    from moe_aot.harness.measure import graph_times_us, input_sets
+    from moe_aot.harness.reference import routing_reference
+    from moe_aot.harness.verify import random_weights
     from moe_aot.runtime.layer import MoeLayer
-    from moe_aot.runtime.measure import graph_times_us, input_sets
-    from moe_aot.runtime.reference import routing_reference
     from moe_aot.runtime.store import KernelStore
-    from moe_aot.runtime.verify import random_weights
     from moe_aot.spec import make_spec
 
     ap = argparse.ArgumentParser()
@@ -58,7 +58,7 @@ def main():
     res = {"model": ns.model, "tokens": M, "variant": v.name(spec)}
     res["a_bound_launch"] = t(lambda: bound["down"](torch.cuda.current_stream().cuda_stream))
     # b) the layer's buffers through the library
-    from moe_aot.runtime.reference import max_tiles
+    from moe_aot.layout import max_tiles
 
     T = max_tiles(M, spec.top_k, spec.experts, v.tile_m)
     R = T * v.tile_m

@@ -42,12 +42,12 @@ def compile_all(out: Path) -> None:
 def run_all(kdir: Path, out: Path, replays: int, profile: bool = False) -> int:
     import torch
 
+    from moe_aot.harness.measure import graph_times_us, input_sets
+    from moe_aot.harness.reference import moe_reference, rel_err, row_rel_err
+    from moe_aot.harness.verify import random_weights
     from moe_aot.runtime.layer import MoeLayer
     from moe_aot.runtime.library import KernelLibrary
-    from moe_aot.runtime.measure import graph_times_us, input_sets
-    from moe_aot.runtime.reference import moe_reference, rel_err, row_rel_err
     from moe_aot.runtime.store import KernelStore
-    from moe_aot.runtime.verify import random_weights
     from moe_aot.spec import make_spec
 
     out.mkdir(parents=True, exist_ok=True)

@@ -3,7 +3,7 @@
 references of exactly what they consume, and time them beside the bf16 GEMMs of the same shapes.
 
   --compile DIR         (CPU, needs the DSL) compile the configs below for sm_90a into DIR/<name>/
-  --run DIR --out OUT   (GPU, torch + moe_aot.runtime only) per model, precision, config and token
+  --run DIR --out OUT   (GPU, torch + moe_aot, no DSL) per model, precision, config and token
                         count: fresh random bf16 weights and inputs, quantized on the GPU (weights
                         by moe_aot.runtime.fp8, x by the quantization kernel); outputs poisoned
                         (NaN) before every run; prints errors and times, writes OUT/results.json
@@ -18,7 +18,7 @@ Checks (each over the whole output and its worst row):
   down   y against dequant(h, hs) (the kernel's own GEMM1 output) @ dequant(w2)^T * routing weight
   layer  the fp8 layer's sum over top-k against the bf16 layer's fp32 reference (reported: what
          fp8 costs)
-Routing comes from moe_aot.runtime.reference.routing_reference (the routing kernel's semantics).
+Routing comes from moe_aot.harness.reference.routing_reference (the routing kernel's semantics).
 """
 from __future__ import annotations
 
@@ -116,9 +116,11 @@ def compile_all(out_dir: Path, arch: str, only=None) -> None:
 def run_all(kdir: Path, out_dir: Path, iters: int, tokens=None, only=None, models=None) -> int:
     import torch
 
+    from moe_aot.harness import fp8 as F8R
+    from moe_aot.harness.reference import moe_reference, rel_err, routing_reference, row_rel_err
+    from moe_aot.layout import interleave_gate_up
     from moe_aot.runtime import fp8 as F8
     from moe_aot.runtime.library import KernelLibrary
-    from moe_aot.runtime.reference import interleave_gate_up, moe_reference, rel_err, routing_reference, row_rel_err
 
     torch.backends.cuda.matmul.allow_tf32 = False
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -213,24 +215,24 @@ def run_all(kdir: Path, out_dir: Path, iters: int, tokens=None, only=None, model
                 down(*down_args)
                 torch.cuda.synchronize()
                 # quant: against torch's quantization of the same x
-                xq_ref, xs_ref = F8.quantize_x(x, prec)
-                xd = F8.dequantize_rows(xq, xs, blk)
-                xd_ref = F8.dequantize_rows(xq_ref, xs_ref, blk)
+                xq_ref, xs_ref = F8R.quantize_x(x, prec)
+                xd = F8R.dequantize_rows(xq, xs, blk)
+                xd_ref = F8R.dequantize_rows(xq_ref, xs_ref, blk)
                 err_q = rel_err(xd, xd_ref)
                 err_qs = ((xs - xs_ref).abs() / xs_ref).max().item()
                 # glu: against the reference on the kernel's own xq / xs, quantized the same way
-                h_ref = F8.glu_fp8_reference(xq, xs, w13, w13s, sorted_ids, tile_expert, tm, k, prec,
+                h_ref = F8R.glu_fp8_reference(xq, xs, w13, w13s, sorted_ids, tile_expert, tm, k, prec,
                                              "swiglu", INTERLEAVE)
-                hq_ref, hs_ref = F8.quantize_rows(h_ref, 64)
-                hd_k = F8.dequantize_rows(h, hs, 64)
-                hd_ref = F8.dequantize_rows(hq_ref, hs_ref, 64)
+                hq_ref, hs_ref = F8R.quantize_rows(h_ref, 64)
+                hd_k = F8R.dequantize_rows(h, hs, 64)
+                hd_ref = F8R.dequantize_rows(hq_ref, hs_ref, 64)
                 err_h = rel_err(hd_k[valid], hd_ref[valid])
                 row_h = row_rel_err(hd_k[valid], hd_ref[valid])
                 err_h_unq = rel_err(hd_k[valid], h_ref[valid])
                 err_hs = ((hs[valid] - hs_ref[valid]).abs() / hs_ref[valid]).max().item()
                 pad_ok = bool((h[pad_rows].float() == 0).all()) if pad_rows.any() else True
                 # down: on the kernel's own h / hs
-                y_ref = F8.down_fp8_reference(h, hs, w2x, w2s, sorted_ids, tile_expert, tm, topk_w, prec)
+                y_ref = F8R.down_fp8_reference(h, hs, w2x, w2s, sorted_ids, tile_expert, tm, topk_w, prec)
                 err_y = rel_err(y, y_ref)
                 row_y = row_rel_err(y, y_ref)
                 # the fp8 layer against the bf16 layer's fp32 reference

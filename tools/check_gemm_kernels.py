@@ -151,7 +151,7 @@ def compile_all(out_dir: Path, arch: str, only=None) -> None:
 # ----------------------------------------------------------------------------- run (GPU)
 def build_routing(topk_ids, num_experts: int, tile_m: int):
     """sorted_ids, tile_expert from the runtime's reference of the routing kernel."""
-    from moe_aot.runtime.reference import routing_reference
+    from moe_aot.harness.reference import routing_reference
 
     return routing_reference(topk_ids, num_experts, tile_m)[2:]
 
@@ -179,7 +179,7 @@ def run_all(kdir: Path, out_dir: Path, iters: int, tokens=None, only=None, model
 
     def timed_graph(fn):
         """Back-to-back CUDA-graph replays, warm L2, as tools/bench.py times a kernel alone."""
-        from moe_aot.runtime.measure import graph_times_us
+        from moe_aot.harness.measure import graph_times_us
 
         return sorted(graph_times_us([fn], max(iters, 20)))[max(iters, 20) // 2]
 

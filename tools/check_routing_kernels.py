@@ -16,8 +16,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from moe_aot.runtime.reference import max_tiles  # noqa: E402
-from moe_aot.runtime.reference import routing_reference as _runtime_routing_reference  # noqa: E402
+from moe_aot.harness.reference import routing_reference as _runtime_routing_reference  # noqa: E402
+from moe_aot.layout import max_tiles  # noqa: E402
 
 ROUTING_CONFIGS = [(e, k, tm) for e, k in [(128, 8), (128, 4), (256, 8), (8, 2)] for tm in (64, 128)]
 COMBINE_CONFIGS = [(128, 2048, 8), (128, 4096, 8), (128, 2880, 4), (256, 7168, 8), (8, 4096, 2)]

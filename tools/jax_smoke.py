@@ -146,7 +146,7 @@ def main(argv=None) -> int:
     import jaxlib
 
     import moe_aot.integrations.jax as mj
-    from moe_aot.runtime.verify import ROW_TOLERANCE, TOLERANCE
+    from moe_aot.harness.verify import ROW_TOLERANCE, TOLERANCE
     from moe_aot.spec import make_spec
 
     report = {"jax": jax.__version__, "jaxlib": jaxlib.__version__, "xla_flags": os.environ.get("XLA_FLAGS", ""),

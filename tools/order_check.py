@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Does the order of measurement change a timing? Per point, the served pick (A) and the bucket's
-default (B) timed as the tuner and the benchmark time them (runtime.measure.measure_variant: CUDA
+default (B) timed as the tuner and the benchmark time them (harness.measure.measure_variant: CUDA
 graphs over several routings, median) in the order A B A B B A on the same inputs, so a bias
 of the first (or of the later) measurement shows up as A1 != A2 or B1 != B2.
 
@@ -20,10 +20,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from moe_aot.runtime import measure  # noqa: E402
+from moe_aot.harness import measure  # noqa: E402
+from moe_aot.harness.verify import random_weights  # noqa: E402
 from moe_aot.runtime.layer import MoeLayer  # noqa: E402
 from moe_aot.runtime.store import KernelStore  # noqa: E402
-from moe_aot.runtime.verify import random_weights  # noqa: E402
 from moe_aot.spec import make_spec  # noqa: E402
 from moe_aot.variants import bucket_for, default_variant  # noqa: E402
 

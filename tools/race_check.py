@@ -10,10 +10,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from moe_aot.harness.reference import rel_err, routing_reference  # noqa: E402
+from moe_aot.harness.verify import random_routing, random_weights  # noqa: E402
+from moe_aot.layout import max_tiles  # noqa: E402
 from moe_aot.runtime.layer import MoeLayer  # noqa: E402
-from moe_aot.runtime.reference import max_tiles, rel_err, routing_reference  # noqa: E402
 from moe_aot.runtime.store import KernelStore  # noqa: E402
-from moe_aot.runtime.verify import random_routing, random_weights  # noqa: E402
 from moe_aot.spec import make_spec  # noqa: E402
 
 name, tokens = sys.argv[1], int(sys.argv[2])

@@ -16,10 +16,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from moe_aot.harness.reference import rel_err  # noqa: E402
+from moe_aot.harness.verify import layer_reference, random_routing, random_weights  # noqa: E402
 from moe_aot.runtime.layer import MoeLayer  # noqa: E402
-from moe_aot.runtime.reference import rel_err  # noqa: E402
 from moe_aot.runtime.store import KernelStore  # noqa: E402
-from moe_aot.runtime.verify import layer_reference, random_routing, random_weights  # noqa: E402
 from moe_aot.spec import make_spec  # noqa: E402
 from moe_aot.variants import default_variant, token_buckets  # noqa: E402
 

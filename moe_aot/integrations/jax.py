@@ -80,10 +80,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..layout import max_tiles
 from ..runtime.library import KernelArgumentError, KernelLaunchError, library_dir
-from ..runtime.reference import max_tiles
 from ..spec import ACTIVATIONS, make_spec
 from ..variants import INTERLEAVE
+from .shapes import check_layer_shapes
 
 TARGET = "moe_aot_fused_moe"  # the custom call's name (platform CUDA)
 HOST_TARGET = "moe_aot_fused_moe_host"  # the same handler without a stream, for CPU tests only
@@ -626,28 +627,10 @@ def check_inputs(x, w13, w2, topk_weights, topk_ids, activation="swiglu", b13=No
             raise KernelArgumentError(f"{name} must be a {rank}-D array, got shape {tuple(t.shape)}")
         if np.dtype(t.dtype) != np.dtype(dtype):
             raise KernelArgumentError(f"{name} must be {np.dtype(dtype).name}, got {np.dtype(t.dtype).name}")
-    M, H = x.shape
-    E, I2, H1 = w13.shape
-    I = I2 // 2
-    if H1 != H or I2 % (2 * INTERLEAVE):
-        raise KernelArgumentError(f"w13 must have shape (experts, 2*intermediate, {H}) with intermediate a multiple "
-                                  f"of {INTERLEAVE} (gate/up interleaved), got {tuple(w13.shape)}")
-    if tuple(w2.shape) != (E, H, I):
-        raise KernelArgumentError(f"w2 must have shape ({E}, {H}, {I}) to match w13 {tuple(w13.shape)}, "
-                                  f"got {tuple(w2.shape)}")
-    if topk_ids.shape[0] != M or tuple(topk_weights.shape) != tuple(topk_ids.shape):
-        raise KernelArgumentError(f"topk_weights and topk_ids must both have shape ({M}, top_k) for x of {M} "
-                                  f"tokens, got {tuple(topk_weights.shape)} and {tuple(topk_ids.shape)}")
+    shapes = (None if t is None else tuple(t.shape) for t in (x, w13, w2, topk_weights, topk_ids, b13, b2, out))
+    check_layer_shapes(*shapes, source="gate/up interleaved by interleave_gate_up")
     if activation not in ACTIVATIONS:
         raise KernelArgumentError(f"activation must be one of {', '.join(ACTIVATIONS)}, got {activation!r}")
-    if (b13 is None) != (b2 is None):
-        raise KernelArgumentError("b13 and b2 come together (expert biases of both GEMMs), got only "
-                                  f"{'b13' if b2 is None else 'b2'}")
-    if b13 is not None and (tuple(b13.shape) != (E, I2) or tuple(b2.shape) != (E, H)):
-        raise KernelArgumentError(f"b13 and b2 must have shapes ({E}, {I2}) and ({E}, {H}), got "
-                                  f"{tuple(b13.shape)} and {tuple(b2.shape)}")
-    if out is not None and tuple(out.shape) != (M, H):
-        raise KernelArgumentError(f"out must have shape ({M}, {H}) like x, got {tuple(out.shape)}")
 
 
 def fused_moe(x, w13, w2, topk_weights, topk_ids, activation: str = "swiglu", *, b13=None, b2=None, out=None,

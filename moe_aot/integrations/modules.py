@@ -170,8 +170,10 @@ class MoeExperts(nn.Module):
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         shape, dtype = x.shape, x.dtype
         xs = x.reshape(-1, shape[-1]).to(torch.bfloat16).contiguous()
-        tw = topk_weights.reshape(xs.shape[0], -1).float().contiguous()
-        ids = topk_ids.reshape(xs.shape[0], -1)
+        M = xs.shape[0]
+        # [M, K] by the last dimension when there are no rows (reshape cannot infer -1 from 0 elements)
+        tw = topk_weights.reshape(M, -1 if M else topk_weights.shape[-1]).float().contiguous()
+        ids = topk_ids.reshape(M, -1 if M else topk_ids.shape[-1])
         if self.expert_map is not None:
             ids = map_experts(ids, self.expert_map)
         ids = ids.to(torch.int32).contiguous()

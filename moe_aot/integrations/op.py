@@ -8,7 +8,7 @@
 - CUDA: the AOT kernels from the database (runtime.layer.moe_forward), launched on the current
   stream with no host sync, so the op captures in CUDA graphs (warm up once at the largest token
   count first: that call loads the kernels and allocates the layer's workspace).
-- CPU: the fp32 reference (runtime.reference.moe_reference), rounded to bf16; it exists so that
+- CPU: the fp32 reference (harness.reference.moe_reference), rounded to bf16; it exists so that
   registration, fake tensors, opcheck and torch.compile can be tested without a GPU.
 - Meta / fake tensors: the same checks, then an empty [M, H] bf16 output.
 No autograd formula is registered (forward only); calling backward through it raises.
@@ -26,54 +26,35 @@ from typing import Optional
 import torch
 
 from ..runtime.library import KernelArgumentError
-from ..runtime.reference import moe_reference
 from ..spec import ACTIVATIONS
 from ..variants import INTERLEAVE
 from .routing import ROUTINGS, grouped_topk, map_experts, softmax_topk, topk_softmax
+from .shapes import check_layer_shapes
 
 
 def check_op_inputs(x, w13, w2, topk_weights, topk_ids, activation: str = "swiglu", w13_bias=None,
                     w2_bias=None) -> None:
     """The op's contract, checked on real and fake tensors alike (shapes, dtypes, devices)."""
+    biases = tuple((n, t) for n, t in (("w13_bias", w13_bias), ("w2_bias", w2_bias)) if t is not None)
     for name, t, rank in (("x", x, 2), ("w13", w13, 3), ("w2", w2, 3), ("topk_weights", topk_weights, 2),
-                          ("topk_ids", topk_ids, 2)):
+                          ("topk_ids", topk_ids, 2)) + tuple((n, t, 2) for n, t in biases):
         if not isinstance(t, torch.Tensor) or t.dim() != rank:
             got = f"shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
             raise KernelArgumentError(f"{name} must be a {rank}-D tensor, got {got}")
     for name, t, dtype in (("x", x, torch.bfloat16), ("w13", w13, torch.bfloat16), ("w2", w2, torch.bfloat16),
-                           ("topk_weights", topk_weights, torch.float32), ("topk_ids", topk_ids, torch.int32)):
+                           ("topk_weights", topk_weights, torch.float32), ("topk_ids", topk_ids, torch.int32)) + \
+            tuple((n, t, torch.bfloat16) for n, t in biases):
         if t.dtype != dtype:
             raise KernelArgumentError(f"{name} must be {dtype}, got {t.dtype}")
-    M, H = x.shape
-    E, I2, H1 = w13.shape
-    I = I2 // 2
-    if H1 != H or I2 % (2 * INTERLEAVE):
-        raise KernelArgumentError(f"w13 must have shape (experts, 2*intermediate, {H}) with intermediate a "
-                                  f"multiple of {INTERLEAVE} (from prepare_weights), got {tuple(w13.shape)}")
-    if tuple(w2.shape) != (E, H, I):
-        raise KernelArgumentError(f"w2 must have shape ({E}, {H}, {I}) to match w13 {tuple(w13.shape)}, "
-                                  f"got {tuple(w2.shape)}")
-    biases = ()
-    if (w13_bias is None) != (w2_bias is None):
-        raise KernelArgumentError("expert biases come in pairs: give both w13_bias [E, 2I] and w2_bias [E, H], "
-                                  "or neither")
-    if w13_bias is not None:
-        for name, t, shape in (("w13_bias", w13_bias, (E, I2)), ("w2_bias", w2_bias, (E, H))):
-            if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or t.dtype != torch.bfloat16:
-                got = f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
-                raise KernelArgumentError(f"{name} must be a bf16 tensor of shape {shape} (w13_bias interleaved "
-                                          f"as w13's rows, prepare_biases), got {got}")
-        biases = (("w13_bias", w13_bias), ("w2_bias", w2_bias))
+    check_layer_shapes(x.shape, w13.shape, w2.shape, topk_weights.shape, topk_ids.shape,
+                       None if w13_bias is None else w13_bias.shape, None if w2_bias is None else w2_bias.shape,
+                       bias_names=("w13_bias", "w2_bias"))
     _check_rest(x, (("w13", w13), ("w2", w2)) + biases, topk_weights, topk_ids, activation)
 
 
 def _check_rest(x, weights, topk_weights, topk_ids, activation) -> None:
-    """The checks both ops share once the weights' shapes are known: routing shapes, the
-    activation, one device, contiguity. ``weights``: (name, tensor) pairs."""
-    M = x.shape[0]
-    if topk_ids.shape[0] != M or topk_weights.shape != topk_ids.shape:
-        raise KernelArgumentError(f"topk_weights and topk_ids must both have shape ({M}, top_k) for x of "
-                                  f"{M} tokens, got {tuple(topk_weights.shape)} and {tuple(topk_ids.shape)}")
+    """The checks both ops share once the shapes are checked: the activation, one device,
+    contiguity. ``weights``: (name, tensor) pairs."""
     if activation not in ACTIVATIONS:
         raise KernelArgumentError(f"activation must be one of {', '.join(ACTIVATIONS)}, got {activation!r}")
     others = tuple(weights) + (("topk_weights", topk_weights), ("topk_ids", topk_ids))
@@ -104,6 +85,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     """sum_k topk_weights[m, k] * FFN_{topk_ids[m, k]}(x[m]); see the module docstring. Expert
     biases (gpt-oss, with activation "swigluoai"): w13_bias [E, 2I] interleaved as w13's rows
     (prepare_biases), w2_bias [E, H], both bf16."""
+    from ..harness.reference import moe_reference  # the CPU implementation only
+
     check_op_inputs(x, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias)
     if x.shape[0] == 0:
         return x.new_empty(0, x.shape[1])
@@ -145,12 +128,11 @@ def check_fp8_op_inputs(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids,
                            ("topk_ids", topk_ids, torch.int32)):
         if t.dtype != dtype:
             raise KernelArgumentError(f"{name} must be {dtype}, got {t.dtype}")
+    check_layer_shapes(x.shape, w13.shape, w2.shape, topk_weights.shape, topk_ids.shape,
+                       source="from prepare_fp8_weights")
     H = x.shape[1]
-    E, I2, H1 = w13.shape
+    E, I2, _ = w13.shape
     I = I2 // 2
-    if H1 != H or tuple(w2.shape) != (E, H, I):
-        raise KernelArgumentError(f"w13 {tuple(w13.shape)} and w2 {tuple(w2.shape)} must be (experts, "
-                                  f"2*intermediate, {H}) and (experts, {H}, intermediate)")
     shapes = {"fp8": ((E, 2), (E,)),
               "fp8-block128": ((E, I2 // SCALE_BLOCK, H // SCALE_BLOCK), (E, H // SCALE_BLOCK, I // SCALE_BLOCK))}
     precision = next((p for p, (a, b) in shapes.items()
@@ -170,7 +152,7 @@ def fused_moe_fp8(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w
                   activation: str = "swiglu") -> torch.Tensor:
     """fused_moe on fp8 weights (runtime.layer.prepare_fp8_weights's layout: w13 gate/up interleaved,
     its scales with it); x is quantized on the GPU. CPU: the fp32 reference of the fp8 math."""
-    from ..runtime import fp8
+    from ..harness import fp8  # the CPU implementation only
 
     precision = check_fp8_op_inputs(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, activation)
     if x.shape[0] == 0:

@@ -240,13 +240,6 @@ class ExpertParallelMoe(nn.Module):
             return self._padded(x, topk_weights, topk_ids)
         return self._exact(x, topk_weights, topk_ids)
 
-    def _local(self, x, weights, ids):
-        # No rows (a rank nobody routed to, in the exact exchange) is a shape, known on the host;
-        # MoeExperts cannot reshape an empty batch's weights, so it is not called for one.
-        if x.shape[0] == 0:
-            return x.new_zeros(0, x.shape[1])
-        return self.experts(x, weights, ids)
-
     def _a2a(self, out, inp, out_splits=None, in_splits=None):
         import torch.distributed as dist
 
@@ -267,7 +260,7 @@ class ExpertParallelMoe(nn.Module):
         x_recv = self._a2a(x.new_empty(N, cap, H), x.expand(N, cap, H).contiguous())
         meta_recv = self._a2a(torch.empty_like(meta), meta)
         ids_recv, w_recv = _unpack(meta_recv.view(N * cap, 2 * K), K)
-        y = self._local(x_recv.view(N * cap, H), w_recv, ids_recv).to(x.dtype)
+        y = self.experts(x_recv.view(N * cap, H), w_recv, ids_recv).to(x.dtype)
         back = self._a2a(torch.empty_like(y), y.contiguous()).view(N, cap, H)
         return combine_padded(back)[:M].to(x.dtype)
 
@@ -280,6 +273,6 @@ class ExpertParallelMoe(nn.Module):
         meta = _pack(ids, topk_weights[token])
         meta_recv = self._a2a(meta.new_empty(sum(recv), 2 * K), meta, recv, send)
         ids_recv, w_recv = _unpack(meta_recv, K)
-        y = self._local(x_recv, w_recv, ids_recv).to(x.dtype).contiguous()
+        y = self.experts(x_recv, w_recv, ids_recv).to(x.dtype).contiguous()  # no rows: an empty y
         back = self._a2a(y.new_empty(sum(send), H), y, send, recv)
         return combine_exact(back, token, M).to(x.dtype)

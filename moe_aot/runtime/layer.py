@@ -11,11 +11,11 @@ import dataclasses
 import torch
 
 from ..gemm_limits import FP8, H_SCALE_BLOCK, SCALE_BLOCK
+from ..layout import interleave_gate_up, max_tiles
 from ..spec import LayerSpec, make_spec, value_class
 from ..variants import INTERLEAVE, TILE_M, LayerVariant, bucket_for, default_variant
 from .launch import LayerPlan, feeds
 from .library import KernelArgumentError, KernelLibrary
-from .reference import interleave_gate_up, max_tiles
 from .store import KernelStore
 
 
@@ -32,6 +32,18 @@ def prepare_biases(b_gate: torch.Tensor, b_up: torch.Tensor) -> torch.Tensor:
         raise KernelArgumentError(f"gate and up biases must both be [experts, intermediate], got "
                                   f"{tuple(b_gate.shape)} and {tuple(b_up.shape)}")
     return interleave_gate_up(b_gate.unsqueeze(-1), b_up.unsqueeze(-1), INTERLEAVE).squeeze(-1).contiguous()
+
+
+def split_biases(spec: LayerSpec, w13, w2):
+    """(w13, b13, w2, b2) from the weights as forward takes them: a bias layer's (weights,
+    biases) pairs, checked to be pairs; without biases (w13, None, w2, None)."""
+    if not spec.bias:
+        return w13, None, w2, None
+    for name, w in (("w13", w13), ("w2", w2)):
+        if not (isinstance(w, (tuple, list)) and len(w) == 2):
+            raise KernelArgumentError(f"{name} must be a (bf16 weights, bf16 biases) pair for {spec.label()}, "
+                                      f"whose spec has expert biases (bias=True); got {type(w).__name__}")
+    return w13[0], w13[1], w2[0], w2[1]
 
 
 @value_class(frozen=False)
@@ -155,7 +167,7 @@ class MoeLayer:
         a bias layer's biases either in its (weights, biases) pairs or as b13 / b2)."""
         s = self.spec
         if s.bias and b13 is None and b2 is None:
-            w13, b13, w2, b2 = self._bias_pairs(w13, w2)
+            w13, b13, w2, b2 = split_biases(s, w13, w2)
         M = x.shape[0] if isinstance(x, torch.Tensor) and x.dim() == 2 else None
         if s.precision in FP8:
             weights = self._fp8_weight_checks(w13, w2)
@@ -215,7 +227,7 @@ class MoeLayer:
             return self._forward_fp8(x, w13, w2, topk_weights, topk_ids, out, workspace)
         b13 = b2 = None
         if self.spec.bias:
-            w13, b13, w2, b2 = self._bias_pairs(w13, w2)
+            w13, b13, w2, b2 = split_biases(self.spec, w13, w2)
         ws = workspace if workspace is not None else self._workspace
         last = self._last
         if last is not None and last.ws is ws and last.variants is self.variants:
@@ -288,14 +300,6 @@ class MoeLayer:
     _FP8_CALLER_ARGS = (("routing", 0, "ids"), ("quant", 0, "x"), ("glu", 2, "w13"), ("glu", 3, "w13s"),
                         ("down", 2, "w2"), ("down", 3, "w2s"), ("down", 6, "tw"), ("combine", 1, "ids"),
                         ("combine", 2, "out"))
-
-    def _bias_pairs(self, w13, w2):
-        """(w13, b13, w2, b2) from a bias layer's (weights, biases) pairs."""
-        for name, w in (("w13", w13), ("w2", w2)):
-            if not (isinstance(w, (tuple, list)) and len(w) == 2):
-                raise KernelArgumentError(f"{name} must be a (bf16 weights, bf16 biases) pair for {self.spec.label()}, "
-                                          f"whose spec has expert biases (bias=True); got {type(w).__name__}")
-        return w13[0], w13[1], w2[0], w2[1]
 
     def _forward_fp8(self, x, w13, w2, topk_weights, topk_ids, out, workspace):
         """routing -> quantization of x -> GEMM1 (e4m3 h) -> GEMM2 -> combine. The first call at

@@ -9,8 +9,8 @@ import time
 
 import torch
 
+from ..runtime.layer import MoeLayer
 from ..variants import LayerVariant
-from .layer import MoeLayer
 from .reference import rel_err
 from .verify import TOLERANCE, layer_reference, random_routing
 

@@ -1,17 +1,11 @@
-"""PyTorch references of every kernel's semantics (fp32 math); used by tests, `verify` and the
-benchmark. Plain torch: no DSL, no database."""
+"""PyTorch references of every kernel's semantics (fp32 math); used by tests, `verify`, the
+tuner's checks, the benchmark and the op's CPU implementation. Plain torch: no DSL, no database."""
 from __future__ import annotations
-
-import math
 
 import torch
 import torch.nn.functional as F
 
-
-def max_tiles(tokens: int, top_k: int, experts: int, tile_m: int) -> int:
-    """Worst-case number of tile_m-row tiles after padding every expert's rows to tile_m."""
-    pairs = tokens * top_k
-    return max(1, math.ceil((pairs + min(experts, pairs) * (tile_m - 1)) / tile_m))
+from ..layout import max_tiles
 
 
 def routing_reference(topk_ids: torch.Tensor, experts: int, tile_m: int, num_tiles: int | None = None):
@@ -40,22 +34,6 @@ def routing_reference(topk_ids: torch.Tensor, experts: int, tile_m: int, num_til
     tile_expert[: int(tiles_per.sum())] = torch.repeat_interleave(
         torch.arange(experts, device=topk_ids.device, dtype=torch.int32), tiles_per)
     return counts.to(torch.int32), offsets.to(torch.int32), sorted_ids, tile_expert
-
-
-def interleave_gate_up(w_gate: torch.Tensor, w_up: torch.Tensor, block: int = 16) -> torch.Tensor:
-    """[E, I, H] gate and up -> [E, 2I, H] with rows alternating in blocks of `block`."""
-    E, I, H = w_gate.shape
-    if w_up.shape != w_gate.shape or I % block:
-        raise ValueError(f"gate {tuple(w_gate.shape)} and up {tuple(w_up.shape)} must match, I % {block} == 0")
-    g = w_gate.reshape(E, I // block, block, H)
-    u = w_up.reshape(E, I // block, block, H)
-    return torch.stack((g, u), dim=2).reshape(E, 2 * I, H).contiguous()
-
-
-def split_gate_up(w13: torch.Tensor, block: int = 16):
-    E, I2, H = w13.shape
-    v = w13.reshape(E, I2 // (2 * block), 2, block, H)
-    return v[:, :, 0].reshape(E, I2 // 2, H), v[:, :, 1].reshape(E, I2 // 2, H)
 
 
 def activation_fn(name: str):
@@ -125,7 +103,7 @@ def moe_reference(x, w13, w2, topk_weights, topk_ids, activation="swiglu", block
         if b2 is not None:
             y[rows] += b2[e].float()
     y = y * topk_weights.reshape(-1, 1).float()
-    return y.reshape(M, K, -1).sum(1)
+    return y.reshape(M, K, w2.shape[1]).sum(1)  # sizes, not -1: M may be 0
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:

@@ -5,11 +5,14 @@ from __future__ import annotations
 import torch
 
 from ..gemm_limits import FP8
+from ..layout import max_tiles
+from ..runtime import fp8 as fp8_format
+from ..runtime.layer import MoeLayer, split_biases
+from ..runtime.store import KernelStore
 from ..spec import LayerSpec
 from ..variants import INTERLEAVE
-from .layer import MoeLayer
-from .reference import glu_reference, max_tiles, moe_reference, rel_err, routing_reference, row_rel_err
-from .store import KernelStore
+from . import fp8
+from .reference import glu_reference, moe_reference, rel_err, routing_reference, row_rel_err
 
 TOLERANCE = 1e-2
 ROW_TOLERANCE = 3e-2  # worst single row (bf16 rows land near 5e-3; one wrong routed pair of 8 is ~0.3)
@@ -39,15 +42,13 @@ def random_weights(spec: LayerSpec, device, scale: float = 1.0):
     layers with expert biases the (weights, biases) pairs (w13, b13), (w2, b2)."""
     H, I, E = spec.hidden, spec.intermediate, spec.experts
     if spec.precision in FP8:
-        from . import fp8
-
         # 16 experts at a time: DeepSeek-V3's bf16 weights (22 GB) are never all held at once
         parts13, parts2 = [], []
         for a in range(0, E, 16):
             n = min(16, E - a)
             gu = torch.randn(n, 2 * I, H, device=device, dtype=torch.bfloat16) * (scale / H ** 0.5)
-            parts13.append(fp8.prepare_w13(gu[:, :I], gu[:, I:], spec.precision, INTERLEAVE))
-            parts2.append(fp8.prepare_w2(torch.randn(n, H, I, device=device, dtype=torch.bfloat16)
+            parts13.append(fp8_format.prepare_w13(gu[:, :I], gu[:, I:], spec.precision, INTERLEAVE))
+            parts2.append(fp8_format.prepare_w2(torch.randn(n, H, I, device=device, dtype=torch.bfloat16)
                                          * (scale / I ** 0.5), spec.precision))
         return tuple((torch.cat([p[0] for p in ps]), torch.cat([p[1] for p in ps])) for ps in (parts13, parts2))
     w13 = (torch.randn(E, 2 * I, H, device=device, dtype=torch.bfloat16) * (scale / H ** 0.5))
@@ -59,21 +60,12 @@ def random_weights(spec: LayerSpec, device, scale: float = 1.0):
     return w13, w2
 
 
-def unbias(spec: LayerSpec, w13, w2):
-    """(w13, b13, w2, b2) of a layer's weights as forward takes them (biases None without)."""
-    if spec.bias:
-        return w13[0], w13[1], w2[0], w2[1]
-    return w13, None, w2, None
-
-
 def layer_reference(spec: LayerSpec, x, w13, w2, topk_weights, topk_ids):
     """The fp32 reference of the layer in its precision (fp8: on what its kernels consume)."""
     if spec.precision in FP8:
-        from . import fp8
-
         return fp8.moe_fp8_reference(x, w13, w2, topk_weights, topk_ids, spec.precision, spec.activation,
                                      INTERLEAVE)
-    w13, b13, w2, b2 = unbias(spec, w13, w2)
+    w13, b13, w2, b2 = split_biases(spec, w13, w2)
     return moe_reference(x, w13, w2, topk_weights, topk_ids, spec.activation, INTERLEAVE, b13, b2)
 
 
@@ -132,18 +124,16 @@ def _check_glu_fp8(layer, x, w13, sorted_ids, tile_expert, offsets, v) -> dict:
     """The quantization kernel and GEMM1 of an fp8 layer: x's e4m3 values and scales against
     torch's quantization of x, then GEMM1's dequantized output against the fp32 GEMM1 + GLU of
     exactly what it read (the kernel's own xq, xs and the weights), quantized the same way."""
-    from . import fp8
-
     spec = layer.spec
     M, R = x.shape[0], sorted_ids.numel()
     _, libs = layer.role_kernels(M)
-    blk = fp8.x_block(spec.precision)
-    xq = torch.full((M, spec.hidden), 0x7F, dtype=torch.uint8, device=x.device).view(fp8.E4M3)  # NaN
+    blk = fp8_format.x_block(spec.precision)
+    xq = torch.full((M, spec.hidden), 0x7F, dtype=torch.uint8, device=x.device).view(fp8_format.E4M3)  # NaN
     xs = torch.full((M,) if blk is None else (M, spec.hidden // blk), float("nan"), device=x.device)
     libs["quant"](x, xq, xs)
     q_ref, s_ref = fp8.quantize_x(x, spec.precision)
     e_q = rel_err(fp8.dequantize_rows(xq, xs, blk), fp8.dequantize_rows(q_ref, s_ref, blk))
-    h = torch.full((R, spec.intermediate), 0x7F, dtype=torch.uint8, device=x.device).view(fp8.E4M3)
+    h = torch.full((R, spec.intermediate), 0x7F, dtype=torch.uint8, device=x.device).view(fp8_format.E4M3)
     hs = torch.full((R, spec.intermediate // 64), float("nan"), device=x.device)
     libs["glu"](xq, xs, w13[0], w13[1], sorted_ids, tile_expert, h, hs)
     href = fp8.glu_fp8_reference(xq, xs, w13[0], w13[1], sorted_ids, tile_expert, v.tile_m, spec.top_k,
