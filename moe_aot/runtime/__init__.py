@@ -1,2 +1,2 @@
 """The runtime: loads compiled kernels from the database and launches them. Never imports
-cutlass, optuna or the compiler."""
+cutlass, optuna, the compiler or the test and benchmark harness (moe_aot.harness)."""
