@@ -164,6 +164,40 @@ def find_studies(storage, gpu: str, workloads=None, target: str | None = None,
     return [optuna.load_study(study_name=n, storage=storage) for n in sorted(mine)]
 
 
+def _hold_sigint():
+    """Defer SIGINT (this thread's signal mask) across a WAITING -> RUNNING claim, so that a Ctrl-C
+    cannot land between the claim and the code that hands an interrupted trial back; None where
+    the mask cannot be set (not the main thread, no pthread_sigmask)."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "pthread_sigmask"):
+        return None
+    return signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+
+
+def _release_sigint(held) -> None:
+    """Restore the mask `_hold_sigint` changed; a SIGINT that came meanwhile is raised now."""
+    if held is not None:
+        import signal
+
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
+
+
+def _hand_back(storage, trial_id: int, tries: int = 50) -> None:
+    """RUNNING -> WAITING for a trial this worker could not finish. Retried: beside other workers'
+    writes the database can be locked for a moment, and a trial left RUNNING would wait for the
+    stale-trial timeout instead of the next run."""
+    for _ in range(tries):
+        try:
+            storage.set_trial_state_values(trial_id, TrialState.WAITING)
+            return
+        except optuna.exceptions.UpdateFinishedTrialError:
+            return  # finished after all
+        except Exception:
+            time.sleep(0.1)
+
+
 def claim(study: optuna.Study) -> tuple[optuna.Trial, dict] | None:
     """The first ready WAITING trial this worker manages to switch to RUNNING."""
     for t in study.get_trials(deepcopy=False, states=(TrialState.WAITING,)):
@@ -239,8 +273,14 @@ def measure(db_url: str, measurer, workloads=None, target: str | None = None, bu
                     checked.add(study.study_name)
                     spec, _, tokens = study_of(study)
                     _measure_default(db, study, spec, tokens, measurer, progress, claim_once)
-            got = next(((s, c) for s in studies if (c := claim(s))), None)
+            held = _hold_sigint()  # a Ctrl-C while claiming waits until the claim can be handed back
+            try:
+                got = next(((s, c) for s in studies if (c := claim(s))), None)
+            except BaseException:
+                _release_sigint(held)
+                raise
             if got is None:
+                _release_sigint(held)
                 for s in studies:
                     if s.study_name not in confirmed:
                         confirm_drained(s)
@@ -250,15 +290,13 @@ def measure(db_url: str, measurer, workloads=None, target: str | None = None, bu
                 studies = find_studies(storage, measurer.gpu, workloads, target, buckets)
                 continue
             study, (trial, attrs) = got
-            spec, space, tokens = study_of(study)
             try:
+                _release_sigint(held)  # a Ctrl-C that came while claiming is raised here, inside the hand-back
+                spec, space, tokens = study_of(study)
                 variant = suggest(trial, space)
                 out = measure_trial(db, study, trial, spec, tokens, variant, attrs["toolchain"], None, measurer)
             except BaseException:
-                try:  # hand it back so another worker (or the next run) measures it
-                    storage.set_trial_state_values(trial._trial_id, TrialState.WAITING)
-                except Exception:
-                    pass
+                _hand_back(storage, trial._trial_id)  # so that another worker (or the next run) measures it
                 raise
             done += 1
             idle_since = time.monotonic()
