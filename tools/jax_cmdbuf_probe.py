@@ -193,17 +193,17 @@ def worker(ns) -> int:
     result: dict = {"name": ns.worker, "xla_flags": os.environ.get("XLA_FLAGS", ""), "functions": {}}
     sys.path.insert(0, str(ROOT))
     sys.path.insert(0, str(ROOT / "tools"))
-    import numpy as np
-
     import jax
     import jax.numpy as jnp
     import jaxlib
+    import numpy as np
 
     result["jax"], result["jaxlib"] = jax.__version__, jaxlib.__version__
     dev = jax.devices()[0]
     result["device"] = f"{dev} {getattr(dev, 'device_kind', '')}"
 
     import jax_smoke
+
     import moe_aot.integrations.jax as mj
     from moe_aot.spec import make_spec
 
@@ -260,9 +260,10 @@ def worker(ns) -> int:
             for k, i in enumerate((0, 1, 2, 0)):  # warm-up, record, update with new buffers, back
                 x, tw, ids = sets[i]
                 o = bits(compiled(x, w13, w2, tw, ids))
+                bf = np.dtype(jnp.bfloat16)
+                diff = o.view(bf).astype(np.float32) - refs[i].view(bf).astype(np.float32)
                 calls.append({"call": k, "inputs": i, "equal": bool(np.array_equal(o, refs[i])),
-                              "max_abs": float(np.max(np.abs(o.view(np.dtype(jnp.bfloat16)).astype(np.float32)
-                                                             - refs[i].view(np.dtype(jnp.bfloat16)).astype(np.float32))))})
+                              "max_abs": float(np.max(np.abs(diff)))})
             f["calls"] = calls
             f["eager_equal_here"] = all(np.array_equal(eager_out[i], refs[i]) for i in range(3))
             f["matches_eager"] = all(c["equal"] for c in calls)

@@ -82,7 +82,8 @@ def hlo_placement(text: str, target: str, dump_dir=None, module: str | None = No
     run's --xla_dump_to) and the module's name the answer is read from the dumped thunk sequence
     (tools/jax_cmdbuf_probe.py); without, from HLO computation names (older XLA outlined command
     buffers into computations so named)."""
-    from jax_cmdbuf_probe import hlo_placement as hlo, thunk_placement
+    from jax_cmdbuf_probe import hlo_placement as hlo
+    from jax_cmdbuf_probe import thunk_placement
 
     h = hlo(text, target)
     out = {"computations": h["computations"], "in_command_buffer": h["hlo_command_buffer"]}
