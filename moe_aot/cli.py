@@ -98,8 +98,10 @@ def main():
 @click.option("--db", "db_url", default=None, help=DB_HELP)
 def compile_cmd(models, spec_file, target, experts, top_k, hidden, intermediate, activation, precision,
                 tokens, variant_names, jobs, force, db_url):
-    """Compile the kernels of the given layers into the database (no GPU needed)."""
-    from .compiler import compile_into
+    """Compile the kernels of the given layers into the database (no GPU needed). sm_121a's
+    libraries are for the DGX Spark's aarch64 host: on an x86-64 machine they link with Debian's
+    gcc-aarch64-linux-gnu and the DSL's aarch64 runtime archive (fetched with pip at first use)."""
+    from .compiler import HostToolchainError, compile_into
 
     specs = _specs(models, spec_file, target, experts, top_k, hidden, intermediate, activation, precision)
     buckets = _tokens(tokens)
@@ -137,7 +139,7 @@ def compile_cmd(models, spec_file, target, experts, top_k, hidden, intermediate,
 
     try:
         results = compile_into(db, pairs, jobs=jobs, progress=progress, force=force)
-    except DatabaseError as exc:
+    except (DatabaseError, HostToolchainError) as exc:
         raise click.ClickException(str(exc)) from None
     failed = [r for r in results if r.artifact is None]
     note = " (everything was already in the database)" if not results else ""
@@ -552,7 +554,7 @@ def build_cmd(models, spec_file, target, experts, top_k, hidden, intermediate, a
     """Precompile everything a deployment needs: the tuned pick per bucket where the database or
     the text export has one for the target (and GPU), the default variant for every bucket.
     Idempotent: what is already in the database is not compiled again."""
-    from .compiler import compile_into, toolchain_key
+    from .compiler import HostToolchainError, compile_into, toolchain_key
     from .picks import build_plan
 
     specs = _specs(models, spec_file, target, experts, top_k, hidden, intermediate, activation, precision)
@@ -584,7 +586,7 @@ def build_cmd(models, spec_file, target, experts, top_k, hidden, intermediate, a
                 db.commit_best(workload=spec.workload_key, target=spec.target, gpu=g, toolchain=tools[spec.target],
                                tokens=n, variant=v.name(spec), median_us=us, force=True)
                 gpus.add(g)
-    except (ValueError, DatabaseError) as exc:
+    except (ValueError, DatabaseError, HostToolchainError) as exc:
         raise _fail(exc) from None
     finally:
         db.close()

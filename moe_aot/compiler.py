@@ -15,15 +15,17 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 from .gemm_limits import WARP_SPECIALIZED
-from .kernel_build import Artifact, KernelCompileError, compile_kernel  # noqa: F401
+from .hosts import HOSTS, host_for
+from .kernel_build import Artifact, HostToolchainError, KernelCompileError, compile_kernel, host_toolchain  # noqa: F401
 from .spec import LayerSpec
 from .variants import KernelVariant, LayerVariant, can_implement
 
 
-def templates_hash() -> str:
+def templates_hash(host: str = "x86-64") -> str:
     """Hash of the kernel sources (the templates, the validity rules they import, gemm_limits.py,
     and the CUDA runtime shim every library links, cudart_shim.c): editing any must never reuse a
-    stale binary."""
+    stale binary. For a host other than x86-64 its --host-target (hosts.py) is hashed too, so a
+    changed baseline CPU is a new key; x86-64 keys stay those of every existing database."""
     import hashlib
 
     import moe_aot_templates
@@ -35,17 +37,21 @@ def templates_hash() -> str:
     for path in (sorted(Path(moe_aot_templates.__file__).parent.glob("*.py")) + [Path(gemm_limits.__file__)]
                  + [CUDART_SHIM]):
         h.update(path.name.encode() + b"\0" + path.read_bytes())
+    if host != "x86-64":
+        h.update(b"host\0" + HOSTS[host].llvm_target.encode())
     return h.hexdigest()[:12]
 
 
 def toolchain_key(target: str) -> str:
     """The fingerprint string artifacts are keyed by: DSL version, CUDA flavour, arch, host
-    target, artifact format and the templates' source hash."""
+    (hosts.TARGET_HOSTS: x86-64, aarch64 for sm_121a), artifact format and the templates' source
+    hash."""
     from .kernel_build import toolchain_fingerprint
 
     fp = toolchain_fingerprint(target)
-    return (f"{fp['dsl']}|{fp['cuda_flavour']}|{fp['arch']}|x86-64|fmt{fp['artifact_format']}"
-            f"|src{templates_hash()}")
+    host = host_for(target).name
+    return (f"{fp['dsl']}|{fp['cuda_flavour']}|{fp['arch']}|{host}|fmt{fp['artifact_format']}"
+            f"|src{templates_hash(host)}")
 
 
 # The template registry: (role, family) -> (module under moe_aot_templates, class). A GEMM's
@@ -136,6 +142,10 @@ def compile_into(db, specs_and_variants, jobs: int | None = None,
     results: list[JobResult] = []
     if not todo:
         return results
+    # The linker and runtime archive of each host first (a cross build may fetch its archive):
+    # without them no kernel could link, and none must be recorded as a failed kernel.
+    for host in {host_for(spec.target) for spec, _ in todo}:
+        host_toolchain(host)
     jobs = max(1, min(jobs or os.cpu_count() or 1, len(todo)))
     owner = {kv.name: spec for spec, kv in todo}
 

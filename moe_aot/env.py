@@ -4,6 +4,8 @@ MOE_AOT_DB         SQLAlchemy URL of the kernel database (default: SQLite in <re
 MOE_AOT_CACHE_DIR  folder of the default SQLite database, of unpacked kernel libraries and of
                    tuned/ (the tuned picks as text, one JSONL file per GPU); default <checkout>/cache
                    in a source checkout, else $XDG_CACHE_HOME/moe-aot (~/.cache/moe-aot).
+                   The DSL's runtime archive for another host (aarch64 for sm_121a, the DGX
+                   Spark) is fetched into <cache>/host-runtime/ at the first build for that host.
 MOE_AOT_NATIVE_LAUNCH  0 to launch a layer's four kernels from Python instead of through the
                    small C launcher built at first use (runtime/launch.py; default 1).
 """
@@ -44,6 +46,12 @@ def templates_dir() -> Path:
     """Kernel templates: the repo's templates/ in a checkout, moe_aot/_templates when installed."""
     installed = _PACKAGE_DIR / "_templates"
     return installed if installed.is_dir() else REPO_ROOT / "templates"
+
+
+def host_runtime_dir() -> Path:
+    """The DSL's static runtime archives for hosts other than the build machine's, one folder per
+    DSL wheel version and host triple (kernel_build.cross_runtime_archive fills it)."""
+    return cache_dir() / "host-runtime"
 
 
 def tuned_dir() -> Path:

@@ -3,7 +3,9 @@
 An artifact is everything the runtime needs and nothing of the DSL: a self-contained shared
 library (the DSL's exported host launcher with its embedded fatbin, linked against the DSL's tiny
 static runtime and the project's CUDA runtime shim `cudart_shim.c`, the runtime entry points
-those call written over the driver API, so it needs only libc and libcuda.so.1), the cubin and PTX for
+those call written over the driver API, so it needs only libc and libcuda.so.1), for the host
+CPU beside the target's GPU (hosts.py: x86-64, or aarch64 for the DGX Spark, linked with Debian's
+cross compiler and the DSL's aarch64 runtime archive), the cubin and PTX for
 inspection, and metadata: the host ABI (entry points, one C struct per tensor argument), the
 compile-time assumptions the runtime must check before launching (static modes, divisibility,
 alignment) and the toolchain fingerprint.
@@ -14,18 +16,28 @@ package never pulls in the DSL.
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import hashlib
 import json
+import os
 import re
 import shlex
+import shutil
 import subprocess
+import sys
 import tempfile
 import time
+import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-# Baseline x86-64: the DSL's default host target is the build CPU (AVX-512 code can SIGILL elsewhere).
-HOST_TARGET_X86_64 = "llvm -mtriple=x86_64-unknown-linux-gnu -mcpu=x86-64"
+from . import env
+from .hosts import HOSTS, TARGET_HOSTS, Host, this_host
+
+# The DSL's --host-target per host (hosts.py says why these baselines).
+HOST_TARGET_X86_64 = HOSTS["x86-64"].llvm_target
+HOST_TARGET_AARCH64 = HOSTS["aarch64"].llvm_target
+RUNTIME_ARCHIVE = "libcuda_dialect_runtime_static.a"
 # 1: libraries linked with CUDA's static cudart; 2: with cudart_shim.c (same cubins, another host
 # link). The format is part of every artifact's toolchain key, so a build never reuses a format-1
 # library as a format-2 one.
@@ -35,6 +47,11 @@ CUDART_SHIM = Path(__file__).resolve().parent / "cudart_shim.c"
 
 class KernelCompileError(RuntimeError):
     """The DSL or the linker refused a kernel; the message carries the tool's own words."""
+
+
+class HostToolchainError(RuntimeError):
+    """No linker or no DSL runtime archive for the host a target's libraries run on: nothing of
+    the batch can link, so the build stops before compiling (no kernel is recorded as failed)."""
 
 
 class TemplateBugError(RuntimeError):
@@ -97,7 +114,9 @@ def _load_dsl_runtime() -> Path:
     return Path(libs[0]).parent
 
 
-def toolchain_fingerprint(arch: str, host_target: str = HOST_TARGET_X86_64) -> dict:
+def toolchain_fingerprint(arch: str, host: str | None = None) -> dict:
+    """What an artifact of `arch` built here depends on; `host` (a hosts.HOSTS name) defaults to
+    the target's own (hosts.TARGET_HOSTS)."""
     import cutlass
     from cutlass.base_dsl.version_info import CUDA_VERSION
 
@@ -105,7 +124,7 @@ def toolchain_fingerprint(arch: str, host_target: str = HOST_TARGET_X86_64) -> d
         "dsl": f"nvidia-cutlass-dsl=={cutlass.__version__}",
         "cuda_flavour": f"cu{CUDA_VERSION.major}.{CUDA_VERSION.minor}",
         "arch": arch,
-        "host_target": host_target,
+        "host_target": HOSTS[host or TARGET_HOSTS[arch]].llvm_target,
         "artifact_format": ARTIFACT_FORMAT,
         "cudart_shim": shim_digest(),
     }
@@ -144,35 +163,120 @@ def shim_digest() -> str:
     return hashlib.sha256(CUDART_SHIM.read_bytes()).hexdigest()
 
 
-def link_command(obj: Path, out: Path, runtime_dir: Path) -> list[str]:
+def link_command(obj: Path, out: Path, runtime_dir: Path, cc: str = "gcc",
+                 archive: Path | None = None) -> list[str]:
     """The host link of one kernel library: the DSL's exported object, the DSL's static runtime
     (only the members the object needs are pulled in) and the CUDA runtime shim, compiled with
     hidden visibility. -z defs: a cuda* function the shim lacks fails the link instead of the
     launch. -Bsymbolic: the library's _cuda* calls bind to its own copies even beside other CUDA
-    users. libdl/libpthread only where glibc still splits them off (as-needed)."""
-    static_rt = runtime_dir / "libcuda_dialect_runtime_static.a"
-    return ["gcc", "-shared", "-fPIC", "-O2", "-fvisibility=hidden", "-o", str(out), str(obj), str(static_rt),
+    users. libdl/libpthread only where glibc still splits them off (as-needed). For another host
+    `cc` is its cross compiler and `archive` that host's build of the DSL's runtime."""
+    static_rt = archive or runtime_dir / RUNTIME_ARCHIVE
+    return [cc, "-shared", "-fPIC", "-O2", "-fvisibility=hidden", "-o", str(out), str(obj), str(static_rt),
             str(CUDART_SHIM), "-Wl,-z,defs", "-Wl,--as-needed", "-ldl", "-lpthread", "-Wl,--exclude-libs,ALL",
             "-Wl,-Bsymbolic", "-s"]
 
 
-def _link(obj: Path, out: Path, runtime_dir: Path) -> None:
-    static_rt = runtime_dir / "libcuda_dialect_runtime_static.a"
+def _link(obj: Path, out: Path, runtime_dir: Path, cc: str = "gcc", archive: Path | None = None) -> None:
+    static_rt = archive or runtime_dir / RUNTIME_ARCHIVE
     for needed in (static_rt, CUDART_SHIM):
         if not needed.exists():
             raise KernelCompileError(f"cannot link the kernel library: {needed} is missing")
-    proc = subprocess.run(link_command(obj, out, runtime_dir), capture_output=True, text=True)
+    proc = subprocess.run(link_command(obj, out, runtime_dir, cc, archive), capture_output=True, text=True)
     if proc.returncode != 0:
         raise KernelCompileError(f"linking {out.name} failed: {proc.stderr.strip()[-2000:]}")
 
 
-def compile_kernel(kernel_obj, arch: str, name: str, host_target: str = HOST_TARGET_X86_64) -> Artifact:
+def elf_machines(archive: bytes) -> set[int]:
+    """e_machine of every object in an `ar` archive (empty if it holds none or is no archive)."""
+    if not archive.startswith(b"!<arch>\n"):
+        return set()
+    machines, at = set(), 8
+    while at + 60 <= len(archive):
+        name, size = archive[at:at + 16].strip(), int(archive[at + 48:at + 58])
+        body = archive[at + 60:at + 60 + size]
+        if name not in (b"/", b"//", b"/SYM64/"):
+            machines.add(int.from_bytes(body[18:20], "little") if body[:4] == b"\x7fELF" else -1)
+        at += 60 + size + (size & 1)
+    return machines
+
+
+def _dsl_libs_dist() -> tuple[str, str]:
+    """The DSL wheel that holds the static runtime archive (nvidia-cutlass-dsl-libs-cu13 for the
+    cu13 flavour) and its installed version: another host's archive is taken from the same
+    version's wheel for that host."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from cutlass.base_dsl.version_info import CUDA_VERSION
+
+    dist = f"nvidia-cutlass-dsl-libs-cu{CUDA_VERSION.major}"
+    try:
+        return dist, version(dist)
+    except PackageNotFoundError:
+        raise HostToolchainError(f"{dist} is not installed, so its runtime archive for another host "
+                                 "cannot be matched to it") from None
+
+
+def cross_runtime_archive(host: Host) -> Path:
+    """`host`'s build of the DSL's static runtime archive, from the installed DSL version's wheel
+    for that host: fetched with pip at first use into env.host_runtime_dir() (one download per
+    machine and version, under a lock shared by parallel compile workers), checked to hold only
+    objects for that host, written atomically."""
+    dist, ver = _dsl_libs_dist()
+    path = env.host_runtime_dir() / f"{dist}-{ver}" / host.triple / RUNTIME_ARCHIVE
+    if path.is_file():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.parent / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if path.is_file():
+            return path
+        with tempfile.TemporaryDirectory(prefix="moe_aot_wheel_") as tmp:
+            cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
+                   "--platform", host.wheel_platform, "--dest", tmp, f"{dist}=={ver}"]
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            wheels = sorted(Path(tmp).glob("*.whl"))
+            if proc.returncode != 0 or not wheels:
+                raise HostToolchainError(
+                    f"could not fetch {dist}=={ver} for {host.wheel_platform} (`{shlex.join(cmd[1:])}`: "
+                    f"{proc.stderr.strip()[-500:]}); place its {RUNTIME_ARCHIVE} at {path} to build offline")
+            with zipfile.ZipFile(wheels[0]) as whl:
+                members = [n for n in whl.namelist() if n.endswith(f"/lib/{RUNTIME_ARCHIVE}")]
+                data = whl.read(members[0]) if len(members) == 1 else b""
+        if elf_machines(data) != {host.elf_machine}:
+            raise HostToolchainError(f"{wheels[0].name} holds no {RUNTIME_ARCHIVE} of {host.name} objects")
+        fd, tmp_path = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.chmod(tmp_path, 0o644)
+        os.replace(tmp_path, path)
+    return path
+
+
+def host_toolchain(host: Host) -> tuple[str, Path | None]:
+    """(C compiler driver, runtime archive or None for the installed DSL's own) that link
+    libraries for `host`: this machine's gcc for its own host, else Debian's cross compiler and
+    the archive for that host. Raises HostToolchainError saying what to install."""
+    if host.name == this_host():
+        return "gcc", None
+    if shutil.which(host.cross_cc) is None:
+        raise HostToolchainError(
+            f"linking {host.name} host code on this {this_host()} machine needs the cross compiler "
+            f"{host.cross_cc} (Debian: apt-get install {host.cross_package})")
+    return host.cross_cc, cross_runtime_archive(host)
+
+
+def compile_kernel(kernel_obj, arch: str, name: str, host: str | None = None) -> Artifact:
     """Compile `kernel_obj` (a template instance with `fake_arguments()` and a @cute.jit
-    `__call__`) for `arch` and return its artifact. `name` becomes the C symbol prefix."""
+    `__call__`) for `arch` and return its artifact. `name` becomes the C symbol prefix; `host`
+    (a hosts.HOSTS name) defaults to the host beside the target's GPU (hosts.TARGET_HOSTS)."""
     if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
         raise ValueError(f"artifact name {name!r} must be a C identifier")
     import cutlass.cute as cute
 
+    host = host or TARGET_HOSTS[arch]
+    host_target = HOSTS[host].llvm_target
+    cc, archive = host_toolchain(HOSTS[host])
     runtime_dir = _load_dsl_runtime()
     named = list(kernel_obj.fake_arguments())
     fakes = [f for _, f in named]
@@ -198,7 +302,7 @@ def compile_kernel(kernel_obj, arch: str, name: str, host_target: str = HOST_TAR
         compiled.export_to_c(str(tmp), name, name)
         obj = tmp / f"{name}.o"
         lib_path = tmp / f"lib{name}.so"
-        _link(obj, lib_path, runtime_dir)
+        _link(obj, lib_path, runtime_dir, cc, archive)
         t_link = time.perf_counter() - t0
         library = lib_path.read_bytes()
 
@@ -223,7 +327,7 @@ def compile_kernel(kernel_obj, arch: str, name: str, host_target: str = HOST_TAR
         },
         "kernels": sorted(compiled.kernel_info.keys()),
         "args": args,
-        "toolchain": toolchain_fingerprint(arch, host_target),
+        "toolchain": toolchain_fingerprint(arch, host),
         "ptx_isa": (re.search(r"\.version\s+([\d.]+)", ptx) or [None, None])[1],
         "sizes": {"library": len(library), "cubin": len(cubin), "ptx": len(ptx)},
         "sha256": {"library": hashlib.sha256(library).hexdigest(), "cubin": hashlib.sha256(cubin).hexdigest()},

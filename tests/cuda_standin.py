@@ -107,10 +107,11 @@ int cuGetProcAddress_v2(const char *sym, void **fn, int version, unsigned long l
 """)
 
 
-def build(folder: Path) -> Path:
-    """gcc the stand-in into folder/libcuda.so.1; its path."""
+def build(folder: Path, cc: str = "gcc") -> Path:
+    """Compile the stand-in into folder/libcuda.so.1 with `cc` (a cross compiler for another
+    host's load test); its path."""
     src, so = Path(folder) / "cuda_standin.c", Path(folder) / "libcuda.so.1"
     src.write_text(source())
-    subprocess.run(["gcc", "-shared", "-fPIC", "-O1", "-Wl,-soname,libcuda.so.1", "-o", str(so), str(src)],
+    subprocess.run([cc, "-shared", "-fPIC", "-O1", "-Wl,-soname,libcuda.so.1", "-o", str(so), str(src)],
                    check=True, capture_output=True, text=True)
     return so

@@ -1,4 +1,5 @@
 """The CLI through click's test runner, on a real SQLite database with real compiles."""
+import cross_tools
 import pytest
 from click.testing import CliRunner
 
@@ -36,6 +37,7 @@ def test_compile_ls_show_with_env_default(runner, tmp_path):
 
 
 def test_explicit_db_flag(runner, tmp_path):
+    cross_tools.require(cross_tools.CROSS_CC)  # sm_121a: the DGX Spark's aarch64 libraries
     url = f"sqlite:///{tmp_path / 'other.sqlite'}"
     res = runner.invoke(main, ["compile", "--experts", "8", "--top-k", "2", "--hidden", "256",
                                "--intermediate", "128", "--target", "sm_121a", "--tokens", "1", "--db", url, "-j", "1"])

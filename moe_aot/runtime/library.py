@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from ..hosts import host_of_llvm_target, this_host
+
 _C_TYPES = {"int32": ctypes.c_int32, "int64": ctypes.c_int64}
 _DTYPES = {
     "BFloat16": torch.bfloat16, "Float16": torch.float16, "Float32": torch.float32,
@@ -38,6 +40,12 @@ class KernelLaunchError(RuntimeError):
     def __init__(self, message: str, code: int | None = None):
         super().__init__(message)
         self.code = code
+
+
+def other_host(built_for: str) -> str:
+    """The one sentence that refuses a library whose host code is for another CPU."""
+    return (f"its host code was built for an {built_for} host and this host is {this_host()}, so it "
+            "cannot be loaded here (sm_121a libraries are for the DGX Spark's aarch64 host)")
 
 
 def _struct_type(arg: dict):
@@ -129,6 +137,10 @@ class KernelLibrary:
     def __init__(self, so_path: os.PathLike, meta: dict, device: int | None = None):
         self.meta = meta
         self.name = meta["name"]
+        if "toolchain" in meta:  # dlopen of another CPU's library fails with a cryptic ELF error
+            built_for = host_of_llvm_target(meta["toolchain"].get("host_target", ""))
+            if built_for != this_host():
+                raise KernelLaunchError(f"{self.name}: {other_host(built_for or 'unknown')}")
         t0 = time.perf_counter()
         self._lib = ctypes.CDLL(str(so_path), mode=ctypes.RTLD_LOCAL)
         t1 = time.perf_counter()

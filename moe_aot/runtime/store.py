@@ -1,6 +1,7 @@
 """Read-only access to the kernel database for the runtime: load a kernel library by name for
-this GPU, and the tuned picks per token bucket. Fails closed: an artifact built for another arch,
-an unknown artifact format or a CUDA flavour newer than the driver is a miss, never a launch.
+this GPU, and the tuned picks per token bucket. Fails closed: an artifact built for another arch
+or another host CPU (an aarch64 DGX Spark library on an x86-64 machine), an unknown artifact
+format or a CUDA flavour newer than the driver is a miss, never a launch.
 A SQLite database is read with the standard library (`dbread`), so the runtime does not import
 SQLAlchemy; other URLs go through `database.Database`."""
 from __future__ import annotations
@@ -11,9 +12,10 @@ import warnings
 
 from .. import env
 from ..dbread import SqliteReader, sqlite_file
+from ..hosts import this_host
 from ..spec import LayerSpec
 from ..variants import LayerVariant
-from .library import KernelLaunchError, KernelLibrary, cached_library, library_dir
+from .library import KernelLaunchError, KernelLibrary, cached_library, library_dir, other_host
 
 # 1: linked with CUDA's static cudart, 2: with the project's runtime shim. Both load the same way
 # and both are self-contained, so a database compiled before the shim keeps working (the newest
@@ -63,8 +65,8 @@ def usable(toolchain: str, target: str, driver: tuple[int, int] | None) -> tuple
         return False, f"built for {tc['arch']}, this GPU needs {target}"
     if tc["format"] not in ARTIFACT_FORMATS:
         return False, f"artifact format {tc['format']} is unknown to this runtime"
-    if tc["host"] != "x86-64":
-        return False, f"host code is for {tc['host']}"
+    if tc["host"] != this_host():
+        return False, other_host(tc["host"])
     if driver is not None and tc["cuda"][0] > driver[0]:
         return False, f"built with CUDA {tc['cuda'][0]}, the driver supports CUDA {driver[0]}.{driver[1]}"
     return True, "ok"
