@@ -20,11 +20,6 @@ WARP_SPECIALIZED = ("hopws", "hoppp")
 PERSISTENT = ("hopws", "hoppp")
 PINGPONG = ("hoppp",)
 CLUSTER_MMAS = ("hopws",)  # may run in 2-CTA clusters along M (128-row tiles)
-# may run 256-row tiles: two consumer warpgroups of 128 rows (two 64-row wgmma blocks each) on
-# one weight tile, every 64-row block that holds only padding skipped (no wgmma); one CTA then
-# holds all of an expert's rows up to 256, so each weight k-tile is read from L2 and DRAM once
-# for them (sibling 128-row tiles drift apart and re-read: tools/results/NOTES.md, 2026-12-01)
-TILE_M_256 = ("hopws",)
 CLUSTERS_M = (1, 2)
 LOAD_THREADS = 128  # the producer warpgroup of the warp-specialized kernels
 COPY_ELEMS = 8  # bf16 elements in one 16-byte cp.async / store
@@ -60,28 +55,17 @@ MAX_PROMOTE_ACC = 64
 FP8_MMAS = ("hopws",)
 
 
-def acc_m_blocks(mma, tile_m) -> int:
-    """64-row wgmma blocks of accumulators per consumer warpgroup: a ping-pong warpgroup holds its
-    whole tile (64 or 128 rows); a cooperative one 64 rows of a 64- or 128-row tile, 128 rows of a
-    256-row tile; mma.sync tiles: 1 (not in blocks)."""
-    if mma in PINGPONG:
-        return max(tile_m // 64, 1)
-    if mma in WGMMA:
-        return max(tile_m // 128, 1)
-    return 1
-
-
 def default_warps(tile_m, tile_n, warps_m=None, warps_n=None, mma="warp") -> tuple[int, int]:
     """Warp grid of the accumulator-holding warps. mma.sync: 2 warps along M (1 for tile_m 16);
     4 warps for tiles smaller than 128x128, 8 from there (a 128x128 tile on 4 warps spills on
     sm_121a), so a warp owns at most 64x64 accumulators up to 128x256. wgmma and hopws: one
-    warpgroup (4 warps along M) per 64 rows of the tile, two of 128 rows each for hopws' 256-row
-    tiles (hopws adds a producer warpgroup); hoppp: two consumer warpgroups, each holding a whole
-    tile (64 rows, or 128 as two 64-row blocks)."""
+    warpgroup (4 warps along M) per 64 rows of the tile (hopws adds a producer warpgroup);
+    hoppp: two consumer warpgroups, each holding a whole tile (64 rows, or 128 as two 64-row
+    blocks)."""
     if mma in PINGPONG:
         return 8, 1
     if mma in WGMMA:
-        return max(tile_m // 16 // acc_m_blocks(mma, tile_m), 1), 1
+        return max(tile_m // 16, 1), 1
     if warps_m is None:
         warps_m = 2 if tile_m >= 32 else 1
     if warps_n is None:
@@ -113,10 +97,8 @@ def check_tiles(n, k, tile_m, tile_n, tile_k, stages, mma, warps_m, warps_n,
     threads = warps_m * warps_n * 32
     acc_threads = 128 if mma in PINGPONG else threads  # threads sharing one tile's accumulators
     if mma in WGMMA:
-        heights = (64, 128, 256) if mma in TILE_M_256 else (64, 128)
-        if tile_m not in heights:
-            return False, (f"{mma}: tile_m {tile_m} must be one of {heights} (64-row wgmma blocks"
-                           f"{', 256 on two 128-row warpgroups' if 256 in heights else ''})")
+        if tile_m not in (64, 128):
+            return False, f"{mma}: tile_m {tile_m} must be 64 or 128 (one warpgroup per 64 rows)"
         if tile_n % 32 or not 32 <= tile_n <= 256:
             return False, f"{mma}: tile_n {tile_n} must be a multiple of 32 in 32..256"
         want_k = 128 // ELEM_BYTES[precision]
@@ -149,8 +131,6 @@ def check_tiles(n, k, tile_m, tile_n, tile_k, stages, mma, warps_m, warps_n,
         return False, (f"{tile_m}x{tile_n} tile on {acc_threads} threads needs "
                        f"{tile_m * tile_n // acc_threads} fp32 accumulator registers per thread "
                        f"(max {MAX_ACC_REGS})")
-    if tile_m > 128 and mma not in TILE_M_256:
-        return False, f"tile_m {tile_m}: 256-row tiles are built by mma in {TILE_M_256}, not {mma!r}"
     if not 2 <= stages <= 8:
         return False, f"stages {stages} must be in 2..8"
     if k // tile_k < stages - 1:
@@ -220,8 +200,6 @@ def check_fp8(role, precision, n, k, tile_m, tile_n, mma, cluster_m=1) -> tuple[
     """(ok, reason) of the fp8 rules of one GEMM beyond check_tiles (bf16: always ok)."""
     if precision not in FP8:
         return True, ""
-    if tile_m > 128:
-        return False, f"{precision}: tile_m {tile_m} must be 64 or 128 (256-row tiles are built for bf16 only)"
     if k % SCALE_BLOCK or n % (2 * SCALE_BLOCK if role == "glu" else SCALE_BLOCK):
         what = "2I and H" if role == "glu" else "H and I"
         return False, (f"{precision}: {what} must be multiples of {SCALE_BLOCK} (got N={n}, K={k}: "

@@ -299,7 +299,7 @@ def can_implement(spec: LayerSpec, variant: LayerVariant) -> tuple[bool, str]:
     return True, "ok"
 
 
-TILE_M = (16, 32, 64, 128, 256)  # 256: hopws only (gemm_limits.TILE_M_256)
+TILE_M = (16, 32, 64, 128)
 GEMM_CLUSTERS = limits.CLUSTERS_M  # CTAs per cluster along M of a grouped GEMM (hopws: B multicast)
 TILE_N = (32, 64, 128, 192, 256)
 TILE_K = (32, 64, 128)

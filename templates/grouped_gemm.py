@@ -123,8 +123,7 @@ class _GroupedGemmBase:
         self.prefetch = stages - 2
         self.out_cols = tile_n // 2 if self.glu else tile_n
         # 64-row blocks of accumulators per warpgroup: 2 for a ping-pong warpgroup owning 128 rows
-        # and for a cooperative one owning 128 rows of a 256-row tile
-        self.acc_m_blocks = limits.acc_m_blocks(mma, tile_m)
+        self.acc_m_blocks = tile_m // 64 if mma in _PINGPONG else 1
         self.acc_rows = 2 * self.acc_m_blocks  # tile rows per accumulator-holding thread
         # fp32 staging rows padded by 8 floats: the MMA's accumulator stores then hit
         # distinct banks in each half-warp phase.

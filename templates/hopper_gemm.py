@@ -54,15 +54,6 @@ SCHED_SLOTS = 2  # tiles the producer may publish ahead of the consumers (hoppp:
 CLUSTERS_M = limits.CLUSTERS_M  # CTAs per cluster along M; 2: the weight tile is multicast to both
 
 
-def _unit_modes(t, n: int):
-    """``t`` with ``n`` trailing modes of size 1 appended: one 64-row block's (V) slices as the
-    (V, M) / (V, M, N) operands of cute.gemm's per-block dispatch."""
-    layout = t.layout
-    for _ in range(n):
-        layout = cute.append(layout, cute.make_layout(1))
-    return cute.make_tensor(t.iterator, layout)
-
-
 class _HopperWs:
     """The persistent producer/consumer loop shared by both GEMMs (see the module docstring)."""
 
@@ -79,8 +70,6 @@ class _HopperWs:
             raise ValueError(reason)
         self.cluster_m = cluster_m
         self.pingpong = mma in limits.PINGPONG
-        # 256-row tiles: each consumer warpgroup holds two 64-row blocks, skipped when padding
-        self.skip_blocks = not self.pingpong and self.acc_m_blocks == 2
         # consumer threads that read one stage (and one schedule slot)
         self.stage_threads = 128 if self.pingpong else self.mma_threads
         if self.ctas % cluster_m:
@@ -387,30 +376,15 @@ class _HopperWs:
             bn, bt = self._decode(t, num_m_tiles)
             acc.fill(0.0)
             tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
-            live0, live1 = Int32(0), Int32(0)
-            if const_expr(self.skip_blocks):
-                live0 = self._block_live(s_pairs, sstate, tCcC, 0)
-                live1 = self._block_live(s_pairs, sstate, tCcC, 1)
             cute.nvgpu.warpgroup.fence()
             for kt in range(k_tiles):
                 pipe.consumer_wait(read)
                 if const_expr(self.glu):
                     # A arrived by cp.async (generic proxy); wgmma reads through the async proxy
                     cute.arch.fence_proxy("async.shared", space="cta")
-                if const_expr(self.skip_blocks):
-                    # padding-only 64-row blocks issue no wgmma (their accumulators stay zero).
-                    # One warp-uniform branch per k-tile around a whole wgmma batch keeps it one
-                    # batch in the SASS (a branch per wgmma fences each one). Rows are a prefix of
-                    # the tile, so block 1 live means block 0 is too.
-                    if live1 >= 0:
-                        self._mma_batch(tiled_mma, acc, tCrA, tCrB, read.index, num_kb)
-                    elif live0 >= 0:
-                        acc0 = _unit_modes(acc[None, 0, 0], 2)
-                        for kb in cutlass.range_constexpr(num_kb):
-                            cute.gemm(tiled_mma, acc0, _unit_modes(tCrA[None, 0, kb, read.index], 1),
-                                      _unit_modes(tCrB[None, 0, kb, read.index], 1), acc0)
-                else:
-                    self._mma_batch(tiled_mma, acc, tCrA, tCrB, read.index, num_kb)
+                for kb in cutlass.range_constexpr(num_kb):
+                    cute.gemm(tiled_mma, acc, tCrA[None, None, kb, read.index],
+                              tCrB[None, None, kb, read.index], acc)
                 cute.nvgpu.warpgroup.commit_group()
                 cute.nvgpu.warpgroup.wait_group(1)
                 if kt > 0:
@@ -437,20 +411,6 @@ class _HopperWs:
             pipe_s.consumer_wait(sstate)
             t = tiles[sstate.index]
 
-
-    @cute.jit
-    def _mma_batch(self, tiled_mma, acc, tCrA, tCrB, stage, num_kb: cutlass.Constexpr):
-        """The wgmmas of one k-tile over the warpgroup's whole accumulator tile."""
-        for kb in cutlass.range_constexpr(num_kb):
-            cute.gemm(tiled_mma, acc, tCrA[None, None, kb, stage], tCrB[None, None, kb, stage], acc)
-
-    @cute.jit
-    def _block_live(self, s_pairs, sstate, tCcC, mb: cutlass.Constexpr):
-        """The routed pair of the first row of this warpgroup's 64-row block ``mb`` (-1: the
-        block is padding only, since an expert's routed rows are a prefix of its tiles), marked
-        warp-uniform: every thread of the warpgroup reads the same shared-memory word."""
-        first = (tCcC[self._acc_index(2 * mb, 0)][0] // 64) * 64
-        return cute.arch.make_warp_uniform(s_pairs[first, sstate.index])
 
     def _launch_common(self, grid_n, mTileExpert):
         """cluster_m = C > 1: C CTAs per unit of C M tiles, at most ctas CTAs in all."""

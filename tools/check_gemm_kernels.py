@@ -97,7 +97,7 @@ CONFIGS = [
 
 
 def _fit_n(n_dim, tiles):
-    for n in (tiles[0], 256, 192, 128, 64, 32):
+    for n in (tiles[0], 256, 192, 128, 96, 64, 32):
         if n <= tiles[0] and n_dim % n == 0:
             return (n,) + tuple(tiles[1:])
     raise ValueError(f"no tile_n for N={n_dim}")
