@@ -3,8 +3,8 @@ tuner's checks, the benchmark and the op's CPU implementation. Plain torch: no D
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
+from ..glu import SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT, activation_fn, glu_fn  # noqa: F401  (re-exported)
 from ..layout import max_tiles
 
 
@@ -34,31 +34,6 @@ def routing_reference(topk_ids: torch.Tensor, experts: int, tile_m: int, num_til
     tile_expert[: int(tiles_per.sum())] = torch.repeat_interleave(
         torch.arange(experts, device=topk_ids.device, dtype=torch.int32), tiles_per)
     return counts.to(torch.int32), offsets.to(torch.int32), sorted_ids, tile_expert
-
-
-def activation_fn(name: str):
-    if name == "swiglu":
-        return F.silu
-    if name == "geglu":
-        return lambda t: F.gelu(t, approximate="tanh")
-    raise ValueError(name)
-
-
-SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT = 1.702, 7.0  # gpt-oss's published constants (gemm_limits has the kernels')
-
-
-def glu_fn(name: str):
-    """h = f(gate, up): act(gate) * up, or gpt-oss's clamped SwiGLU ("swigluoai") as transformers'
-    GptOssExperts computes it: gate clamped to <= limit, up to [-limit, limit],
-    (up + 1) * gate * sigmoid(alpha * gate)."""
-    if name == "swigluoai":
-        def swigluoai(g, u):
-            g = g.clamp(max=SWIGLUOAI_LIMIT)
-            u = u.clamp(min=-SWIGLUOAI_LIMIT, max=SWIGLUOAI_LIMIT)
-            return (u + 1) * (g * torch.sigmoid(SWIGLUOAI_ALPHA * g))
-        return swigluoai
-    act = activation_fn(name)
-    return lambda g, u: act(g) * u
 
 
 def glu_reference(x, w13, topk_ids, activation="swiglu", block=16, b13=None):

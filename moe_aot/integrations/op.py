@@ -11,7 +11,9 @@
 - CPU: the fp32 reference (harness.reference.moe_reference), rounded to bf16; it exists so that
   registration, fake tensors, opcheck and torch.compile can be tested without a GPU.
 - Meta / fake tensors: the same checks, then an empty [M, H] bf16 output.
-No autograd formula is registered (forward only); calling backward through it raises.
+- Autograd: gradients for x, w13, w2, topk_weights and the biases (integrations/autograd.py: an
+  unfused torch backward for now, sync-free and deterministic, saving only the op's inputs).
+  fused_moe_fp8 has no backward (calling backward through it raises).
 
     out = torch.ops.moe_aot.fused_moe_fp8(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids)
 
@@ -28,6 +30,7 @@ import torch
 from ..runtime.library import KernelArgumentError
 from ..spec import ACTIVATIONS
 from ..variants import INTERLEAVE
+from . import autograd as _autograd
 from .routing import ROUTINGS, grouped_topk, map_experts, softmax_topk, topk_softmax
 from .shapes import check_layer_shapes
 
@@ -108,6 +111,9 @@ def _fused_moe_cuda(x, w13, w2, topk_weights, topk_ids, activation="swiglu", w13
 def _fused_moe_fake(x, w13, w2, topk_weights, topk_ids, activation="swiglu", w13_bias=None, w2_bias=None):
     check_op_inputs(x, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias)
     return x.new_empty(x.shape)
+
+
+_autograd.register(fused_moe)
 
 
 # -- fp8: the same layer on e4m3 weights with their scales -----------------------------------------

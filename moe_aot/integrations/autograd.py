@@ -1,0 +1,179 @@
+"""The fused MoE op's backward (issue 11, first stage): the gradients of
+`torch.ops.moe_aot.fused_moe` for x, w13, w2, topk_weights and the expert biases, in torch ops.
+
+The forward stays the AOT kernels. This backward is not fused yet: it runs five grouped GEMMs
+(`torch._grouped_mm` on CUDA) and torch's elementwise ops, and it is what the fused CuTe DSL
+backward kernels will replace one by one behind the same registration. What it already keeps:
+
+- saved for backward: the op's inputs only (x, weights, routing), no activation: the GLU input is
+  recomputed (one GEMM1), and the routing-weight gradient needs no GEMM2 output, since
+  <dO_m, h_p W2_e^T> = <dO_m W2_e, h_p> (the dH GEMM's own result, G below);
+- no host synchronisation: the pairs are sorted by expert on the device (ids outside [0, E) last,
+  contributing nothing) and every grouped GEMM reads its expert offsets from the device, so a
+  whole training step captures in a CUDA graph;
+- deterministic: per-pair results are summed per token and per expert by gathers, sums and
+  grouped GEMMs, never by atomics.
+
+For a routed pair p = (m, k) with expert e, a = x_m W13_e^T (+ b13_e) holds gate g and up u
+(interleaved in blocks of `block` columns), h = glu(g, u), out_m = sum_k w_mk (h W2_e^T (+ b2_e)):
+
+    G = dO_m W2_e                 dw_mk = <G, h> (+ <dO_m, b2_e>)
+    dh = w_mk G                   dg, du = glu's vector-Jacobian product at (g, u) with dh
+    dW2_e = sum_p (w_mk dO_m)^T h      db2_e = sum_p w_mk dO_m
+    dW13_e = sum_p da^T x_m            db13_e = sum_p da          dx_m = sum_k da W13_e
+"""
+from __future__ import annotations
+
+import torch
+
+from ..glu import glu_fn
+
+
+def route(topk_ids: torch.Tensor, experts: int):
+    """Pairs sorted by expert without a host sync: `order` [P] pair indices (m * top_k + k,
+    ascending within an expert, invalid ids last), `offs` [E] int32 end row of each expert's
+    segment, `valid` [P] whether each sorted row is a routed pair, `expert` [P] its expert (0 for
+    invalid rows)."""
+    flat = topk_ids.reshape(-1).long()
+    ok = (flat >= 0) & (flat < experts)
+    key = torch.where(ok, flat, experts)
+    order = torch.argsort(key, stable=True)
+    counts = torch.zeros(experts + 1, dtype=torch.int64, device=flat.device)
+    counts.scatter_add_(0, key, torch.ones_like(key))
+    offs = torch.cumsum(counts[:experts], 0).to(torch.int32)
+    valid = ok[order]
+    return order, offs, valid, torch.where(valid, flat[order], 0)
+
+
+def _fast(*ts) -> bool:
+    """Whether torch._grouped_mm takes these operands: CUDA, bf16."""
+    return all(t.is_cuda and t.dtype == torch.bfloat16 for t in ts)
+
+
+def gmm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """Rows of expert e (rows offs[e-1]..offs[e] of a [P, K]) times b[e] [K, N] -> [P, N]; rows
+    past offs[-1] are left undefined (callers mask them). CUDA bf16: one torch._grouped_mm;
+    otherwise (CPU, float64 for gradcheck) a loop over the experts."""
+    if _fast(a, b):
+        return torch._grouped_mm(a, b, offs=offs)
+    out = a.new_zeros(a.shape[0], b.shape[2])
+    start = 0
+    for e, end in enumerate(offs.tolist()):
+        if end > start:
+            out[start:end] = a[start:end] @ b[e]
+        start = end
+    return out
+
+
+def gmm_k(at: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """Per expert e, at[:, rows_e] [N1, rows] times b[rows_e] [rows, N2] -> [E, N1, N2] (the weight
+    gradients: K is each expert's row count, read from the device); experts without rows give zeros."""
+    if _fast(at, b):
+        return torch._grouped_mm(at, b, offs=offs)
+    out = at.new_zeros(offs.numel(), at.shape[0], b.shape[1])
+    start = 0
+    for e, end in enumerate(offs.tolist()):
+        if end > start:
+            out[e] = at[:, start:end] @ b[start:end]
+        start = end
+    return out
+
+
+def _split(a: torch.Tensor, block: int):
+    """[P, 2I] interleaved gate/up columns -> (gate, up), each [P, I]."""
+    v = a.reshape(a.shape[0], -1, 2, block)
+    return v[:, :, 0].reshape(a.shape[0], -1), v[:, :, 1].reshape(a.shape[0], -1)
+
+
+def _join(g: torch.Tensor, u: torch.Tensor, block: int) -> torch.Tensor:
+    """The inverse of _split."""
+    P = g.shape[0]
+    return torch.stack((g.reshape(P, -1, block), u.reshape(P, -1, block)), dim=2).reshape(P, -1)
+
+
+def _sums(rows: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """Per expert, the sum of its rows of `rows` [P, N] -> [E, N], by a grouped GEMM with a ones
+    vector (deterministic, where an index_add would be atomic)."""
+    ones = rows.new_ones(rows.shape[0], 8).t()  # 8 rows: 16-byte strides for bf16
+    return gmm_k(ones, rows, offs)[:, 0]
+
+
+def moe_forward_torch(x, w13, w2, topk_weights, topk_ids, activation="swiglu", block=16, b13=None, b2=None):
+    """The layer in torch ops on the same sorted pairs as the backward, in the inputs' dtype
+    (float64 for gradcheck): sum_k w_mk (glu(x_m W13_e^T + b13_e) W2_e^T + b2_e)."""
+    M, K = topk_ids.shape
+    order, offs, valid, expert = route(topk_ids, w13.shape[0])
+    xs = x[order // K]
+    a = gmm(xs, w13.transpose(1, 2), offs)
+    if b13 is not None:
+        a = a + b13[expert]
+    h = glu_fn(activation)(*_split(a, block))
+    y = gmm(h.to(w2.dtype), w2.transpose(1, 2), offs)
+    if b2 is not None:
+        y = y + b2[expert]
+    y = torch.where(valid[:, None], y * topk_weights.reshape(-1)[order, None].to(y.dtype), 0)
+    out = torch.zeros_like(y)
+    out[order] = y
+    return out.reshape(M, K, -1).sum(1).to(x.dtype)
+
+
+def moe_backward(grad_out, x, w13, w2, topk_weights, topk_ids, activation="swiglu", block=16, b13=None, b2=None):
+    """(dx, dw13, dw2, dtopk_weights, db13, db2) of moe_forward_torch / the fused op (see the module
+    docstring); db13 / db2 are None without biases. Elementwise math in fp32, GEMM operands in the
+    weights' dtype."""
+    M, K = topk_ids.shape
+    wdt = w13.dtype
+    acc = torch.float32 if wdt in (torch.bfloat16, torch.float16) else wdt
+    order, offs, valid, expert = route(topk_ids, w13.shape[0])
+    vcol = valid[:, None]
+    tok = order // K
+    xs = x[tok]
+    a = gmm(xs, w13.transpose(1, 2), offs).to(acc)  # GEMM1 again: its input is not saved
+    if b13 is not None:
+        a = a + b13[expert].to(acc)
+    with torch.enable_grad():
+        g, u = (t.detach().requires_grad_() for t in _split(a, block))
+        h = glu_fn(activation)(g, u)
+    d_out = grad_out[tok].to(wdt)
+    G = gmm(d_out, w2, offs).to(acc)  # dO_m W2_e  [P, I]
+    w = topk_weights.reshape(-1)[order].to(acc)
+    dw = (G * h.detach()).sum(1)
+    if b2 is not None:
+        dw = dw + (d_out.to(acc) * b2[expert].to(acc)).sum(1)
+    dw = torch.where(valid, dw, 0)
+    dg, du = torch.autograd.grad(h, (g, u), torch.where(vcol, G * w[:, None], 0))
+    da = torch.where(vcol, _join(dg, du, block), 0).to(wdt)
+    dy = torch.where(vcol, d_out.to(acc) * w[:, None], 0).to(wdt)
+    dw2 = gmm_k(dy.t(), h.detach().to(wdt), offs)
+    dw13 = gmm_k(da.t(), xs, offs)
+    dxs = torch.where(vcol, gmm(da, w13, offs), 0)
+    dx = torch.empty_like(dxs)
+    dx[order] = dxs
+    dx = dx.reshape(M, K, -1).sum(1, dtype=acc).to(x.dtype)
+    dtw = torch.empty_like(dw)
+    dtw[order] = dw
+    db13 = None if b13 is None else _sums(da, offs).to(b13.dtype)
+    db2 = None if b2 is None else _sums(dy, offs).to(b2.dtype)
+    return dx, dw13, dw2, dtw.reshape(M, K).to(topk_weights.dtype), db13, db2
+
+
+def _setup_context(ctx, inputs, output):
+    x, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias = inputs
+    ctx.activation = activation
+    ctx.save_for_backward(x, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias)
+
+
+def _backward(ctx, grad_out):
+    from ..variants import INTERLEAVE
+
+    x, w13, w2, topk_weights, topk_ids, b13, b2 = ctx.saved_tensors
+    dx, dw13, dw2, dtw, db13, db2 = moe_backward(grad_out, x, w13, w2, topk_weights, topk_ids, ctx.activation,
+                                                 INTERLEAVE, b13, b2)
+    need = ctx.needs_input_grad  # as long as the arguments the call passed
+    grads = (dx, dw13, dw2, dtw, None, None, db13, db2)
+    return tuple(g if n else None for g, n in zip(grads, need))
+
+
+def register(op) -> None:
+    """Register the backward on the fused_moe custom op (called once by op.py)."""
+    op.register_autograd(_backward, setup_context=_setup_context)

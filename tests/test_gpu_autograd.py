@@ -1,0 +1,123 @@
+"""GPU tests of the fused op's backward (moe_aot/integrations/autograd.py) with the AOT forward:
+gradients against fp32 autograd of the reference, bitwise repeatable, no host sync, and a whole
+training step (forward, backward, optimizer) captured in a CUDA graph and replayed on new inputs.
+Skipped without a GPU or without compiled kernels (set MOE_AOT_DB)."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA GPU visible", allow_module_level=True)
+
+from moe_aot.harness.reference import moe_reference, rel_err  # noqa: E402
+from moe_aot.harness.verify import random_routing  # noqa: E402
+from moe_aot.integrations import op  # noqa: E402, F401
+from moe_aot.spec import PRESETS, make_spec  # noqa: E402
+
+MODELS = os.environ.get("MOE_AOT_TEST_MODELS", ",".join(PRESETS)).split(",")
+DEV = torch.device("cuda")
+GRAD_TOL = 1e-2
+
+
+def _layer(spec, gen):
+    H, I, E = spec.hidden, spec.intermediate, spec.experts
+    w13 = (torch.randn(E, 2 * I, H, device=DEV, generator=gen) * H ** -0.5).bfloat16()
+    w2 = (torch.randn(E, H, I, device=DEV, generator=gen) * I ** -0.5).bfloat16()
+    biases = ()
+    if spec.bias:
+        biases = (torch.randn(E, 2 * I, device=DEV, generator=gen).bfloat16() * 0.5,
+                  torch.randn(E, H, device=DEV, generator=gen).bfloat16() * 0.5)
+    return w13, w2, biases
+
+
+@pytest.mark.parametrize("model", [m for m in MODELS if m != "deepseek-v3"])  # its fp32 copies: 45 GB
+@pytest.mark.parametrize("tokens", [1, 37, 1000])
+def test_gradients_match_fp32_autograd_of_the_reference(store, model, tokens):
+    spec = make_spec(model, target="sm_90a")
+    gen = torch.Generator(device=DEV).manual_seed(tokens)
+    w13, w2, biases = _layer(spec, gen)
+    x = torch.randn(tokens, spec.hidden, device=DEV, generator=gen).bfloat16()
+    tw, ids = random_routing(tokens, spec, DEV, skew=tokens > 1, generator=gen)
+    ids[0, 0] = -1  # an id outside [0, E) contributes nothing, and gets no gradient
+    ours = [t.clone().requires_grad_() for t in (x, w13, w2, tw, *biases)]
+    out = torch.ops.moe_aot.fused_moe(*ours[:4], ids, spec.activation, *ours[4:])
+    grad = torch.randn(out.shape, device=DEV, generator=gen).bfloat16()
+    got = torch.autograd.grad(out, ours, grad)
+    ref_in = [t.detach().float().requires_grad_() for t in ours]
+    ref = torch.autograd.grad(moe_reference(*ref_in[:4], ids, spec.activation, 16, *ref_in[4:]), ref_in,
+                              grad.float())
+    for name, g, r, t in zip(("x", "w13", "w2", "topk_weights", "w13_bias", "w2_bias"), got, ref, ours):
+        assert g.dtype == t.dtype and g.shape == t.shape, name
+        assert rel_err(g, r) <= GRAD_TOL, (name, rel_err(g, r))
+    again = torch.autograd.grad(torch.ops.moe_aot.fused_moe(*ours[:4], ids, spec.activation, *ours[4:]), ours, grad)
+    for g, a in zip(got, again):
+        assert torch.equal(g, a)  # deterministic: no atomics anywhere in the backward
+
+
+def test_backward_does_not_sync_with_the_host(store):
+    """Behind 100 ms of queued matmuls, forward + backward return to the host before they finish."""
+    spec = make_spec(MODELS[0], target="sm_90a")
+    gen = torch.Generator(device=DEV).manual_seed(3)
+    w13, w2, _ = _layer(spec, gen)
+    x = torch.randn(256, spec.hidden, device=DEV, generator=gen).bfloat16().requires_grad_()
+    tw, ids = random_routing(256, spec, DEV, generator=gen)
+    ws = [w13.requires_grad_(), w2.requires_grad_(), tw.requires_grad_()]
+    torch.autograd.grad(torch.ops.moe_aot.fused_moe(x, *ws, ids), [x, *ws], torch.ones(256, spec.hidden, device=DEV,
+                                                                                       dtype=torch.bfloat16))
+    torch.cuda.synchronize()
+    a = torch.randn(8192, 8192, device=DEV, dtype=torch.bfloat16)
+    end = torch.cuda.Event()
+    for _ in range(60):
+        a @ a
+    torch.autograd.grad(torch.ops.moe_aot.fused_moe(x, *ws, ids).sum(), [x, *ws])
+    end.record()
+    assert not end.query(), "the host waited for the GPU during forward + backward"
+    torch.cuda.synchronize()
+
+
+def test_training_step_captures_in_a_cuda_graph(store):
+    """Forward, backward and an SGD step captured once, replayed on new inputs: the parameters
+    move exactly as the same steps run eagerly."""
+    spec = make_spec(MODELS[0], target="sm_90a")
+    gen = torch.Generator(device=DEV).manual_seed(4)
+    w13, w2, _ = _layer(spec, gen)
+    M = 128
+    params = [w13.clone().requires_grad_(), w2.clone().requires_grad_()]
+    eager = [w13.clone().requires_grad_(), w2.clone().requires_grad_()]
+    x = torch.zeros(M, spec.hidden, device=DEV, dtype=torch.bfloat16)
+    tw, ids = random_routing(M, spec, DEV, generator=gen)
+    target = torch.zeros(M, spec.hidden, device=DEV, dtype=torch.bfloat16)
+
+    def step(ps, lr=0.5):
+        out = torch.ops.moe_aot.fused_moe(x, ps[0], ps[1], tw, ids)
+        loss = ((out.float() - target.float()) ** 2).mean()
+        grads = torch.autograd.grad(loss, ps)
+        with torch.no_grad():
+            for p, g in zip(ps, grads):
+                p.sub_(lr * g)
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step([p.detach().clone().requires_grad_() for p in params])  # warm-up: kernels loaded, workspace sized
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step(params)
+    for i in range(3):
+        x.copy_(torch.randn(M, spec.hidden, device=DEV, generator=gen))
+        target.copy_(torch.randn(M, spec.hidden, device=DEV, generator=gen))
+        new_tw, new_ids = random_routing(M, spec, DEV, generator=gen)
+        tw.copy_(new_tw)
+        ids.copy_(new_ids)
+        graph.replay()
+        step(eager)
+        torch.cuda.synchronize()
+        for p, q in zip(params, eager):
+            assert torch.equal(p, q), i
+        assert not torch.equal(params[0], w13)
