@@ -85,12 +85,6 @@ def _split(a: torch.Tensor, block: int):
     return v[:, :, 0].reshape(a.shape[0], -1), v[:, :, 1].reshape(a.shape[0], -1)
 
 
-def _join(g: torch.Tensor, u: torch.Tensor, block: int) -> torch.Tensor:
-    """The inverse of _split."""
-    P = g.shape[0]
-    return torch.stack((g.reshape(P, -1, block), u.reshape(P, -1, block)), dim=2).reshape(P, -1)
-
-
 def _sums(rows: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """Per expert, the sum of its rows of `rows` [P, N] -> [E, N], by a grouped GEMM with a ones
     vector (deterministic, where an index_add would be atomic)."""
@@ -117,44 +111,67 @@ def moe_forward_torch(x, w13, w2, topk_weights, topk_ids, activation="swiglu", b
     return out.reshape(M, K, -1).sum(1).to(x.dtype)
 
 
+def _glu_backward(activation: str, g, u, G, w):
+    """(h, dg, du) of one GLU row block: h = glu(g, u), and dg, du = glu's vector-Jacobian
+    product with dh = w * G. swiglu / geglu: torch's fused activation backward kernels, in the
+    operands' dtype (a handful of passes over [P, I]); other activations: autograd of glu_fn in fp32."""
+    import torch.nn.functional as F
+
+    dh = G * w
+    if activation in ("swiglu", "geglu"):
+        aten = torch.ops.aten
+        if activation == "swiglu":
+            act = F.silu(g)
+            dg = aten.silu_backward(dh * u, g)
+        else:
+            act = F.gelu(g, approximate="tanh")
+            dg = aten.gelu_backward(dh * u, g, approximate="tanh")
+        return act * u, dg, dh * act
+    with torch.enable_grad():
+        gf, uf = g.float().requires_grad_(), u.float().requires_grad_()
+        h = glu_fn(activation)(gf, uf)
+    dg, du = torch.autograd.grad(h, (gf, uf), dh.float())
+    return h.detach().to(g.dtype), dg.to(g.dtype), du.to(g.dtype)
+
+
 def moe_backward(grad_out, x, w13, w2, topk_weights, topk_ids, activation="swiglu", block=16, b13=None, b2=None):
     """(dx, dw13, dw2, dtopk_weights, db13, db2) of moe_forward_torch / the fused op (see the module
-    docstring); db13 / db2 are None without biases. Elementwise math in fp32, GEMM operands in the
-    weights' dtype."""
+    docstring); db13 / db2 are None without biases. Operands in the weights' dtype, sums in fp32."""
     M, K = topk_ids.shape
+    E, I2, H = w13.shape
     wdt = w13.dtype
-    acc = torch.float32 if wdt in (torch.bfloat16, torch.float16) else wdt
-    order, offs, valid, expert = route(topk_ids, w13.shape[0])
-    vcol = valid[:, None]
+    order, offs, valid, expert = route(topk_ids, E)
+    P = order.numel()
+    # Pairs with an id outside [0, E) (sorted last) join the last expert's rows with a zero output
+    # gradient and weight: every row is then computed (grouped GEMMs leave rows past the last
+    # offset undefined), and theirs are zeros, with no masking pass over the large tensors.
+    offs_all = torch.cat((offs[:-1], offs.new_full((1,), P)))
     tok = order // K
-    xs = x[tok]
-    a = gmm(xs, w13.transpose(1, 2), offs).to(acc)  # GEMM1 again: its input is not saved
+    tok_grad = torch.where(valid, tok, M)  # row M: a zero row appended to grad_out
+    w = torch.where(valid, topk_weights.reshape(-1)[order], 0).to(wdt).view(P, 1, 1)
+    xs = x.index_select(0, tok)
+    a = gmm(xs, w13.transpose(1, 2), offs_all)  # GEMM1 again: its input is not saved
     if b13 is not None:
-        a = a + b13[expert].to(acc)
-    with torch.enable_grad():
-        g, u = (t.detach().requires_grad_() for t in _split(a, block))
-        h = glu_fn(activation)(g, u)
-    d_out = grad_out[tok].to(wdt)
-    G = gmm(d_out, w2, offs).to(acc)  # dO_m W2_e  [P, I]
-    w = topk_weights.reshape(-1)[order].to(acc)
-    dw = (G * h.detach()).sum(1)
+        a = a + b13.index_select(0, expert)
+    d_out = torch.cat((grad_out.to(wdt), grad_out.new_zeros(1, H, dtype=wdt))).index_select(0, tok_grad)
+    G = gmm(d_out, w2, offs_all).view(P, -1, block)  # dO_m W2_e, [P, I] as h's column blocks
+    av = a.view(P, -1, 2, block)
+    h, dg, du = _glu_backward(activation, av[:, :, 0], av[:, :, 1], G, w)
+    dw = (G * h).sum((1, 2), dtype=torch.float32)
     if b2 is not None:
-        dw = dw + (d_out.to(acc) * b2[expert].to(acc)).sum(1)
-    dw = torch.where(valid, dw, 0)
-    dg, du = torch.autograd.grad(h, (g, u), torch.where(vcol, G * w[:, None], 0))
-    da = torch.where(vcol, _join(dg, du, block), 0).to(wdt)
-    dy = torch.where(vcol, d_out.to(acc) * w[:, None], 0).to(wdt)
-    dw2 = gmm_k(dy.t(), h.detach().to(wdt), offs)
-    dw13 = gmm_k(da.t(), xs, offs)
-    dxs = torch.where(vcol, gmm(da, w13, offs), 0)
-    dx = torch.empty_like(dxs)
-    dx[order] = dxs
-    dx = dx.reshape(M, K, -1).sum(1, dtype=acc).to(x.dtype)
-    dtw = torch.empty_like(dw)
-    dtw[order] = dw
-    db13 = None if b13 is None else _sums(da, offs).to(b13.dtype)
-    db2 = None if b2 is None else _sums(dy, offs).to(b2.dtype)
-    return dx, dw13, dw2, dtw.reshape(M, K).to(topk_weights.dtype), db13, db2
+        dw = dw + (d_out * b2.index_select(0, expert)).sum(1, dtype=torch.float32)
+    da = torch.stack((dg, du), dim=2).view(P, I2)
+    hw = (h * w).view(P, -1)
+    dw2 = gmm_k(d_out.t(), hw, offs_all)
+    dw13 = gmm_k(da.t(), xs, offs_all)
+    dxs = gmm(da, w13, offs_all)
+    inv = torch.empty_like(order)
+    inv[order] = torch.arange(P, device=order.device)
+    dx = dxs.index_select(0, inv).view(M, K, H).sum(1, dtype=torch.float32).to(x.dtype)
+    dtw = dw.index_select(0, inv).view(M, K).to(topk_weights.dtype)
+    db13 = None if b13 is None else _sums(da, offs_all).to(b13.dtype)
+    db2 = None if b2 is None else _sums(d_out * w.view(P, 1), offs_all).to(b2.dtype)
+    return dx, dw13, dw2, dtw, db13, db2
 
 
 def _setup_context(ctx, inputs, output):
