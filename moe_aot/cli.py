@@ -548,14 +548,18 @@ def export_cmd(gpu, export_dir, db_url):
 @click.option("--pdl-twins", is_flag=True,
               help="Also compile each variant's twin with programmatic dependent launch flipped "
                    "(for `tools/bench.py --pdl`, which measures both side by side).")
+@click.option("--backward", is_flag=True,
+              help="Also compile the kernels of the op's backward (training: torch.ops.moe_aot.fused_moe under "
+                   "autograd); without them the backward runs its GLU part in torch ops.")
 @click.option("--db", "db_url", default=None, help=DB_HELP)
 def build_cmd(models, spec_file, target, experts, top_k, hidden, intermediate, activation, precision, tokens, gpu,
-              tuned_dir, jobs, pdl_twins, db_url):
+              tuned_dir, jobs, pdl_twins, backward, db_url):
     """Precompile everything a deployment needs: the tuned pick per bucket where the database or
     the text export has one for the target (and GPU), the default variant for every bucket.
     Idempotent: what is already in the database is not compiled again."""
     from .compiler import HostToolchainError, compile_into, toolchain_key
     from .picks import build_plan
+    from .variants import backward_kernels
 
     specs = _specs(models, spec_file, target, experts, top_k, hidden, intermediate, activation, precision)
     db = _open(db_url)
@@ -575,7 +579,8 @@ def build_cmd(models, spec_file, target, experts, top_k, hidden, intermediate, a
             status = "ok" if res.artifact else "FAILED"
             click.echo(f"[{done}/{total}] {status:6} {res.seconds:6.1f}s  {res.kernel.name}", err=True)
 
-        results = compile_into(db, pairs, jobs=jobs, progress=progress)
+        extra = [(s, kv) for s in specs for kv in backward_kernels(s)] if backward else []
+        results = compile_into(db, pairs, jobs=jobs, progress=progress, extra=extra)
         failed = [r for r in results if r.artifact is None]
         tools = {s.target: toolchain_key(s.target) for s in specs}
         gpus = set()

@@ -61,6 +61,7 @@ TEMPLATES = {
     ("routing", None): ("routing", "MoeRouting"),
     ("combine", None): ("routing", "MoeCombine"),
     ("quant", None): ("quant", "QuantizeFp8"),
+    ("glu_bwd", None): ("glu_backward", "GluBackward"),
     ("glu", "grouped"): ("grouped_gemm", "GroupedGluGemm"),
     ("down", "grouped"): ("grouped_gemm", "GroupedDownGemm"),
     ("glu", "hopper"): ("hopper_gemm", "HopperGluGemm"),
@@ -128,9 +129,11 @@ def kernels_for(specs_and_variants: Iterable[tuple[LayerSpec, LayerVariant]]) ->
 
 def compile_into(db, specs_and_variants, jobs: int | None = None,
                  progress: Callable[[JobResult, int, int], None] | None = None,
-                 force: bool = False) -> list[JobResult]:
-    """Compile every kernel the pairs need into `db`; returns the results of the jobs that ran."""
+                 force: bool = False, extra: Iterable[tuple[LayerSpec, KernelVariant]] = ()) -> list[JobResult]:
+    """Compile every kernel the pairs need into `db`, and the (spec, kernel) pairs of `extra`
+    (kernels outside a layer variant: the backward's); returns the results of the jobs that ran."""
     needed = kernels_for(specs_and_variants)
+    needed += [e for e in extra if e not in needed]
     tool = {}
     todo = []
     for spec, kv in needed:

@@ -191,6 +191,17 @@ class LayerVariant:
         return _build(cls, LAYER_NAME, iter(m.groups()))
 
 
+def backward_kernels(spec: LayerSpec) -> list[KernelVariant]:
+    """The kernels of the fused op's backward beyond torch's grouped GEMMs
+    (moe_aot/integrations/autograd.py), named like the forward's: the GLU backward (bf16 layers).
+    They depend on the layer's shape only, not on a variant's tiles."""
+    if spec.precision != "bf16":
+        return []
+    a, i = arch_tag(spec.target), spec.intermediate
+    return [KernelVariant("glu_bwd", f"moe_glubwd_{a}_{spec.precision_tag}_i{i}_{spec.activation}_g{INTERLEAVE}",
+                          (("intermediate", i), ("activation", spec.activation), ("interleave", INTERLEAVE)))]
+
+
 # How a variant's fields appear in its name, in order: (field, prefix). An int is the prefix and
 # its digits, a str (the MMA) itself, a bool the prefix alone when true, a GemmTiles the prefix
 # and its own layout; a field of OMIT_AT_DEFAULT is left out at its default, so adding one kept

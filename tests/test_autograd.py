@@ -108,3 +108,63 @@ def test_no_gradient_asked_for_ids_or_unused_inputs():
     out = torch.ops.moe_aot.fused_moe(xb, w13.to(torch.bfloat16), w2.to(torch.bfloat16), tw, ids)
     out.sum().backward()
     assert xb.grad is not None and torch.isfinite(xb.grad.float()).all()
+
+
+# -- the compiled GLU backward (templates/glu_backward.py) and how it is built -------------------------
+def test_backward_kernel_names_cover_every_argument():
+    import dataclasses
+
+    from moe_aot.spec import make_spec
+    from moe_aot.variants import backward_kernels
+
+    spec = make_spec("qwen3-30b-a3b", target="sm_90a")
+    (kv,) = backward_kernels(spec)
+    assert kv.role == "glu_bwd" and kv.kwargs() == {"intermediate": 768, "activation": "swiglu", "interleave": 16}
+    others = [dataclasses.replace(spec, intermediate=1024), dataclasses.replace(spec, activation="geglu"),
+              dataclasses.replace(spec, target="sm_100a")]
+    names = {kv.name} | {backward_kernels(s)[0].name for s in others}
+    assert len(names) == 4
+    assert backward_kernels(make_spec("qwen3-30b-a3b", target="sm_90a", precision="fp8")) == []
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "geglu", "swigluoai"])
+def test_glu_backward_template_compiles_to_16_byte_accesses(activation, tmp_path):
+    """One pass per row: gate, up and grad_h each one 16-byte load per chunk, da (twice) and hw one
+    16-byte store each; no local memory."""
+    cute = pytest.importorskip("cutlass.cute")
+    from moe_aot_templates.glu_backward import GluBackward
+
+    obj = GluBackward(768, activation, 16)
+    ptx = cute.compile(obj, *[f for _, f in obj.fake_arguments()],
+                       options=f"--gpu-arch sm_90a --keep-ptx --dump-dir {tmp_path}").__ptx__
+    body = ptx[ptx.index(".entry"):]
+    assert body.count("ld.global.v4") == 3 and body.count("st.global.v4") == 3
+    assert "ld.local" not in body and "st.local" not in body
+    ok, why = GluBackward.can_implement(768, "relu")
+    assert not ok and "activation" in why
+    ok, why = GluBackward.can_implement(760, "swiglu", 16)
+    assert not ok and "760" in why
+    with pytest.raises(ValueError, match="interleave"):
+        GluBackward(768, "swiglu", 12)
+
+
+def test_build_backward_puts_the_glu_backward_into_the_database(tmp_path):
+    from click.testing import CliRunner
+
+    from moe_aot.cli import main
+    from moe_aot.compiler import toolchain_key
+    from moe_aot.database import Database
+    from moe_aot.spec import make_spec
+    from moe_aot.variants import backward_kernels
+
+    spec_file = tmp_path / "tiny.toml"
+    spec_file.write_text("[[layer]]\nexperts = 8\ntop_k = 2\nhidden = 256\nintermediate = 128\n")
+    db = f"sqlite:///{tmp_path / 'b.sqlite'}"
+    args = ["build", "--spec", str(spec_file), "--tokens", "16", "--db", db, "-j", "2"]
+    res = CliRunner().invoke(main, args)
+    assert res.exit_code == 0, res.output
+    res = CliRunner().invoke(main, args + ["--backward"])
+    assert res.exit_code == 0 and "1 compiled" in res.output, res.output
+    (kv,) = backward_kernels(make_spec(experts=8, top_k=2, hidden=256, intermediate=128, target="sm_90a"))
+    with Database(db, readonly=True) as d:
+        assert d.has_artifact(kv.name, toolchain_key("sm_90a"))

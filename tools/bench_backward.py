@@ -8,9 +8,10 @@ GEMMs, SiLU·up, index_add_), both captured in CUDA graphs and replayed.
 
 Per point: the forward alone and forward + backward for both (backward = the difference), their
 ratio, the floor of forward + backward (3x the forward's FLOPs over the bf16 matmul rate measured
-in the run, or 3x the selected experts' weight bytes over 4.8 TB/s), the bytes autograd saves for
-the backward (saved_tensors_hooks) for both, and the relative difference between the two paths'
-gradients (both bf16). Writes DIR/bench_backward_h200.{json,md}.
+in the run, or 3x the selected experts' weight bytes over 4.8 TB/s), the activation bytes autograd
+saves for the backward (saved_tensors_hooks, the weights not counted) for both, and the relative
+difference between the two paths' gradients (both bf16). Build the database with
+`moe-aot build --backward` so that the op's backward finds its compiled GLU kernel. Writes DIR/bench_backward_h200.{json,md}.
 """
 from __future__ import annotations
 
@@ -37,8 +38,10 @@ DEV = torch.device("cuda")
 HBM = 4.8e12
 
 
-def saved_bytes(fn) -> int:
-    """Bytes of the distinct tensors autograd keeps for the backward of fn() (inputs included)."""
+def saved_bytes(fn, weights=()) -> int:
+    """Bytes of the distinct tensors autograd keeps for the backward of fn(), not counting the
+    storages of `weights` (the parameters, which training keeps anyway)."""
+    skip = {t.untyped_storage().data_ptr() for t in weights}
     seen = {}
 
     def pack(t):
@@ -46,7 +49,7 @@ def saved_bytes(fn) -> int:
         return t
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         fn()
-    return sum(seen.values())
+    return sum(n for ptr, n in seen.items() if ptr not in skip)
 
 
 def point(spec, M, replays, rate, gen, profile=False):
@@ -104,7 +107,7 @@ def point(spec, M, replays, rate, gen, profile=False):
     row = {"tokens": M, **t,
            "ours_bwd": t["ours_step"] - t["ours_fwd"], "torch_bwd": t["torch_step"] - t["torch_fwd"],
            "floor_step_us": floor_step,
-           "saved_bytes_ours": saved_bytes(ours_fwd), "saved_bytes_torch": saved_bytes(ref_fwd),
+           "saved_bytes_ours": saved_bytes(ours_fwd, ours_in[1:3]), "saved_bytes_torch": saved_bytes(ref_fwd, ref_in[1:3]),
            "grad_rel_diff": diffs}
     row["step_speedup"] = t["torch_step"] / t["ours_step"]
     row["bwd_speedup"] = row["torch_bwd"] / row["ours_bwd"]
@@ -147,7 +150,7 @@ def main():
              f"Command: `python3 tools/bench_backward.py {' '.join(sys.argv[1:])}`; bf16 matmul rate {rate / 1e12:.0f} "
              "TFLOP/s. µs, medians of CUDA-graph replays; torch = autograd through the unfused path.", "",
              "| model | tokens | fwd+bwd ours | fwd+bwd torch | torch/ours | bwd ours | bwd torch | torch/ours "
-             "| step floor | step ours/floor | saved MiB ours / torch | grad diff |", "|" + "---|" * 12]
+             "| step floor | step ours/floor | activations saved MiB ours / torch | grad diff |", "|" + "---|" * 12]
     for r in rows:
         lines.append(f"| {r['model']} | {r['tokens']} | {r['ours_step']:.0f} | {r['torch_step']:.0f} | "
                      f"{r['step_speedup']:.2f} | {r['ours_bwd']:.0f} | {r['torch_bwd']:.0f} | {r['bwd_speedup']:.2f} | "

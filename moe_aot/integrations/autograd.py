@@ -134,9 +134,24 @@ def _glu_backward(activation: str, g, u, G, w):
     return h.detach().to(g.dtype), dg.to(g.dtype), du.to(g.dtype)
 
 
+def _glu_kernel(x, topk_ids, w13, w2, activation, block, bias):
+    """The layer's compiled GLU backward (moe-aot build --backward) where it applies: CUDA bf16
+    operands, the kernels' interleave, a kernel in the database; else None (torch ops)."""
+    from ..variants import INTERLEAVE
+
+    if not (x.is_cuda and w13.dtype == torch.bfloat16 and block == INTERLEAVE):
+        return None
+    from ..runtime.layer import glu_backward_kernel
+
+    E, I2, H = w13.shape
+    return glu_backward_kernel(E, topk_ids.shape[1], H, I2 // 2, activation, bias, x.device)
+
+
 def moe_backward(grad_out, x, w13, w2, topk_weights, topk_ids, activation="swiglu", block=16, b13=None, b2=None):
     """(dx, dw13, dw2, dtopk_weights, db13, db2) of moe_forward_torch / the fused op (see the module
-    docstring); db13 / db2 are None without biases. Operands in the weights' dtype, sums in fp32."""
+    docstring); db13 / db2 are None without biases. Operands in the weights' dtype, sums in fp32.
+    The GLU part runs in the compiled kernel of templates/glu_backward.py where the database has
+    it (CUDA, bf16), else in torch ops."""
     M, K = topk_ids.shape
     E, I2, H = w13.shape
     wdt = w13.dtype
@@ -155,13 +170,19 @@ def moe_backward(grad_out, x, w13, w2, topk_weights, topk_ids, activation="swigl
         a = a + b13.index_select(0, expert)
     d_out = torch.cat((grad_out.to(wdt), grad_out.new_zeros(1, H, dtype=wdt))).index_select(0, tok_grad)
     G = gmm(d_out, w2, offs_all).view(P, -1, block)  # dO_m W2_e, [P, I] as h's column blocks
-    av = a.view(P, -1, 2, block)
-    h, dg, du = _glu_backward(activation, av[:, :, 0], av[:, :, 1], G, w)
-    dw = (G * h).sum((1, 2), dtype=torch.float32)
+    kernel = _glu_kernel(x, topk_ids, w13, w2, activation, block, b13 is not None)
+    if kernel is not None:  # the compiled GLU backward: one pass over the rows
+        da, hw = torch.empty_like(a), torch.empty(P, I2 // 2, dtype=wdt, device=a.device)
+        dw = torch.empty(P, dtype=torch.float32, device=a.device)
+        kernel(a, G.view(P, -1), w.view(P).float(), da, hw, dw)
+    else:
+        av = a.view(P, -1, 2, block)
+        h, dg, du = _glu_backward(activation, av[:, :, 0], av[:, :, 1], G, w)
+        dw = (G * h).sum((1, 2), dtype=torch.float32)
+        da = torch.stack((dg, du), dim=2).view(P, I2)
+        hw = (h * w).view(P, -1)
     if b2 is not None:
         dw = dw + (d_out * b2.index_select(0, expert)).sum(1, dtype=torch.float32)
-    da = torch.stack((dg, du), dim=2).view(P, I2)
-    hw = (h * w).view(P, -1)
     dw2 = gmm_k(d_out.t(), hw, offs_all)
     dw13 = gmm_k(da.t(), xs, offs_all)
     dxs = gmm(da, w13, offs_all)

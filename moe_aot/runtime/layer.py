@@ -13,10 +13,10 @@ import torch
 from ..gemm_limits import FP8, H_SCALE_BLOCK, SCALE_BLOCK
 from ..layout import interleave_gate_up, max_tiles
 from ..spec import LayerSpec, make_spec, value_class
-from ..variants import INTERLEAVE, TILE_M, LayerVariant, bucket_for, default_variant
+from ..variants import INTERLEAVE, TILE_M, LayerVariant, backward_kernels, bucket_for, default_variant
 from .launch import LayerPlan, feeds
 from .library import KernelArgumentError, KernelLibrary
-from .store import KernelStore
+from .store import KernelMissingError, KernelStore
 
 
 def prepare_weights(w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor:
@@ -411,6 +411,28 @@ def moe_forward(x, w13_prepared, w2, topk_weights, topk_ids, out=None, workspace
                          activation=activation, precision=precision, bias=bias, target=device_target(x.device))
         layer = _LAYERS[key] = MoeLayer(spec, store=store, device=x.device.index)
     return layer.forward(x, w13_prepared, w2, topk_weights, topk_ids, out, workspace)
+
+
+_BACKWARD: dict[tuple, object] = {}
+
+
+def glu_backward_kernel(experts: int, top_k: int, hidden: int, intermediate: int, activation: str, bias: bool,
+                        device: torch.device, store: KernelStore | None = None):
+    """The compiled GLU backward of this layer shape for `device` (`moe-aot build --backward`), or
+    None when the database has none (the caller then computes it in torch ops); looked up once per
+    shape and device."""
+    key = (experts, top_k, hidden, intermediate, activation, bias, device.index)
+    if key not in _BACKWARD:
+        spec = make_spec(experts=experts, top_k=top_k, hidden=hidden, intermediate=intermediate,
+                         activation=activation, bias=bias, target=device_target(device))
+        layer = _LAYERS.get((*key[:5], "bf16", bias, device.index))  # the forward's, with its store
+        store = store or (layer.store if layer is not None else KernelStore())
+        try:
+            (kv,) = backward_kernels(spec)
+            _BACKWARD[key] = store.load(kv.name, spec.target, device.index)
+        except KernelMissingError:
+            _BACKWARD[key] = None
+    return _BACKWARD[key]
 
 
 def prepare_fp8_weights(w_gate, w_up, w2, precision: str = "fp8-block128"):
