@@ -11,7 +11,8 @@ ratio, the floor of forward + backward (3x the forward's FLOPs over the bf16 mat
 in the run, or 3x the selected experts' weight bytes over 4.8 TB/s), the activation bytes autograd
 saves for the backward (saved_tensors_hooks, the weights not counted) for both, and the relative
 difference between the two paths' gradients (both bf16). Build the database with
-`moe-aot build --backward` so that the op's backward finds its compiled GLU kernel. Writes DIR/bench_backward_h200.{json,md}.
+`moe-aot build --backward` so that the op's backward finds its compiled GLU kernel.
+Writes DIR/bench_backward_h200.{json,md}.
 """
 from __future__ import annotations
 
@@ -107,7 +108,8 @@ def point(spec, M, replays, rate, gen, profile=False):
     row = {"tokens": M, **t,
            "ours_bwd": t["ours_step"] - t["ours_fwd"], "torch_bwd": t["torch_step"] - t["torch_fwd"],
            "floor_step_us": floor_step,
-           "saved_bytes_ours": saved_bytes(ours_fwd, ours_in[1:3]), "saved_bytes_torch": saved_bytes(ref_fwd, ref_in[1:3]),
+           "saved_bytes_ours": saved_bytes(ours_fwd, ours_in[1:3]),
+           "saved_bytes_torch": saved_bytes(ref_fwd, ref_in[1:3]),
            "grad_rel_diff": diffs}
     row["step_speedup"] = t["torch_step"] / t["ours_step"]
     row["bwd_speedup"] = row["torch_bwd"] / row["ours_bwd"]
