@@ -168,3 +168,26 @@ def test_build_backward_puts_the_glu_backward_into_the_database(tmp_path):
     (kv,) = backward_kernels(make_spec(experts=8, top_k=2, hidden=256, intermediate=128, target="sm_90a"))
     with Database(db, readonly=True) as d:
         assert d.has_artifact(kv.name, toolchain_key("sm_90a"))
+
+
+def test_trainable_experts_hold_parameters_with_gradients():
+    from torch import nn
+
+    from moe_aot.integrations import MoeExperts
+
+    gen = torch.Generator().manual_seed(16)
+    x, w13, w2, tw, ids, _, _ = _inputs(6, torch.float32, gen)
+    frozen = MoeExperts(w13, w2)
+    assert list(frozen.parameters()) == [] and {"w13", "w2"} <= set(dict(frozen.named_buffers()))
+    m = MoeExperts(w13, w2, trainable=True)
+    assert {n for n, _ in m.named_parameters()} == {"w13", "w2"}
+    assert set(m.state_dict()) == set(frozen.state_dict())
+    out = m(x.to(torch.bfloat16), tw, ids)
+    out.float().square().sum().backward()
+    ref = [t.detach().float().requires_grad_() for t in (m.w13, m.w2)]
+    moe_reference(x.to(torch.bfloat16), *ref, tw, ids).square().sum().backward()
+    for p, r in zip((m.w13, m.w2), ref):
+        assert isinstance(p, nn.Parameter) and rel_err(p.grad, r.grad) <= 2e-2
+    with pytest.raises(ValueError, match="fp8 experts cannot be trained"):
+        MoeExperts(w13.to(torch.float8_e4m3fn), w2.to(torch.float8_e4m3fn), w13_scale=torch.ones(E, 2),
+                   w2_scale=torch.ones(E), trainable=True)

@@ -8,7 +8,8 @@
   in Qwen2-MoE).
 
 Everything is torch ops on the device with no host sync; a MoeBlock compiles with
-torch.compile(fullgraph=True) and captures in CUDA graphs. Inference only (no backward).
+torch.compile(fullgraph=True) and captures in CUDA graphs. Training: MoeExperts(trainable=True)
+holds its weights as parameters; fp8 experts are inference only.
 """
 from __future__ import annotations
 
@@ -29,7 +30,9 @@ from .routing import ROUTINGS, grouped_topk, map_experts, softmax_topk, topk_sof
 class MoeExperts(nn.Module):
     """The routed experts of one layer: forward(x [..., H], topk_weights [..., K], topk_ids [..., K])
     -> [..., H] in x's dtype. x is computed in bf16 (the kernels' precision); weights are kept as
-    buffers in the kernels' layout: w13 [E, 2I, H] interleaved (prepare_weights), w2 [E, H, I], bf16.
+    buffers in the kernels' layout: w13 [E, 2I, H] interleaved (prepare_weights), w2 [E, H, I], bf16;
+    with trainable=True (bf16 experts) they are parameters instead, with gradients from the op's
+    backward (integrations/autograd.py).
 
     expert_map ([global experts] int, -1 where not local) maps global ids to this rank's experts;
     pairs routed elsewhere contribute nothing, so the output is this rank's partial sum to be
@@ -38,7 +41,7 @@ class MoeExperts(nn.Module):
     def __init__(self, w13: torch.Tensor, w2: torch.Tensor, activation: str = "swiglu",
                  expert_map: torch.Tensor | None = None, w13_scale: torch.Tensor | None = None,
                  w2_scale: torch.Tensor | None = None, b13: torch.Tensor | None = None,
-                 b2: torch.Tensor | None = None):
+                 b2: torch.Tensor | None = None, trainable: bool = False):
         super().__init__()
         if activation not in ACTIVATIONS:
             raise KernelArgumentError(f"activation must be one of {', '.join(ACTIVATIONS)}, got {activation!r}")
@@ -70,6 +73,13 @@ class MoeExperts(nn.Module):
         if expert_map is not None:
             expert_map = expert_map.to(w13.device, torch.int32)
         self.register_buffer("expert_map", expert_map)
+        if trainable:  # the same tensors as parameters, under the same state-dict names
+            if self.fp8:
+                raise KernelArgumentError("fp8 experts cannot be trained (fused_moe_fp8 has no backward); "
+                                          "train bf16 experts (trainable=True without scales)")
+            for name in ("w13", "w2", "b13", "b2"):
+                t = self._buffers.pop(name)
+                self.register_parameter(name, None if t is None else nn.Parameter(t))
 
     @property
     def experts(self) -> int:
