@@ -1,9 +1,11 @@
 """The fused MoE op's backward (issue 11, first stage): the gradients of
 `torch.ops.moe_aot.fused_moe` for x, w13, w2, topk_weights and the expert biases, in torch ops.
 
-The forward stays the AOT kernels. This backward is not fused yet: it runs five grouped GEMMs
-(`torch._grouped_mm` on CUDA) and torch's elementwise ops, and it is what the fused CuTe DSL
-backward kernels will replace one by one behind the same registration. What it already keeps:
+The forward stays the AOT kernels. The backward's GEMMs are not fused yet: it runs five grouped
+GEMMs (`torch._grouped_mm` on CUDA: GEMM1 recomputed, dH, dW2, dW13, dX) around the GLU's backward,
+which is one compiled CuTe DSL kernel (templates/glu_backward.py, `moe-aot build --backward`) where
+the database has it and torch ops otherwise; fused CuTe GEMMs will replace the torch ones behind
+the same registration. What it already keeps:
 
 - saved for backward: the op's inputs only (x, weights, routing), no activation: the GLU input is
   recomputed (one GEMM1), and the routing-weight gradient needs no GEMM2 output, since
