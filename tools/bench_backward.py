@@ -29,10 +29,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 from bench import graph_time_us, matmul_rate, torch_unfused  # noqa: E402
 
-from moe_aot.harness.reference import rel_err  # noqa: E402
+from moe_aot.harness.reference import glu_fn, rel_err  # noqa: E402
 from moe_aot.harness.verify import random_routing  # noqa: E402
 from moe_aot.integrations import op  # noqa: E402, F401
-from moe_aot.integrations.functional import prepare_fused_gate_up  # noqa: E402
+from moe_aot.integrations.functional import prepare_fused_bias, prepare_fused_gate_up  # noqa: E402
 from moe_aot.spec import make_spec  # noqa: E402
 
 DEV = torch.device("cuda")
@@ -53,65 +53,77 @@ def saved_bytes(fn, weights=()) -> int:
     return sum(n for ptr, n in seen.items() if ptr not in skip)
 
 
-def point(spec, M, replays, rate, gen, profile=False):
-    H, I, E, K = spec.hidden, spec.intermediate, spec.experts, spec.top_k
-    w1 = (torch.randn(E, 2 * I, H, device=DEV, generator=gen) * H ** -0.5).bfloat16()  # gate rows first
-    w13 = prepare_fused_gate_up(w1)
-    w2 = (torch.randn(E, H, I, device=DEV, generator=gen) * I ** -0.5).bfloat16()
-    x = torch.randn(M, H, device=DEV, generator=gen).bfloat16()
-    tw, ids = random_routing(M, spec, DEV, generator=gen)
-    grad = torch.randn(M, H, device=DEV, generator=gen).bfloat16()
-    ours_in = [t.clone().requires_grad_() for t in (x, w13, w2, tw)]
-    ref_in = [t.clone().requires_grad_() for t in (x, w1, w2, tw)]
+def _path(name, spec, M, fwd, leaves, grad, replays, weights, profile):
+    """One path's measurements: a sample of its gradients (x, topk_weights, the first 8 experts'
+    weight gradients), its CUDA-graph times and saved bytes; its graphs are freed on return."""
+    def step():
+        return torch.autograd.grad(fwd(), leaves, grad)
 
-    def ours_fwd():
-        return torch.ops.moe_aot.fused_moe(*ours_in[:4], ids)
-
-    def ref_fwd():
-        xi, w1i, w2i, twi = ref_in
-        return torch_unfused(xi, w1i.transpose(1, 2), w2i.transpose(1, 2), twi, ids, E)
-
-    def ours_step():
-        return torch.autograd.grad(ours_fwd(), ours_in, grad)
-
-    def ref_step():
-        return torch.autograd.grad(ref_fwd(), ref_in, grad)
-
-    g_ours, g_ref = ours_step(), ref_step()
-    if profile:  # where each path's time goes: CUDA time per kernel over one step
+    g = step()
+    sample = [g[0], g[3], g[1][:8].clone(), g[2][:8].clone()]
+    del g
+    if profile:  # where the path's time goes: CUDA time per kernel over one step
         from torch.profiler import ProfilerActivity
         from torch.profiler import profile as prof
 
-        for name, fn in (("ours", ours_step), ("torch", ref_step)):
+        torch.cuda.synchronize()
+        with prof(activities=[ProfilerActivity.CUDA]) as p:
+            step()
             torch.cuda.synchronize()
-            with prof(activities=[ProfilerActivity.CUDA]) as p:
-                fn()
-                torch.cuda.synchronize()
-            print(f"--- {name} step, {spec.workload_key} {M} tokens ---\n"
-                  + p.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70),
-                  flush=True)
-    # the unfused path's w1 gradient has the gate rows first: interleave it to compare with ours
-    # w13 on its first 8 experts: interleaving the whole gradient would need another copy of it
-    theirs = (g_ref[0], prepare_fused_gate_up(g_ref[1][:8]), g_ref[2], g_ref[3])
-    g_ours = (g_ours[0], g_ours[1][:8], g_ours[2], g_ours[3])
-    diffs = {n: rel_err(a, b.float()) for n, a, b in zip(("x", "w13", "w2", "topk_weights"), g_ours, theirs)}
-    del g_ours, g_ref
-    t = {}
+        print(f"--- {name} step, {spec.workload_key} {M} tokens ---\n"
+              + p.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70),
+              flush=True)
     with torch.no_grad():
-        t["ours_fwd"] = graph_time_us([ours_fwd], replays)
-        t["torch_fwd"] = graph_time_us([ref_fwd], replays)
-    t["ours_step"] = graph_time_us([ours_step], replays)
-    t["torch_step"] = graph_time_us([ref_step], replays)
+        t_fwd = graph_time_us([fwd], replays)
+    t_step = graph_time_us([step], replays)
+    torch.cuda.empty_cache()
+    return {"fwd": t_fwd, "step": t_step, "saved": saved_bytes(fwd, weights)}, sample
+
+
+def point(spec, M, replays, rate, gen, profile=False):
+    """Both paths on the same inputs, one after the other (so that DeepSeek-V3's weights and
+    gradients fit beside only one path's)."""
+    H, I, E, K = spec.hidden, spec.intermediate, spec.experts, spec.top_k
+    w1 = (torch.randn(E, 2 * I, H, device=DEV, generator=gen) * H ** -0.5).bfloat16()  # gate rows first
+    w2 = (torch.randn(E, H, I, device=DEV, generator=gen) * I ** -0.5).bfloat16().requires_grad_()
+    x = torch.randn(M, H, device=DEV, generator=gen).bfloat16().requires_grad_()
+    tw, ids = random_routing(M, spec, DEV, generator=gen)
+    tw.requires_grad_()
+    grad = torch.randn(M, H, device=DEV, generator=gen).bfloat16()
+    glu = b1 = b2 = None
+    if spec.bias:  # gpt-oss: its clamped SwiGLU and expert biases in both paths
+        glu = glu_fn(spec.activation)
+        b1 = (torch.randn(E, 2 * I, device=DEV, generator=gen) * 0.5).bfloat16()
+        b2 = (torch.randn(E, H, device=DEV, generator=gen) * 0.5).bfloat16().requires_grad_()
+    w13 = prepare_fused_gate_up(w1).requires_grad_()
+    b13 = None if b1 is None else prepare_fused_bias(b1).requires_grad_()
+    ours_extra = (b13, b2) if spec.bias else ()
+
+    def ours_fwd():
+        return torch.ops.moe_aot.fused_moe(x, w13, w2, tw, ids, spec.activation, *ours_extra)
+
+    ours, ours_g = _path("ours", spec, M, ours_fwd, [x, w13, w2, tw, *ours_extra], grad, replays, (w13, w2), profile)
+    w13 = b13 = None
+    torch.cuda.empty_cache()
+    w1.requires_grad_()
+    if b1 is not None:
+        b1.requires_grad_()
+
+    def ref_fwd():
+        return torch_unfused(x, w1.transpose(1, 2), w2.transpose(1, 2), tw, ids, E, glu, b1, b2)
+
+    ref, ref_g = _path("torch", spec, M, ref_fwd, [x, w1, w2, tw, *((b1, b2) if spec.bias else ())], grad, replays,
+                       (w1, w2), profile)
+    ref_g[2] = prepare_fused_gate_up(ref_g[2])  # gate rows first -> the kernels' interleave, to compare
+    diffs = {n: rel_err(a, b.float()) for n, a, b in zip(("x", "topk_weights", "w13", "w2"), ours_g, ref_g)}
     flops = 6 * M * K * H * I
     selected = min(E, M * K)
     floor_step = max(3 * flops / rate, 3 * selected * 3 * H * I * 2 / HBM) * 1e6
-    row = {"tokens": M, **t,
-           "ours_bwd": t["ours_step"] - t["ours_fwd"], "torch_bwd": t["torch_step"] - t["torch_fwd"],
-           "floor_step_us": floor_step,
-           "saved_bytes_ours": saved_bytes(ours_fwd, ours_in[1:3]),
-           "saved_bytes_torch": saved_bytes(ref_fwd, ref_in[1:3]),
+    row = {"tokens": M, "ours_fwd": ours["fwd"], "torch_fwd": ref["fwd"], "ours_step": ours["step"],
+           "torch_step": ref["step"], "ours_bwd": ours["step"] - ours["fwd"], "torch_bwd": ref["step"] - ref["fwd"],
+           "floor_step_us": floor_step, "saved_bytes_ours": ours["saved"], "saved_bytes_torch": ref["saved"],
            "grad_rel_diff": diffs}
-    row["step_speedup"] = t["torch_step"] / t["ours_step"]
+    row["step_speedup"] = row["torch_step"] / row["ours_step"]
     row["bwd_speedup"] = row["torch_bwd"] / row["ours_bwd"]
     return row
 
@@ -119,9 +131,7 @@ def point(spec, M, replays, rate, gen, profile=False):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
-    # gpt-oss: its clamped SwiGLU and biases are not in the unfused path here; DeepSeek-V3: two
-    # copies of its weights and gradients, and each path's captured gradients, do not fit one H200
-    ap.add_argument("--models", default="qwen3-30b-a3b,qwen3-235b-a22b,mixtral-8x7b")
+    ap.add_argument("--models", default="qwen3-30b-a3b,qwen3-235b-a22b,gpt-oss-120b,deepseek-v3,mixtral-8x7b")
     ap.add_argument("--tokens", default="4096,16384")
     ap.add_argument("--replays", type=int, default=20)
     ap.add_argument("--profile", action="store_true", help="print the kernel table of one step of each path")
