@@ -73,6 +73,9 @@ CONFIGS = [
     ("hw128n128", "hopws", ALL, "swiglu", 128, (128, 64, 6), (128, 64, 6), [1024, 4096]),
     # 2-CTA clusters along M, weight tiles multicast to both CTAs when their M tiles share an expert
     ("hc2", "hopws:c2", ALL, "swiglu", 128, (256, 64, 4), (256, 64, 4), [1, 16, 256, 1024, 4096]),
+    # weight bytes in flight per SM: the same tiles with 3 stages instead of 4 (memory-bound points)
+    ("hw128s3", "hopws", ["gpt_oss_120b", "deepseek_v3"], "swiglu", 128, (256, 64, 3), (256, 64, 3), [4096]),
+    ("hc2s3", "hopws:c2", ["gpt_oss_120b", "deepseek_v3"], "swiglu", 128, (256, 64, 3), (256, 64, 3), [4096]),
     ("hc2big", "hopws:c2", ["qwen3_30b_a3b", "mixtral_8x7b"], "swiglu", 128, (256, 64, 4),
      (256, 64, 4), [16384]),
     ("hc2geglu", "hopws:c2", ["qwen3_30b_a3b"], "geglu", 128, (128, 64, 6), (192, 64, 4), [256, 4096]),
