@@ -191,3 +191,34 @@ def test_trainable_experts_hold_parameters_with_gradients():
     with pytest.raises(ValueError, match="fp8 experts cannot be trained"):
         MoeExperts(w13.to(torch.float8_e4m3fn), w2.to(torch.float8_e4m3fn), w13_scale=torch.ones(E, 2),
                    w2_scale=torch.ones(E), trainable=True)
+
+
+def test_training_step_compiles_fullgraph_and_matches_eager():
+    """torch.compile(fullgraph=True) of a loss through the op: the backward is one op in the graph
+    (moe_aot::fused_moe_backward), and the gradients equal eager's."""
+    gen = torch.Generator().manual_seed(17)
+    x, w13, w2, tw, ids, _, _ = _inputs(6, torch.float32, gen)
+    params = [w13.to(torch.bfloat16).requires_grad_(), w2.to(torch.bfloat16).requires_grad_(), tw.requires_grad_()]
+    xb = x.to(torch.bfloat16)
+
+    def loss(w13, w2, tw):
+        return torch.ops.moe_aot.fused_moe(xb, w13, w2, tw, ids).float().square().mean()
+
+    torch._dynamo.reset()
+    compiled = torch.compile(loss, fullgraph=True, backend="aot_eager")
+    got = torch.autograd.grad(compiled(*params), params)
+    want = torch.autograd.grad(loss(*params), params)
+    for g, w in zip(got, want):
+        assert rel_err(g, w.float()) <= 1e-3
+
+
+def test_opcheck_of_the_backward_op_and_of_the_op_with_gradients():
+    gen = torch.Generator().manual_seed(18)
+    x, w13, w2, tw, ids, b13, b2 = _inputs(5, torch.float32, gen, bias=True)
+    bf = [t.to(torch.bfloat16) for t in (x, w13, w2, b13, b2)]
+    grad = torch.randn(5, H, generator=gen).to(torch.bfloat16)
+    torch.library.opcheck(torch.ops.moe_aot.fused_moe_backward.default,
+                          (grad, bf[0], bf[1], bf[2], tw, ids, "swigluoai", bf[3], bf[4]))
+    torch.library.opcheck(torch.ops.moe_aot.fused_moe_backward.default, (grad, *bf[:3], tw, ids, "swiglu"))
+    args = [t.clone().requires_grad_() for t in bf[:3]] + [tw.clone().requires_grad_(), ids]
+    torch.library.opcheck(torch.ops.moe_aot.fused_moe.default, tuple(args))

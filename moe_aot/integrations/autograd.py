@@ -26,6 +26,8 @@ For a routed pair p = (m, k) with expert e, a = x_m W13_e^T (+ b13_e) holds gate
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from ..glu import glu_fn
@@ -91,7 +93,7 @@ def _sums(rows: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """Per expert, the sum of its rows of `rows` [P, N] -> [E, N], by a grouped GEMM with a ones
     vector (deterministic, where an index_add would be atomic)."""
     ones = rows.new_ones(rows.shape[0], 8).t()  # 8 rows: 16-byte strides for bf16
-    return gmm_k(ones, rows, offs)[:, 0]
+    return gmm_k(ones, rows, offs)[:, 0].contiguous()
 
 
 def moe_forward_torch(x, w13, w2, topk_weights, topk_ids, activation="swiglu", block=16, b13=None, b2=None):
@@ -116,7 +118,7 @@ def moe_forward_torch(x, w13, w2, topk_weights, topk_ids, activation="swiglu", b
 def _glu_backward(activation: str, g, u, G, w):
     """(h, dg, du) of one GLU row block: h = glu(g, u), and dg, du = glu's vector-Jacobian
     product with dh = w * G. swiglu / geglu: torch's fused activation backward kernels, in the
-    operands' dtype (a handful of passes over [P, I]); other activations: autograd of glu_fn in fp32."""
+    operands' dtype (a handful of passes over [P, I]); swigluoai: its derivative written out, in fp32."""
     import torch.nn.functional as F
 
     dh = G * w
@@ -129,11 +131,18 @@ def _glu_backward(activation: str, g, u, G, w):
             act = F.gelu(g, approximate="tanh")
             dg = aten.gelu_backward(dh * u, g, approximate="tanh")
         return act * u, dg, dh * act
-    with torch.enable_grad():
-        gf, uf = g.float().requires_grad_(), u.float().requires_grad_()
-        h = glu_fn(activation)(gf, uf)
-    dg, du = torch.autograd.grad(h, (gf, uf), dh.float())
-    return h.detach().to(g.dtype), dg.to(g.dtype), du.to(g.dtype)
+    # swigluoai, in fp32 (autograd is off inside the backward op): h = (uc + 1) gc sigmoid(alpha gc)
+    # with gc = min(g, L), uc = clamp(u, -L, L); a clamp passes no gradient where it binds
+    from ..glu import SWIGLUOAI_ALPHA as alpha
+    from ..glu import SWIGLUOAI_LIMIT as lim
+
+    gf, uf, dhf = g.float(), u.float(), dh.float()
+    gc, uc = gf.clamp(max=lim), uf.clamp(min=-lim, max=lim)
+    s = torch.sigmoid(alpha * gc)
+    act = gc * s
+    dg = dhf * (uc + 1) * (s + alpha * act * (1 - s)) * (gf <= lim)
+    du = dhf * act * ((uf >= -lim) & (uf <= lim))
+    return ((uc + 1) * act).to(g.dtype), dg.to(g.dtype), du.to(g.dtype)
 
 
 def _glu_kernel(x, topk_ids, w13, w2, activation, block, bias):
@@ -197,6 +206,26 @@ def moe_backward(grad_out, x, w13, w2, topk_weights, topk_ids, activation="swigl
     return dx, dw13, dw2, dtw, db13, db2
 
 
+@torch.library.custom_op("moe_aot::fused_moe_backward", mutates_args=())
+def fused_moe_backward(grad_out: torch.Tensor, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                       topk_weights: torch.Tensor, topk_ids: torch.Tensor, activation: str,
+                       w13_bias: Optional[torch.Tensor] = None, w2_bias: Optional[torch.Tensor] = None
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """moe_backward as one op (opaque to torch.compile, whose graphs then hold it whole: its
+    routing and kernel lookup are not traceable): (dx, dw13, dw2, dtopk_weights, db13, db2), the
+    bias gradients empty without biases."""
+    from ..variants import INTERLEAVE
+
+    grads = moe_backward(grad_out, x, w13, w2, topk_weights, topk_ids, activation, INTERLEAVE, w13_bias, w2_bias)
+    return tuple(g if g is not None else x.new_empty(0) for g in grads)
+
+
+@fused_moe_backward.register_fake
+def _fused_moe_backward_fake(grad_out, x, w13, w2, topk_weights, topk_ids, activation, w13_bias=None, w2_bias=None):
+    like = lambda t: x.new_empty(0) if t is None else torch.empty_like(t)  # noqa: E731
+    return like(x), like(w13), like(w2), like(topk_weights), like(w13_bias), like(w2_bias)
+
+
 def _setup_context(ctx, inputs, output):
     x, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias = inputs
     ctx.activation = activation
@@ -204,13 +233,11 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, grad_out):
-    from ..variants import INTERLEAVE
-
     x, w13, w2, topk_weights, topk_ids, b13, b2 = ctx.saved_tensors
-    dx, dw13, dw2, dtw, db13, db2 = moe_backward(grad_out, x, w13, w2, topk_weights, topk_ids, ctx.activation,
-                                                 INTERLEAVE, b13, b2)
+    dx, dw13, dw2, dtw, db13, db2 = torch.ops.moe_aot.fused_moe_backward(grad_out, x, w13, w2, topk_weights,
+                                                                         topk_ids, ctx.activation, b13, b2)
     need = ctx.needs_input_grad  # as long as the arguments the call passed
-    grads = (dx, dw13, dw2, dtw, None, None, db13, db2)
+    grads = (dx, dw13, dw2, dtw, None, None, db13 if b13 is not None else None, db2 if b2 is not None else None)
     return tuple(g if n else None for g, n in zip(grads, need))
 
 
