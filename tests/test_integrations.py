@@ -545,7 +545,7 @@ def test_gpt_oss_reference_is_transformers_gpt_oss_experts():
 
 
 # -- the README's examples run as written -------------------------------------------------------
-@pytest.mark.parametrize("name", ["level1", "level2"])
+@pytest.mark.parametrize("name", ["level1", "level2", "training"])
 def test_readme_example_runs(name):
     import re
 
