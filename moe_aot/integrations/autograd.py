@@ -145,7 +145,7 @@ def _glu_backward(activation: str, g, u, G, w):
     return ((uc + 1) * act).to(g.dtype), dg.to(g.dtype), du.to(g.dtype)
 
 
-def _glu_kernel(x, topk_ids, w13, w2, activation, block, bias):
+def _glu_kernel(x, topk_ids, w13, activation, block, bias):
     """The layer's compiled GLU backward (moe-aot build --backward) where it applies: CUDA bf16
     operands, the kernels' interleave, a kernel in the database; else None (torch ops)."""
     from ..variants import INTERLEAVE
@@ -181,7 +181,7 @@ def moe_backward(grad_out, x, w13, w2, topk_weights, topk_ids, activation="swigl
         a = a + b13.index_select(0, expert)
     d_out = torch.cat((grad_out.to(wdt), grad_out.new_zeros(1, H, dtype=wdt))).index_select(0, tok_grad)
     G = gmm(d_out, w2, offs_all).view(P, -1, block)  # dO_m W2_e, [P, I] as h's column blocks
-    kernel = _glu_kernel(x, topk_ids, w13, w2, activation, block, b13 is not None)
+    kernel = _glu_kernel(x, topk_ids, w13, activation, block, b13 is not None)
     if kernel is not None:  # the compiled GLU backward: one pass over the rows
         da, hw = torch.empty_like(a), torch.empty(P, I2 // 2, dtype=wdt, device=a.device)
         dw = torch.empty(P, dtype=torch.float32, device=a.device)
