@@ -549,8 +549,9 @@ def export_cmd(gpu, export_dir, db_url):
               help="Also compile each variant's twin with programmatic dependent launch flipped "
                    "(for `tools/bench.py --pdl`, which measures both side by side).")
 @click.option("--backward", is_flag=True,
-              help="Also compile the kernels of the op's backward (training: torch.ops.moe_aot.fused_moe under "
-                   "autograd); without them the backward runs its GLU part in torch ops.")
+              help="Also compile the kernels of training: the backward's (torch.ops.moe_aot.fused_moe under "
+                   "autograd), and each variant's GEMM1 that keeps its pre-activations for the backward "
+                   "(fused_moe_train); without them those parts run in torch ops.")
 @click.option("--db", "db_url", default=None, help=DB_HELP)
 def build_cmd(models, spec_file, target, experts, top_k, hidden, intermediate, activation, precision, tokens, gpu,
               tuned_dir, jobs, pdl_twins, backward, db_url):
@@ -559,7 +560,7 @@ def build_cmd(models, spec_file, target, experts, top_k, hidden, intermediate, a
     Idempotent: what is already in the database is not compiled again."""
     from .compiler import HostToolchainError, compile_into, toolchain_key
     from .picks import build_plan
-    from .variants import backward_kernels
+    from .variants import backward_kernels, training_kernels
 
     specs = _specs(models, spec_file, target, experts, top_k, hidden, intermediate, activation, precision)
     db = _open(db_url)
@@ -579,7 +580,10 @@ def build_cmd(models, spec_file, target, experts, top_k, hidden, intermediate, a
             status = "ok" if res.artifact else "FAILED"
             click.echo(f"[{done}/{total}] {status:6} {res.seconds:6.1f}s  {res.kernel.name}", err=True)
 
-        extra = [(s, kv) for s in specs for kv in backward_kernels(s)] if backward else []
+        extra = []
+        if backward:
+            extra = [(s, kv) for s in specs for kv in backward_kernels(s)]
+            extra += list(dict.fromkeys((s, kv) for s, v in pairs for kv in training_kernels(s, v)))
         results = compile_into(db, pairs, jobs=jobs, progress=progress, extra=extra)
         failed = [r for r in results if r.artifact is None]
         tools = {s.target: toolchain_key(s.target) for s in specs}

@@ -65,6 +65,8 @@ TEMPLATES = {
     ("glu", "grouped"): ("grouped_gemm", "GroupedGluGemm"),
     ("down", "grouped"): ("grouped_gemm", "GroupedDownGemm"),
     ("glu", "hopper"): ("hopper_gemm", "HopperGluGemm"),
+    ("glu_train", "hopper"): ("hopper_gemm", "HopperGluGemm"),  # with save_preact=True
+    ("glu_train", "grouped"): ("grouped_gemm", "GroupedGluGemm"),  # refuses save_preact, in one sentence
     ("down", "hopper"): ("hopper_gemm", "HopperDownGemm"),
     ("glu", "fp8"): ("hopper_fp8", "HopperGluGemmFp8"),
     ("down", "fp8"): ("hopper_fp8", "HopperDownGemmFp8"),
@@ -72,7 +74,7 @@ TEMPLATES = {
 
 
 def template_family(kv: KernelVariant) -> str | None:
-    if kv.role not in ("glu", "down"):
+    if kv.role not in ("glu", "down", "glu_train"):
         return None
     kw = kv.kwargs()
     if kw.get("precision", "bf16") != "bf16":

@@ -138,6 +138,15 @@ def check_tiles(n, k, tile_m, tile_n, tile_k, stages, mma, warps_m, warps_n,
     return True, ""
 
 
+def check_save_preact(mma, precision) -> tuple[bool, str]:
+    """(ok, reason) of a GEMM1 that also writes its pre-activations (the GLU's input, kept for
+    the backward): built into the persistent cores' register epilogue, bf16 only."""
+    if mma not in PERSISTENT or precision != "bf16":
+        return False, (f"the pre-activation output is built for bf16 GEMM1s with mma in {', '.join(PERSISTENT)}, "
+                       f"not {precision} with mma {mma}")
+    return True, ""
+
+
 def cluster_applies(mma, tile_m) -> bool:
     """Whether a GEMM of this MMA and tile height may run in 2-CTA clusters along M."""
     return mma in CLUSTER_MMAS and tile_m == 128

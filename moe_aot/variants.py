@@ -202,6 +202,18 @@ def backward_kernels(spec: LayerSpec) -> list[KernelVariant]:
                           (("intermediate", i), ("activation", spec.activation), ("interleave", INTERLEAVE)))]
 
 
+def training_kernels(spec: LayerSpec, variant: LayerVariant) -> list[KernelVariant]:
+    """The kernels a training forward uses beside the variant's own (moe_aot.integrations.autograd,
+    fused_moe_train): the variant's GEMM1 built to also write its pre-activations (role
+    "glu_train", the GLU's input kept for the backward instead of recomputing GEMM1), where its
+    template has that output (gemm_limits.check_save_preact); [] otherwise (the forward then
+    computes them in torch ops)."""
+    if not limits.check_save_preact(variant.glu.mma, spec.precision)[0]:
+        return []
+    glu = next(kv for kv in variant.kernels(spec) if kv.role == "glu")
+    return [KernelVariant("glu_train", glu.name + "_preact", glu.params + (("save_preact", True),))]
+
+
 # How a variant's fields appear in its name, in order: (field, prefix). An int is the prefix and
 # its digits, a str (the MMA) itself, a bool the prefix alone when true, a GemmTiles the prefix
 # and its own layout; a field of OMIT_AT_DEFAULT is left out at its default, so adding one kept

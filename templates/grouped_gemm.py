@@ -591,17 +591,20 @@ class GroupedGluGemm(_GroupedGemmBase):
                  tile_m: int = 128, tile_n: int = 128, tile_k: int = 64, stages: int = 4,
                  mma: str = "warp", warps_m: int | None = None, warps_n: int | None = None,
                  pdl: bool = False, ctas: int = PERSISTENT_CTAS, precision: str = "bf16",
-                 bias: bool = False):
+                 bias: bool = False, save_preact: bool = False):
         ok, reason = self.can_implement(num_experts, hidden, intermediate, top_k, activation,
                                         interleave, tile_m, tile_n, tile_k, stages, mma,
                                         warps_m, warps_n, precision=precision)
         if ok and bias and precision not in limits.BIAS_PRECISIONS:
             ok, reason = False, f"expert biases are built for {', '.join(limits.BIAS_PRECISIONS)}, not {precision}"
+        if ok and save_preact:
+            ok, reason = limits.check_save_preact(mma, precision)
         if not ok:
             raise ValueError(reason)
         self.num_experts, self.hidden, self.intermediate = num_experts, hidden, intermediate
         self.top_k, self.activation, self.interleave = top_k, activation, interleave
         self.bias = bool(bias)
+        self.save_preact = bool(save_preact)
         super().__init__(2 * intermediate, hidden, tile_m, tile_n, tile_k, stages, mma,
                          warps_m, warps_n, pdl, ctas, precision)
 
@@ -638,12 +641,15 @@ class GroupedGluGemm(_GroupedGemmBase):
             ("h", make_fake_tensor(BFloat16, (r, self.intermediate), (self.intermediate, 1),
                                    assumed_align=16)),
             ("b13", make_fake_tensor(BFloat16, (e, i2), (i2, 1), assumed_align=16) if self.bias else None),
+            ("preact", make_fake_tensor(BFloat16, (cute.sym_int32(symbol="P"), i2), (i2, 1), assumed_align=16)
+             if self.save_preact else None),
             ("stream", make_fake_stream()),
         ]
 
     @cute.jit
     def __call__(self, x: cute.Tensor, w13: cute.Tensor, sorted_ids: cute.Tensor,
-                 tile_expert: cute.Tensor, h: cute.Tensor, b13: Optional[cute.Tensor], stream: cuda.CUstream):
+                 tile_expert: cute.Tensor, h: cute.Tensor, b13: Optional[cute.Tensor],
+                 preact: Optional[cute.Tensor], stream: cuda.CUstream):
         grid, block = self._launch_common(self.n // self.tile_n, tile_expert)
         self.kernel(x, w13, sorted_ids, tile_expert, h, b13).launch(grid=grid, block=block,
                                                                     stream=stream, use_pdl=self.pdl)
@@ -654,9 +660,11 @@ class GroupedGluGemm(_GroupedGemmBase):
         tidx, _, _ = cute.arch.thread_idx()
         self._tile(tidx, mX, mW, mIds, mTileExpert, self._epi(mH, mB, mIds, mTileExpert))
 
-    def _epi(self, mH, mB, mIds, mTileExpert):
-        """The epilogue's tensors: (h,), with biases (h, b13, sorted_ids, tile_expert)."""
-        return (mH, mB, mIds, mTileExpert) if self.bias else (mH,)
+    def _epi(self, mH, mB, mIds, mTileExpert, mP=None):
+        """The epilogue's tensors: (h,), with biases (h, b13, sorted_ids, tile_expert); with
+        save_preact the pre-activation output last."""
+        epi = (mH, mB, mIds, mTileExpert) if self.bias else (mH,)
+        return epi + (mP,) if self.save_preact else epi
 
     @cute.jit
     def _a_rows(self, tidx, mIds, row0):
@@ -721,6 +729,8 @@ class GroupedGluGemm(_GroupedGemmBase):
             self._epilogue_regs_chunks(tCcC, acc, pairs, mH, brow, row0, bn)
         else:
             self._epilogue_regs_pairs(tCcC, acc, pairs, mH, brow, row0, bn)
+        if const_expr(self.save_preact):
+            self._epilogue_preact(tCcC, acc, pairs, epi[-1], brow, bn)
 
     def _epi_bias_row(self, epi, row0):
         """With biases, the bias row of the tile's expert (epi as _epi builds it); else None."""
@@ -774,6 +784,34 @@ class GroupedGluGemm(_GroupedGemmBase):
                 chunk = self._quad_transpose(packed, 0, q, quad0)
                 dst = cute.local_tile(dst_row, (8,), ((col0 + 32 * grp) // 8,))
                 dst.store(cute.recast_tensor(chunk, BFloat16).load())
+
+    @cute.jit
+    def _epilogue_preact(self, tCcC, acc, pairs, mP, brow, bn):
+        """save_preact (training): the GLU's input of each routed row, its gate/up sums (biases
+        added) in w13's interleaved column order, as bf16 to row p of ``mP`` [P, 2I], p = the
+        row's routed pair m * top_k + k, so that the layout does not depend on the tiles;
+        padding rows write nothing. Per row and group of four n8 blocks the quad transposes its
+        bf16 pairs (_quad_transpose) and lane q stores block 4G + q as one 16-byte vector."""
+        lane = cute.arch.lane_idx()
+        q = lane % 4
+        quad0 = lane - q
+        for hrow in cutlass.range_constexpr(self.acc_rows):
+            p = pairs[hrow]
+            dst_row = self._row(mP, cutlass.max(p, Int32(0)), self.n)
+            for grp in cutlass.range_constexpr(self.tile_n // 32):
+                packed = cute.make_rmem_tensor(cute.make_layout(4), Int32)
+                for i in cutlass.range_constexpr(4):
+                    ai = self._acc_index(hrow, 4 * grp + i)
+                    v = self._pair(acc, ai)
+                    if const_expr(self.bias):
+                        v = v + self._bias_at(brow, bn * self.tile_n + tCcC[ai][1], 2)
+                    frag = cute.make_rmem_tensor(cute.make_layout(2), BFloat16)
+                    frag.store(v.to(BFloat16))
+                    packed[i] = cute.recast_tensor(frag, Int32)[0]
+                chunk = self._quad_transpose(packed, 0, q, quad0)  # every lane shuffles
+                if p >= 0:
+                    dst = cute.local_tile(dst_row, (8,), ((bn * self.tile_n + 32 * grp + 8 * q) // 8,))
+                    dst.store(cute.recast_tensor(chunk, BFloat16).load())
 
     @cute.jit
     def _epilogue_regs_pairs(self, tCcC, acc, pairs, mH, brow, row0, bn):

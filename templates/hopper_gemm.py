@@ -443,28 +443,31 @@ class HopperGluGemm(_HopperWs, GroupedGluGemm):
 
     @cute.jit
     def __call__(self, x: cute.Tensor, w13: cute.Tensor, sorted_ids: cute.Tensor,
-                 tile_expert: cute.Tensor, h: cute.Tensor, b13: Optional[cute.Tensor], stream: cuda.CUstream):
+                 tile_expert: cute.Tensor, h: cute.Tensor, b13: Optional[cute.Tensor],
+                 preact: Optional[cute.Tensor], stream: cuda.CUstream):
         grid, block = self._launch_common(self.n // self.tile_n, tile_expert)
         tma_b, mWt = self._make_tma_b(w13)
         if const_expr(self.cluster_m == 1):
-            self.kernel_ws(tma_b, mWt, x, sorted_ids, tile_expert, h, b13).launch(
+            self.kernel_ws(tma_b, mWt, x, sorted_ids, tile_expert, h, b13, preact).launch(
                 grid=grid, block=block, stream=stream, use_pdl=self.pdl, min_blocks_per_mp=1)
         else:
-            self.kernel_mc(tma_b, self._make_tma_bm(w13), mWt, x, sorted_ids, tile_expert, h, b13).launch(
+            self.kernel_mc(tma_b, self._make_tma_bm(w13), mWt, x, sorted_ids, tile_expert, h, b13, preact).launch(
                 grid=grid, block=block, stream=stream, **self._launch_kw())
 
     @cute.kernel
     def kernel_ws(self, tma_b: cute.CopyAtom, mWt: cute.Tensor, mX: cute.Tensor, mIds: cute.Tensor,
-                  mTileExpert: cute.Tensor, mH: cute.Tensor, mB: Optional[cute.Tensor]):
+                  mTileExpert: cute.Tensor, mH: cute.Tensor, mB: Optional[cute.Tensor], mP: Optional[cute.Tensor]):
         tidx, _, _ = cute.arch.thread_idx()
-        self._ws_tiles(tidx, None, None, tma_b, mWt, mX, mIds, mTileExpert, self._epi(mH, mB, mIds, mTileExpert))
+        self._ws_tiles(tidx, None, None, tma_b, mWt, mX, mIds, mTileExpert,
+                       self._epi(mH, mB, mIds, mTileExpert, mP))
 
     @cute.kernel
     def kernel_mc(self, tma_b: cute.CopyAtom, tma_bm: cute.CopyAtom, mWt: cute.Tensor, mX: cute.Tensor,
-                  mIds: cute.Tensor, mTileExpert: cute.Tensor, mH: cute.Tensor, mB: Optional[cute.Tensor]):
+                  mIds: cute.Tensor, mTileExpert: cute.Tensor, mH: cute.Tensor, mB: Optional[cute.Tensor],
+                  mP: Optional[cute.Tensor]):
         tidx, _, _ = cute.arch.thread_idx()
-        self._ws_tiles(tidx, None, None, tma_b, mWt, mX, mIds, mTileExpert, self._epi(mH, mB, mIds, mTileExpert),
-                       tma_bm)
+        self._ws_tiles(tidx, None, None, tma_b, mWt, mX, mIds, mTileExpert,
+                       self._epi(mH, mB, mIds, mTileExpert, mP), tma_bm)
 
 
 class HopperDownGemm(_HopperWs, GroupedDownGemm):

@@ -155,19 +155,25 @@ def test_build_backward_puts_the_glu_backward_into_the_database(tmp_path):
     from moe_aot.compiler import toolchain_key
     from moe_aot.database import Database
     from moe_aot.spec import make_spec
-    from moe_aot.variants import backward_kernels
+    from moe_aot.variants import backward_kernels, default_variant, training_kernels
 
     spec_file = tmp_path / "tiny.toml"
-    spec_file.write_text("[[layer]]\nexperts = 8\ntop_k = 2\nhidden = 256\nintermediate = 128\n")
+    spec_file.write_text("[[layer]]\nexperts = 8\ntop_k = 2\nhidden = 512\nintermediate = 256\n")
     db = f"sqlite:///{tmp_path / 'b.sqlite'}"
-    args = ["build", "--spec", str(spec_file), "--tokens", "16", "--db", db, "-j", "2"]
+    args = ["build", "--spec", str(spec_file), "--tokens", "16,1024", "--db", db, "-j", "2"]
     res = CliRunner().invoke(main, args)
     assert res.exit_code == 0, res.output
     res = CliRunner().invoke(main, args + ["--backward"])
-    assert res.exit_code == 0 and "1 compiled" in res.output, res.output
-    (kv,) = backward_kernels(make_spec(experts=8, top_k=2, hidden=256, intermediate=128, target="sm_90a"))
+    # the GLU backward, and the 1024-token variant's GEMM1 (hopws) with its pre-activation output;
+    # the 16-token one (mma.sync) has none
+    assert res.exit_code == 0 and "2 compiled" in res.output, res.output
+    spec = make_spec(experts=8, top_k=2, hidden=512, intermediate=256, target="sm_90a")
+    (kv,) = backward_kernels(spec)
+    (train,) = training_kernels(spec, default_variant(spec, 1024))
+    assert training_kernels(spec, default_variant(spec, 16)) == []
     with Database(db, readonly=True) as d:
         assert d.has_artifact(kv.name, toolchain_key("sm_90a"))
+        assert d.has_artifact(train.name, toolchain_key("sm_90a"))
 
 
 def test_trainable_experts_hold_parameters_with_gradients():
@@ -222,3 +228,103 @@ def test_opcheck_of_the_backward_op_and_of_the_op_with_gradients():
     torch.library.opcheck(torch.ops.moe_aot.fused_moe_backward.default, (grad, *bf[:3], tw, ids, "swiglu"))
     args = [t.clone().requires_grad_() for t in bf[:3]] + [tw.clone().requires_grad_(), ids]
     torch.library.opcheck(torch.ops.moe_aot.fused_moe.default, tuple(args))
+
+
+# -- fused_moe_train: the forward keeps GEMM1's pre-activations for the backward ----------------------
+def test_train_op_returns_the_preactivation_of_every_routed_pair():
+    """Row m * top_k + k of preact is x_m W13_e^T + b13_e of that pair (e = ids[m, k]); the last row
+    is zeros; out is fused_moe's."""
+    gen = torch.Generator().manual_seed(19)
+    x, w13, w2, tw, ids, b13, b2 = (t.to(torch.bfloat16) if t is not None and t.is_floating_point() else t
+                                    for t in _inputs(7, torch.float32, gen, bias=True))
+    tw = tw.float()
+    out, preact = torch.ops.moe_aot.fused_moe_train(x, w13, w2, tw, ids, "swigluoai", b13, b2)
+    assert torch.equal(out, torch.ops.moe_aot.fused_moe(x, w13, w2, tw, ids, "swigluoai", b13, b2))
+    assert preact.shape == (7 * K + 1, 2 * I) and preact.dtype == torch.bfloat16
+    assert torch.equal(preact[-1], torch.zeros(2 * I, dtype=torch.bfloat16))
+    checked = 0
+    for m in range(7):
+        for k in range(K):
+            e = int(ids[m, k])
+            if 0 <= e < E:
+                want = x[m].float() @ w13[e].float().t() + b13[e].float()
+                assert rel_err(preact[m * K + k].float(), want) <= 1e-2, (m, k)
+                checked += 1
+    assert checked == 7 * K - 2
+
+
+@pytest.mark.parametrize("activation, bias", [("swiglu", False), ("swigluoai", True)])
+def test_backward_from_saved_preactivations_equals_the_recomputing_one(activation, bias):
+    """moe_backward reading preact_torch's rows gives the gradients of the recomputing backward
+    (float64: equal to rounding), and fused_moe_train's gradients match fp32 autograd of the
+    reference within 1e-2."""
+    from moe_aot.integrations.autograd import preact_torch
+
+    gen = torch.Generator().manual_seed(20)
+    x, w13, w2, tw, ids, b13, b2 = _inputs(9, torch.float64, gen, bias)
+    g = torch.randn(9, H, generator=gen, dtype=torch.float64)
+    want = moe_backward(g, x, w13, w2, tw, ids, activation, 16, b13, b2)
+    got = moe_backward(g, x, w13, w2, tw, ids, activation, 16, b13, b2, preact_torch(x, w13, ids, b13))
+    for a, b in zip(got, want):
+        assert (a is None and b is None) or torch.allclose(a, b, rtol=1e-12, atol=1e-12)
+    bf = [t.to(torch.bfloat16) if t is not None else None for t in (x, w13, w2, b13, b2)]
+    ours = [bf[0], bf[1], bf[2], tw.float()] + ([bf[3], bf[4]] if bias else [])
+    ours = [t.clone().requires_grad_() for t in ours]
+    out, preact = torch.ops.moe_aot.fused_moe_train(*ours[:4], ids, activation, *ours[4:])
+    assert not preact.requires_grad
+    grads = torch.autograd.grad(out, ours, g.to(torch.bfloat16))
+    ref = [t.detach().float().requires_grad_() for t in ours]
+    ref_grads = torch.autograd.grad(moe_reference(*ref[:4], ids, activation, 16, *ref[4:]), ref, g.float())
+    for name, a, b in zip(["x", "w13", "w2", "topk_weights", "w13_bias", "w2_bias"], grads, ref_grads):
+        assert rel_err(a, b) <= 1e-2, name
+
+
+def test_train_op_saves_its_inputs_and_the_preactivations_only():
+    gen = torch.Generator().manual_seed(21)
+    x, w13, w2, tw, ids, _, _ = _inputs(6, torch.float32, gen)
+    ins = [t.to(torch.bfloat16).requires_grad_() for t in (x, w13, w2)] + [tw.requires_grad_()]
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        _, preact = torch.ops.moe_aot.fused_moe_train(*ins, ids)
+    assert {t.data_ptr() for t in saved} <= {t.data_ptr() for t in ins + [ids, preact]}
+
+
+def test_opcheck_of_the_train_op_with_gradients():
+    gen = torch.Generator().manual_seed(22)
+    x, w13, w2, tw, ids, b13, b2 = _inputs(5, torch.float32, gen, bias=True)
+    bf = [t.to(torch.bfloat16).requires_grad_() for t in (x, w13, w2)] + [tw.requires_grad_()]
+    torch.library.opcheck(torch.ops.moe_aot.fused_moe_train.default, (*bf, ids))
+    biases = [t.to(torch.bfloat16).requires_grad_() for t in (b13, b2)]
+    torch.library.opcheck(torch.ops.moe_aot.fused_moe_train.default, (*bf, ids, "swigluoai", *biases))
+
+
+def test_training_kernels_are_the_persistent_gemm1s_with_the_preactivation_output(tmp_path):
+    """variants.training_kernels: the variant's GEMM1 plus save_preact, for hopws / hoppp only;
+    its compiled kernel takes the preact tensor (and the forward's kernel does not)."""
+    from moe_aot.compiler import build_template
+    from moe_aot.kernel_build import compile_kernel
+    from moe_aot.spec import make_spec
+    from moe_aot.variants import GemmTiles, LayerVariant, training_kernels
+
+    spec = make_spec(experts=8, top_k=2, hidden=256, intermediate=128, activation="swigluoai", bias=True,
+                     target="sm_90a")
+    assert training_kernels(spec, LayerVariant(64, GemmTiles(128, 64, 4, "warp"), GemmTiles(128, 64, 4, "warp"))) == []
+    v = LayerVariant(64, GemmTiles(256, 64, 4, "hoppp"), GemmTiles(256, 64, 4, "hoppp"), pdl=True)
+    (kv,) = training_kernels(spec, v)
+    glu = v.kernels(spec)[1]
+    assert kv.role == "glu_train" and kv.name == glu.name + "_preact"
+    assert kv.params == glu.params + (("save_preact", True),)
+    art = compile_kernel(build_template(kv), "sm_90a", kv.name)
+    assert [a["name"] for a in art.meta["args"]] == ["x", "w13", "sorted_ids", "tile_expert", "h", "b13", "preact",
+                                                     "stream"]
+    # per accumulator row (two per thread) four 16-byte stores of h and eight of preact
+    assert art.ptx.count("st.global.v4") == 2 * (4 + 8)
+    assert ".local" not in art.ptx
+    with pytest.raises(ValueError, match="pre-activation output is built for"):
+        build_template(dataclasses_replace_params(kv, mma="warp"))
+
+
+def dataclasses_replace_params(kv, **kw):
+    from moe_aot.variants import KernelVariant
+
+    return KernelVariant(kv.role, kv.name, tuple((k, kw.get(k, v)) for k, v in kv.params))

@@ -36,9 +36,17 @@ def _layer(spec, gen):
     return w13, w2, biases
 
 
+def _fused_moe_train_out(*args):
+    return torch.ops.moe_aot.fused_moe_train(*args)[0]
+
+
 @pytest.mark.parametrize("model", [m for m in MODELS if m != "deepseek-v3"])  # its fp32 copies: 45 GB
 @pytest.mark.parametrize("tokens", [1, 37, 1000])
-def test_gradients_match_fp32_autograd_of_the_reference(store, model, tokens):
+@pytest.mark.parametrize("op_name", ["fused_moe", "fused_moe_train"])
+def test_gradients_match_fp32_autograd_of_the_reference(store, model, tokens, op_name):
+    """Both forwards: fused_moe (the backward recomputes GEMM1) and fused_moe_train (it reads the
+    pre-activations the forward kept)."""
+    fwd = torch.ops.moe_aot.fused_moe if op_name == "fused_moe" else _fused_moe_train_out
     spec = make_spec(model, target="sm_90a")
     gen = torch.Generator(device=DEV).manual_seed(tokens)
     w13, w2, biases = _layer(spec, gen)
@@ -46,7 +54,7 @@ def test_gradients_match_fp32_autograd_of_the_reference(store, model, tokens):
     tw, ids = random_routing(tokens, spec, DEV, skew=tokens > 1, generator=gen)
     ids[0, 0] = -1  # an id outside [0, E) contributes nothing, and gets no gradient
     ours = [t.clone().requires_grad_() for t in (x, w13, w2, tw, *biases)]
-    out = torch.ops.moe_aot.fused_moe(*ours[:4], ids, spec.activation, *ours[4:])
+    out = fwd(*ours[:4], ids, spec.activation, *ours[4:])
     grad = torch.randn(out.shape, device=DEV, generator=gen).bfloat16()
     got = torch.autograd.grad(out, ours, grad)
     ref_in = [t.detach().float().requires_grad_() for t in ours]
@@ -55,9 +63,47 @@ def test_gradients_match_fp32_autograd_of_the_reference(store, model, tokens):
     for name, g, r, t in zip(("x", "w13", "w2", "topk_weights", "w13_bias", "w2_bias"), got, ref, ours):
         assert g.dtype == t.dtype and g.shape == t.shape, name
         assert rel_err(g, r) <= GRAD_TOL, (name, rel_err(g, r))
-    again = torch.autograd.grad(torch.ops.moe_aot.fused_moe(*ours[:4], ids, spec.activation, *ours[4:]), ours, grad)
+    again = torch.autograd.grad(fwd(*ours[:4], ids, spec.activation, *ours[4:]), ours, grad)
     for g, a in zip(got, again):
         assert torch.equal(g, a)  # deterministic: no atomics anywhere in the backward
+
+
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("tokens", [1000, 4096])
+def test_gemm1_writes_the_preactivation_of_every_routed_pair(store, model, tokens):
+    """The training twin of GEMM1 (variants.training_kernels, `moe-aot build --backward`): into a
+    NaN-poisoned buffer, every routed pair's row equals x_m W13_e^T (+ b13_e) of torch's grouped
+    GEMM within 1e-2 per row, rows of ids outside [0, E) stay untouched, the last row is zeros,
+    and out is the forward's."""
+    from moe_aot.harness.reference import row_rel_err
+    from moe_aot.integrations.autograd import preact_torch
+    from moe_aot.runtime.layer import MoeLayer
+
+    spec = make_spec(model, target="sm_90a")
+    layer = MoeLayer(spec, store=store)
+    if layer.training_kernel(tokens) is None:
+        from moe_aot.variants import training_kernels
+
+        if training_kernels(spec, layer.variant_for(tokens)):
+            pytest.skip(f"the database has no training GEMM1 for {model} at {tokens} tokens (moe-aot build --backward)")
+        pytest.skip(f"{model} at {tokens} tokens runs a GEMM1 without a pre-activation output")
+    gen = torch.Generator(device=DEV).manual_seed(tokens + 1)
+    w13, w2, biases = _layer(spec, gen)
+    x = torch.randn(tokens, spec.hidden, device=DEV, generator=gen).bfloat16()
+    tw, ids = random_routing(tokens, spec, DEV, skew=True, generator=gen)
+    ids[0, 0], ids[5, 1] = -1, spec.experts
+    preact = torch.full((tokens * spec.top_k + 1, 2 * spec.intermediate), float("nan"), device=DEV,
+                        dtype=torch.bfloat16)
+    out, got = layer.forward_train(x, w13, w2, tw, ids, *biases, preact=preact)
+    assert got is preact
+    ref = preact_torch(x, w13, ids, biases[0] if biases else None)
+    valid = ((ids >= 0) & (ids < spec.experts)).reshape(-1)
+    rows = valid.nonzero().squeeze(1)
+    assert row_rel_err(preact[rows], ref[rows]) <= 1e-2
+    assert torch.isnan(preact[:-1][~valid].float()).all()
+    assert torch.equal(preact[-1], torch.zeros_like(preact[-1]))
+    args = (x, (w13, biases[0]), (w2, biases[1])) if biases else (x, w13, w2)
+    assert torch.equal(out, layer.forward(*args, tw, ids))
 
 
 def test_backward_does_not_sync_with_the_host(store):
@@ -95,7 +141,7 @@ def test_training_step_captures_in_a_cuda_graph(store):
     target = torch.zeros(M, spec.hidden, device=DEV, dtype=torch.bfloat16)
 
     def step(ps, lr=0.5):
-        out = torch.ops.moe_aot.fused_moe(x, ps[0], ps[1], tw, ids)
+        out = torch.ops.moe_aot.fused_moe_train(x, ps[0], ps[1], tw, ids)[0]
         loss = ((out.float() - target.float()) ** 2).mean()
         grads = torch.autograd.grad(loss, ps)
         with torch.no_grad():

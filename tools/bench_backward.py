@@ -1,8 +1,10 @@
 #!/usr/bin/env python3
 """Benchmark of the layer's training step on the GPU (not a test): forward + backward of
-torch.ops.moe_aot.fused_moe (AOT forward kernels, the backward of moe_aot/integrations/autograd.py)
-against autograd through the unfused PyTorch path (tools/bench.py's torch_unfused: torch._grouped_mm
-GEMMs, SiLU·up, index_add_), both captured in CUDA graphs and replayed.
+torch.ops.moe_aot.fused_moe_train ("ours": AOT forward kernels keeping GEMM1's pre-activations, the
+backward of moe_aot/integrations/autograd.py reading them) and of torch.ops.moe_aot.fused_moe
+("recompute": only the inputs saved, GEMM1 recomputed in the backward) against autograd through the
+unfused PyTorch path (tools/bench.py's torch_unfused: torch._grouped_mm GEMMs, SiLU·up, index_add_),
+all captured in CUDA graphs and replayed.
 
     python3 tools/bench_backward.py --out DIR [--models a,b] [--tokens 4096,16384] [--replays 20] [--profile]
 
@@ -10,8 +12,9 @@ Per point: the forward alone and forward + backward for both (backward = the dif
 ratio, the floor of forward + backward (3x the forward's FLOPs over the bf16 matmul rate measured
 in the run, or 3x the selected experts' weight bytes over 4.8 TB/s), the activation bytes autograd
 saves for the backward (saved_tensors_hooks, the weights not counted) for both, and the relative
-difference between the two paths' gradients (both bf16). Build the database with
-`moe-aot build --backward` so that the op's backward finds its compiled GLU kernel.
+difference between ours and torch's gradients (both bf16). Build the database with
+`moe-aot build --backward` so that the backward finds its compiled GLU kernel and the forward its
+GEMM1s with the pre-activation output.
 Writes DIR/bench_backward_h200.{json,md}.
 """
 from __future__ import annotations
@@ -99,10 +102,15 @@ def point(spec, M, replays, rate, gen, profile=False):
     b13 = None if b1 is None else prepare_fused_bias(b1).requires_grad_()
     ours_extra = (b13, b2) if spec.bias else ()
 
-    def ours_fwd():
+    def recompute_fwd():
         return torch.ops.moe_aot.fused_moe(x, w13, w2, tw, ids, spec.activation, *ours_extra)
 
-    ours, ours_g = _path("ours", spec, M, ours_fwd, [x, w13, w2, tw, *ours_extra], grad, replays, (w13, w2), profile)
+    def ours_fwd():
+        return torch.ops.moe_aot.fused_moe_train(x, w13, w2, tw, ids, spec.activation, *ours_extra)[0]
+
+    leaves = [x, w13, w2, tw, *ours_extra]
+    recompute, _ = _path("recompute", spec, M, recompute_fwd, leaves, grad, replays, (w13, w2), profile)
+    ours, ours_g = _path("ours", spec, M, ours_fwd, leaves, grad, replays, (w13, w2), profile)
     w13 = b13 = None
     torch.cuda.empty_cache()
     w1.requires_grad_()
@@ -122,6 +130,8 @@ def point(spec, M, replays, rate, gen, profile=False):
     row = {"tokens": M, "ours_fwd": ours["fwd"], "torch_fwd": ref["fwd"], "ours_step": ours["step"],
            "torch_step": ref["step"], "ours_bwd": ours["step"] - ours["fwd"], "torch_bwd": ref["step"] - ref["fwd"],
            "floor_step_us": floor_step, "saved_bytes_ours": ours["saved"], "saved_bytes_torch": ref["saved"],
+           "recompute_fwd": recompute["fwd"], "recompute_step": recompute["step"],
+           "recompute_bwd": recompute["step"] - recompute["fwd"], "saved_bytes_recompute": recompute["saved"],
            "grad_rel_diff": diffs}
     row["step_speedup"] = row["torch_step"] / row["ours_step"]
     row["bwd_speedup"] = row["torch_bwd"] / row["ours_bwd"]
@@ -146,8 +156,10 @@ def main():
             r = point(spec, M, ns.replays, rate, gen, ns.profile)
             r["model"] = model
             rows.append(r)
-            print(f"{model:16s} {M:6d} step ours {r['ours_step']:9.1f} torch {r['torch_step']:9.1f} "
-                  f"({r['step_speedup']:.2f}x)  bwd ours {r['ours_bwd']:9.1f} torch {r['torch_bwd']:9.1f} "
+            print(f"{model:16s} {M:6d} step ours {r['ours_step']:9.1f} recompute {r['recompute_step']:9.1f} "
+                  f"torch {r['torch_step']:9.1f} "
+                  f"({r['step_speedup']:.2f}x)  bwd ours {r['ours_bwd']:9.1f} recompute {r['recompute_bwd']:9.1f} "
+                  f"torch {r['torch_bwd']:9.1f} "
                   f"({r['bwd_speedup']:.2f}x)  floor {r['floor_step_us']:.0f}  "
                   f"saved {r['saved_bytes_ours'] / 2**20:.0f} / {r['saved_bytes_torch'] / 2**20:.0f} MiB  "
                   f"diff {max(r['grad_rel_diff'].values()):.1e} "
@@ -160,17 +172,21 @@ def main():
     lines = [f"# Training step of the fused MoE layer on {torch.cuda.get_device_name()} "
              f"({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})", "",
              f"Command: `python3 tools/bench_backward.py {' '.join(sys.argv[1:])}`; bf16 matmul rate {rate / 1e12:.0f} "
-             "TFLOP/s. µs, medians of CUDA-graph replays; torch = autograd through the unfused path.", "",
-             "| model | tokens | fwd+bwd ours | fwd+bwd torch | torch/ours | bwd ours | bwd torch | torch/ours "
-             "| step floor | step ours/floor | activations saved MiB ours / torch | grad diff |", "|" + "---|" * 12]
+             "TFLOP/s. µs, medians of CUDA-graph replays; ours = fused_moe_train (pre-activations kept), "
+             "recompute = fused_moe (inputs only, GEMM1 recomputed), torch = autograd through the unfused path.", "",
+             "| model | tokens | fwd+bwd ours | recompute | torch | torch/ours | bwd ours | recompute | torch "
+             "| torch/ours | step floor | step ours/floor | activations saved MiB ours / recompute / torch "
+             "| grad diff |", "|" + "---|" * 14]
     for r in rows:
-        lines.append(f"| {r['model']} | {r['tokens']} | {r['ours_step']:.0f} | {r['torch_step']:.0f} | "
-                     f"{r['step_speedup']:.2f} | {r['ours_bwd']:.0f} | {r['torch_bwd']:.0f} | {r['bwd_speedup']:.2f} | "
+        lines.append(f"| {r['model']} | {r['tokens']} | {r['ours_step']:.0f} | {r['recompute_step']:.0f} | "
+                     f"{r['torch_step']:.0f} | {r['step_speedup']:.2f} | {r['ours_bwd']:.0f} | "
+                     f"{r['recompute_bwd']:.0f} | {r['torch_bwd']:.0f} | {r['bwd_speedup']:.2f} | "
                      f"{r['floor_step_us']:.0f} | {r['ours_step'] / r['floor_step_us']:.2f} | "
-                     f"{r['saved_bytes_ours'] / 2**20:.0f} / {r['saved_bytes_torch'] / 2**20:.0f} | "
-                     f"{max(r['grad_rel_diff'].values()):.1e} |")
+                     f"{r['saved_bytes_ours'] / 2**20:.0f} / {r['saved_bytes_recompute'] / 2**20:.0f} / "
+                     f"{r['saved_bytes_torch'] / 2**20:.0f} | {max(r['grad_rel_diff'].values()):.1e} |")
+    rc = lambda k: math.exp(sum(math.log(r[f"torch_{k}"] / r[f"recompute_{k}"]) for r in rows) / len(rows))  # noqa: E731
     lines += ["", f"Geometric means: fwd+bwd torch/ours {geo('step_speedup'):.2f}, backward torch/ours "
-              f"{geo('bwd_speedup'):.2f}."]
+              f"{geo('bwd_speedup'):.2f}; with recompute {rc('step'):.2f} and {rc('bwd'):.2f}."]
     (ns.out / "bench_backward_h200.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines[-1:]))
 

@@ -158,11 +158,31 @@ def _glu_kernel(x, topk_ids, w13, activation, block, bias):
     return glu_backward_kernel(E, topk_ids.shape[1], H, I2 // 2, activation, bias, x.device)
 
 
-def moe_backward(grad_out, x, w13, w2, topk_weights, topk_ids, activation="swiglu", block=16, b13=None, b2=None):
+def preact_torch(x, w13, topk_ids, b13=None):
+    """fused_moe_train's second output in torch ops: [P + 1, 2I] (P = M * top_k), row p = m * top_k
+    + k the GLU's input x_m W13_e^T (+ b13_e) of the routed pair p, the last row zeros (rows of
+    pairs with an id outside [0, E) hold zeros too here; the kernels leave them unwritten, and
+    the backward never reads them)."""
+    E = w13.shape[0]
+    order, offs, valid, expert = route(topk_ids, E)
+    P = order.numel()
+    offs_all = torch.cat((offs[:-1], offs.new_full((1,), P)))
+    a = gmm(x.index_select(0, order // topk_ids.shape[1]), w13.transpose(1, 2), offs_all)
+    if b13 is not None:
+        a = a + b13.index_select(0, expert)
+    out = a.new_zeros(P + 1, a.shape[1])
+    out.index_copy_(0, torch.where(valid, order, P), a)  # invalid pairs all land on row P ...
+    out[P].zero_()  # ... which is then cleared
+    return out
+
+
+def moe_backward(grad_out, x, w13, w2, topk_weights, topk_ids, activation="swiglu", block=16, b13=None, b2=None,
+                 preact=None):
     """(dx, dw13, dw2, dtopk_weights, db13, db2) of moe_forward_torch / the fused op (see the module
     docstring); db13 / db2 are None without biases. Operands in the weights' dtype, sums in fp32.
     The GLU part runs in the compiled kernel of templates/glu_backward.py where the database has
-    it (CUDA, bf16), else in torch ops."""
+    it (CUDA, bf16), else in torch ops. ``preact``: the forward's pre-activations as
+    fused_moe_train returns them (preact_torch's layout), read instead of recomputing GEMM1."""
     M, K = topk_ids.shape
     E, I2, H = w13.shape
     wdt = w13.dtype
@@ -176,9 +196,12 @@ def moe_backward(grad_out, x, w13, w2, topk_weights, topk_ids, activation="swigl
     tok_grad = torch.where(valid, tok, M)  # row M: a zero row appended to grad_out
     w = torch.where(valid, topk_weights.reshape(-1)[order], 0).to(wdt).view(P, 1, 1)
     xs = x.index_select(0, tok)
-    a = gmm(xs, w13.transpose(1, 2), offs_all)  # GEMM1 again: its input is not saved
-    if b13 is not None:
-        a = a + b13.index_select(0, expert)
+    if preact is not None:  # the forward kept them: gather the rows in expert order (invalid: zeros)
+        a = preact.index_select(0, torch.where(valid, order, P))
+    else:
+        a = gmm(xs, w13.transpose(1, 2), offs_all)  # GEMM1 again: its input is not saved
+        if b13 is not None:
+            a = a + b13.index_select(0, expert)
     d_out = torch.cat((grad_out.to(wdt), grad_out.new_zeros(1, H, dtype=wdt))).index_select(0, tok_grad)
     G = gmm(d_out, w2, offs_all).view(P, -1, block)  # dO_m W2_e, [P, I] as h's column blocks
     kernel = _glu_kernel(x, topk_ids, w13, activation, block, b13 is not None)
@@ -209,19 +232,22 @@ def moe_backward(grad_out, x, w13, w2, topk_weights, topk_ids, activation="swigl
 @torch.library.custom_op("moe_aot::fused_moe_backward", mutates_args=())
 def fused_moe_backward(grad_out: torch.Tensor, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                        topk_weights: torch.Tensor, topk_ids: torch.Tensor, activation: str,
-                       w13_bias: Optional[torch.Tensor] = None, w2_bias: Optional[torch.Tensor] = None
+                       w13_bias: Optional[torch.Tensor] = None, w2_bias: Optional[torch.Tensor] = None,
+                       preact: Optional[torch.Tensor] = None
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """moe_backward as one op (opaque to torch.compile, whose graphs then hold it whole: its
     routing and kernel lookup are not traceable): (dx, dw13, dw2, dtopk_weights, db13, db2), the
-    bias gradients empty without biases."""
+    bias gradients empty without biases; ``preact`` from fused_moe_train, or None (recompute)."""
     from ..variants import INTERLEAVE
 
-    grads = moe_backward(grad_out, x, w13, w2, topk_weights, topk_ids, activation, INTERLEAVE, w13_bias, w2_bias)
+    grads = moe_backward(grad_out, x, w13, w2, topk_weights, topk_ids, activation, INTERLEAVE, w13_bias, w2_bias,
+                         preact)
     return tuple(g if g is not None else x.new_empty(0) for g in grads)
 
 
 @fused_moe_backward.register_fake
-def _fused_moe_backward_fake(grad_out, x, w13, w2, topk_weights, topk_ids, activation, w13_bias=None, w2_bias=None):
+def _fused_moe_backward_fake(grad_out, x, w13, w2, topk_weights, topk_ids, activation, w13_bias=None, w2_bias=None,
+                             preact=None):
     like = lambda t: x.new_empty(0) if t is None else torch.empty_like(t)  # noqa: E731
     return like(x), like(w13), like(w2), like(topk_weights), like(w13_bias), like(w2_bias)
 
@@ -241,6 +267,25 @@ def _backward(ctx, grad_out):
     return tuple(g if n else None for g, n in zip(grads, need))
 
 
-def register(op) -> None:
-    """Register the backward on the fused_moe custom op (called once by op.py)."""
+def _setup_context_train(ctx, inputs, output):
+    x, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias = inputs
+    ctx.activation = activation
+    ctx.mark_non_differentiable(output[1])
+    ctx.save_for_backward(x, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, output[1])
+
+
+def _backward_train(ctx, grad_out, _grad_preact):
+    x, w13, w2, topk_weights, topk_ids, b13, b2, preact = ctx.saved_tensors
+    dx, dw13, dw2, dtw, db13, db2 = torch.ops.moe_aot.fused_moe_backward(grad_out, x, w13, w2, topk_weights,
+                                                                         topk_ids, ctx.activation, b13, b2, preact)
+    need = ctx.needs_input_grad
+    grads = (dx, dw13, dw2, dtw, None, None, db13 if b13 is not None else None, db2 if b2 is not None else None)
+    return tuple(g if n else None for g, n in zip(grads, need))
+
+
+def register(op, train_op=None) -> None:
+    """Register the backward on the fused_moe custom op, and on fused_moe_train (called once by
+    op.py)."""
     op.register_autograd(_backward, setup_context=_setup_context)
+    if train_op is not None:
+        train_op.register_autograd(_backward_train, setup_context=_setup_context_train)

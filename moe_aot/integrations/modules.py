@@ -32,7 +32,9 @@ class MoeExperts(nn.Module):
     -> [..., H] in x's dtype. x is computed in bf16 (the kernels' precision); weights are kept as
     buffers in the kernels' layout: w13 [E, 2I, H] interleaved (prepare_weights), w2 [E, H, I], bf16;
     with trainable=True (bf16 experts) they are parameters instead, with gradients from the op's
-    backward (integrations/autograd.py).
+    backward (integrations/autograd.py). Under autograd the forward runs fused_moe_train, which
+    keeps GEMM1's pre-activations (4I bytes per routed pair) so that the backward need not
+    recompute GEMM1; save_preact=False keeps only the inputs (fused_moe) and recomputes it.
 
     expert_map ([global experts] int, -1 where not local) maps global ids to this rank's experts;
     pairs routed elsewhere contribute nothing, so the output is this rank's partial sum to be
@@ -41,8 +43,9 @@ class MoeExperts(nn.Module):
     def __init__(self, w13: torch.Tensor, w2: torch.Tensor, activation: str = "swiglu",
                  expert_map: torch.Tensor | None = None, w13_scale: torch.Tensor | None = None,
                  w2_scale: torch.Tensor | None = None, b13: torch.Tensor | None = None,
-                 b2: torch.Tensor | None = None, trainable: bool = False):
+                 b2: torch.Tensor | None = None, trainable: bool = False, save_preact: bool = True):
         super().__init__()
+        self.save_preact = bool(save_preact)
         if activation not in ACTIVATIONS:
             raise KernelArgumentError(f"activation must be one of {', '.join(ACTIVATIONS)}, got {activation!r}")
         if w13.dim() != 3 or w2.dim() != 3 or w2.shape != (w13.shape[0], w13.shape[2], w13.shape[1] // 2):
@@ -190,6 +193,12 @@ class MoeExperts(nn.Module):
         if self.fp8:
             out = torch.ops.moe_aot.fused_moe_fp8(xs, self.w13, self.w13_scale, self.w2, self.w2_scale, tw, ids,
                                                   self.activation)
+        elif self.save_preact and torch.is_grad_enabled() and any(
+                t is not None and t.requires_grad for t in (xs, self.w13, self.w2, tw, self.b13, self.b2)):
+            # training: the forward keeps GEMM1's pre-activations for the backward (4I bytes per
+            # routed pair), which then skips recomputing GEMM1
+            out = torch.ops.moe_aot.fused_moe_train(xs, self.w13, self.w2, tw, ids, self.activation, self.b13,
+                                                    self.b2)[0]
         else:
             out = torch.ops.moe_aot.fused_moe(xs, self.w13, self.w2, tw, ids, self.activation, self.b13, self.b2)
         return out.to(dtype).reshape(shape)

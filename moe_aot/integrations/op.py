@@ -113,7 +113,39 @@ def _fused_moe_fake(x, w13, w2, topk_weights, topk_ids, activation="swiglu", w13
     return x.new_empty(x.shape)
 
 
-_autograd.register(fused_moe)
+@torch.library.custom_op("moe_aot::fused_moe_train", mutates_args=(), device_types="cpu", **_layout_tags())
+def fused_moe_train(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                    topk_ids: torch.Tensor, activation: str = "swiglu", w13_bias: Optional[torch.Tensor] = None,
+                    w2_bias: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """fused_moe for training: (out, preact), out as fused_moe's and preact [M * top_k + 1, 2I] bf16
+    the GLU's input of each routed pair (row m * top_k + k; the last row zeros), which the backward
+    reads instead of recomputing GEMM1 (autograd.preact_torch has the layout). On CUDA GEMM1's
+    epilogue writes it where the database has that kernel (`moe-aot build --backward`), else
+    torch ops compute it. It costs 4I bytes per routed pair of activation memory."""
+    out = fused_moe(x, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias)
+    return out, _autograd.preact_torch(x.float(), w13.float(), topk_ids,
+                                       None if w13_bias is None else w13_bias.float()).to(torch.bfloat16)
+
+
+@fused_moe_train.register_kernel("cuda")
+def _fused_moe_train_cuda(x, w13, w2, topk_weights, topk_ids, activation="swiglu", w13_bias=None, w2_bias=None):
+    from ..runtime.layer import moe_forward_train
+
+    check_op_inputs(x, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias)
+    res = moe_forward_train(x, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias)
+    if res is not None:
+        return res
+    return (_fused_moe_cuda(x, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias),
+            _autograd.preact_torch(x, w13, topk_ids, w13_bias))
+
+
+@fused_moe_train.register_fake
+def _fused_moe_train_fake(x, w13, w2, topk_weights, topk_ids, activation="swiglu", w13_bias=None, w2_bias=None):
+    check_op_inputs(x, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias)
+    return x.new_empty(x.shape), x.new_empty(topk_ids.numel() + 1, w13.shape[1])
+
+
+_autograd.register(fused_moe, fused_moe_train)
 
 
 # -- fp8: the same layer on e4m3 weights with their scales -----------------------------------------

@@ -13,7 +13,7 @@ import torch
 from ..gemm_limits import FP8, H_SCALE_BLOCK, SCALE_BLOCK
 from ..layout import interleave_gate_up, max_tiles
 from ..spec import LayerSpec, make_spec, value_class
-from ..variants import INTERLEAVE, TILE_M, LayerVariant, backward_kernels, bucket_for, default_variant
+from ..variants import INTERLEAVE, TILE_M, LayerVariant, backward_kernels, bucket_for, default_variant, training_kernels
 from .launch import LayerPlan, feeds
 from .library import KernelArgumentError, KernelLibrary
 from .store import KernelMissingError, KernelStore
@@ -350,6 +350,59 @@ class MoeLayer:
         self._fast[(M, id(ws), id(self.variants))] = (ws, bound)
         return out
 
+    def training_kernel(self, tokens: int) -> KernelLibrary | None:
+        """The GEMM1 of this token count's variant that also writes the pre-activations
+        (variants.training_kernels, `moe-aot build --backward`), or None where its template has
+        no such output or the database lacks it."""
+        v = self.variant_for(tokens)
+        kvs = training_kernels(self.spec, v)
+        if not kvs:
+            return None
+        key = kvs[0].name
+        if key not in self._libs:
+            try:
+                self._libs[key] = self.store.load(key, self.spec.target, self.device.index)
+            except KernelMissingError:
+                self._libs[key] = None
+        return self._libs[key]
+
+    def forward_train(self, x, w13, w2, topk_weights, topk_ids, b13=None, b2=None, preact=None):
+        """The forward of a training step: (out, preact), with preact [M * top_k + 1, 2I] bf16
+        the GLU's input of every routed pair p = m * top_k + k (gate/up sums with b13, in w13's
+        interleaved column order) in row p, written by GEMM1's epilogue, and its last row zeros
+        (rows of pairs with an id outside [0, E) are not written). None where this token
+        count's GEMM1 has no such twin in the database (the caller computes preact itself).
+        Every kernel is launched with its full argument checks (no cached plan: a training
+        step is GPU-bound), on the current stream, without host sync. ``preact``: the buffer to
+        write (for tests), else a new one."""
+        train = self.training_kernel(x.shape[0]) if isinstance(x, torch.Tensor) and x.dim() == 2 else None
+        if train is None:
+            return None
+        self.check_inputs(x, w13, w2, topk_weights, topk_ids, None, b13, b2)
+        M, K = x.shape[0], self.spec.top_k
+        out = torch.empty(M, self.spec.hidden, dtype=torch.bfloat16, device=self.device)
+        want = (M * K + 1, 2 * self.spec.intermediate)
+        if preact is None:
+            preact = torch.empty(want, dtype=torch.bfloat16, device=self.device)
+        elif not (isinstance(preact, torch.Tensor) and tuple(preact.shape) == want and preact.dtype == torch.bfloat16
+                  and preact.device == self.device and preact.is_contiguous()):
+            raise KernelArgumentError(f"preact must be a contiguous bf16 tensor of shape {want} on {self.device}")
+        preact[-1].zero_()
+        if M == 0:
+            return out, preact
+        ws = self.workspace(M)
+        v, route, _, down, comb = self.kernels(M)
+        T = max_tiles(M, K, self.spec.experts, v.tile_m)
+        R = T * v.tile_m
+        sorted_ids, tile_expert = ws.sorted_ids[:R], ws.tile_expert[:T]
+        h, y = ws.h[:R], ws.y[: M * K]
+        bias13, bias2 = ((b13,), (b2,)) if self.spec.bias else ((), ())
+        route(topk_ids, ws.counts, ws.offsets, sorted_ids, tile_expert)
+        train(x, w13, sorted_ids, tile_expert, h, *bias13, preact)
+        down(h, w2, sorted_ids, tile_expert, topk_weights, y, *bias2)
+        comb(y, topk_ids, out)
+        return out, preact
+
     def launchers(self, tokens: int, workspace: Workspace | None = None) -> dict:
         """The four kernels of the last forward at `tokens`, bound to its arguments (each is
         called with a stream): for tools that time the kernels one by one."""
@@ -411,6 +464,21 @@ def moe_forward(x, w13_prepared, w2, topk_weights, topk_ids, out=None, workspace
                          activation=activation, precision=precision, bias=bias, target=device_target(x.device))
         layer = _LAYERS[key] = MoeLayer(spec, store=store, device=x.device.index)
     return layer.forward(x, w13_prepared, w2, topk_weights, topk_ids, out, workspace)
+
+
+def moe_forward_train(x, w13, w2, topk_weights, topk_ids, activation: str = "swiglu", b13=None, b2=None,
+                      store: KernelStore | None = None):
+    """MoeLayer.forward_train of the bf16 layer these tensors describe (biases as b13 / b2), or
+    None where the database has no GEMM1 that keeps the pre-activations for this token count."""
+    E, I2, H = w13.shape
+    bias = b13 is not None
+    key = (E, topk_ids.shape[1], H, I2 // 2, activation, "bf16", bias, x.device.index)
+    layer = _LAYERS.get(key)
+    if layer is None:
+        spec = make_spec(experts=E, top_k=topk_ids.shape[1], hidden=H, intermediate=I2 // 2,
+                         activation=activation, bias=bias, target=device_target(x.device))
+        layer = _LAYERS[key] = MoeLayer(spec, store=store, device=x.device.index)
+    return layer.forward_train(x, w13, w2, topk_weights, topk_ids, b13, b2)
 
 
 _BACKWARD: dict[tuple, object] = {}
