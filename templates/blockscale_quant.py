@@ -17,7 +17,7 @@ on sm_90a), ``"sw"`` the same rounding (nearest, ties to even, saturating at 6) 
 comparisons: sm_90a has no e2m1 instruction. e4m3 (mxfp8's elements, NVFP4's scales) is always
 cvt.rn.satfinite.e4m3x2.f32.
 
-Constraints: K a multiple of the format's block (32, 16); x, q 16-byte aligned rows.
+Constraints: K a multiple of the format's block (32, 16); x and q 16-byte aligned.
 """
 
 from typing import Optional
@@ -162,16 +162,16 @@ class BlockScaleQuant:
                                             stream=stream)
 
     @cute.jit
-    def _row(self, mT, row, n: cutlass.Constexpr):
-        base = (mT.iterator + cutlass.Int64(row) * n).align(16)
+    def _row(self, mT, row, n: cutlass.Constexpr, align: cutlass.Constexpr):
+        base = (mT.iterator + cutlass.Int64(row) * n).align(align)
         return cute.make_tensor(base, cute.make_layout(n))
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mQ: cute.Tensor, mSF: cute.Tensor, mG: Optional[cute.Tensor]):
         tidx, _, _ = cute.arch.thread_idx()
         row, _, _ = cute.arch.block_idx()
-        src = self._row(mX, row, self.k)
-        dst = self._row(mQ, row, self.q_cols)
+        src = self._row(mX, row, self.k, 16)  # 2K bytes, K a multiple of 16
+        dst = self._row(mQ, row, self.q_cols, 16 if self.q_cols % 16 == 0 else 8)  # nvfp4 at K = 16 (2j + 1)
         s_enc = Float32(1.0)
         if const_expr(self.fmt == "nvfp4"):
             s_enc = nvfp4_encode_scale(mG[0])

@@ -30,7 +30,7 @@ def build(db_path: Path, target: str, jobs: int) -> int:
     from moe_aot.database import Database
     from moe_aot.variants import BlockScaleShape, blockscale_kernel
 
-    shapes = [BlockScaleShape(fmt, k, target) for fmt in FORMATS for k in H.KS]
+    shapes = [BlockScaleShape(fmt, k, target) for fmt in FORMATS for k in H.KS[fmt]]
     db = Database(f"sqlite:///{db_path.resolve()}")
     try:
         results = compile_into(db, [], jobs=jobs, extra=[(s, blockscale_kernel(s)) for s in shapes],
@@ -57,7 +57,7 @@ def run(db_path: Path, out: Path, seeds: int, rows_list: list[int]) -> int:
     out.mkdir(parents=True, exist_ok=True)
     rows_out, t0 = [], time.time()
     for fmt in FORMATS:
-        for k in H.KS:
+        for k in H.KS[fmt]:
             rt.quantize_kernel(fmt, k, dev, store)  # a missing kernel stops the run here, saying which
             for rows in rows_list:
                 for dist in H.DISTRIBUTIONS:
@@ -78,7 +78,8 @@ def run(db_path: Path, out: Path, seeds: int, rows_list: list[int]) -> int:
              f"{len(rows_out)} checks bit-exact, {len(bad)} failed, in {info['seconds']} s"]
     for fmt in FORMATS:
         mine = [r for r in rows_out if r["format"] == fmt]
-        lines.append(f"  {fmt}: {sum(r['ok'] for r in mine)}/{len(mine)} bit-exact (K {', '.join(map(str, H.KS))}; "
+        ks = ", ".join(map(str, H.KS[fmt]))
+        lines.append(f"  {fmt}: {sum(r['ok'] for r in mine)}/{len(mine)} bit-exact (K {ks}; "
                      f"rows {', '.join(map(str, rows_list))}; {', '.join(H.DISTRIBUTIONS)}; {seeds} seeds)")
     lines += [f"  FAILED {r}" for r in bad[:20]]
     (out / "summary.txt").write_text("\n".join(lines) + "\n")

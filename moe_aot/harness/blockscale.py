@@ -17,17 +17,18 @@ E4M3_MIDPOINTS = _MIDS[_MIDS < 256]
 E2M1_MIDPOINTS = torch.tensor([m for m, _ in ref.E2M1_MIDPOINTS])
 DISTRIBUTIONS = ("normal", "wide", "zeros", "ties", "nonfinite")
 POISON = (0xAB, 0x54)
-# K of the kernels tools/check_blockscale.py builds: under one pass of the CTA (96), the
-# hidden sizes of Qwen3-30B (2048), gpt-oss (2880) and DeepSeek-V3 (7168: two passes at mx's 32)
-KS = (96, 2048, 2880, 7168)
+# K of the kernels tools/check_blockscale.py builds, per format: under one pass of the CTA (96;
+# nvfp4 also 48, whose packed rows are 24 bytes: 8-byte aligned only), the hidden sizes of
+# Qwen3-30B (2048), gpt-oss (2880) and DeepSeek-V3 (7168: two passes at mx's 32)
+KS = {"mxfp8": (96, 2048, 2880, 7168), "mxfp4": (96, 2048, 2880, 7168), "nvfp4": (48, 96, 2048, 2880, 7168)}
 
 
 def make_input(dist: str, rows: int, k: int, fmt: str, gen: torch.Generator):
     """(x [rows, k] bf16 on the CPU, global amax for nvfp4 or None) of one distribution:
-    normal; wide (normal times 2^U(-60, 60) per element and again per block: bf16 subnormals to ~2^122); zeros (whole blocks of
-    +0 and -0, and scattered zeros); ties (every element on a rounding midpoint of its block's
-    scale); nonfinite (normal with NaN, +Inf, -Inf in some blocks; nvfp4's global amax is the
-    finite values')."""
+    normal; wide (normal times 2^U(-60, 60) per element and again per block: from bf16
+    subnormals to ~2^122); zeros (whole blocks of +0 and -0, and scattered zeros); ties (every
+    element but each block's amax on a rounding midpoint of its block's scale); nonfinite
+    (normal with NaN, +Inf, -Inf in some blocks; nvfp4's global amax is the finite values')."""
     blk = ref.BLOCK[fmt]
     nb = k // blk
 
