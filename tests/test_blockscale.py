@@ -264,3 +264,35 @@ def test_kernels_compile_into_the_database(tmp_path):
     args = {name: [a["name"] for a in json.loads(meta)["args"]] for name, meta in rows}
     assert args == {"moe_bsquant_sm90a_mxfp4_k96_sw": ["x", "q", "sf", "stream"],
                     "moe_bsquant_sm90a_nvfp4_k48_sw": ["x", "q", "sf", "gamax", "stream"]}
+
+
+def test_the_gpu_check_passes_the_reference_and_catches_a_bad_kernel(monkeypatch):
+    """harness.blockscale.check on the CPU, with the reference standing in for the kernel: it passes;
+    a kernel that leaves one scale byte unwritten, or rounds one tie the other way, fails."""
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    gen = torch.Generator().manual_seed(3)
+
+    def good(x, fmt, g, out):
+        q = B.quantize(x, fmt, g)
+        out.values.copy_(q.values)
+        out.scales.copy_(q.scales)
+        return out
+
+    def skips_a_scale(x, fmt, g, out):
+        q = B.quantize(x, fmt, g)
+        out.values.copy_(q.values)
+        out.scales[:, 1:] = q.scales[:, 1:]  # scale column 0 keeps the poison
+        return out
+
+    def rounds_a_tie_up(x, fmt, g, out):
+        good(x, fmt, g, out)
+        out.values[0, 0] ^= 1
+        return out
+
+    for fmt in B.FORMATS:
+        x, ga = H.make_input("ties", 3, 64, fmt, gen)
+        assert H.check(fmt, x, ga, good, "cpu")["ok"]
+        row = H.check(fmt, x, ga, skips_a_scale, "cpu")
+        assert not row["ok"] and row["bad_scales"] >= 1 and row["first_bad"]["col"] == 0
+        row = H.check(fmt, x, ga, rounds_a_tie_up, "cpu")
+        assert not row["ok"] and row["bad_values"] == 1
