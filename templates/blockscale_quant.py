@@ -60,7 +60,8 @@ def mx_scale(amax: Float32, emax: cutlass.Constexpr):
 
 @cute.jit
 def nvfp4_encode_scale(global_amax: Float32):
-    """S_enc = min(448 * 6 / global_amax, FLT_MAX), 1 where global_amax is 0 (or S_enc is)."""
+    """S_enc = min(448 * 6 / global_amax, FLT_MAX), 1 where global_amax is 0 (or S_enc is); a
+    NaN or negative global_amax is no input (the reference refuses it)."""
     s = cute.arch.fmin(Float32(limits.FP8_MAX * limits.E2M1_MAX) / global_amax, Float32(_FLT_MAX))
     return Float32(1.0) if global_amax == 0.0 or s == 0.0 else s
 

@@ -52,3 +52,6 @@ def test_launcher_refuses_bad_input(store):
         rt.quantize(x, "mxfp8", torch.ones(1, device=DEV), store=store)
     empty = rt.quantize(x[:0], "mxfp8", store=store)
     assert empty.values.shape == (0, H.KS["mxfp8"][0]) and empty.scales.shape == (0, H.KS["mxfp8"][0] // 32)
+    with pytest.raises(KernelArgumentError, match="must have x's 4 rows"):
+        small = rt.quantize(x[:2], "mxfp8", store=store)
+        rt.quantize(x, "mxfp8", out=small, store=store)

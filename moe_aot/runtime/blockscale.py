@@ -46,6 +46,9 @@ def quantize(x: torch.Tensor, fmt: str, global_amax: torch.Tensor | None = None,
         cols = k if fmt == "mxfp8" else k // 2
         out = Quantized(torch.empty(rows, cols, dtype=torch.uint8, device=x.device),
                         torch.empty(rows, k // BLOCK[fmt], dtype=torch.uint8, device=x.device), global_amax)
+    if out.values.shape[:1] != (rows,) or out.scales.shape[:1] != (rows,):
+        raise KernelArgumentError(f"out's values and scales must have x's {rows} rows, got "
+                                  f"{tuple(out.values.shape)} and {tuple(out.scales.shape)}")
     if rows:  # an empty grid is no launch
         args = (x, out.values, out.scales) + ((global_amax,) if fmt == "nvfp4" else ())
         lib(*args)
