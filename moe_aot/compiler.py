@@ -62,6 +62,7 @@ TEMPLATES = {
     ("combine", None): ("routing", "MoeCombine"),
     ("quant", None): ("quant", "QuantizeFp8"),
     ("glu_bwd", None): ("glu_backward", "GluBackward"),
+    ("bsquant", None): ("blockscale_quant", "BlockScaleQuant"),
     ("glu", "grouped"): ("grouped_gemm", "GroupedGluGemm"),
     ("down", "grouped"): ("grouped_gemm", "GroupedDownGemm"),
     ("glu", "hopper"): ("hopper_gemm", "HopperGluGemm"),
@@ -133,7 +134,9 @@ def compile_into(db, specs_and_variants, jobs: int | None = None,
                  progress: Callable[[JobResult, int, int], None] | None = None,
                  force: bool = False, extra: Iterable[tuple[LayerSpec, KernelVariant]] = ()) -> list[JobResult]:
     """Compile every kernel the pairs need into `db`, and the (spec, kernel) pairs of `extra`
-    (kernels outside a layer variant: the backward's); returns the results of the jobs that ran."""
+    (kernels outside a layer variant: the backward's; a spec there may be any workload with
+    `workload_key`, `workload_dict()` and `target`, e.g. variants.BlockScaleShape); returns the
+    results of the jobs that ran."""
     needed = kernels_for(specs_and_variants)
     needed += [e for e in extra if e not in needed]
     tool = {}

@@ -230,3 +230,19 @@ def check_fp8(role, precision, n, k, tile_m, tile_n, mma, cluster_m=1) -> tuple[
         if precision == "fp8-block128" and SCALE_BLOCK % tile_n and role == "down":
             return False, f"{precision} GEMM2: tile_n {tile_n} must divide {SCALE_BLOCK} (one weight block)"
     return True, ""
+
+# Block-scaled formats (moe_aot/blockscale.py defines them bit for bit; templates/blockscale_quant.py
+# quantizes into them): elements per scale along K, the element format's largest power of two
+# (OCP MX emax_elem) for the ue8m0-scaled ones, e2m1's largest value, its rounding midpoints
+# (nearest, ties to even: (midpoint, whether the tie rounds up to the even code)), and the scale
+# byte of a block holding NaN or Inf (ue8m0 NaN; e4m3 NaN for NVFP4).
+BLOCKSCALE_FORMATS = ("mxfp8", "mxfp4", "nvfp4")
+BLOCKSCALE_BLOCK = {"mxfp8": 32, "mxfp4": 32, "nvfp4": 16}
+MX_EMAX = {"mxfp8": 8, "mxfp4": 2}
+E2M1_MAX = 6.0
+E2M1_MIDPOINTS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True),
+                  (5.0, False))
+MX_NAN_SCALE = 0xFF
+E4M3_NAN = 0x7F
+# PTX cvt.rn.satfinite.e2m1x2.f32 exists from sm_100a on; sm_90a rounds to e2m1 in software
+E2M1_CVT_TARGETS = ("sm_100a", "sm_121a")

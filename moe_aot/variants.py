@@ -214,6 +214,40 @@ def training_kernels(spec: LayerSpec, variant: LayerVariant) -> list[KernelVaria
     return [KernelVariant("glu_train", glu.name + "_preact", glu.params + (("save_preact", True),))]
 
 
+@dataclasses.dataclass(frozen=True)
+class BlockScaleShape:
+    """A block-scaled quantization of [rows, k] bf16 into `fmt` (moe_aot/blockscale.py) for
+    `target`: a workload of its own, outside any layer (the quantizers later GEMM epilogues
+    share; templates/blockscale_quant.py)."""
+    fmt: str
+    k: int
+    target: str
+
+    def __post_init__(self):
+        if self.fmt not in limits.BLOCKSCALE_FORMATS:
+            raise ValueError(f"format {self.fmt!r} must be one of {', '.join(limits.BLOCKSCALE_FORMATS)}")
+        block = limits.BLOCKSCALE_BLOCK[self.fmt]
+        if not isinstance(self.k, int) or self.k <= 0 or self.k % block:
+            raise ValueError(f"K={self.k} must be a positive multiple of {self.fmt}'s block of {block}")
+        if self.target not in TARGET_LIMITS:
+            raise ValueError(f"target {self.target!r} must be one of {', '.join(TARGET_LIMITS)}")
+
+    @property
+    def workload_key(self) -> str:
+        return f"bsquant_{self.fmt}_k{self.k}"
+
+    def workload_dict(self) -> dict:
+        return {"kind": "blockscale_quant", "format": self.fmt, "k": self.k}
+
+
+def blockscale_kernel(shape: BlockScaleShape) -> KernelVariant:
+    """The quantization kernel of `shape`; e2m1 by PTX cvt where the target has it
+    (gemm_limits.E2M1_CVT_TARGETS), else in software. The name spells every argument."""
+    e2m1 = "hw" if shape.target in limits.E2M1_CVT_TARGETS else "sw"
+    return KernelVariant("bsquant", f"moe_bsquant_{arch_tag(shape.target)}_{shape.fmt}_k{shape.k}_{e2m1}",
+                         (("fmt", shape.fmt), ("k", shape.k), ("e2m1", e2m1)))
+
+
 # How a variant's fields appear in its name, in order: (field, prefix). An int is the prefix and
 # its digits, a str (the MMA) itself, a bool the prefix alone when true, a GemmTiles the prefix
 # and its own layout; a field of OMIT_AT_DEFAULT is left out at its default, so adding one kept
