@@ -280,11 +280,13 @@ def check_w4(precision, n, k, tile_m, tile_n, tile_k, stages, mma, threads=None)
     if precision not in W4:
         return True, ""
     if mma not in W4_MMAS:
-        return False, f"{precision} runs on mma in {W4_MMAS} (mma.sync with weights dequantized in shared memory), not {mma!r}"
+        return False, (f"{precision} runs on mma in {W4_MMAS} (mma.sync with weights dequantized in shared memory), "
+                       f"not {mma!r}")
     if k % W4_BLOCK:
         return False, f"{precision}: K={k} must be a multiple of the {W4_BLOCK}-weight scale blocks"
     if n % W4_SCALE_CHUNK or tile_n % W4_SCALE_CHUNK:
-        return False, f"{precision}: N={n} and tile_n {tile_n} must be multiples of {W4_SCALE_CHUNK} (16-byte scale rows)"
+        return False, (f"{precision}: N={n} and tile_n {tile_n} must be multiples of {W4_SCALE_CHUNK} "
+                       f"(16-byte scale rows)")
     if stages < W4_MIN_STAGES:
         return False, (f"{precision}: stages {stages} must be >= {W4_MIN_STAGES} (a k-tile is dequantized one "
                        f"iteration before its MMAs)")
