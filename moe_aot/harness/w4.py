@@ -49,3 +49,11 @@ def random_w4_weights(spec: LayerSpec, device, scale: float = 1.0, generator=Non
     w13 = w4.W4Weight(torch.cat([p[0].blocks for p in parts]), torch.cat([p[0].scales for p in parts]), b13)
     w2 = w4.W4Weight(torch.cat([p[1].blocks for p in parts]), torch.cat([p[1].scales for p in parts]), b2)
     return w13, w2
+
+
+# The layers the mxfp4-w checks run (tests/test_gpu_w4.py, tools/check_w4.py): gpt-oss-120b and a
+# smaller shape of the same kind (swigluoai, expert biases), as make_spec fields.
+CHECK_LAYERS = (dict(model="gpt-oss-120b", precision="mxfp4-w"),
+                dict(experts=32, top_k=4, hidden=1024, intermediate=512, activation="swigluoai", bias=True,
+                     precision="mxfp4-w"))
+CHECK_TOKENS = (1, 16, 37, 256, 1000)
