@@ -14,7 +14,7 @@ from multiprocessing import get_context
 from pathlib import Path
 from typing import Callable, Iterable
 
-from .gemm_limits import WARP_SPECIALIZED
+from .gemm_limits import W4, WARP_SPECIALIZED
 from .hosts import HOSTS, host_for
 from .kernel_build import Artifact, HostToolchainError, KernelCompileError, compile_kernel, host_toolchain  # noqa: F401
 from .spec import LayerSpec
@@ -55,7 +55,7 @@ def toolchain_key(target: str) -> str:
 
 
 # The template registry: (role, family) -> (module under moe_aot_templates, class). A GEMM's
-# family is its precision's where that has templates of its own (fp8), else its MMA's mainloop
+# family is its precision's where that has templates of its own (fp8, mxfp4-w: "w4"), else its MMA's mainloop
 # family: one template module per family, all taking the same constructor arguments per role.
 TEMPLATES = {
     ("routing", None): ("routing", "MoeRouting"),
@@ -71,6 +71,8 @@ TEMPLATES = {
     ("down", "hopper"): ("hopper_gemm", "HopperDownGemm"),
     ("glu", "fp8"): ("hopper_fp8", "HopperGluGemmFp8"),
     ("down", "fp8"): ("hopper_fp8", "HopperDownGemmFp8"),
+    ("glu", "w4"): ("grouped_w4", "GroupedGluGemmW4"),
+    ("down", "w4"): ("grouped_w4", "GroupedDownGemmW4"),
 }
 
 
@@ -78,7 +80,10 @@ def template_family(kv: KernelVariant) -> str | None:
     if kv.role not in ("glu", "down", "glu_train"):
         return None
     kw = kv.kwargs()
-    if kw.get("precision", "bf16") != "bf16":
+    precision = kw.get("precision", "bf16")
+    if precision in W4:
+        return "w4"
+    if precision != "bf16":
         return "fp8"
     return "hopper" if kw.get("mma") in WARP_SPECIALIZED else "grouped"
 

@@ -32,7 +32,7 @@ SWIGLUOAI_ALPHA = 1.702
 SWIGLUOAI_LIMIT = 7.0
 # expert biases (gpt-oss: b13 [E, 2I] added to GEMM1's gate/up columns before the activation,
 # b2 [E, H] to GEMM2's output before the routing weight) are built for these precisions
-BIAS_PRECISIONS = ("bf16",)
+BIAS_PRECISIONS = ("bf16", "mxfp4-w")
 
 # Precisions of the grouped GEMMs' operands. fp8 (e4m3 A and B, fp32 accumulation) runs on the
 # warp-specialized wgmma cores only, with 128-element (128-byte) k-tiles:
@@ -42,7 +42,11 @@ BIAS_PRECISIONS = ("bf16",)
 #                   x: fp32 scales per 1x128 block along K
 # Both write GEMM1's output (the GLU intermediate) as e4m3 with one fp32 scale per row and
 # H_SCALE_BLOCK columns, which GEMM2 applies by promoting its partial sums per such block.
-ELEM_BYTES = {"bf16": 2, "fp8": 1, "fp8-block128": 1}
+# "mxfp4-w" (weight-only MXFP4, gpt-oss's checkpoints): the weights are e2m1 codes, two per byte,
+# with one ue8m0 scale byte per 32 along K (moe_aot/blockscale.py), dequantized to bf16 in shared
+# memory; x, h, y and the MMA are bf16 as in "bf16" (templates/grouped_w4.py). Its entry here is
+# the MMA operand's size, bf16's.
+ELEM_BYTES = {"bf16": 2, "fp8": 1, "fp8-block128": 1, "mxfp4-w": 2}
 FP8 = ("fp8", "fp8-block128")
 FP8_TILE_K = 128
 SCALE_BLOCK = 128  # fp8-block128: weight blocks (128x128) and x blocks (1x128)
@@ -81,6 +85,8 @@ def smem_bytes(tile_m, tile_n, tile_k, stages, mma="warp", precision="bf16") -> 
     indices, and per slot each row's pair and routing weight, 64 + 16 * tile_m bytes with
     alignment) + the allocator's alignment slack."""
     ab = stages * (tile_m + tile_n) * tile_k * ELEM_BYTES[precision]
+    if precision in W4:
+        ab = w4_pipeline_bytes(tile_m, tile_n, tile_k, stages)
     c = 0 if mma in PERSISTENT else tile_m * (tile_n + 8) * 4
     bars = 16 * stages + 64 + 16 * tile_m if mma in WARP_SPECIALIZED else 0
     return max(ab, c) + 1024 + bars
@@ -170,6 +176,8 @@ def check_gemm(n, k, tile_m, tile_n, tile_k, stages, mma, warps_m=None, warps_n=
         return ok, reason
     warps_m, warps_n = default_warps(tile_m, tile_n, warps_m, warps_n, mma)
     ok, reason = check_tiles(n, k, tile_m, tile_n, tile_k, stages, mma, warps_m, warps_n, precision)
+    if ok:
+        ok, reason = check_w4(precision, n, k, tile_m, tile_n, tile_k, stages, mma, warps_m * warps_n * 32)
     if not ok or arch is None:
         return ok, reason
     if mma in WGMMA and arch != "sm_90a":
@@ -246,3 +254,48 @@ MX_NAN_SCALE = 0xFF
 E4M3_NAN = 0x7F
 # PTX cvt.rn.satfinite.e2m1x2.f32 exists from sm_100a on; sm_90a rounds to e2m1 in software
 E2M1_CVT_TARGETS = ("sm_100a", "sm_121a")
+
+# Weight-only MXFP4 ("mxfp4-w", templates/grouped_w4.py): the mma.sync core only (the decode
+# regime, where weight bytes are the cost), 32 weights per ue8m0 scale byte along K. The packed
+# weights of a k-tile and its scales are cp.async-ed into their own pipeline stages; the
+# dequantized bf16 tile has two slots (one being written while the MMAs read the other), so a
+# k-tile is waited for one iteration ahead and the pipeline needs at least 3 stages.
+W4 = ("mxfp4-w",)
+W4_MMAS = ("warp",)
+W4_BLOCK = 32  # weights per scale byte along K (OCP MX)
+W4_MIN_STAGES = 3
+W4_SCALE_CHUNK = 16  # scale bytes per cp.async: the scales are stored [E, K/32, N], N contiguous
+
+
+def w4_pipeline_bytes(tile_m, tile_n, tile_k, stages) -> int:
+    """Shared memory of an mxfp4-w mainloop: per stage the bf16 A tile, the packed weights (half a
+    byte each) and their scale bytes, plus two bf16 slots of the dequantized weight tile."""
+    per_stage = tile_m * tile_k * 2 + tile_n * tile_k // 2 + tile_n * tile_k // W4_BLOCK
+    return stages * per_stage + 2 * tile_n * tile_k * 2
+
+
+def check_w4(precision, n, k, tile_m, tile_n, tile_k, stages, mma, threads=None) -> tuple[bool, str]:
+    """(ok, reason) of the mxfp4-w rules of one GEMM beyond check_tiles (other precisions: ok).
+    ``threads``: the CTA's threads (default: default_warps' grid for these tiles)."""
+    if precision not in W4:
+        return True, ""
+    if mma not in W4_MMAS:
+        return False, (f"{precision} runs on mma in {W4_MMAS} (mma.sync with weights dequantized in shared memory), "
+                       f"not {mma!r}")
+    if k % W4_BLOCK:
+        return False, f"{precision}: K={k} must be a multiple of the {W4_BLOCK}-weight scale blocks"
+    if n % W4_SCALE_CHUNK or tile_n % W4_SCALE_CHUNK:
+        return False, (f"{precision}: N={n} and tile_n {tile_n} must be multiples of {W4_SCALE_CHUNK} "
+                       f"(16-byte scale rows)")
+    if stages < W4_MIN_STAGES:
+        return False, (f"{precision}: stages {stages} must be >= {W4_MIN_STAGES} (a k-tile is dequantized one "
+                       f"iteration before its MMAs)")
+    if threads is None:
+        wm, wn = default_warps(tile_m, tile_n)
+        threads = wm * wn * 32
+    # the packed weights of a k-tile: tile_k / 2 bytes per row in 16-byte cp.async chunks
+    rows_per_pass = threads // (tile_k // 32)
+    if tile_n % rows_per_pass:
+        return False, (f"{precision}: tile_n {tile_n} must be a multiple of the {rows_per_pass} packed weight rows "
+                       f"one cp.async pass of {threads} threads covers (tile_k {tile_k})")
+    return True, ""

@@ -35,8 +35,10 @@ INTERLEAVE = 16  # gate/up rows alternate in blocks of this many rows in the pre
 # templates' rules for it: gemm_limits.check_fp8).
 PRECISION_ROLES = {"bf16": ("routing", "glu", "down", "combine"),
                    "fp8": ("routing", "quant", "glu", "down", "combine"),
-                   "fp8-block128": ("routing", "quant", "glu", "down", "combine")}
-PRECISION_MMAS = {"bf16": None, "fp8": limits.FP8_MMAS, "fp8-block128": limits.FP8_MMAS}  # None: all
+                   "fp8-block128": ("routing", "quant", "glu", "down", "combine"),
+                   "mxfp4-w": ("routing", "glu", "down", "combine")}
+PRECISION_MMAS = {"bf16": None, "fp8": limits.FP8_MMAS, "fp8-block128": limits.FP8_MMAS,  # None: all
+                  "mxfp4-w": limits.W4_MMAS}
 
 
 def arch_tag(target: str) -> str:
@@ -392,6 +394,8 @@ def default_variant(spec: LayerSpec, tokens: int) -> LayerVariant:
     cluster = 1 if tokens <= 256 else max(TARGET_LIMITS[spec.target]["clusters"])
     rows_per_expert = tokens * spec.top_k / spec.experts
     W, G, P = "warp", "wgmma", "hopws"
+    if spec.precision in limits.W4:
+        return _default_w4(spec, rows_per_expert, cluster)
     if PRECISION_MMAS[spec.precision] is not None:
         # fp8: the cooperative core with 128x128 tiles and 128-wide k-tiles; 6 stages were faster
         # than 4 at 1-1024 tokens on the H200 (tools/check_fp8_kernels.py, 2026-12-01); fewer
@@ -420,6 +424,21 @@ def default_variant(spec: LayerSpec, tokens: int) -> LayerVariant:
         if can_implement(spec, v)[0]:
             return v
     raise ValueError(f"no default variant can implement {spec.workload_key} on {spec.target}")
+
+
+def _default_w4(spec: LayerSpec, rows_per_expert: float, cluster: int) -> LayerVariant:
+    """mxfp4-w's untuned choice (mma.sync only, not yet measured on a GPU): few rows per expert
+    stream the packed weights with 16-row tiles, 128-wide N tiles where N allows (else 64) and a
+    deep pipeline; more rows per expert take 32- or 64-row tiles. The first valid of each list."""
+    m = 16 if rows_per_expert <= 4 else 32 if rows_per_expert <= 16 else 64
+    why = ""
+    for tile_m, (n, k), n2, st in itertools.product(dict.fromkeys((m, 16)), ((128, 64), (64, 64), (32, 64), (64, 32)),
+                                                    (128, 64, 32), (6, 4, 3)):
+        v = LayerVariant(tile_m, GemmTiles(n, k, st, "warp"), GemmTiles(min(n, n2), k, st, "warp"), cluster)
+        ok, why = can_implement(spec, v)
+        if ok:
+            return v
+    raise ValueError(f"no default variant can implement {spec.workload_key} on {spec.target}: {why}")
 
 
 def token_buckets() -> tuple[int, ...]:

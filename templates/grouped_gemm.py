@@ -50,7 +50,8 @@ PERSISTENT_CTAS = 132  # hopws's default grid: one CTA per SM of an H100 SXM / H
 # gives registers back to the consumers' 128 fp32 accumulators (40*128 + 232*256 <= 64K)
 _REGS_LOAD, _REGS_MMA = 40, 232
 # operand element type of each precision (gemm_limits.ELEM_BYTES has their sizes)
-AB_DTYPES = {"bf16": BFloat16, "fp8": Float8E4M3FN, "fp8-block128": Float8E4M3FN}
+AB_DTYPES = {"bf16": BFloat16, "fp8": Float8E4M3FN, "fp8-block128": Float8E4M3FN,
+             "mxfp4-w": BFloat16}  # mxfp4-w: the dequantized weights (grouped_w4.py)
 
 
 @cute.jit

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import torch
 
-from ..gemm_limits import FP8
+from ..gemm_limits import FP8, W4
 from ..layout import max_tiles
 from ..runtime import fp8 as fp8_format
 from ..runtime.layer import MoeLayer, split_biases
 from ..runtime.store import KernelStore
 from ..spec import LayerSpec
 from ..variants import INTERLEAVE
-from . import fp8
+from . import fp8, w4
 from .reference import glu_reference, moe_reference, rel_err, routing_reference, row_rel_err
 
 TOLERANCE = 1e-2
@@ -38,9 +38,12 @@ BIAS_STD = 0.5  # random expert biases: N(0, 0.25), about half the spread of the
 
 def random_weights(spec: LayerSpec, device, scale: float = 1.0):
     """Random prepared weights of the layer: bf16 w13 (interleaved) and w2, or for fp8 layers
-    the (e4m3, scales) pairs of random bf16 weights quantized by prepare_fp8_weights, or for
+    the (e4m3, scales) pairs of random bf16 weights quantized by prepare_fp8_weights (mxfp4-w:
+    W4Weights of random weights, harness/w4.random_w4_weights), or for
     layers with expert biases the (weights, biases) pairs (w13, b13), (w2, b2)."""
     H, I, E = spec.hidden, spec.intermediate, spec.experts
+    if spec.precision in W4:
+        return w4.random_w4_weights(spec, device, scale)
     if spec.precision in FP8:
         # 16 experts at a time: DeepSeek-V3's bf16 weights (22 GB) are never all held at once
         parts13, parts2 = [], []
@@ -65,6 +68,8 @@ def layer_reference(spec: LayerSpec, x, w13, w2, topk_weights, topk_ids):
     if spec.precision in FP8:
         return fp8.moe_fp8_reference(x, w13, w2, topk_weights, topk_ids, spec.precision, spec.activation,
                                      INTERLEAVE)
+    if spec.precision in W4:
+        return w4.moe_w4_reference(x, w13, w2, topk_weights, topk_ids, spec.activation, INTERLEAVE)
     w13, b13, w2, b2 = split_biases(spec, w13, w2)
     return moe_reference(x, w13, w2, topk_weights, topk_ids, spec.activation, INTERLEAVE, b13, b2)
 
@@ -99,12 +104,16 @@ def check_stages(layer: MoeLayer, x, w13, w2, topk_weights, topk_ids) -> list[di
 def _check_glu(layer, x, w13, topk_ids, sorted_ids, tile_expert, offsets, v, glu) -> dict:
     spec = layer.spec
     T = tile_expert.numel()
-    b13 = None
-    if spec.bias:
-        w13, b13 = w13
     h = torch.full((T * v.tile_m, spec.intermediate), float("nan"), device=x.device, dtype=torch.bfloat16)
-    glu(x, w13, sorted_ids, tile_expert, h, *(() if b13 is None else (b13,)))
-    href = glu_reference(x, w13, topk_ids, spec.activation, INTERLEAVE, b13)
+    if spec.precision in W4:  # (blocks, scales, bias): the kernel's own operands
+        glu(x, w13.blocks, w13.scales, sorted_ids, tile_expert, h, *(() if w13.bias is None else (w13.bias,)))
+        href = w4.glu_w4_reference(x, w13, topk_ids, spec.activation, INTERLEAVE)
+    else:
+        b13 = None
+        if spec.bias:
+            w13, b13 = w13
+        glu(x, w13, sorted_ids, tile_expert, h, *(() if b13 is None else (b13,)))
+        href = glu_reference(x, w13, topk_ids, spec.activation, INTERLEAVE, b13)
     valid = sorted_ids >= 0
     got = torch.zeros_like(href)
     got[sorted_ids[valid].long()] = h[valid].float()

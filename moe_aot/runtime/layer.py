@@ -10,7 +10,7 @@ import dataclasses
 
 import torch
 
-from ..gemm_limits import FP8, H_SCALE_BLOCK, SCALE_BLOCK
+from ..gemm_limits import FP8, H_SCALE_BLOCK, SCALE_BLOCK, W4, W4_BLOCK
 from ..layout import interleave_gate_up, max_tiles
 from ..spec import LayerSpec, make_spec, value_class
 from ..variants import INTERLEAVE, TILE_M, LayerVariant, backward_kernels, bucket_for, default_variant, training_kernels
@@ -166,15 +166,17 @@ class MoeLayer:
         """Raise KernelArgumentError naming the first bad input (weights as forward takes them;
         a bias layer's biases either in its (weights, biases) pairs or as b13 / b2)."""
         s = self.spec
-        if s.bias and b13 is None and b2 is None:
+        if s.bias and b13 is None and b2 is None and s.precision not in W4:
             w13, b13, w2, b2 = split_biases(s, w13, w2)
         M = x.shape[0] if isinstance(x, torch.Tensor) and x.dim() == 2 else None
         if s.precision in FP8:
             weights = self._fp8_weight_checks(w13, w2)
+        elif s.precision in W4:
+            weights = self._w4_weight_checks(w13, w2)
         else:
             weights = [("w13", w13, (s.experts, 2 * s.intermediate, s.hidden), torch.bfloat16),
                        ("w2", w2, (s.experts, s.hidden, s.intermediate), torch.bfloat16)]
-        if s.bias:
+        if s.bias and s.precision not in W4:
             weights += [("b13", b13, (s.experts, 2 * s.intermediate), torch.bfloat16),
                         ("b2", b2, (s.experts, s.hidden), torch.bfloat16)]
         expect = [("x", x, (M, s.hidden), torch.bfloat16)] + weights + [
@@ -216,6 +218,25 @@ class MoeLayer:
                 ("w2", w2[0], (s.experts, s.hidden, s.intermediate), e4m3),
                 ("w2 scales", w2[1], w2s_shape, torch.float32)]
 
+    def _w4_weight_checks(self, w13, w2) -> list:
+        """mxfp4-w layers take each weight as a W4Weight (blocks, scales, bias) triple
+        (runtime/w4.py: from_gpt_oss, prepare_weights); the biases where the spec has them."""
+        s = self.spec
+        for name, w in (("w13", w13), ("w2", w2)):
+            if not (isinstance(w, (tuple, list)) and len(w) == 3):
+                raise KernelArgumentError(f"{name} must be a (uint8 blocks, uint8 scales, bf16 bias or None) triple "
+                                          f"for precision {s.precision} (w4.from_gpt_oss or w4.prepare_weights), "
+                                          f"got {type(w).__name__}")
+            if (w[2] is not None) != s.bias:
+                raise KernelArgumentError(f"{name}'s bias must be {'a tensor' if s.bias else 'None'}: the spec of "
+                                          f"{s.label()} has {'' if s.bias else 'no '}expert biases")
+        E, H, I, u8 = s.experts, s.hidden, s.intermediate, torch.uint8
+        out = [("w13 blocks", w13[0], (E, 2 * I, H // 2), u8), ("w13 scales", w13[1], (E, H // W4_BLOCK, 2 * I), u8),
+               ("w2 blocks", w2[0], (E, H, I // 2), u8), ("w2 scales", w2[1], (E, I // W4_BLOCK, H), u8)]
+        if s.bias:
+            out += [("b13", w13[2], (E, 2 * I), torch.bfloat16), ("b2", w2[2], (E, H), torch.bfloat16)]
+        return out
+
     # -- the layer -----------------------------------------------------------------------------
     def forward(self, x, w13, w2, topk_weights, topk_ids, out=None, workspace: Workspace | None = None):
         """out[m] = sum_k topk_weights[m,k] * FFN_{topk_ids[m,k]}(x[m]). Ids outside [0, experts)
@@ -225,6 +246,8 @@ class MoeLayer:
         with b13 [E, 2I] interleaved as w13's rows (prepare_biases), and (w2, b2) with b2 [E, H]."""
         if self.spec.precision in FP8:
             return self._forward_fp8(x, w13, w2, topk_weights, topk_ids, out, workspace)
+        if self.spec.precision in W4:
+            return self._forward_w4(x, w13, w2, topk_weights, topk_ids, out, workspace)
         b13 = b2 = None
         if self.spec.bias:
             w13, b13, w2, b2 = split_biases(self.spec, w13, w2)
@@ -350,6 +373,60 @@ class MoeLayer:
         self._fast[(M, id(ws), id(self.variants))] = (ws, bound)
         return out
 
+    # the caller's tensors in each mxfp4-w kernel's arguments (role, argument index, which), as
+    # _FP8_CALLER_ARGS; the biases only where the spec has them (the kernels' last tensors)
+    _W4_CALLER_ARGS = (("routing", 0, "ids"), ("glu", 0, "x"), ("glu", 1, "w13q"), ("glu", 2, "w13s"),
+                       ("down", 1, "w2q"), ("down", 2, "w2s"), ("down", 5, "tw"), ("combine", 1, "ids"),
+                       ("combine", 2, "out"))
+    _W4_BIAS_ARGS = (("glu", 6, "b13"), ("down", 7, "b2"))
+
+    def _forward_w4(self, x, w13, w2, topk_weights, topk_ids, out, workspace):
+        """routing -> GEMM1 + GLU -> GEMM2 -> combine with MXFP4 weights (W4Weight triples). As
+        _forward_fp8: the first call at a size launches with the kernels' own contract checks
+        and keeps the filled argument structs; later calls re-run check_inputs and swap the
+        caller's data pointers."""
+        self.check_inputs(x, w13, w2, topk_weights, topk_ids, out)
+        M, K = x.shape[0], self.spec.top_k
+        if out is None:
+            out = torch.empty(M, self.spec.hidden, dtype=torch.bfloat16, device=self.device)
+        if M == 0:
+            return out
+        ws = workspace or self.workspace(M)
+        if ws.max_tokens < M:
+            raise KernelArgumentError(f"workspace holds {ws.max_tokens} tokens, x has {M}")
+        fast = self._fast.get((M, id(ws), id(self.variants)))
+        if fast is not None:
+            _, bound = fast
+            ptrs = {"ids": topk_ids, "x": x, "w13q": w13[0], "w13s": w13[1], "w2q": w2[0], "w2s": w2[1],
+                    "tw": topk_weights, "out": out, "b13": w13[2], "b2": w2[2]}
+            for role, index, which in self._W4_CALLER_ARGS + (self._W4_BIAS_ARGS if self.spec.bias else ()):
+                bound[role].set_data(index, ptrs[which].data_ptr())
+            stream = torch.cuda.current_stream(self.device).cuda_stream
+            for launch in bound.values():  # launch order: the variant's kernel roles
+                launch(stream)
+            return out
+        v, libs = self.role_kernels(M)
+        T = max_tiles(M, K, self.spec.experts, v.tile_m)
+        R = T * v.tile_m
+        if ws.sorted_ids.numel() < R or ws.tile_expert.numel() < T or ws.h.shape[0] < R:
+            raise KernelArgumentError(f"workspace too small for {M} tokens with tile_m {v.tile_m}; "
+                                      "allocate it with Workspace.allocate(spec, max_tokens, device)")
+        sorted_ids, tile_expert, h, y = ws.sorted_ids[:R], ws.tile_expert[:T], ws.h[:R], ws.y[: M * K]
+        b13, b2 = ((w13[2],), (w2[2],)) if self.spec.bias else ((), ())
+        args = {"routing": (topk_ids, ws.counts, ws.offsets, sorted_ids, tile_expert),
+                "glu": (x, w13[0], w13[1], sorted_ids, tile_expert, h) + b13,
+                "down": (h, w2[0], w2[1], sorted_ids, tile_expert, topk_weights, y) + b2,
+                "combine": (y, topk_ids, out)}
+        for role, lib in libs.items():
+            lib(*args[role])
+        if len(self._plans) >= 64:  # bounded: each plan keeps its workspace alive
+            self._plans.clear()
+            self._fast.clear()
+        bound = {role: lib.bind(*args[role]) for role, lib in libs.items()}
+        self._plans[(M, v.name(self.spec), id(ws))] = (ws,) + tuple(bound.values())  # for launchers()
+        self._fast[(M, id(ws), id(self.variants))] = (ws, bound)
+        return out
+
     def training_kernel(self, tokens: int) -> KernelLibrary | None:
         """The GEMM1 of this token count's variant that also writes the pre-activations
         (variants.training_kernels, `moe-aot build --backward`), or None where its template has
@@ -438,10 +515,15 @@ def moe_forward(x, w13_prepared, w2, topk_weights, topk_ids, out=None, workspace
     from prepare_fp8_weights() or fp8.from_block128_checkpoint(), the precision read off the
     scales' shape (w13 scales [E, 2]: "fp8", [E, 2I/128, H/128]: "fp8-block128"). Expert biases
     (gpt-oss, activation="swigluoai"): both as (bf16 weights, bf16 biases) pairs, (w13, b13 from
-    prepare_biases()) and (w2, b2 [E, H])."""
+    prepare_biases()) and (w2, b2 [E, H]). mxfp4-w (gpt-oss's MXFP4 experts): both as W4Weight
+    (blocks, scales, bias) triples from w4.from_gpt_oss() or w4.prepare_weights()."""
     precision, bias = "bf16", False
     w13 = w13_prepared
-    if isinstance(w13_prepared, (tuple, list)) and len(w13_prepared) == 2 and \
+    hidden_per_col = 1  # hidden = w13.shape[2] * this (mxfp4-w: two weights per byte)
+    if isinstance(w13_prepared, (tuple, list)) and len(w13_prepared) == 3 and \
+            isinstance(w13_prepared[0], torch.Tensor) and w13_prepared[0].dtype == torch.uint8:
+        w13, precision, bias, hidden_per_col = w13_prepared[0], "mxfp4-w", w13_prepared[2] is not None, 2
+    elif isinstance(w13_prepared, (tuple, list)) and len(w13_prepared) == 2 and \
             all(isinstance(t, torch.Tensor) for t in w13_prepared):
         w13, second = w13_prepared
         if w13.dtype == torch.bfloat16:
@@ -457,6 +539,7 @@ def moe_forward(x, w13_prepared, w2, topk_weights, topk_ids, out=None, workspace
     if not isinstance(x, torch.Tensor) or not x.is_cuda:
         raise KernelArgumentError("x must be a CUDA tensor [tokens, hidden] (bf16)")
     E, I2, H = w13.shape
+    H *= hidden_per_col
     key = (E, topk_ids.shape[1], H, I2 // 2, activation, precision, bias, x.device.index if x.is_cuda else None)
     layer = _LAYERS.get(key)
     if layer is None:

@@ -1,0 +1,190 @@
+"""The weight-only MXFP4 layer ("mxfp4-w") on the CPU: the dequantizing reference by hand, the
+kernels' e2m1 -> bf16 bit arithmetic emulated in torch against it for every code and scale
+byte, gpt-oss checkpoint import against the checkpoint's own decode, the spec and variant rules,
+and real compiles of the kernels for sm_90a (their numerics are checked on the GPU:
+tests/test_gpu_w4.py, tools/check_w4.py)."""
+from __future__ import annotations
+
+import re
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from moe_aot import gemm_limits as limits  # noqa: E402
+from moe_aot import variants as V  # noqa: E402
+from moe_aot.harness import w4 as w4_ref  # noqa: E402
+from moe_aot.harness.reference import moe_reference, rel_err  # noqa: E402
+from moe_aot.layout import interleave_gate_up  # noqa: E402
+from moe_aot.runtime import w4  # noqa: E402
+from moe_aot.spec import SpecError, make_spec  # noqa: E402
+
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def _checkpoint_decode(blocks, scales):
+    """gpt-oss's own decode (openai/gpt-oss gpt_oss/torch/weights.py, Checkpoint._get_mxfp4_tensor):
+    blocks [..., G, 16], scales [..., G] -> [..., G * 32], low nibble first, ldexp(lut, scale - 127)."""
+    lut = torch.tensor(E2M1)
+    vals = torch.stack((lut[(blocks & 0xF).long()], lut[(blocks >> 4).long()]), dim=-1).flatten(-2)
+    return torch.ldexp(vals, (scales.long() - 127).unsqueeze(-1)).flatten(-2)
+
+
+def test_dequantize_by_hand():
+    # one expert, one row, K = 64: block 0 codes 0..15 twice with scale 2^0, block 1 code 7 (6.0)
+    # with scale 2^-3 and code 9 (-0.5) with scale 2^-3
+    codes = torch.tensor(list(range(16)) * 2 + [7, 9] * 16, dtype=torch.uint8)
+    blocks = (codes[0::2] | (codes[1::2] << 4)).reshape(1, 1, 32)
+    scales = torch.tensor([127, 124], dtype=torch.uint8).reshape(1, 2, 1)  # [E, K/32, N]
+    got = w4.dequantize(blocks, scales)[0, 0]
+    want = torch.tensor(list(E2M1) * 2 + [0.75, -0.0625] * 16)
+    assert torch.equal(got, want)
+
+
+def test_reference_by_hand_on_a_tiny_layer():
+    """The mxfp4-w reference is the fp32 layer on the hand-decoded weights: one token, one
+    expert, weights all code 2 (1.0) times 2^(s - 127), so every GEMM is a sum of x."""
+    E, H, I = 2, 64, 32
+    one = 0x22  # two codes of 1.0
+    w13 = w4.W4Weight(torch.full((E, 2 * I, H // 2), one, dtype=torch.uint8),
+                      torch.full((E, H // 32, 2 * I), 126, dtype=torch.uint8), None)  # 0.5 each
+    w2 = w4.W4Weight(torch.full((E, H, I // 2), one, dtype=torch.uint8),
+                     torch.full((E, I // 32, H), 127, dtype=torch.uint8), None)  # 1.0 each
+    x = torch.zeros(1, H, dtype=torch.bfloat16)
+    x[0, :4] = torch.tensor([1.0, 2.0, -1.0, 0.5])  # sum 2.5: gate = up = 0.5 * 2.5
+    ids, tw = torch.tensor([[1]], dtype=torch.int32), torch.tensor([[0.5]])
+    out = w4_ref.moe_w4_reference(x, w13, w2, tw, ids, "swiglu")
+    g = 1.25
+    h = g / (1 + torch.exp(torch.tensor(-g))) * g  # silu(gate) * up, every one of the I columns
+    assert torch.allclose(out, torch.full((1, H), float(0.5 * I * h)), rtol=1e-6)
+
+
+def _kernel_dequant8(word: torch.Tensor, sbyte: torch.Tensor) -> torch.Tensor:
+    """templates/grouped_w4.py's _dequant8 in torch integer and bf16 arithmetic: int32 words
+    [n] and scale bytes [n] -> bf16 [n, 8]."""
+    out = []
+    for j in range(4):
+        x = word >> (8 * j)
+        u = (x & 0xF) | ((x & 0xF0) << 12)
+        bits = ((u & 0x00070007) << 6) | ((u & 0x00080008) << 12)
+        out.append(torch.stack((bits & 0xFFFF, (bits >> 16) & 0xFFFF), -1))
+    raw = torch.stack(out, 1).reshape(-1, 8).to(torch.int16).view(torch.bfloat16)
+    sbits = torch.where(sbyte == 0, 0x40, torch.where(sbyte == 255, 0x7FC0, sbyte << 7)).to(torch.int16)
+    two126 = torch.tensor(0x7E80, dtype=torch.int16).view(torch.bfloat16)
+    return raw * two126 * sbits.view(torch.bfloat16).unsqueeze(1)
+
+
+def test_kernel_bit_arithmetic_is_exact_for_every_code_and_scale():
+    """Every e2m1 code in every nibble position with every scale byte, through the kernel's
+    conversion, equals the dequantization (exactly: bf16 holds every such product; byte 255 NaN)."""
+    codes = torch.arange(16, dtype=torch.int64)
+    # words holding codes (c, c+1, ..., c+7) mod 16, for each c: every code in every position
+    words = torch.zeros(16, dtype=torch.int64)
+    for pos in range(8):
+        words |= ((codes + pos) % 16) << (4 * pos)
+    words = torch.where(words >= 2 ** 31, words - 2 ** 32, words)  # as int32
+    sb = torch.arange(256, dtype=torch.int64)
+    w, s = words.repeat(256), sb.repeat_interleave(16)
+    got = _kernel_dequant8(w, s).float()
+    blocks = torch.tensor([(int(v) & 0xFFFFFFFF).to_bytes(4, "little") for v in w.tolist()],
+                          dtype=torch.uint8).reshape(-1, 1, 4)
+    want = w4.dequantize(blocks.repeat(1, 1, 4), s.to(torch.uint8).reshape(-1, 1, 1))[:, 0, :8]
+    assert torch.equal(torch.isnan(got), torch.isnan(want)) and bool(torch.isnan(got[s == 255]).all())
+    fin = ~torch.isnan(want)
+    assert torch.equal(got[fin], want[fin])
+    assert torch.equal(torch.signbit(got[fin]), torch.signbit(want[fin]))  # -0.0 stays -0.0
+
+
+def _gpt_oss_layer(e=2, h=64, i=64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    blocks13 = torch.randint(0, 256, (e, 2 * i, h // 32, 16), dtype=torch.uint8, generator=g)
+    scales13 = torch.randint(118, 130, (e, 2 * i, h // 32), dtype=torch.uint8, generator=g)
+    blocks2 = torch.randint(0, 256, (e, h, i // 32, 16), dtype=torch.uint8, generator=g)
+    scales2 = torch.randint(118, 130, (e, h, i // 32), dtype=torch.uint8, generator=g)
+    b13 = torch.randn(e, 2 * i, generator=g).to(torch.bfloat16)
+    b2 = torch.randn(e, h, generator=g).to(torch.bfloat16)
+    return blocks13, scales13, blocks2, scales2, b13, b2
+
+
+def test_gpt_oss_import_matches_the_checkpoint_decode_and_round_trips():
+    """from_gpt_oss keeps the bytes and regroups rows: the dequantized w13 equals the checkpoint's
+    decode with even rows as gate and odd rows as up, interleaved in blocks of 16 (the bf16
+    layer's w13), w2 the checkpoint's decode; to_gpt_oss gives the checkpoint's bytes back."""
+    b13q, s13, b2q, s2, b13, b2 = _gpt_oss_layer()
+    w13, w2 = w4.from_gpt_oss(b13q, s13, b2q, s2, b13, b2)
+    assert w13.blocks.shape == (2, 128, 32) and w13.scales.shape == (2, 2, 128) and w13.blocks.is_contiguous()
+    dense13 = _checkpoint_decode(b13q, s13)  # [E, 2I, H], rows gate, up, gate, up, ...
+    want13 = interleave_gate_up(dense13[:, 0::2], dense13[:, 1::2], V.INTERLEAVE)
+    assert torch.equal(w4.dequantize(w13.blocks, w13.scales), want13)
+    assert torch.equal(w4.dequantize(w2.blocks, w2.scales), _checkpoint_decode(b2q, s2))
+    assert torch.equal(w13.bias, interleave_gate_up(b13[:, 0::2, None], b13[:, 1::2, None], V.INTERLEAVE)[..., 0])
+    assert torch.equal(w2.bias, b2)
+    for mine, theirs in zip(w4.to_gpt_oss(w13, w2), (b13q, s13, b2q, s2)):
+        assert torch.equal(mine, theirs)
+    # the reference of the imported layer is the fp32 layer of the checkpoint's weights
+    x = torch.randn(3, 64).to(torch.bfloat16)
+    ids = torch.tensor([[0, 1], [1, 0], [1, 1 - 1]], dtype=torch.int32)
+    tw = torch.rand(3, 2)
+    ref = w4_ref.moe_w4_reference(x, w13, w2, tw, ids, "swigluoai")
+    want = moe_reference(x, want13, _checkpoint_decode(b2q, s2), tw, ids, "swigluoai", V.INTERLEAVE, w13.bias, b2)
+    assert torch.equal(ref, want)
+    with pytest.raises(ValueError, match=r"\[E, N, K/32, 16\]"):
+        w4.from_gpt_oss(b13q[..., :8], s13, b2q, s2)
+
+
+def test_prepare_weights_quantizes_like_blockscale_and_tracks_bf16():
+    torch.manual_seed(3)
+    gate, up, down = torch.randn(2, 64, 128), torch.randn(2, 64, 128) * 3, torch.randn(2, 128, 64)
+    w13, w2 = w4.prepare_weights(gate, up, down)
+    d13 = w4.dequantize(w13.blocks, w13.scales)
+    assert rel_err(d13, interleave_gate_up(gate, up)) < 0.15  # e2m1 keeps ~2 significant bits
+    assert rel_err(w4.dequantize(w2.blocks, w2.scales), down) < 0.15
+    # quantizing the dequantized weights again gives the same bytes (MX round trip)
+    again = w4.quantize(d13)
+    assert torch.equal(again[0], w13.blocks) and torch.equal(again[1], w13.scales)
+
+
+def test_spec_and_variant_rules():
+    spec = make_spec("gpt-oss-120b", precision="mxfp4-w")
+    assert spec.bias and spec.precision_tag == "mxfp4w"
+    with pytest.raises(SpecError, match="not yet supported for sm_100a"):
+        make_spec("gpt-oss-120b", precision="mxfp4-w", target="sm_100a")
+    for tokens in (1, 16, 64, 256, 1024, 4096):
+        v = V.default_variant(spec, tokens)
+        assert V.can_implement(spec, v) == (True, "ok")
+        names = [kv.name for kv in v.kernels(spec)]
+        assert [kv.role for kv in v.kernels(spec)] == list(V.PRECISION_ROLES["mxfp4-w"])
+        assert all("_mxfp4w_" in n for n in names if not n.startswith("moe_route"))
+    bf16 = make_spec("gpt-oss-120b")
+    v = V.default_variant(spec, 1)
+    assert {kv.name for kv in v.kernels(spec)[1:3]}.isdisjoint(kv.name for kv in v.kernels(bf16))
+    ok = V.LayerVariant(16, V.GemmTiles(128, 64, 4), V.GemmTiles(64, 64, 4))
+    assert V.can_implement(spec, ok)[0]
+    refusals = [
+        (V.LayerVariant(64, V.GemmTiles(128, 64, 4, "hopws"), V.GemmTiles(64, 64, 4)), "runs on mma in"),
+        (V.LayerVariant(16, V.GemmTiles(128, 64, 2), V.GemmTiles(64, 64, 4)), "must be >= 3"),
+        (V.LayerVariant(32, V.GemmTiles(32, 32, 4), V.GemmTiles(64, 64, 4)), "packed weight rows"),
+    ]
+    for v, why in refusals:
+        ok_, reason = V.can_implement(spec, v)
+        assert not ok_ and why in reason, reason
+    assert limits.check_w4("mxfp4-w", 64, 48, 16, 32, 16, 3, "warp")[1].endswith("scale blocks")
+    assert limits.check_w4("bf16", 64, 48, 16, 32, 16, 1, "wgmma") == (True, "")
+
+
+def test_kernels_compile_for_sm90a_with_the_expected_ptx():
+    """The default pick at 1 token of gpt-oss-120b: both GEMMs compile for sm_90a; the weights
+    come in as 16-byte cp.async, are converted with bf16x2 multiplies (no fp32 detour, no local
+    memory), and multiplied by bf16 mma.sync."""
+    from moe_aot.compiler import build_template
+    from moe_aot.kernel_build import compile_kernel
+
+    spec = make_spec("gpt-oss-120b", precision="mxfp4-w")
+    v = V.default_variant(spec, 1)
+    for kv in v.kernels(spec)[1:3]:
+        art = compile_kernel(build_template(kv), "sm_90a", kv.name)
+        ptx = art.ptx
+        assert "ld.local" not in ptx and "st.local" not in ptx, kv.name
+        assert re.search(r"cp\.async\.cg\.shared\.global(\.L2::128B)? \[[^]]+\], \[[^]]+\], 16(, 16)?;", ptx), kv.name
+        assert "mul.bf16x2" in ptx and "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in ptx, kv.name
+        assert "st.shared.v4.b32" in ptx, kv.name  # the 16-byte stores of dequantized chunks
