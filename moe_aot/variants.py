@@ -384,6 +384,54 @@ def candidate_space(spec: LayerSpec) -> list[LayerVariant]:
     return out
 
 
+# Targets whose defaults come from the performance model (moe_aot/perfmodel.py) instead of
+# measurements: no DGX Spark was available to measure on. On the H200 the model's pick per bucket
+# came within a geomean 4-5% of the best measured variant (tools/results/perfmodel_h200.md).
+MODELED_DEFAULTS = ("sm_121a",)
+
+
+@functools.cache
+def modeled_default(spec: LayerSpec, tokens: int) -> LayerVariant:
+    """The variant the performance model predicts fastest at `tokens` on `spec.target`'s device,
+    among every valid one (routing cluster 1, no PDL). The layer's time is routing + GEMM1 + GEMM2
+    + combine, so per tile_m each GEMM's tiles are chosen alone."""
+    from .perfmodel import DEVICES, gemm_seconds, predict
+
+    dev, lim = DEVICES[spec.target], TARGET_LIMITS[spec.target]
+    E, K, H, I = spec.experts, spec.top_k, spec.hidden, spec.intermediate
+    best = None
+    for m in TILE_M:
+        chosen = []
+        for role, n, k, out, read_a in (("glu", 2 * I, H, I, False), ("down", H, I, H, True)):
+            cands = [t for t in (GemmTiles(tn, tk, st, mma) for tn in TILE_N for tk in TILE_K for st in STAGES
+                                 for mma in lim["mma"])
+                     if gemm_can_implement(n, k, m, t, spec.target, spec.precision, role)[0]
+                     and (role == "down" or limits.check_glu_shape(I, t.tile_n, INTERLEAVE, spec.activation)[0])]
+            if not cands:
+                break
+            chosen.append(min(cands, key=lambda t: _model_key(gemm_seconds(dev, n, k, out, tokens, K, E, m, t,
+                                                                           read_a, False)["seconds"], t)))
+        if len(chosen) < 2:
+            continue
+        v = LayerVariant(m, chosen[0], chosen[1], 1)
+        if can_implement(spec, v)[0]:
+            t = predict(spec, v, tokens, dev)["seconds"]
+            if best is None or t < best[0]:
+                best = (t, v)
+    if best is None:
+        raise ValueError(f"no variant can implement {spec.workload_key} on {spec.target}")
+    return best[1]
+
+
+def _model_key(seconds: float, t: GemmTiles) -> tuple:
+    """Order of GEMM tiles by predicted time; within 1% of each other (the model's resolution: a
+    weight-streaming GEMM takes the same time over most tiles), the deepest weight pipeline per
+    CTA first (the most robust to memory latency), then the widest tile (fewer CTAs)."""
+    import math
+
+    return (math.floor(math.log(seconds) / math.log(1.01)), -(t.stages - 1) * t.tile_n * t.tile_k, -t.tile_n, t)
+
+
 def default_variant(spec: LayerSpec, tokens: int) -> LayerVariant:
     """The documented untuned choice per token-count bucket: the first valid of a short list.
     From the H200 kernel measurements (tools/results/gemm_check_h200_2026-11-29.txt): few routed
@@ -391,6 +439,8 @@ def default_variant(spec: LayerSpec, tokens: int) -> LayerVariant:
     per expert need wgmma 128-row tiles (the persistent TMA core "hopws" where the target has it,
     from 33 rows per expert: at 64 rows per expert it beat 64-row mma.sync tiles by 14-23% in the
     kernel check of 2026-12-01, tools/results/NOTES.md); in between, 64-row mma.sync tiles."""
+    if spec.target in MODELED_DEFAULTS and PRECISION_MMAS[spec.precision] is None:
+        return modeled_default(spec, tokens)
     cluster = 1 if tokens <= 256 else max(TARGET_LIMITS[spec.target]["clusters"])
     rows_per_expert = tokens * spec.top_k / spec.experts
     W, G, P = "warp", "wgmma", "hopws"
