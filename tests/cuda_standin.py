@@ -26,7 +26,8 @@ SIMPLE = {
     "cuMemAllocHost": "Pz", "cuMemFreeHost": "p", "cuMemAllocManaged": "Pzu", "cuMemcpy": "ppz",
     "cuMemcpyAsync": "ppzp", "cuMemsetD8": "pbz", "cuMemsetD8Async": "pbzp",
     "cuStreamCreate": "Pu", "cuStreamDestroy": "p", "cuStreamSynchronize": "p", "cuStreamWaitEvent": "ppu",
-    "cuStreamAddCallback": "pppu", "cuStreamBeginCapture": "pi", "cuStreamEndCapture": "pP",
+    "cuStreamAddCallback": "pppu", "cuStreamBeginCapture": "pi", "cuStreamBeginCapture_v2": "pi",
+    "cuStreamEndCapture": "pP",
     "cuEventCreate": "Pu", "cuEventDestroy": "p", "cuEventRecord": "pp", "cuEventElapsedTime": "Fpp",
     "cuGraphInstantiateWithFlags": "PpU", "cuGraphLaunch": "pp", "cuGraphDestroy": "p",
     "cuGraphExecDestroy": "p", "cuProfilerStart": "", "cuProfilerStop": "",
@@ -56,6 +57,9 @@ static void rec(const char *fmt, ...) {
 const char *standin_log(void) { log_buf[log_len] = 0; return log_buf; }
 void standin_reset(void) { log_len = 0; }
 void standin_set_ctx(void *ctx) { current_ctx = ctx; }
+int standin_capturing = 0; /* the capture status cuStreamIsCapturing answers */
+int cuStreamIsCapturing(void *stream, int *status) { rec("cuStreamIsCapturing %p", stream);
+    *status = standin_capturing; return 0; }
 int cuCtxGetCurrent(void **ctx) { standin_ctx_queries++; *ctx = current_ctx; return 0; }
 int cuCtxSetCurrent(void *ctx) { rec("cuCtxSetCurrent %p", ctx); current_ctx = ctx; return 0; }
 int cuDeviceGetAttribute(int *v, int attr, int dev) {
@@ -95,7 +99,8 @@ def _simple(name: str, kinds: str) -> str:
 
 
 def source() -> str:
-    names = list(SIMPLE) + ["cuCtxGetCurrent", "cuCtxSetCurrent", "cuDeviceGetAttribute", "cuLibraryLoadData",
+    names = list(SIMPLE) + ["cuCtxGetCurrent", "cuCtxSetCurrent", "cuStreamIsCapturing", "cuDeviceGetAttribute",
+                            "cuLibraryLoadData",
                             "cuLibraryGetKernel", "cuLaunchKernelEx", "cuGetErrorName", "cuGetErrorString"]
     table = ",\n".join(f'    {{"{n}", (void *){n}}}' for n in names)
     return (_HEAD + "".join(_simple(n, k) for n, k in SIMPLE.items())

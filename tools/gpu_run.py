@@ -124,7 +124,8 @@ print(json.dumps({"model": sys.argv[1], "cuda_context_ms": 1e3 * (t_cuda - t0),
                                                                  + (t_load - t_open) + (t_first - t_data)),
                   "eager_host_us_per_forward": 1e6 * (t_host - t_first) / n, **med,
                   "first_call_stages_ms": getattr(layer, "first_call_ms", None), "diag": diag,
-                  "native_launch": getattr(plan, "native", None), "heavy_modules": heavy,
+                  "native_launch": getattr(plan, "native", None), "eager_graphs": getattr(plan, "graphs", None),
+                  "heavy_modules": heavy,
                   "moe_aot_from": sys.modules["moe_aot"].__file__}))
 """
 
