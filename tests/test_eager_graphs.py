@@ -49,7 +49,7 @@ for k in range(4):
     p.ret[k] = ctypes.addressof(rets[k])
 p.n = 0
 p.cu[:] = [ctypes.cast(getattr(standin, n), ctypes.c_void_p).value for n in names]
-p.capture_stream = 0xc5
+p.capture_stream = 0
 out = []
 def call(ptrs, stream=0x51):
     standin.standin_reset(); kernels.kernels_reset()
@@ -60,7 +60,10 @@ def call(ptrs, stream=0x51):
 A, B = (0x100, 0x200, 0x300, 0x400, 0x500, 0x600), (0x110, 0x200, 0x300, 0x400, 0x500, 0x600)
 C = (0x120, 0x200, 0x300, 0x400, 0x500, 0x600)
 call(A)          # 0: first sight, direct
-call(A)          # 1: twice in a row: captured, then launched as a graph
+call(A)          # twice in a row, but no capture stream yet: nothing runs, the caller is asked for one
+needs_stream = out.pop()
+p.capture_stream = 0xc5
+call(A)          # 1: captured, then launched as a graph
 call(A)          # 2: graph
 call(B)          # 3: other pointers: direct
 call(A)          # 4: graph again
@@ -79,7 +82,7 @@ call(A)          # 10: graphs off: direct
 standin.standin_reset()
 fn.release(ctypes.addressof(p))
 out.append({"release": standin.standin_log().decode().splitlines(), "n_graphs": p.n_graphs})
-print(json.dumps({"calls": out, "graph_error": p.graph_error}))
+print(json.dumps({"calls": out, "graph_error": p.graph_error, "needs_stream": needs_stream}))
 """
 
 
@@ -100,6 +103,9 @@ def test_graph_path_of_the_native_launcher(tmp_path):
     direct = [f"run{k} 0x51" for k in range(4)]
     assert calls[0]["ret"] == 0 and calls[0]["kernels"] == direct and calls[0]["n_graphs"] == 0
     assert driver(0, "cuStreamIsCapturing") == ["cuStreamIsCapturing 0x51"] and not driver(0, "cuGraph")
+    needs = got["needs_stream"]
+    assert needs["ret"] == 6 and needs["kernels"] == [] and not [ln for ln in needs["driver"] if "Graph" in ln
+                                                                 or "Capture(" in ln or "Capture_v2" in ln]
     one = calls[1]
     assert one["ret"] == 0 and one["n_graphs"] == 1
     assert one["kernels"] == [f"run{k} 0xc5" for k in range(4)]  # captured on the private stream, not run

@@ -89,8 +89,8 @@ void moe_aot_release(struct plan *p) {
     for (int g = 0; g < p->n_graphs; g++) ((destroy_fn)p->cu[EXEC_DESTROY])(p->exec[g]);
     p->n_graphs = -1;
 }
-/* 0, or k (1-4) when kernel k's launch failed (its cudaError in *ret[k-1]), or 5 when a graph
-   launch failed (its CUresult in graph_error) */
+/* 0, or k (1-4) when kernel k's launch failed (its cudaError in *ret[k-1]), 5 when a graph
+   launch failed (its CUresult in graph_error), 6 when a capture needs capture_stream first */
 int moe_aot_launch(struct plan *p) {
     for (int i = 0; i < p->n; i++) *p->dst[i] = p->args[p->src[i]];
     void *stream = p->args[8];
@@ -101,6 +101,7 @@ int moe_aot_launch(struct plan *p) {
         int g = 0;
         while (g < p->n_graphs && memcmp(p->keys[g], p->args, sizeof p->keys[g])) g++;
         if (g == p->n_graphs && g < MAX_GRAPHS && !memcmp(p->last, p->args, sizeof p->last)) {
+            if (!p->capture_stream) return 6; /* the caller makes one and calls again: nothing ran */
             if (capture(p, &p->exec[g]) == 0) {
                 memcpy(p->keys[g], p->args, sizeof p->keys[g]);
                 p->n_graphs++;
@@ -284,20 +285,25 @@ class LayerPlan:
                 p.dst[j] = ctypes.addressof(bound[k]._structs[a])  # `data` is each struct's first field
                 p.src[j] = i
             cu = driver_graph_functions() if self.index is not None else ()
-            if cu:
-                try:
-                    self._capture_stream = torch.cuda.Stream(device=self.device)  # held: the graphs use it
-                except (RuntimeError, AssertionError):  # no usable CUDA here: launch directly
-                    cu = ()
-            if cu:
-                p.cu[:] = cu
-                p.capture_stream = self._capture_stream.cuda_stream
+            if cu:  # the capture stream comes at the first capture (torch's first stream of a device
+                p.cu[:] = cu  # costs 3-5 ms: not in a first forward)
             self._plan = p
             self._plan_ptr = ctypes.addressof(p)
 
     @property
     def native(self) -> bool:
         return self._plan is not None
+
+    def _make_capture_stream(self) -> bool:
+        """A stream of the layer's device for the launcher's captures (held: its graphs use it);
+        False, with graphs off for this plan, where none can be had."""
+        try:
+            self._capture_stream = torch.cuda.Stream(device=self.device)
+            self._plan.capture_stream = self._capture_stream.cuda_stream
+            return True
+        except (RuntimeError, AssertionError):
+            self._plan.n_graphs = -1
+            return False
 
     @property
     def graphs(self) -> int:
@@ -352,6 +358,9 @@ class LayerPlan:
         if self._plan is not None:
             _pack_args(self._plan, _ARGS_OFFSET, p0, p1, p2, p3, p4, p5, p6, p7, stream)
             failed = self._fn(self._plan_ptr)
+            if failed == 6:  # the first capture of this plan: it needs a stream (else graphs go off)
+                self._make_capture_stream()
+                failed = self._fn(self._plan_ptr)
             if failed:
                 if failed == 5:
                     err = self._plan.graph_error
