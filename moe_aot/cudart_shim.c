@@ -22,6 +22,15 @@
  *   (cudaGetLastError returns and clears it); names and strings come from cuGetErrorName /
  *   cuGetErrorString, with the runtime's own for the codes only the runtime has.
  *
+ * What a kernel library's host code asks of it, read from the DSL's exported objects (nm, objdump):
+ * its load (cuda_init, load_to_device) calls cudaLibraryLoadData, cudaLibraryGetKernel,
+ * cudaGetDevice, cudaDeviceGetAttribute, cudaFuncSetAttribute / cudaKernelSetAttributeForDevice and
+ * cuKernelGetAttribute (through cudaGetDriverEntryPointByVersion, resolved once); a launch calls
+ * cudaLaunchKernelExC and nothing else (TMA descriptors are bit-packed by the host code itself, no
+ * cuTensorMapEncode*). So a launch is one cuLaunchKernelEx, plus a cuCtxGetCurrent only where the
+ * stream needs a current context. With MOE_AOT_SHIM_STATS=1 in the environment every entry point
+ * counts its calls and the launches time themselves (moe_aot_shim_stats below, one copy per library).
+ *
  * tests/test_cudart_shim.py checks each function's driver call and arguments against a
  * recording stand-in libcuda.so.1, and the types below against CUDA's headers where present.
  */
@@ -29,8 +38,10 @@
 #include <pthread.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #define SHIM_CUDA_VERSION 13000 /* the driver API version whose signatures are declared here */
 #define EXPORT /* visible in a test build; the kernel link compiles with -fvisibility=hidden */
@@ -159,6 +170,81 @@ static int context(void) {
 }
 
 #define NEED_CONTEXT() do { int e_ = context(); if (e_) return e_; } while (0)
+
+/* -- statistics, off unless MOE_AOT_SHIM_STATS is set (and not "0") when first asked ------------- */
+struct shim_stat { const char *name; unsigned long long calls; struct shim_stat *next; int linked; };
+static struct shim_stat *stats_head;
+static pthread_mutex_t stats_lock = PTHREAD_MUTEX_INITIALIZER;
+static int stats_on = -1;
+static unsigned long long stat_launch_ns, stat_driver_launch_ns, stat_context_checks;
+
+static int stats_enabled(void) {
+    int on = __atomic_load_n(&stats_on, __ATOMIC_RELAXED);
+    if (on < 0) {
+        const char *v = getenv("MOE_AOT_SHIM_STATS");
+        on = v && *v && strcmp(v, "0") != 0;
+        __atomic_store_n(&stats_on, on, __ATOMIC_RELAXED);
+    }
+    return on;
+}
+
+static void count_call(struct shim_stat *s) {
+    if (!__atomic_load_n(&s->linked, __ATOMIC_ACQUIRE)) {
+        pthread_mutex_lock(&stats_lock);
+        if (!s->linked) {
+            s->next = stats_head;
+            stats_head = s;
+            __atomic_store_n(&s->linked, 1, __ATOMIC_RELEASE);
+        }
+        pthread_mutex_unlock(&stats_lock);
+    }
+    __atomic_fetch_add(&s->calls, 1, __ATOMIC_RELAXED);
+}
+
+static unsigned long long now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (unsigned long long)t.tv_sec * 1000000000ull + (unsigned long long)t.tv_nsec;
+}
+
+/* each cuda* entry point: its own counter, linked into the list at its first counted call */
+#define TRACE()                                                                  \
+    static struct shim_stat stat_ = {__func__, 0, NULL, 0};                      \
+    if (stats_enabled()) count_call(&stat_)
+
+/* The counts as text, one "name value" a line (entry points by name; launch_ns: time in
+   cudaLaunchKernelExC, driver_launch_ns: of which in cuLaunchKernelEx; context_checks:
+   cuCtxGetCurrent calls made for launches); zeroed after reading when `reset`. Returns the length
+   the whole text needs (it is cut at `cap` - 1), or -1 with the statistics off. Visible in every
+   library build (the link hides everything else), found by the runtime with dlsym. */
+__attribute__((visibility("default"))) int moe_aot_shim_stats(char *buf, size_t cap, int reset) {
+    if (!stats_enabled()) return -1;
+    char line[160];
+    size_t len = 0;
+#define EMIT(fmt, ...) do {                                                       \
+        int n_ = snprintf(line, sizeof line, fmt, __VA_ARGS__);                   \
+        if (buf && len + 1 < cap)                                                 \
+            memcpy(buf + len, line, len + (size_t)n_ < cap - 1 ? (size_t)n_ : cap - 1 - len); \
+        len += (size_t)n_;                                                        \
+    } while (0)
+    pthread_mutex_lock(&stats_lock);
+    for (struct shim_stat *s = stats_head; s; s = s->next) {
+        EMIT("%s %llu\n", s->name, __atomic_load_n(&s->calls, __ATOMIC_RELAXED));
+        if (reset) __atomic_store_n(&s->calls, 0, __ATOMIC_RELAXED);
+    }
+    pthread_mutex_unlock(&stats_lock);
+    EMIT("launch_ns %llu\n", __atomic_load_n(&stat_launch_ns, __ATOMIC_RELAXED));
+    EMIT("driver_launch_ns %llu\n", __atomic_load_n(&stat_driver_launch_ns, __ATOMIC_RELAXED));
+    EMIT("context_checks %llu\n", __atomic_load_n(&stat_context_checks, __ATOMIC_RELAXED));
+#undef EMIT
+    if (reset) {
+        __atomic_store_n(&stat_launch_ns, 0, __ATOMIC_RELAXED);
+        __atomic_store_n(&stat_driver_launch_ns, 0, __ATOMIC_RELAXED);
+        __atomic_store_n(&stat_context_checks, 0, __ATOMIC_RELAXED);
+    }
+    if (buf && cap) buf[len < cap ? len : cap - 1] = 0;
+    return (int)len;
+}
 #define NEED_DRIVER() do { int e_ = driver(); if (e_) return fail(e_); } while (0)
 
 /* -- errors ------------------------------------------------------------------------------------ */
@@ -194,6 +280,7 @@ EXPORT const char *cudaGetErrorName(int err) { return error_text(err, 1); }
 EXPORT const char *cudaGetErrorString(int err) { return error_text(err, 0); }
 
 EXPORT int cudaGetLastError(void) {
+    TRACE();
     int err = last_error;
     last_error = cudaSuccess;
     return err;
@@ -201,6 +288,7 @@ EXPORT int cudaGetLastError(void) {
 
 /* -- driver, devices ---------------------------------------------------------------------------- */
 EXPORT int cudaDriverGetVersion(int *version) {
+    TRACE();
     if (!version) return fail(cudaErrorInvalidValue);
     *version = 0;
     pthread_once(&driver_once, open_driver);
@@ -212,16 +300,19 @@ EXPORT int cudaDriverGetVersion(int *version) {
 
 EXPORT int cudaGetDriverEntryPointByVersion(const char *symbol, void **fn, unsigned version,
                                             unsigned long long flags, int *status) {
+    TRACE();
     NEED_DRIVER();
     CALL(driver_get_proc(symbol, fn, (int)version, flags, status));
 }
 
 EXPORT int cudaGetDeviceCount(int *count) {
+    TRACE();
     DRV(shim_result (*)(int *), cuDeviceGetCount);
     CALL(cuDeviceGetCount(count));
 }
 
 EXPORT int cudaGetDevice(int *device) {
+    TRACE();
     DRV(shim_result (*)(shim_handle *), cuCtxGetCurrent);
     DRV(shim_result (*)(shim_device *), cuCtxGetDevice);
     if (!device) return fail(cudaErrorInvalidValue);
@@ -239,12 +330,14 @@ EXPORT int cudaGetDevice(int *device) {
 }
 
 EXPORT int cudaSetDevice(int device) {
+    TRACE();
     int err = set_primary(device);
     if (!err) current_device = device;
     return err;
 }
 
 EXPORT int cudaDeviceGetAttribute(int *value, int attr, int device) {
+    TRACE();
     DRV(shim_result (*)(int *, int, shim_device), cuDeviceGetAttribute);
     shim_device dev;
     int err = device_handle(device, &dev);
@@ -253,6 +346,7 @@ EXPORT int cudaDeviceGetAttribute(int *value, int attr, int device) {
 }
 
 EXPORT int cudaDeviceSynchronize(void) {
+    TRACE();
     DRV(shim_result (*)(void), cuCtxSynchronize);
     NEED_CONTEXT();
     CALL(cuCtxSynchronize());
@@ -262,6 +356,7 @@ EXPORT int cudaDeviceSynchronize(void) {
 /* `func` is always a cudaKernel_t here (a kernel library registers no host stubs), i.e. a CUkernel;
    cudaFuncAttribute's values are CUfunction_attribute's. */
 EXPORT int cudaKernelSetAttributeForDevice(void *kernel, int attr, int value, int device) {
+    TRACE();
     DRV(shim_result (*)(int, int, shim_handle, shim_device), cuKernelSetAttribute);
     shim_device dev;
     int err = device_handle(device, &dev);
@@ -270,6 +365,7 @@ EXPORT int cudaKernelSetAttributeForDevice(void *kernel, int attr, int value, in
 }
 
 EXPORT int cudaFuncSetAttribute(const void *func, int attr, int value) {
+    TRACE();
     int device = 0;
     int err = cudaGetDevice(&device);
     if (err) return err;
@@ -278,6 +374,7 @@ EXPORT int cudaFuncSetAttribute(const void *func, int attr, int value) {
 
 EXPORT int cudaOccupancyMaxActiveBlocksPerMultiprocessor(int *blocks, const void *func, int block_size,
                                                           size_t smem) {
+    TRACE();
     DRV(shim_result (*)(shim_handle *, shim_handle), cuKernelGetFunction);
     DRV(shim_result (*)(int *, shim_handle, int, size_t), cuOccupancyMaxActiveBlocksPerMultiprocessor);
     NEED_CONTEXT();
@@ -286,22 +383,47 @@ EXPORT int cudaOccupancyMaxActiveBlocksPerMultiprocessor(int *blocks, const void
     CALL(cuOccupancyMaxActiveBlocksPerMultiprocessor(blocks, fn, block_size, smem));
 }
 
-/* The launch of every kernel: one context check and cuLaunchKernelEx, attributes passed as they are. */
+/* The launch of every kernel: cuLaunchKernelEx, attributes passed as they are. A CUkernel runs in
+   the context of the stream it is launched on, so only the NULL stream and the legacy and
+   per-thread handles (1, 2) need the thread's current context first (cudart's lazy primary
+   context); a real stream costs no cuCtxGetCurrent. Should a driver still answer
+   CUDA_ERROR_INVALID_CONTEXT there, the context is made current and the launch tried once more. */
+#define CUDA_ERROR_INVALID_CONTEXT 201
 EXPORT int cudaLaunchKernelExC(const shim_runtime_launch_config *config, const void *func, void **args) {
+    TRACE();
     DRV(shim_result (*)(const shim_driver_launch_config *, shim_handle, void **, void **), cuLaunchKernelEx);
     if (!config || config->dynamicSmemBytes > 0xffffffffu) return fail(cudaErrorInvalidValue);
-    NEED_CONTEXT();
+    int timed = stats_enabled();
+    unsigned long long t0 = timed ? now_ns() : 0, t1 = 0;
+    int special = (uintptr_t)config->stream <= 2;
+    if (special) {
+        if (timed) __atomic_fetch_add(&stat_context_checks, 1, __ATOMIC_RELAXED);
+        NEED_CONTEXT();
+    }
     shim_driver_launch_config c = {
         config->gridDim.x, config->gridDim.y, config->gridDim.z,
         config->blockDim.x, config->blockDim.y, config->blockDim.z,
         (unsigned)config->dynamicSmemBytes, config->stream, config->attrs, config->numAttrs,
     };
-    CALL(cuLaunchKernelEx(&c, (shim_handle)func, args, NULL)); /* a CUkernel is launched as a CUfunction */
+    if (timed) t1 = now_ns();
+    int err = cuLaunchKernelEx(&c, (shim_handle)func, args, NULL); /* a CUkernel is launched as a CUfunction */
+    if (timed) {
+        unsigned long long t2 = now_ns();
+        __atomic_fetch_add(&stat_driver_launch_ns, t2 - t1, __ATOMIC_RELAXED);
+        __atomic_fetch_add(&stat_launch_ns, t2 - t0, __ATOMIC_RELAXED);
+    }
+    if (err == CUDA_ERROR_INVALID_CONTEXT && !special) {
+        if (timed) __atomic_fetch_add(&stat_context_checks, 1, __ATOMIC_RELAXED);
+        NEED_CONTEXT();
+        err = cuLaunchKernelEx(&c, (shim_handle)func, args, NULL);
+    }
+    return fail(err);
 }
 
 /* -- libraries (context-independent loading: no context needed but for globals) ---------------- */
 EXPORT int cudaLibraryLoadData(shim_handle *library, const void *code, int *jit_options, void **jit_values,
                                unsigned n_jit, int *lib_options, void **lib_values, unsigned n_lib) {
+    TRACE();
     DRV(shim_result (*)(shim_handle *, const void *, int *, void **, unsigned, int *, void **, unsigned),
         cuLibraryLoadData);
     CALL(cuLibraryLoadData(library, code, jit_options, jit_values, n_jit, lib_options, lib_values, n_lib));
@@ -309,45 +431,53 @@ EXPORT int cudaLibraryLoadData(shim_handle *library, const void *code, int *jit_
 
 EXPORT int cudaLibraryLoadFromFile(shim_handle *library, const char *path, int *jit_options, void **jit_values,
                                    unsigned n_jit, int *lib_options, void **lib_values, unsigned n_lib) {
+    TRACE();
     DRV(shim_result (*)(shim_handle *, const char *, int *, void **, unsigned, int *, void **, unsigned),
         cuLibraryLoadFromFile);
     CALL(cuLibraryLoadFromFile(library, path, jit_options, jit_values, n_jit, lib_options, lib_values, n_lib));
 }
 
 EXPORT int cudaLibraryUnload(shim_handle library) {
+    TRACE();
     DRV(shim_result (*)(shim_handle), cuLibraryUnload);
     CALL(cuLibraryUnload(library));
 }
 
 EXPORT int cudaLibraryGetKernel(shim_handle *kernel, shim_handle library, const char *name) {
+    TRACE();
     DRV(shim_result (*)(shim_handle *, shim_handle, const char *), cuLibraryGetKernel);
     CALL(cuLibraryGetKernel(kernel, library, name));
 }
 
 EXPORT int cudaLibraryGetKernelCount(unsigned *count, shim_handle library) {
+    TRACE();
     DRV(shim_result (*)(unsigned *, shim_handle), cuLibraryGetKernelCount);
     CALL(cuLibraryGetKernelCount(count, library));
 }
 
 EXPORT int cudaLibraryGetGlobal(void **ptr, size_t *bytes, shim_handle library, const char *name) {
+    TRACE();
     DRV(shim_result (*)(shim_devptr *, size_t *, shim_handle, const char *), cuLibraryGetGlobal);
     NEED_CONTEXT();
     CALL(cuLibraryGetGlobal((shim_devptr *)ptr, bytes, library, name));
 }
 
 EXPORT int cudaLibraryGetManaged(void **ptr, size_t *bytes, shim_handle library, const char *name) {
+    TRACE();
     DRV(shim_result (*)(shim_devptr *, size_t *, shim_handle, const char *), cuLibraryGetManaged);
     NEED_CONTEXT();
     CALL(cuLibraryGetManaged((shim_devptr *)ptr, bytes, library, name));
 }
 
 EXPORT int cudaLibraryGetUnifiedFunction(void **fn, shim_handle library, const char *name) {
+    TRACE();
     DRV(shim_result (*)(void **, shim_handle, const char *), cuLibraryGetUnifiedFunction);
     CALL(cuLibraryGetUnifiedFunction(fn, library, name));
 }
 
 /* -- memory ---------------------------------------------------------------------------------- */
 EXPORT int cudaMalloc(void **ptr, size_t size) {
+    TRACE();
     DRV(shim_result (*)(shim_devptr *, size_t), cuMemAlloc);
     if (!ptr) return fail(cudaErrorInvalidValue);
     NEED_CONTEXT();
@@ -357,6 +487,7 @@ EXPORT int cudaMalloc(void **ptr, size_t size) {
 }
 
 EXPORT int cudaFree(void *ptr) {
+    TRACE();
     DRV(shim_result (*)(shim_devptr), cuMemFree);
     NEED_CONTEXT();
     if (!ptr) return cudaSuccess; /* cudaFree(0): only the context */
@@ -364,30 +495,35 @@ EXPORT int cudaFree(void *ptr) {
 }
 
 EXPORT int cudaMallocAsync(void **ptr, size_t size, shim_handle stream) {
+    TRACE();
     DRV(shim_result (*)(shim_devptr *, size_t, shim_handle), cuMemAllocAsync);
     NEED_CONTEXT();
     CALL(cuMemAllocAsync((shim_devptr *)ptr, size, stream));
 }
 
 EXPORT int cudaFreeAsync(void *ptr, shim_handle stream) {
+    TRACE();
     DRV(shim_result (*)(shim_devptr, shim_handle), cuMemFreeAsync);
     NEED_CONTEXT();
     CALL(cuMemFreeAsync((shim_devptr)(uintptr_t)ptr, stream));
 }
 
 EXPORT int cudaMallocHost(void **ptr, size_t size) {
+    TRACE();
     DRV(shim_result (*)(void **, size_t), cuMemAllocHost);
     NEED_CONTEXT();
     CALL(cuMemAllocHost(ptr, size));
 }
 
 EXPORT int cudaFreeHost(void *ptr) {
+    TRACE();
     DRV(shim_result (*)(void *), cuMemFreeHost);
     NEED_CONTEXT();
     CALL(cuMemFreeHost(ptr));
 }
 
 EXPORT int cudaMallocManaged(void **ptr, size_t size, unsigned flags) {
+    TRACE();
     DRV(shim_result (*)(shim_devptr *, size_t, unsigned), cuMemAllocManaged);
     NEED_CONTEXT();
     CALL(cuMemAllocManaged((shim_devptr *)ptr, size, flags)); /* cudaMemAttach* == CU_MEM_ATTACH_* */
@@ -395,6 +531,7 @@ EXPORT int cudaMallocManaged(void **ptr, size_t size, unsigned flags) {
 
 /* With unified addressing the driver infers the direction from the pointers: `kind` is not needed. */
 EXPORT int cudaMemcpy(void *dst, const void *src, size_t count, int kind) {
+    TRACE();
     DRV(shim_result (*)(shim_devptr, shim_devptr, size_t), cuMemcpy);
     (void)kind;
     NEED_CONTEXT();
@@ -402,6 +539,7 @@ EXPORT int cudaMemcpy(void *dst, const void *src, size_t count, int kind) {
 }
 
 EXPORT int cudaMemcpyAsync(void *dst, const void *src, size_t count, int kind, shim_handle stream) {
+    TRACE();
     DRV(shim_result (*)(shim_devptr, shim_devptr, size_t, shim_handle), cuMemcpyAsync);
     (void)kind;
     NEED_CONTEXT();
@@ -409,12 +547,14 @@ EXPORT int cudaMemcpyAsync(void *dst, const void *src, size_t count, int kind, s
 }
 
 EXPORT int cudaMemset(void *ptr, int value, size_t count) {
+    TRACE();
     DRV(shim_result (*)(shim_devptr, unsigned char, size_t), cuMemsetD8);
     NEED_CONTEXT();
     CALL(cuMemsetD8((shim_devptr)(uintptr_t)ptr, (unsigned char)value, count));
 }
 
 EXPORT int cudaMemsetAsync(void *ptr, int value, size_t count, shim_handle stream) {
+    TRACE();
     DRV(shim_result (*)(shim_devptr, unsigned char, size_t, shim_handle), cuMemsetD8Async);
     NEED_CONTEXT();
     CALL(cuMemsetD8Async((shim_devptr)(uintptr_t)ptr, (unsigned char)value, count, stream));
@@ -422,24 +562,28 @@ EXPORT int cudaMemsetAsync(void *ptr, int value, size_t count, shim_handle strea
 
 /* -- streams, events, graphs, profiler ----------------------------------------------------------- */
 EXPORT int cudaStreamCreate(shim_handle *stream) {
+    TRACE();
     DRV(shim_result (*)(shim_handle *, unsigned), cuStreamCreate);
     NEED_CONTEXT();
     CALL(cuStreamCreate(stream, 0)); /* cudaStreamDefault */
 }
 
 EXPORT int cudaStreamDestroy(shim_handle stream) {
+    TRACE();
     DRV(shim_result (*)(shim_handle), cuStreamDestroy);
     NEED_CONTEXT();
     CALL(cuStreamDestroy(stream));
 }
 
 EXPORT int cudaStreamSynchronize(shim_handle stream) {
+    TRACE();
     DRV(shim_result (*)(shim_handle), cuStreamSynchronize);
     NEED_CONTEXT();
     CALL(cuStreamSynchronize(stream));
 }
 
 EXPORT int cudaStreamWaitEvent(shim_handle stream, shim_handle event, unsigned flags) {
+    TRACE();
     DRV(shim_result (*)(shim_handle, shim_handle, unsigned), cuStreamWaitEvent);
     NEED_CONTEXT();
     CALL(cuStreamWaitEvent(stream, event, flags));
@@ -448,76 +592,89 @@ EXPORT int cudaStreamWaitEvent(shim_handle stream, shim_handle event, unsigned f
 /* cudart's callback gets a cudaError_t where the driver's gets a CUresult: the same codes. */
 typedef void (*shim_stream_callback)(shim_handle stream, int status, void *data);
 EXPORT int cudaStreamAddCallback(shim_handle stream, shim_stream_callback callback, void *data, unsigned flags) {
+    TRACE();
     DRV(shim_result (*)(shim_handle, shim_stream_callback, void *, unsigned), cuStreamAddCallback);
     NEED_CONTEXT();
     CALL(cuStreamAddCallback(stream, callback, data, flags));
 }
 
 EXPORT int cudaStreamBeginCapture(shim_handle stream, int mode) {
+    TRACE();
     DRV(shim_result (*)(shim_handle, int), cuStreamBeginCapture); /* the _v2 with a mode */
     NEED_CONTEXT();
     CALL(cuStreamBeginCapture(stream, mode)); /* cudaStreamCaptureMode == CUstreamCaptureMode */
 }
 
 EXPORT int cudaStreamEndCapture(shim_handle stream, shim_handle *graph) {
+    TRACE();
     DRV(shim_result (*)(shim_handle, shim_handle *), cuStreamEndCapture);
     NEED_CONTEXT();
     CALL(cuStreamEndCapture(stream, graph));
 }
 
 EXPORT int cudaEventCreate(shim_handle *event) {
+    TRACE();
     DRV(shim_result (*)(shim_handle *, unsigned), cuEventCreate);
     NEED_CONTEXT();
     CALL(cuEventCreate(event, 0)); /* cudaEventDefault */
 }
 
 EXPORT int cudaEventDestroy(shim_handle event) {
+    TRACE();
     DRV(shim_result (*)(shim_handle), cuEventDestroy);
     NEED_CONTEXT();
     CALL(cuEventDestroy(event));
 }
 
 EXPORT int cudaEventRecord(shim_handle event, shim_handle stream) {
+    TRACE();
     DRV(shim_result (*)(shim_handle, shim_handle), cuEventRecord);
     NEED_CONTEXT();
     CALL(cuEventRecord(event, stream));
 }
 
 EXPORT int cudaEventElapsedTime(float *ms, shim_handle start, shim_handle end) {
+    TRACE();
     DRV(shim_result (*)(float *, shim_handle, shim_handle), cuEventElapsedTime);
     NEED_CONTEXT();
     CALL(cuEventElapsedTime(ms, start, end));
 }
 
 EXPORT int cudaGraphInstantiate(shim_handle *exec, shim_handle graph, unsigned long long flags) {
+    TRACE();
     DRV(shim_result (*)(shim_handle *, shim_handle, unsigned long long), cuGraphInstantiateWithFlags);
     NEED_CONTEXT();
     CALL(cuGraphInstantiateWithFlags(exec, graph, flags)); /* cudaGraphInstantiateFlag* == CUDA_GRAPH_INSTANTIATE_FLAG_* */
 }
 
 EXPORT int cudaGraphLaunch(shim_handle exec, shim_handle stream) {
+    TRACE();
     DRV(shim_result (*)(shim_handle, shim_handle), cuGraphLaunch);
     NEED_CONTEXT();
     CALL(cuGraphLaunch(exec, stream));
 }
 
 EXPORT int cudaGraphDestroy(shim_handle graph) {
+    TRACE();
     DRV(shim_result (*)(shim_handle), cuGraphDestroy);
     CALL(cuGraphDestroy(graph));
 }
 
 EXPORT int cudaGraphExecDestroy(shim_handle exec) {
+    TRACE();
     DRV(shim_result (*)(shim_handle), cuGraphExecDestroy);
     CALL(cuGraphExecDestroy(exec));
 }
 
 EXPORT int cudaProfilerStart(void) {
+    TRACE();
     DRV(shim_result (*)(void), cuProfilerStart);
     NEED_CONTEXT();
     CALL(cuProfilerStart());
 }
 
 EXPORT int cudaProfilerStop(void) {
+    TRACE();
     DRV(shim_result (*)(void), cuProfilerStop);
     NEED_CONTEXT();
     CALL(cuProfilerStop());

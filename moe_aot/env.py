@@ -8,6 +8,10 @@ MOE_AOT_CACHE_DIR  folder of the default SQLite database, of unpacked kernel lib
                    Spark) is fetched into <cache>/host-runtime/ at the first build for that host.
 MOE_AOT_NATIVE_LAUNCH  0 to launch a layer's four kernels from Python instead of through the
                    small C launcher built at first use (runtime/launch.py; default 1).
+MOE_AOT_EAGER_GRAPHS  0 to keep the native launcher from replaying repeated eager calls as CUDA
+                   graphs of their four launches (runtime/launch.py; default 1).
+MOE_AOT_SHIM_STATS 1 to have each kernel library's CUDA runtime shim count its calls and time its
+                   launches (read by the shim itself; KernelLibrary.shim_stats reads them back).
 """
 from __future__ import annotations
 
@@ -40,6 +44,10 @@ def default_db_url() -> str:
 
 def native_launch() -> bool:
     return os.environ.get("MOE_AOT_NATIVE_LAUNCH", "1") != "0"
+
+
+def eager_graphs() -> bool:
+    return os.environ.get("MOE_AOT_EAGER_GRAPHS", "1") != "0"
 
 
 def templates_dir() -> Path:

@@ -26,7 +26,8 @@ SIMPLE = {
     "cuMemAllocHost": "Pz", "cuMemFreeHost": "p", "cuMemAllocManaged": "Pzu", "cuMemcpy": "ppz",
     "cuMemcpyAsync": "ppzp", "cuMemsetD8": "pbz", "cuMemsetD8Async": "pbzp",
     "cuStreamCreate": "Pu", "cuStreamDestroy": "p", "cuStreamSynchronize": "p", "cuStreamWaitEvent": "ppu",
-    "cuStreamAddCallback": "pppu", "cuStreamBeginCapture": "pi", "cuStreamEndCapture": "pP",
+    "cuStreamAddCallback": "pppu", "cuStreamBeginCapture": "pi", "cuStreamBeginCapture_v2": "pi",
+    "cuStreamEndCapture": "pP",
     "cuEventCreate": "Pu", "cuEventDestroy": "p", "cuEventRecord": "pp", "cuEventElapsedTime": "Fpp",
     "cuGraphInstantiateWithFlags": "PpU", "cuGraphLaunch": "pp", "cuGraphDestroy": "p",
     "cuGraphExecDestroy": "p", "cuProfilerStart": "", "cuProfilerStop": "",
@@ -44,6 +45,8 @@ static size_t log_len;
 static int calls;
 static void *current_ctx;
 int standin_fail = 0; /* a CUresult every recorded call returns, for the error paths */
+int standin_fail_launch_once = 0; /* a CUresult the next cuLaunchKernelEx alone returns */
+int standin_ctx_queries = 0; /* cuCtxGetCurrent calls (not in the log: every context check makes one) */
 static void rec(const char *fmt, ...) {
     va_list ap; va_start(ap, fmt);
     log_len += vsnprintf(log_buf + log_len, sizeof log_buf - log_len, fmt, ap);
@@ -54,7 +57,10 @@ static void rec(const char *fmt, ...) {
 const char *standin_log(void) { log_buf[log_len] = 0; return log_buf; }
 void standin_reset(void) { log_len = 0; }
 void standin_set_ctx(void *ctx) { current_ctx = ctx; }
-int cuCtxGetCurrent(void **ctx) { *ctx = current_ctx; return 0; }
+int standin_capturing = 0; /* the capture status cuStreamIsCapturing answers */
+int cuStreamIsCapturing(void *stream, int *status) { rec("cuStreamIsCapturing %p", stream);
+    *status = standin_capturing; return 0; }
+int cuCtxGetCurrent(void **ctx) { standin_ctx_queries++; *ctx = current_ctx; return 0; }
 int cuCtxSetCurrent(void *ctx) { rec("cuCtxSetCurrent %p", ctx); current_ctx = ctx; return 0; }
 int cuDeviceGetAttribute(int *v, int attr, int dev) {
     rec("cuDeviceGetAttribute %d %d", attr, dev); *v = attr == 97 ? 232448 : 1; return standin_fail; }
@@ -74,6 +80,7 @@ int cuLaunchKernelEx(const cfg_t *c, void *f, void **args, void **extra) {
                       c->attrs[i].v[2]);
     rec("cuLaunchKernelEx grid=%u,%u,%u block=%u,%u,%u smem=%u stream=%p f=%p args=%p extra=%p n=%u%s",
         c->g[0], c->g[1], c->g[2], c->b[0], c->b[1], c->b[2], c->smem, c->stream, f, args, extra, c->n, a);
+    if (standin_fail_launch_once) { int e = standin_fail_launch_once; standin_fail_launch_once = 0; return e; }
     return standin_fail; }
 int cuGetErrorName(int e, const char **s) { if (e == 1) { *s = "CUDA_ERROR_INVALID_VALUE"; return 0; } return 1; }
 int cuGetErrorString(int e, const char **s) { if (e == 1) { *s = "invalid argument"; return 0; } return 1; }
@@ -92,7 +99,8 @@ def _simple(name: str, kinds: str) -> str:
 
 
 def source() -> str:
-    names = list(SIMPLE) + ["cuCtxGetCurrent", "cuCtxSetCurrent", "cuDeviceGetAttribute", "cuLibraryLoadData",
+    names = list(SIMPLE) + ["cuCtxGetCurrent", "cuCtxSetCurrent", "cuStreamIsCapturing", "cuDeviceGetAttribute",
+                            "cuLibraryLoadData",
                             "cuLibraryGetKernel", "cuLaunchKernelEx", "cuGetErrorName", "cuGetErrorString"]
     table = ",\n".join(f'    {{"{n}", (void *){n}}}' for n in names)
     return (_HEAD + "".join(_simple(n, k) for n, k in SIMPLE.items())

@@ -210,6 +210,7 @@ def test_kernel_library_needs_only_libc_and_the_driver(compiled):
         assert all(LIBC_FAMILY.fullmatch(n) for n in needed), needed  # the driver is opened at first use
         dyn = subprocess.run(["nm", "-D", str(lib)], capture_output=True, text=True, check=True).stdout
         assert not re.search(r"\b(cudart|__cudaRegister|cudaMalloc|cudaLaunchKernelExC)\b", dyn)
+        assert re.search(r" T moe_aot_shim_stats$", dyn, re.M), dyn  # the statistics' reader, visible
         strings = lib.read_bytes()
         assert b"libcudart" not in strings and b"cudart_static" not in strings
         assert len(strings) < 150_000, len(strings)  # was ~720 KB with CUDA's static cudart
@@ -266,3 +267,115 @@ def test_kernel_library_reaches_the_driver_through_the_shim(compiled, standin):
         assert got[f"{role}_error"][0] == 719
     glu = next(ln for ln in got["glu_launch"].splitlines() if ln.startswith("cuLaunchKernelEx"))
     assert " attr4=2,1,1" in glu, glu  # the 2-CTA cluster
+
+
+STATS = r"""
+import ctypes, json, os, sys
+from ctypes import byref, c_void_p
+standin = ctypes.CDLL(sys.argv[1], mode=ctypes.RTLD_GLOBAL)
+standin.standin_log.restype = ctypes.c_char_p
+S = ctypes.CDLL(sys.argv[2])
+S.moe_aot_shim_stats.argtypes = [ctypes.c_char_p, ctypes.c_size_t, ctypes.c_int]
+class Attr(ctypes.Structure):
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_int), ("v", ctypes.c_uint * 16)]
+class Config(ctypes.Structure):
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("smem", ctypes.c_size_t),
+                ("stream", c_void_p), ("attrs", ctypes.POINTER(Attr)), ("n", ctypes.c_uint)]
+def launch(stream):
+    attrs = (Attr * 1)()
+    attrs[0].id, attrs[0].v[0] = 6, 1
+    return S.cudaLaunchKernelExC(byref(Config((1, 1, 1), (128, 1, 1), 0, stream, attrs, 1)), c_void_p(0x4e),
+                                 c_void_p(0xa7))
+def stats(reset=0):
+    buf = ctypes.create_string_buffer(4096)
+    n = S.moe_aot_shim_stats(buf, 4096, reset)
+    return n, dict(ln.rsplit(" ", 1) for ln in buf.value.decode().splitlines())
+queries = ctypes.c_int.in_dll(standin, "standin_ctx_queries")
+once = ctypes.c_int.in_dll(standin, "standin_fail_launch_once")
+out = {}
+def step(name, fn):
+    standin.standin_reset()
+    q = queries.value
+    ret = fn()
+    out[name] = {"ret": ret, "log": standin.standin_log().decode().splitlines(), "ctx_queries": queries.value - q}
+# no current context: the NULL stream makes the device's primary context current, then launches
+step("null_stream", lambda: launch(None))
+# a real stream needs no context check; the legacy (1) and per-thread (2) handles do
+step("real_stream", lambda: launch(0x51))
+step("legacy", lambda: launch(1))
+step("per_thread", lambda: launch(2))
+# a driver answering CUDA_ERROR_INVALID_CONTEXT for a real stream: context made current, launched again
+standin.standin_set_ctx(None)
+once.value = 201
+step("retry", lambda: launch(0x51))
+# any other failure is returned as it is (no retry) and is the last error
+once.value = 719
+step("fail", lambda: launch(0x51))
+out["last_error"] = S.cudaGetLastError()
+step("malloc", lambda: S.cudaMalloc(byref(c_void_p()), ctypes.c_size_t(64)))
+out["stats"] = stats(reset=1)
+out["after_reset"] = stats()
+out["small_buffer"] = S.moe_aot_shim_stats(ctypes.create_string_buffer(8), 8, 0)
+print(json.dumps(out))
+"""
+
+
+def test_launch_context_checks_and_statistics(standin, tmp_path):
+    """cudaLaunchKernelExC asks for the current context only for the NULL / legacy / per-thread
+    streams (a CUkernel runs in its stream's context), retries once after CUDA_ERROR_INVALID_CONTEXT,
+    and with MOE_AOT_SHIM_STATS=1 counts every entry point and times its launches."""
+    shim = tmp_path / "libshim.so"
+    subprocess.run(["gcc", "-shared", "-fPIC", "-O2", "-fvisibility=hidden", "-Wall", "-Werror", "-o", str(shim),
+                    str(CUDART_SHIM)], check=True)
+    dyn = subprocess.run(["nm", "-D", "--defined-only", str(shim)], capture_output=True, text=True).stdout
+    assert "moe_aot_shim_stats" in dyn  # visible in a library linked with hidden visibility
+    env = dict(__import__("os").environ, MOE_AOT_SHIM_STATS="1")
+    # EXPORT is empty: call the hidden build's entry points through a default-visibility build
+    plain = tmp_path / "libshim_plain.so"
+    subprocess.run(["gcc", "-shared", "-fPIC", "-O2", "-o", str(plain), str(CUDART_SHIM)], check=True)
+    res = subprocess.run([sys.executable, "-c", STATS, str(standin), str(plain)], capture_output=True, text=True,
+                         timeout=60, env=env)
+    assert res.returncode == 0, res.stderr
+    got = json.loads(res.stdout)
+
+    def launches(step):
+        return [ln for ln in got[step]["log"] if ln.startswith("cuLaunchKernelEx")]
+
+    null = got["null_stream"]
+    assert null["ret"] == 0 and null["ctx_queries"] == 1
+    at = [i for i, ln in enumerate(null["log"]) if ln.startswith(("cuCtxSetCurrent", "cuLaunchKernelEx"))]
+    assert [null["log"][i].split()[0] for i in at] == ["cuCtxSetCurrent", "cuLaunchKernelEx"], null["log"]
+    assert got["real_stream"]["ctx_queries"] == 0 and len(launches("real_stream")) == 1
+    assert "stream=0x51" in launches("real_stream")[0]
+    for step in ("legacy", "per_thread"):
+        assert got[step]["ret"] == 0 and got[step]["ctx_queries"] == 1 and len(launches(step)) == 1
+    retry = got["retry"]
+    assert retry["ret"] == 0 and len(launches("retry")) == 2 and retry["ctx_queries"] == 1, retry
+    assert any(ln.startswith("cuCtxSetCurrent") for ln in retry["log"]), retry
+    assert got["fail"]["ret"] == 719 and len(launches("fail")) == 1 and got["fail"]["ctx_queries"] == 0
+    assert got["last_error"] == 719
+
+    n, stats = got["stats"]
+    assert n > 0
+    counts = {k: int(v) for k, v in stats.items()}
+    assert counts["cudaLaunchKernelExC"] == 6 and counts["cudaMalloc"] == 1 and counts["cudaGetLastError"] == 1
+    assert counts["context_checks"] == 4  # NULL, legacy, per-thread, and the retry
+    assert 0 < counts["driver_launch_ns"] <= counts["launch_ns"]
+    after = {k: int(v) for k, v in got["after_reset"][1].items()}
+    assert set(after.values()) == {0} and set(after) == set(counts)
+    assert got["small_buffer"] == got["after_reset"][0]  # the length the whole text needs, whatever the buffer
+
+
+def test_statistics_are_off_by_default(standin, tmp_path):
+    shim = tmp_path / "libshim.so"
+    subprocess.run(["gcc", "-shared", "-fPIC", "-O2", "-o", str(shim), str(CUDART_SHIM)], check=True)
+    code = textwrap.dedent(f"""
+        import ctypes
+        ctypes.CDLL({str(standin)!r}, mode=ctypes.RTLD_GLOBAL)
+        S = ctypes.CDLL({str(shim)!r})
+        S.cudaMalloc(ctypes.byref(ctypes.c_void_p()), ctypes.c_size_t(64))
+        print(S.moe_aot_shim_stats(None, 0, 0))
+    """)
+    env = {k: v for k, v in __import__("os").environ.items() if k != "MOE_AOT_SHIM_STATS"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True).stdout
+    assert out.strip() == "-1"

@@ -143,6 +143,44 @@ def test_repeated_eager_calls_with_new_buffers(store):
         assert e <= TOLERANCE, e
 
 
+@pytest.mark.parametrize("tokens", [16, 1024])
+def test_repeated_eager_calls_on_the_same_buffers_replay_a_graph(store, tokens):
+    """The same buffers with new contents every call: from the second call the launcher replays a
+    CUDA graph of the four launches, and each result is the reference of that call's contents and
+    what direct launches give (MOE_AOT_EAGER_GRAPHS=0, in a layer of its own)."""
+    import moe_aot.runtime.launch as launch
+
+    spec = make_spec(MODELS[0], target="sm_90a")
+    layer = MoeLayer(spec, store)
+    w13, w2 = random_weights(spec, layer.device)
+    x = torch.empty(tokens, spec.hidden, device=layer.device, dtype=torch.bfloat16)
+    tw, ids = random_routing(tokens, spec, layer.device)
+    out = torch.empty(tokens, spec.hidden, device=layer.device, dtype=torch.bfloat16)
+    launch.native_launcher(store.unpack_dir)  # compiled now, not in the background
+    results = []
+    for i in range(5):
+        x.copy_(torch.randn_like(x))
+        t2, i2 = random_routing(tokens, spec, layer.device)
+        tw.copy_(t2)
+        ids.copy_(i2)
+        out.fill_(float("nan"))
+        layer.forward(x, w13, w2, tw, ids, out=out)
+        e = rel_err(out, layer_reference(spec, x, w13, w2, tw, ids))
+        assert e <= TOLERANCE, (i, e)
+        results.append((x.clone(), tw.clone(), ids.clone(), out.clone()))
+    plan = layer._last
+    assert plan.native and plan.graphs == 1, plan.graphs
+    os.environ["MOE_AOT_EAGER_GRAPHS"] = "0"
+    try:
+        direct = MoeLayer(spec, store)
+        for xi, twi, idi, oi in results:
+            d = direct.forward(xi, w13, w2, twi, idi)
+            assert direct._last.graphs == -1
+            assert rel_err(d, oi) <= 1e-3
+    finally:
+        del os.environ["MOE_AOT_EAGER_GRAPHS"]
+
+
 @pytest.mark.parametrize("tokens", [1, 256, 4096])
 def test_pdl_twin_in_a_graph_back_to_back(layer_and_weights, tokens):
     """The programmatic-dependent-launch twin of the bucket's variant (`moe-aot build

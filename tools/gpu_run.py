@@ -2,7 +2,8 @@
 """A whole GPU run in one command, on a machine without the DSL (the product's AOT story).
 
     python3 tools/gpu_run.py --out $OUT [--db cache/moe_aot.sqlite] [--tests]
-        [--coldstart [--coldstart-compare DIR]] [--bench ARGS]
+        [--coldstart [--coldstart-compare DIR [--coldstart-compare-db FILE]] [--coldstart-diag]]
+        [--bench ARGS]
                              [--gemm-check DIR]
 
 1. installs the wheels brought along in .whl/ (sqlalchemy, ...) into /tmp/site;
@@ -76,6 +77,45 @@ for label, kw in (("out_allocated", {}), ("out_given", {"out": out})):
     ts.sort()
     med[f"eager_host_us_median_1000_{label}"] = ts[len(ts) // 2] / 1e3
 plan = next(iter(getattr(layer, "_fast", {}).values()), None)
+diag = {}
+if os.environ.get("MOE_AOT_COLDSTART_DIAG") == "1":  # after every standard number: where host time goes
+    def median_us(fn, batches=20, per=50):
+        ts = []
+        for _ in range(batches):
+            for _ in range(per):
+                t = time.perf_counter_ns(); fn(); ts.append(time.perf_counter_ns() - t)
+            torch.cuda.synchronize()
+        ts.sort()
+        return ts[len(ts) // 2] / 1e3
+    layer.forward(x, w13, w2, tw, ids, out=out)
+    for lib in libs:
+        getattr(lib, "shim_stats", lambda reset=False: None)(reset=True)
+    if getattr(plan, "native", False):
+        fn, ptr = plan._fn, plan._plan_ptr
+        diag["native_call_us"] = median_us(lambda: fn(ptr))  # the four launchers alone, one ctypes call
+        n_calls = 1000
+    else:
+        n_calls = 0
+    diag["shim"] = {l.name.split("_sm90a")[0]: getattr(l, "shim_stats", lambda: None)() for l in libs}
+    if n_calls and all(diag["shim"].values()):
+        st = list(diag["shim"].values())
+        diag["shim_driver_launch_us_per_launch"] = sum(v["driver_ns"] for v in st) / 1e3 / (4 * n_calls)
+        diag["shim_launch_us_per_launch"] = sum(v["launch_ns"] for v in st) / 1e3 / (4 * n_calls)
+        diag["shim_calls_per_forward"] = {k: sum(v.get(k, 0) for v in st) / n_calls for k in
+                                          sorted({k for v in st for k in v if k.startswith("cuda")})}
+    diag["forward_us_again"] = median_us(lambda: layer.forward(x, w13, w2, tw, ids, out=out))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        layer.forward(x, w13, w2, tw, ids, out=out)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        layer.forward(x, w13, w2, tw, ids, out=out)
+    g.replay(); torch.cuda.synchronize()
+    diag["graph_replay_host_us"] = median_us(g.replay)
+    e = torch.empty(1, device="cuda")
+    diag["torch_one_kernel_us"] = median_us(lambda: e.add_(1))  # a torch launch, for scale
 print(json.dumps({"model": sys.argv[1], "cuda_context_ms": 1e3 * (t_cuda - t0),
                   "import_runtime_ms": 1e3 * (t_import - t_cuda), "open_db_ms": 1e3 * (t_open - t_import),
                   "picks_ms": 1e3 * (t_picks - t_open), "load_4_kernels_ms": 1e3 * (t_load - t_picks),
@@ -83,7 +123,9 @@ print(json.dumps({"model": sys.argv[1], "cuda_context_ms": 1e3 * (t_cuda - t0),
                   "cold_start_ms_excluding_cuda_context": 1e3 * ((t_import - t_cuda) + (t_open - t_import)
                                                                  + (t_load - t_open) + (t_first - t_data)),
                   "eager_host_us_per_forward": 1e6 * (t_host - t_first) / n, **med,
-                  "native_launch": getattr(plan, "native", None), "heavy_modules": heavy,
+                  "first_call_stages_ms": getattr(layer, "first_call_ms", None), "diag": diag,
+                  "native_launch": getattr(plan, "native", None), "eager_graphs": getattr(plan, "graphs", None),
+                  "heavy_modules": heavy,
                   "moe_aot_from": sys.modules["moe_aot"].__file__}))
 """
 
@@ -165,6 +207,13 @@ def main():
     ap.add_argument("--coldstart-compare", default=None, metavar="DIR",
                     help="with --coldstart: also time the moe_aot package under DIR (e.g. scratch/before from "
                          "`git archive main moe_aot | tar -x -C scratch/before`), alternating with this checkout's")
+    ap.add_argument("--coldstart-compare-db", default=None, metavar="FILE",
+                    help="the SQLite database the compared checkout reads (default: --db), e.g. one built "
+                         "by that checkout")
+    ap.add_argument("--coldstart-diag", action="store_true",
+                    help="with --coldstart: one more process per model and checkout, run after the timed "
+                         "ones, splitting the eager host time (the launchers alone, the shim's own "
+                         "counters with MOE_AOT_SHIM_STATS=1, a CUDA-graph replay for scale)")
     ap.add_argument("--bench", default=None, help="arguments for tools/bench.py ('' for defaults)")
     ap.add_argument("--bench-fp8", default=None, help="arguments for tools/bench_fp8.py ('' for defaults)")
     ap.add_argument("--gemm-check", default=None, metavar="DIR",
@@ -238,13 +287,19 @@ def main():
         if ns.coldstart_compare:
             checkouts["compare"] = dict(env, PYTHONSAFEPATH="1",
                                         PYTHONPATH=f"{SITE}:{Path(ns.coldstart_compare).resolve()}")
-        for model in ("qwen3-30b-a3b", "qwen3-30b-a3b", "deepseek-v3"):
-            for label, cenv in checkouts.items():
-                rc, log, _ = sh([sys.executable, "-c", COLD_START, model], env=cenv, timeout=300)
-                line = [x for x in log.splitlines() if x.startswith("{")]
-                rows.append(json.loads(line[-1]) if rc == 0 and line else {"model": model, "error": log[-2000:]})
-                rows[-1]["checkout"] = label
-                print("coldstart", rows[-1], flush=True)
+            if ns.coldstart_compare_db:
+                checkouts["compare"]["MOE_AOT_DB"] = f"sqlite:///{Path(ns.coldstart_compare_db).resolve()}"
+        runs = [(m, label, cenv) for m in ("qwen3-30b-a3b", "qwen3-30b-a3b", "deepseek-v3")
+                for label, cenv in checkouts.items()]
+        if ns.coldstart_diag:
+            runs += [(m, label + "+diag", dict(cenv, MOE_AOT_COLDSTART_DIAG="1", MOE_AOT_SHIM_STATS="1"))
+                     for m in ("qwen3-30b-a3b", "deepseek-v3") for label, cenv in checkouts.items()]
+        for model, label, cenv in runs:
+            rc, log, _ = sh([sys.executable, "-c", COLD_START, model], env=cenv, timeout=300)
+            line = [x for x in log.splitlines() if x.startswith("{")]
+            rows.append(json.loads(line[-1]) if rc == 0 and line else {"model": model, "error": log[-2000:]})
+            rows[-1]["checkout"] = label
+            print("coldstart", rows[-1], flush=True)
         summary["coldstart"] = rows
 
     if ns.tests:

@@ -7,6 +7,17 @@ into the folder of extracted kernel libraries and reused by later processes. It 
 caller's data pointers and the stream into the bound argument structs and calls routing ->
 GEMM1 -> GEMM2 -> combine, stopping at the first error. Without a C compiler (or with
 MOE_AOT_NATIVE_LAUNCH=0) the same steps run in Python.
+
+Each cuLaunchKernelEx costs the driver about 4 us of host time on the H200 (measured through the
+shim's counters), so four launches alone exceed the 15 us budget of an eager forward. A plan
+therefore keeps CUDA graphs of its four launches: when the caller passes the same pointers twice
+in a row (steady-state loops, the caching allocator handing back the same blocks), the launcher
+captures the four launches once into a graph on a private stream and from then on launches that
+graph (one driver submission, about 4 us in all) whenever those pointers come back. The graph
+holds exactly what the four launches would have been given (pointers, shapes, the TMA
+descriptors built from them), so replaying it is the same work. At most 8 graphs per plan; never
+into a stream that is being captured (the caller's own graph then records the four launches);
+a failed capture turns graphs off for the plan; MOE_AOT_EAGER_GRAPHS=0 turns them off.
 """
 from __future__ import annotations
 
@@ -27,7 +38,16 @@ from .library import BoundLaunch, KernelLaunchError, library_dir
 
 _SOURCE = r"""
 /* moe-aot eager launcher: four bound kernel launches in one call (see moe_aot/runtime/launch.py) */
+#include <string.h>
 typedef void (*run_fn)(void **);
+typedef int (*is_capturing_fn)(void *, int *);
+typedef int (*begin_capture_fn)(void *, int);
+typedef int (*end_capture_fn)(void *, void **);
+typedef int (*instantiate_fn)(void **, void *, unsigned long long);
+typedef int (*graph_launch_fn)(void *, void *);
+typedef int (*destroy_fn)(void *);
+enum { IS_CAPTURING, BEGIN_CAPTURE, END_CAPTURE, INSTANTIATE, GRAPH_LAUNCH, GRAPH_DESTROY, EXEC_DESTROY, N_CU };
+#define MAX_GRAPHS 8
 struct plan {
     run_fn run[4];
     void **packed[4];
@@ -37,24 +57,82 @@ struct plan {
     void **dst[10];
     int src[10];
     void *args[9]; /* x, w13, w2, tw, ids, out, b13, b2, stream: written by the caller before each call */
+    /* CUDA graphs of the four launches, one per set of caller pointers seen twice in a row: a
+       graph launch costs the driver one submission where four launches cost four */
+    void *cu[N_CU];        /* driver functions; cu[0] NULL: no graphs */
+    void *capture_stream;  /* a stream of the layer's device, for capturing */
+    int n_graphs;          /* -1: graphs off (a capture failed, or released) */
+    int graph_error;       /* the CUresult of a failed graph launch */
+    void *last[8];
+    void *keys[MAX_GRAPHS][8];
+    void *exec[MAX_GRAPHS];
 };
-int moe_aot_launch(struct plan *p) {
-    for (int i = 0; i < p->n; i++) *p->dst[i] = p->args[p->src[i]];
+static int direct(struct plan *p, void *stream) {
     for (int k = 0; k < 4; k++) {
-        *p->stream[k] = p->args[8];
+        *p->stream[k] = stream;
         *p->ret[k] = 0;
         p->run[k](p->packed[k]);
         if (*p->ret[k]) return k + 1;
     }
     return 0;
 }
+static int capture(struct plan *p, void **exec) {
+    void *graph = 0;
+    if (((begin_capture_fn)p->cu[BEGIN_CAPTURE])(p->capture_stream, 2 /* relaxed */)) return -1;
+    int failed = direct(p, p->capture_stream);
+    int err = ((end_capture_fn)p->cu[END_CAPTURE])(p->capture_stream, &graph);
+    if (!failed && !err && graph) err = ((instantiate_fn)p->cu[INSTANTIATE])(exec, graph, 0);
+    if (graph) ((destroy_fn)p->cu[GRAPH_DESTROY])(graph);
+    return failed || err || !graph ? -1 : 0;
+}
+void moe_aot_release(struct plan *p) {
+    for (int g = 0; g < p->n_graphs; g++) ((destroy_fn)p->cu[EXEC_DESTROY])(p->exec[g]);
+    p->n_graphs = -1;
+}
+/* 0, or k (1-4) when kernel k's launch failed (its cudaError in *ret[k-1]), 5 when a graph
+   launch failed (its CUresult in graph_error), 6 when a capture needs capture_stream first */
+int moe_aot_launch(struct plan *p) {
+    for (int i = 0; i < p->n; i++) *p->dst[i] = p->args[p->src[i]];
+    void *stream = p->args[8];
+    int status = 1;
+    /* never into a stream being captured (the caller's own graph records the four launches) */
+    if (p->n_graphs >= 0 && p->cu[0] && ((is_capturing_fn)p->cu[IS_CAPTURING])(stream, &status) == 0
+            && status == 0) {
+        int g = 0;
+        while (g < p->n_graphs && memcmp(p->keys[g], p->args, sizeof p->keys[g])) g++;
+        if (g == p->n_graphs && g < MAX_GRAPHS && !memcmp(p->last, p->args, sizeof p->last)) {
+            if (!p->capture_stream) return 6; /* the caller makes one and calls again: nothing ran */
+            if (capture(p, &p->exec[g]) == 0) {
+                memcpy(p->keys[g], p->args, sizeof p->keys[g]);
+                p->n_graphs++;
+            } else {  /* graphs off for this plan: it holds none from here on */
+                moe_aot_release(p);
+                g = 0;
+            }
+        }
+        if (g < p->n_graphs) {
+            p->graph_error = ((graph_launch_fn)p->cu[GRAPH_LAUNCH])(p->exec[g], stream);
+            return p->graph_error ? 5 : 0;
+        }
+        memcpy(p->last, p->args, sizeof p->last);
+    }
+    return direct(p, stream);
+}
 """
+
+# the driver functions the graph path takes, in the launcher's order
+_GRAPH_FUNCTIONS = ("cuStreamIsCapturing", "cuStreamBeginCapture_v2", "cuStreamEndCapture",
+                    "cuGraphInstantiateWithFlags", "cuGraphLaunch", "cuGraphDestroy", "cuGraphExecDestroy")
+_MAX_GRAPHS = 8
 
 
 class _Plan(ctypes.Structure):
     _fields_ = [("run", ctypes.c_void_p * 4), ("packed", ctypes.c_void_p * 4), ("stream", ctypes.c_void_p * 4),
                 ("ret", ctypes.c_void_p * 4), ("n", ctypes.c_int), ("dst", ctypes.c_void_p * 10),
-                ("src", ctypes.c_int * 10), ("args", ctypes.c_void_p * 9)]
+                ("src", ctypes.c_int * 10), ("args", ctypes.c_void_p * 9),
+                ("cu", ctypes.c_void_p * len(_GRAPH_FUNCTIONS)), ("capture_stream", ctypes.c_void_p),
+                ("n_graphs", ctypes.c_int), ("graph_error", ctypes.c_int), ("last", ctypes.c_void_p * 8),
+                ("keys", ctypes.c_void_p * 8 * _MAX_GRAPHS), ("exec", ctypes.c_void_p * _MAX_GRAPHS)]
 
 
 # The call's nine pointers go into the plan's `args` with one pack_into, and the launcher takes
@@ -130,12 +208,32 @@ def _build(path: Path):
                 subprocess.run([cc, "-O2", "-shared", "-fPIC", "-o", str(so), str(src)], check=True,
                                capture_output=True, timeout=60)
                 os.replace(so, path)
-        fn = ctypes.CDLL(str(path), mode=ctypes.RTLD_LOCAL).moe_aot_launch
+        lib = ctypes.CDLL(str(path), mode=ctypes.RTLD_LOCAL)
+        fn = lib.moe_aot_launch
     except (OSError, subprocess.SubprocessError):
         return False
     fn.argtypes = [ctypes.c_void_p]
     fn.restype = ctypes.c_int
+    fn.release = lib.moe_aot_release
+    fn.release.argtypes, fn.release.restype = [ctypes.c_void_p], None
     return fn
+
+
+_driver_graph_fns = None  # addresses of _GRAPH_FUNCTIONS in libcuda.so.1; () where it has none
+
+
+def driver_graph_functions() -> tuple:
+    """The driver functions of the launcher's graph path, by address ((), no graphs: no driver,
+    or MOE_AOT_EAGER_GRAPHS=0)."""
+    global _driver_graph_fns
+    if _driver_graph_fns is None:
+        try:
+            cuda = ctypes.CDLL("libcuda.so.1")
+            _driver_graph_fns = tuple(ctypes.cast(getattr(cuda, n), ctypes.c_void_p).value
+                                      for n in _GRAPH_FUNCTIONS)
+        except (OSError, AttributeError):
+            _driver_graph_fns = ()
+    return _driver_graph_fns if env.eager_graphs() else ()
 
 
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
@@ -186,12 +284,39 @@ class LayerPlan:
             for j, (i, k, a) in enumerate(slots):
                 p.dst[j] = ctypes.addressof(bound[k]._structs[a])  # `data` is each struct's first field
                 p.src[j] = i
+            cu = driver_graph_functions() if self.index is not None else ()
+            if cu:  # the capture stream comes at the first capture (torch's first stream of a device
+                p.cu[:] = cu  # costs 3-5 ms: not in a first forward)
             self._plan = p
             self._plan_ptr = ctypes.addressof(p)
 
     @property
     def native(self) -> bool:
         return self._plan is not None
+
+    def _make_capture_stream(self) -> bool:
+        """A stream of the layer's device for the launcher's captures (held: its graphs use it);
+        False, with graphs off for this plan, where none can be had."""
+        try:
+            self._capture_stream = torch.cuda.Stream(device=self.device)
+            self._plan.capture_stream = self._capture_stream.cuda_stream
+            return True
+        except (RuntimeError, AssertionError):
+            self._plan.n_graphs = -1
+            return False
+
+    @property
+    def graphs(self) -> int:
+        """How many CUDA graphs of its four launches this plan holds (-1: graphs off for it)."""
+        return -1 if self._plan is None or not self._plan.cu[0] else self._plan.n_graphs
+
+    def __del__(self):
+        plan = getattr(self, "_plan", None)
+        if plan is not None and plan.n_graphs > 0:
+            try:
+                self._fn.release(ctypes.addressof(plan))
+            except Exception:  # interpreter shutdown: the driver may be gone already
+                pass
 
     def run(self, x, w13, w2, tw, ids, out, b13=None, b2=None):
         # Each group of checks is one tuple comparison (dtypes compare by identity, devices by
@@ -233,7 +358,14 @@ class LayerPlan:
         if self._plan is not None:
             _pack_args(self._plan, _ARGS_OFFSET, p0, p1, p2, p3, p4, p5, p6, p7, stream)
             failed = self._fn(self._plan_ptr)
+            if failed == 6:  # the first capture of this plan: it needs a stream (else graphs go off)
+                self._make_capture_stream()
+                failed = self._fn(self._plan_ptr)
             if failed:
+                if failed == 5:
+                    err = self._plan.graph_error
+                    raise KernelLaunchError(f"{self.bound[0]._lib.name} and the layer's three other kernels: "
+                                            f"launching their CUDA graph failed (CUresult {err})", err)
                 b = self.bound[failed - 1]
                 raise KernelLaunchError(f"{b._lib.name}: launch failed (cudaError {b._ret.value})", b._ret.value)
             return out

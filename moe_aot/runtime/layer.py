@@ -7,6 +7,7 @@ GPU into a preallocated workspace, so a whole forward can be captured in a CUDA 
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import torch
 
@@ -118,6 +119,7 @@ class MoeLayer:
         # the bf16 plan used last, tried first (it holds its workspace and variants, so `is` on
         # both is exact; its own checks refuse another token count)
         self._last: LayerPlan | None = None
+        self.first_call_ms: dict[str, float] = {}  # stages of the last first call at a size (cold start)
 
     # -- kernel selection ----------------------------------------------------------------------
     def variant_for(self, tokens: int) -> LayerVariant:
@@ -266,15 +268,18 @@ class MoeLayer:
             if done is not None:
                 self._last = fast
                 return done
+        t0 = time.perf_counter()
         self.check_inputs(x, w13, w2, topk_weights, topk_ids, out, b13, b2)
         M = x.shape[0]
         if out is None:
             out = torch.empty(M, self.spec.hidden, dtype=torch.bfloat16, device=self.device)
         if M == 0:
             return out
+        t1 = time.perf_counter()
         ws = workspace or self.workspace(M)
         if ws.max_tokens < M:
             raise KernelArgumentError(f"workspace holds {ws.max_tokens} tokens, x has {M}")
+        t2 = time.perf_counter()
         v, route, glu, down, comb = self.kernels(M)
         T = max_tiles(M, self.spec.top_k, self.spec.experts, v.tile_m)
         R = T * v.tile_m
@@ -297,15 +302,26 @@ class MoeLayer:
                     (x, w13, sorted_ids, tile_expert, h) + bias13,
                     (h, w2, sorted_ids, tile_expert, topk_weights, y) + bias2,
                     (y, topk_ids, out))
-            for lib, a in zip((route, glu, down, comb), args):
-                lib(*a)
+            t3 = time.perf_counter()
+            # bind checks each kernel's contract and fills its argument structs once; launching
+            # the bound kernels then checks nothing twice
+            bound = tuple(lib.bind(*a) for lib, a in zip((route, glu, down, comb), args))
+            t4 = time.perf_counter()
+            stream = torch.cuda.current_stream(self.device).cuda_stream
+            for launch in bound:
+                launch(stream)
+            t5 = time.perf_counter()
             if len(self._plans) >= 64:  # bounded: each plan keeps its workspace alive
                 self._plans.clear()
                 self._fast.clear()
                 self._last = None
-            self._plans[key] = (ws,) + tuple(lib.bind(*a) for lib, a in zip((route, glu, down, comb), args))
+            self._plans[key] = (ws,) + bound
             self._fast[(M, id(ws), id(self.variants))] = self._last = LayerPlan(
-                ws, self._plans[key][1:], self.spec, M, self.device, self.store.unpack_dir, self.variants)
+                ws, bound, self.spec, M, self.device, self.store.unpack_dir, self.variants)
+            # where the first call at a size goes (tools/gpu_run.py --coldstart prints it)
+            self.first_call_ms = {k: round(1e3 * (b - a), 4) for k, a, b in (
+                ("check_inputs", t0, t1), ("workspace", t1, t2), ("kernels", t2, t3), ("bind", t3, t4),
+                ("launch", t4, t5), ("plan", t5, time.perf_counter()))}
             return out
         bound = plan[1:]
         ptrs = (x, w13, w2, topk_weights, topk_ids, out, b13, b2)

@@ -187,6 +187,24 @@ class KernelLibrary:
         digest = meta["sha256"]["library"]
         return cls(cached_library(library_dir(unpack_dir), meta["name"], digest, lambda: library), meta, device)
 
+    def shim_stats(self, reset: bool = False) -> dict[str, int] | None:
+        """What this library's host code asked of the CUDA runtime shim so far: calls per cuda*
+        entry point, and for its launches launch_ns (time in cudaLaunchKernelExC), driver_ns (of
+        which in cuLaunchKernelEx) and context_checks. Counted only in a process started with
+        MOE_AOT_SHIM_STATS=1; None otherwise, or for a library without the counters (linked with
+        CUDA's cudart or an older shim). `reset` zeroes them after reading."""
+        fn = getattr(self._lib, "moe_aot_shim_stats", None)  # ctypes: AttributeError when absent
+        if fn is None:
+            return None
+        fn.argtypes, fn.restype = [ctypes.c_char_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+        buf = ctypes.create_string_buffer(1 << 14)
+        if fn(buf, len(buf), int(reset)) < 0:
+            return None
+        pairs = (line.rsplit(" ", 1) for line in buf.value.decode().splitlines())
+        stats = {k: int(v) for k, v in pairs}
+        stats["driver_ns"] = stats.pop("driver_launch_ns", 0)
+        return stats
+
     @property
     def arg_names(self) -> list[str]:
         return [a["name"] for a in self._tensor_args]
