@@ -33,10 +33,11 @@ def _compile(obj, arch):
 def test_glu_compiles(arch):
     obj = GroupedGluGemm(**QWEN3_30B, activation="swiglu", tile_m=64, tile_n=128, tile_k=64,
                          stages=3)
-    # the expert biases' slot holds None without biases: no argument of the compiled kernel
+    # the expert biases' and the pre-activations' slots hold None without biases and outside
+    # training (save_preact): no arguments of the compiled kernel
     assert [(n, f is None) for n, f in obj.fake_arguments()] == [
         ("x", False), ("w13", False), ("sorted_ids", False), ("tile_expert", False), ("h", False),
-        ("b13", True), ("stream", False)]
+        ("b13", True), ("preact", True), ("stream", False)]
     assert GroupedGluGemm.can_implement(**QWEN3_30B, tile_m=64, stages=3, arch=arch)[0]
     assert _compile(obj, arch) is not None
 
