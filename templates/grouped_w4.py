@@ -124,11 +124,11 @@ class _W4Mainloop:
         perm_n = cute.make_layout((8, self.warps_n, 2), stride=(1, CN, 8))
         return cute.make_tiled_mma(op, cute.make_layout((1, self.warps_n, 1)), permutation_mnk=(16, perm_n, 16))
 
-    def _make_piece_copy(self, per_row: int):
-        """cp.async of 16-byte pieces, ``per_row`` threads per row of a 2-D byte tile."""
+    def _make_piece_copy(self, per_row: int, rows: int):
+        """cp.async of 16-byte pieces, ``per_row`` threads per row and ``rows`` rows per pass of
+        a 2-D byte tile."""
         atom = cute.make_copy_atom(
             cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.LoadCacheMode.GLOBAL), Uint8, num_bits_per_copy=128)
-        rows = max(self.mma_threads // per_row, 1)
         thr = cute.make_layout((rows, per_row), stride=(per_row, 1))
         return cute.make_tiled_copy_tv(atom, thr, cute.make_layout((1, limits.W4_PIECE)))
 
@@ -193,10 +193,11 @@ class _W4Mainloop:
                 for s in cutlass.range_constexpr(stages):
                     tAsA[None, m, None, s].fill(0)
         # codes and scales: 16-byte pieces of [rows, tile_k * 8] and [rows, tile_k / 2] byte tiles
-        q_copy = self._make_piece_copy(self.tile_k * 8 // limits.W4_PIECE)
+        q_per_row = self.tile_k * 8 // limits.W4_PIECE
+        q_copy = self._make_piece_copy(q_per_row, self.mma_threads // q_per_row)
         tQgQ = q_copy.get_slice(tidx).partition_S(cute.local_tile(mQe, (rows, self.tile_k * 8), (bn, None)))
         tQsQ = q_copy.get_slice(tidx).partition_D(sQ)
-        s_copy = self._make_piece_copy(self.tile_k // 2 // limits.W4_PIECE)
+        s_copy = self._make_piece_copy(self.tile_k // 2 // limits.W4_PIECE, rows)  # the first scale_pieces threads
         thr_s = s_copy.get_slice(tidx % self.scale_pieces)
         tSgS = thr_s.partition_S(cute.local_tile(mSe, (rows, self.tile_k // 2), (bn, None)))
         tSsS = thr_s.partition_D(sS)
