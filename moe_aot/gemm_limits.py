@@ -174,6 +174,8 @@ def check_gemm(n, k, tile_m, tile_n, tile_k, stages, mma, warps_m=None, warps_n=
     ok, reason = check_cluster(mma, tile_m, cluster_m)
     if not ok:
         return ok, reason
+    if precision in W4 and warps_m is None and warps_n is None:
+        warps_m, warps_n = w4_warps(tile_m, tile_n)
     warps_m, warps_n = default_warps(tile_m, tile_n, warps_m, warps_n, mma)
     ok, reason = check_tiles(n, k, tile_m, tile_n, tile_k, stages, mma, warps_m, warps_n, precision)
     if ok:
@@ -256,46 +258,55 @@ E4M3_NAN = 0x7F
 E2M1_CVT_TARGETS = ("sm_100a", "sm_121a")
 
 # Weight-only MXFP4 ("mxfp4-w", templates/grouped_w4.py): the mma.sync core only (the decode
-# regime, where weight bytes are the cost), 32 weights per ue8m0 scale byte along K. The packed
-# weights of a k-tile and its scales are cp.async-ed into their own pipeline stages; the
-# dequantized bf16 tile has two slots (one being written while the MMAs read the other), so a
-# k-tile is waited for one iteration ahead and the pipeline needs at least 3 stages.
+# regime, where weight bytes are the cost), 32 weights per ue8m0 scale byte along K. The weights
+# are prepared in fragment order (runtime/w4.py: chunks of 16 rows x 64 columns, 512 code bytes and
+# 32 scale bytes each); each k-tile's chunks are cp.async-ed into pipeline stages and every warp
+# converts its own mma.sync B fragments in registers, so a CTA's warps all lie along N (one warp
+# per 16-row chunk column: w4_warps) and each weight is converted once per CTA.
 W4 = ("mxfp4-w",)
 W4_MMAS = ("warp",)
 W4_BLOCK = 32  # weights per scale byte along K (OCP MX)
+W4_CHUNK = (16, 64)  # rows x columns of one fragment-order chunk
 W4_MIN_STAGES = 3
-W4_SCALE_CHUNK = 16  # scale bytes per cp.async: the scales are stored [E, K/32, N], N contiguous
+W4_PIECE = 16  # bytes per cp.async
+
+
+def w4_warps(tile_m, tile_n) -> tuple[int, int]:
+    """mxfp4-w's warp grid: one warp row (every warp multiplies all tile_m rows by its own columns,
+    so no weight is converted twice in a CTA), up to 4 warps along N (8 from tile_n 256), each
+    owning tile_n / (16 * warps) 16-row chunks."""
+    return 1, max(1, min(tile_n // W4_CHUNK[0], 4 if tile_n <= 128 else 8))
 
 
 def w4_pipeline_bytes(tile_m, tile_n, tile_k, stages) -> int:
     """Shared memory of an mxfp4-w mainloop: per stage the bf16 A tile, the packed weights (half a
-    byte each) and their scale bytes, plus two bf16 slots of the dequantized weight tile."""
-    per_stage = tile_m * tile_k * 2 + tile_n * tile_k // 2 + tile_n * tile_k // W4_BLOCK
-    return stages * per_stage + 2 * tile_n * tile_k * 2
+    byte each) and their scale bytes (no bf16 weight tile: the conversion is in registers)."""
+    return stages * (tile_m * tile_k * 2 + tile_n * tile_k // 2 + tile_n * tile_k // W4_BLOCK)
 
 
 def check_w4(precision, n, k, tile_m, tile_n, tile_k, stages, mma, threads=None) -> tuple[bool, str]:
     """(ok, reason) of the mxfp4-w rules of one GEMM beyond check_tiles (other precisions: ok).
-    ``threads``: the CTA's threads (default: default_warps' grid for these tiles)."""
+    ``threads``: the CTA's threads (default: w4_warps' grid for these tiles)."""
     if precision not in W4:
         return True, ""
     if mma not in W4_MMAS:
-        return False, (f"{precision} runs on mma in {W4_MMAS} (mma.sync with weights dequantized in shared memory), "
+        return False, (f"{precision} runs on mma in {W4_MMAS} (mma.sync with weights converted in registers), "
                        f"not {mma!r}")
-    if k % W4_BLOCK:
-        return False, f"{precision}: K={k} must be a multiple of the {W4_BLOCK}-weight scale blocks"
-    if n % W4_SCALE_CHUNK or tile_n % W4_SCALE_CHUNK:
-        return False, (f"{precision}: N={n} and tile_n {tile_n} must be multiples of {W4_SCALE_CHUNK} "
-                       f"(16-byte scale rows)")
+    cn, ck = W4_CHUNK
+    if k % ck or tile_k % ck:
+        return False, (f"{precision}: K={k} and tile_k {tile_k} must be multiples of {ck} (the {W4_BLOCK}-weight "
+                       f"scale blocks, in fragment chunks of {cn}x{ck})")
+    if n % cn or tile_n % cn:
+        return False, f"{precision}: N={n} and tile_n {tile_n} must be multiples of {cn} (fragment chunks)"
     if stages < W4_MIN_STAGES:
-        return False, (f"{precision}: stages {stages} must be >= {W4_MIN_STAGES} (a k-tile is dequantized one "
-                       f"iteration before its MMAs)")
+        return False, (f"{precision}: stages {stages} must be >= {W4_MIN_STAGES} (k-tiles in flight while one is "
+                       f"multiplied)")
     if threads is None:
-        wm, wn = default_warps(tile_m, tile_n)
+        wm, wn = w4_warps(tile_m, tile_n)
         threads = wm * wn * 32
-    # the packed weights of a k-tile: tile_k / 2 bytes per row in 16-byte cp.async chunks
-    rows_per_pass = threads // (tile_k // 32)
-    if tile_n % rows_per_pass:
-        return False, (f"{precision}: tile_n {tile_n} must be a multiple of the {rows_per_pass} packed weight rows "
-                       f"one cp.async pass of {threads} threads covers (tile_k {tile_k})")
+    # a k-tile's packed weights: tile_n / 16 rows of tile_k * 8 bytes, in 16-byte cp.async pieces
+    rows_per_pass = threads // (tile_k * 8 // W4_PIECE)
+    if rows_per_pass < 1 or (tile_n // cn) % rows_per_pass:
+        return False, (f"{precision}: tile_n {tile_n} must be a multiple of the {max(rows_per_pass, 1) * cn} packed "
+                       f"weight rows one cp.async pass of {threads} threads covers (tile_k {tile_k})")
     return True, ""

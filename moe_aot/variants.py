@@ -477,12 +477,15 @@ def default_variant(spec: LayerSpec, tokens: int) -> LayerVariant:
 
 
 def _default_w4(spec: LayerSpec, rows_per_expert: float, cluster: int) -> LayerVariant:
-    """mxfp4-w's untuned choice (mma.sync only, not yet measured on a GPU): few rows per expert
-    stream the packed weights with 16-row tiles, 128-wide N tiles where N allows (else 64) and a
-    deep pipeline; more rows per expert take 32- or 64-row tiles. The first valid of each list."""
+    """mxfp4-w's untuned choice (mma.sync only; the register-conversion kernels not yet measured on
+    a GPU): few rows per expert stream the packed weights with 16-row tiles, 128-wide N tiles where
+    N allows (else 64: 4 warps of one 16-row chunk each) and a deep pipeline; more rows per expert
+    take 32- or 64-row tiles, whose every warp multiplies all rows by the weights it converted once
+    (gemm_limits.w4_warps), so a converted weight feeds more rows. tile_k 64: one fragment chunk
+    per k-tile and warp column (K = 2880 has no 128-wide k-tiles). The first valid of each list."""
     m = 16 if rows_per_expert <= 4 else 32 if rows_per_expert <= 16 else 64
     why = ""
-    for tile_m, (n, k), n2, st in itertools.product(dict.fromkeys((m, 16)), ((128, 64), (64, 64), (32, 64), (64, 32)),
+    for tile_m, (n, k), n2, st in itertools.product(dict.fromkeys((m, 16)), ((128, 64), (64, 64), (32, 64)),
                                                     (128, 64, 32), (6, 4, 3)):
         v = LayerVariant(tile_m, GemmTiles(n, k, st, "warp"), GemmTiles(min(n, n2), k, st, "warp"), cluster)
         ok, why = can_implement(spec, v)

@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from ..gemm_limits import FP8, H_SCALE_BLOCK, SCALE_BLOCK, W4, W4_BLOCK
+from ..gemm_limits import FP8, H_SCALE_BLOCK, SCALE_BLOCK, W4, W4_BLOCK, W4_CHUNK
 from ..layout import interleave_gate_up, max_tiles
 from ..spec import LayerSpec, make_spec, value_class
 from ..variants import INTERLEAVE, TILE_M, LayerVariant, backward_kernels, bucket_for, default_variant, training_kernels
@@ -233,8 +233,11 @@ class MoeLayer:
                 raise KernelArgumentError(f"{name}'s bias must be {'a tensor' if s.bias else 'None'}: the spec of "
                                           f"{s.label()} has {'' if s.bias else 'no '}expert biases")
         E, H, I, u8 = s.experts, s.hidden, s.intermediate, torch.uint8
-        out = [("w13 blocks", w13[0], (E, 2 * I, H // 2), u8), ("w13 scales", w13[1], (E, H // W4_BLOCK, 2 * I), u8),
-               ("w2 blocks", w2[0], (E, H, I // 2), u8), ("w2 scales", w2[1], (E, I // W4_BLOCK, H), u8)]
+        cn, ck = W4_CHUNK  # fragment-order chunks (runtime/w4.py)
+        out = [("w13 blocks", w13[0], (E, 2 * I // cn, H // ck, cn * ck // 2), u8),
+               ("w13 scales", w13[1], (E, 2 * I // cn, H // ck, cn * ck // W4_BLOCK), u8),
+               ("w2 blocks", w2[0], (E, H // cn, I // ck, cn * ck // 2), u8),
+               ("w2 scales", w2[1], (E, H // cn, I // ck, cn * ck // W4_BLOCK), u8)]
         if s.bias:
             out += [("b13", w13[2], (E, 2 * I), torch.bfloat16), ("b2", w2[2], (E, H), torch.bfloat16)]
         return out
