@@ -235,3 +235,23 @@ def test_kernels_compile_for_sm90a_with_the_expected_ptx():
         assert re.search(r"cp\.async\.cg\.shared\.global(\.L2::128B)? \[[^]]+\], \[[^]]+\], 16(, 16)?;", ptx), kv.name
         assert "mul.rn.bf16x2" in ptx and "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in ptx, kv.name
         assert "ld.shared.v4.b32" in ptx and "shf.l.wrap.b32" in ptx, kv.name  # a lane's codes, rotated
+
+
+def test_moe_forward_reads_the_layer_shape_off_fragment_order_blocks():
+    """moe_forward takes mxfp4-w weights as W4Weight triples whose blocks are in fragment order
+    ([E, 2I/16, H/64, 512]); blocks of another rank are refused in one sentence naming the layout."""
+    import pytest
+    import torch
+
+    from moe_aot.runtime.layer import moe_forward
+    from moe_aot.runtime.library import KernelArgumentError
+    from moe_aot.runtime.w4 import W4Weight
+
+    x = torch.zeros(2, 128, dtype=torch.bfloat16)
+    ids = torch.zeros(2, 2, dtype=torch.int32)
+    flat = W4Weight(torch.zeros(4, 64, 64, dtype=torch.uint8), torch.zeros(4, 64, 4, dtype=torch.uint8), None)
+    with pytest.raises(KernelArgumentError, match=r"blocks must be \[experts, 2\*intermediate/16, hidden/64, 512\]"):
+        moe_forward(x, flat, flat, torch.zeros(2, 2), ids)
+    frag = W4Weight(torch.zeros(4, 4, 2, 512, dtype=torch.uint8), torch.zeros(4, 4, 2, 32, dtype=torch.uint8), None)
+    with pytest.raises(KernelArgumentError, match="CUDA tensor"):  # past the shape: only the CPU is refused
+        moe_forward(x, frag, frag, torch.zeros(2, 2), ids)

@@ -538,10 +538,16 @@ def moe_forward(x, w13_prepared, w2, topk_weights, topk_ids, out=None, workspace
     (blocks, scales, bias) triples from w4.from_gpt_oss() or w4.prepare_weights()."""
     precision, bias = "bf16", False
     w13 = w13_prepared
-    hidden_per_col = 1  # hidden = w13.shape[2] * this (mxfp4-w: two weights per byte)
+    shape = None  # (E, 2I, H) where w13 is not a plain [E, 2I, H] tensor
     if isinstance(w13_prepared, (tuple, list)) and len(w13_prepared) == 3 and \
             isinstance(w13_prepared[0], torch.Tensor) and w13_prepared[0].dtype == torch.uint8:
-        w13, precision, bias, hidden_per_col = w13_prepared[0], "mxfp4-w", w13_prepared[2] is not None, 2
+        # mxfp4-w: blocks in fragment order [E, 2I / 16, H / 64, 512] (runtime/w4.py)
+        w13, precision, bias = w13_prepared[0], "mxfp4-w", w13_prepared[2] is not None
+        if w13.dim() != 4:
+            raise KernelArgumentError(f"mxfp4-w w13 blocks must be [experts, 2*intermediate/16, hidden/64, 512] "
+                                      f"uint8 from w4.from_gpt_oss() or w4.prepare_weights(), got {tuple(w13.shape)}")
+        rows, cols = W4_CHUNK
+        shape = (w13.shape[0], w13.shape[1] * rows, w13.shape[2] * cols)
     elif isinstance(w13_prepared, (tuple, list)) and len(w13_prepared) == 2 and \
             all(isinstance(t, torch.Tensor) for t in w13_prepared):
         w13, second = w13_prepared
@@ -549,7 +555,7 @@ def moe_forward(x, w13_prepared, w2, topk_weights, topk_ids, out=None, workspace
             bias = True
         else:
             precision = "fp8" if second.dim() == 2 else "fp8-block128"
-    if not isinstance(w13, torch.Tensor) or w13.dim() != 3:
+    if shape is None and (not isinstance(w13, torch.Tensor) or w13.dim() != 3):
         raise KernelArgumentError("w13_prepared must be a [experts, 2*intermediate, hidden] tensor "
                                   "from prepare_weights(), or an fp8 (weights, scales) pair from "
                                   "prepare_fp8_weights()")
@@ -557,8 +563,7 @@ def moe_forward(x, w13_prepared, w2, topk_weights, topk_ids, out=None, workspace
         raise KernelArgumentError("topk_ids must be a [tokens, top_k] int32 tensor")
     if not isinstance(x, torch.Tensor) or not x.is_cuda:
         raise KernelArgumentError("x must be a CUDA tensor [tokens, hidden] (bf16)")
-    E, I2, H = w13.shape
-    H *= hidden_per_col
+    E, I2, H = shape or w13.shape
     key = (E, topk_ids.shape[1], H, I2 // 2, activation, precision, bias, x.device.index if x.is_cuda else None)
     layer = _LAYERS.get(key)
     if layer is None:
