@@ -67,22 +67,30 @@ def buckets(pattern: str) -> dict:
     return {key: {v: statistics.median(ts) for v, ts in vs.items()} for key, vs in times.items()}
 
 
-def evaluate(pattern: str) -> dict:
-    rows = []
+def measured_buckets(pattern: str):
+    """(workload, tokens, spec, measured) per bf16 bucket with >= 4 measured variants that the
+    templates can still build, measured = [(variant, µs)]."""
     for (workload, tokens), measured in sorted(buckets(pattern).items()):
         spec = spec_of(workload)
         if spec is None:
             continue
-        pairs = []
+        vs = []
         for name, us in measured.items():
             try:
                 v = LayerVariant.parse(name)
             except ValueError:
                 continue
             if can_implement(spec, v)[0]:
-                pairs.append((v, us, predict(spec, v, tokens)["seconds"] * 1e6))
-        if len(pairs) < 4:
-            continue
+                vs.append((v, us))
+        if len(vs) >= 4:
+            yield workload, tokens, spec, vs
+
+
+def evaluate(pattern: str) -> dict:
+    rows = []
+    for workload, tokens, spec, vs in measured_buckets(pattern):
+        measured = {v.name(spec): us for v, us in vs}
+        pairs = [(v, us, predict(spec, v, tokens)["seconds"] * 1e6) for v, us in vs]
         meas = [p[1] for p in pairs]
         pred = [p[2] for p in pairs]
         best = min(meas)
@@ -115,21 +123,7 @@ def fit(pattern: str) -> None:
 
     from moe_aot import perfmodel as pm
 
-    data = []
-    for (workload, tokens), measured in sorted(buckets(pattern).items()):
-        spec = spec_of(workload)
-        if spec is None:
-            continue
-        vs = []
-        for name, us in measured.items():
-            try:
-                v = LayerVariant.parse(name)
-            except ValueError:
-                continue
-            if can_implement(spec, v)[0]:
-                vs.append((v, us))
-        if len(vs) >= 4:
-            data.append((workload, tokens, spec, vs))
+    data = list(measured_buckets(pattern))
     dev0 = pm.DEVICES["sm_90a"]
 
     def apply(p):

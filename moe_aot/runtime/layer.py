@@ -382,14 +382,7 @@ class MoeLayer:
                 "glu": (xq, xs, w13[0], w13[1], sorted_ids, tile_expert, hq, hs),
                 "down": (hq, hs, w2[0], w2[1], sorted_ids, tile_expert, topk_weights, y),
                 "combine": (y, topk_ids, out)}
-        for role, lib in libs.items():  # role_kernels gives them in launch order
-            lib(*args[role])
-        if len(self._plans) >= 64:  # bounded: each plan keeps its workspace alive
-            self._plans.clear()
-            self._fast.clear()
-        bound = {role: lib.bind(*args[role]) for role, lib in libs.items()}
-        self._plans[(M, v.name(self.spec), id(ws))] = (ws,) + tuple(bound.values())  # for launchers()
-        self._fast[(M, id(ws), id(self.variants))] = (ws, bound)
+        self._launch_and_keep(M, v, ws, libs, args)
         return out
 
     # the caller's tensors in each mxfp4-w kernel's arguments (role, argument index, which), as
@@ -436,7 +429,14 @@ class MoeLayer:
                 "glu": (x, w13[0], w13[1], sorted_ids, tile_expert, h) + b13,
                 "down": (h, w2[0], w2[1], sorted_ids, tile_expert, topk_weights, y) + b2,
                 "combine": (y, topk_ids, out)}
-        for role, lib in libs.items():
+        self._launch_and_keep(M, v, ws, libs, args)
+        return out
+
+    def _launch_and_keep(self, M, v, ws, libs, args) -> None:
+        """The first call at a size of the fp8 and mxfp4-w paths: launch each kernel (role order)
+        with its full contract checks, then keep the bound argument structs that later calls
+        only re-point at the caller's tensors."""
+        for role, lib in libs.items():  # role_kernels gives them in launch order
             lib(*args[role])
         if len(self._plans) >= 64:  # bounded: each plan keeps its workspace alive
             self._plans.clear()
@@ -444,7 +444,6 @@ class MoeLayer:
         bound = {role: lib.bind(*args[role]) for role, lib in libs.items()}
         self._plans[(M, v.name(self.spec), id(ws))] = (ws,) + tuple(bound.values())  # for launchers()
         self._fast[(M, id(ws), id(self.variants))] = (ws, bound)
-        return out
 
     def training_kernel(self, tokens: int) -> KernelLibrary | None:
         """The GEMM1 of this token count's variant that also writes the pre-activations
