@@ -90,15 +90,22 @@ def test_op_gradients_match_fp32_autograd_of_the_reference(activation, bias):
         assert rel_err(a.grad, b.grad) <= 1e-2, name
 
 
-def test_backward_saves_only_the_inputs():
-    """No activation is saved: what autograd keeps for the op is the op's own input tensors."""
-    gen = torch.Generator().manual_seed(14)
+def _saved_by(fn, seed):
+    """(data pointers autograd saves for fn(x, w13, w2, tw, ids) on fresh bf16 inputs that need
+    grad, the op's inputs, its outputs)."""
+    gen = torch.Generator().manual_seed(seed)
     x, w13, w2, tw, ids, _, _ = _inputs(6, torch.float32, gen)
-    ins = [t.to(torch.bfloat16).requires_grad_() for t in (x, w13, w2)] + [tw.requires_grad_()]
+    ins = [t.to(torch.bfloat16).requires_grad_() for t in (x, w13, w2)] + [tw.requires_grad_()] + [ids]
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        torch.ops.moe_aot.fused_moe(*ins, ids)
-    assert {t.data_ptr() for t in saved} <= {t.data_ptr() for t in ins + [ids]}
+        outs = fn(*ins)
+    return {t.data_ptr() for t in saved}, ins, outs
+
+
+def test_backward_saves_only_the_inputs():
+    """No activation is saved: what autograd keeps for the op is the op's own input tensors."""
+    saved, ins, _ = _saved_by(torch.ops.moe_aot.fused_moe, 14)
+    assert saved <= {t.data_ptr() for t in ins}
 
 
 def test_no_gradient_asked_for_ids_or_unused_inputs():
@@ -280,13 +287,8 @@ def test_backward_from_saved_preactivations_equals_the_recomputing_one(activatio
 
 
 def test_train_op_saves_its_inputs_and_the_preactivations_only():
-    gen = torch.Generator().manual_seed(21)
-    x, w13, w2, tw, ids, _, _ = _inputs(6, torch.float32, gen)
-    ins = [t.to(torch.bfloat16).requires_grad_() for t in (x, w13, w2)] + [tw.requires_grad_()]
-    saved = []
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        _, preact = torch.ops.moe_aot.fused_moe_train(*ins, ids)
-    assert {t.data_ptr() for t in saved} <= {t.data_ptr() for t in ins + [ids, preact]}
+    saved, ins, (_, preact) = _saved_by(torch.ops.moe_aot.fused_moe_train, 21)
+    assert saved <= {t.data_ptr() for t in ins + [preact]}
 
 
 def test_opcheck_of_the_train_op_with_gradients():

@@ -158,18 +158,21 @@ def _glu_kernel(x, topk_ids, w13, activation, block, bias):
     return glu_backward_kernel(E, topk_ids.shape[1], H, I2 // 2, activation, bias, x.device)
 
 
+def _gemm1(xs, w13, offs, b13, expert):
+    """The GLU's input of the expert-sorted rows xs: xs W13_e^T (+ b13_e), [P, 2I]."""
+    a = gmm(xs, w13.transpose(1, 2), offs)
+    return a if b13 is None else a + b13.index_select(0, expert)
+
+
 def preact_torch(x, w13, topk_ids, b13=None):
     """fused_moe_train's second output in torch ops: [P + 1, 2I] (P = M * top_k), row p = m * top_k
     + k the GLU's input x_m W13_e^T (+ b13_e) of the routed pair p, the last row zeros (rows of
     pairs with an id outside [0, E) hold zeros too here; the kernels leave them unwritten, and
     the backward never reads them)."""
-    E = w13.shape[0]
-    order, offs, valid, expert = route(topk_ids, E)
+    order, offs, valid, expert = route(topk_ids, w13.shape[0])
     P = order.numel()
     offs_all = torch.cat((offs[:-1], offs.new_full((1,), P)))
-    a = gmm(x.index_select(0, order // topk_ids.shape[1]), w13.transpose(1, 2), offs_all)
-    if b13 is not None:
-        a = a + b13.index_select(0, expert)
+    a = _gemm1(x.index_select(0, order // topk_ids.shape[1]), w13, offs_all, b13, expert)
     out = a.new_zeros(P + 1, a.shape[1])
     out.index_copy_(0, torch.where(valid, order, P), a)  # invalid pairs all land on row P ...
     out[P].zero_()  # ... which is then cleared
@@ -199,9 +202,7 @@ def moe_backward(grad_out, x, w13, w2, topk_weights, topk_ids, activation="swigl
     if preact is not None:  # the forward kept them: gather the rows in expert order (invalid: zeros)
         a = preact.index_select(0, torch.where(valid, order, P))
     else:
-        a = gmm(xs, w13.transpose(1, 2), offs_all)  # GEMM1 again: its input is not saved
-        if b13 is not None:
-            a = a + b13.index_select(0, expert)
+        a = _gemm1(xs, w13, offs_all, b13, expert)  # GEMM1 again: its input is not saved
     d_out = torch.cat((grad_out.to(wdt), grad_out.new_zeros(1, H, dtype=wdt))).index_select(0, tok_grad)
     G = gmm(d_out, w2, offs_all).view(P, -1, block)  # dO_m W2_e, [P, I] as h's column blocks
     kernel = _glu_kernel(x, topk_ids, w13, activation, block, b13 is not None)

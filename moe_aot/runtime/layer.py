@@ -357,14 +357,9 @@ class MoeLayer:
         ws = workspace or self.workspace(M)
         fast = self._fast.get((M, id(ws), id(self.variants)))
         if fast is not None:
-            _, bound = fast
-            ptrs = {"ids": topk_ids, "x": x, "w13": w13[0], "w13s": w13[1], "w2": w2[0], "w2s": w2[1],
-                    "tw": topk_weights, "out": out}
-            for role, index, which in self._FP8_CALLER_ARGS:
-                bound[role].set_data(index, ptrs[which].data_ptr())
-            stream = torch.cuda.current_stream(self.device).cuda_stream
-            for launch in bound.values():  # launch order: the variant's kernel roles
-                launch(stream)
+            self._replay(fast[1], self._FP8_CALLER_ARGS,
+                         {"ids": topk_ids, "x": x, "w13": w13[0], "w13s": w13[1], "w2": w2[0], "w2s": w2[1],
+                          "tw": topk_weights, "out": out})
             return out
         if ws.max_tokens < M or ws.xq is None:
             raise KernelArgumentError(f"workspace must be allocated for this fp8 layer and hold {M} tokens "
@@ -408,14 +403,9 @@ class MoeLayer:
             raise KernelArgumentError(f"workspace holds {ws.max_tokens} tokens, x has {M}")
         fast = self._fast.get((M, id(ws), id(self.variants)))
         if fast is not None:
-            _, bound = fast
-            ptrs = {"ids": topk_ids, "x": x, "w13q": w13[0], "w13s": w13[1], "w2q": w2[0], "w2s": w2[1],
-                    "tw": topk_weights, "out": out, "b13": w13[2], "b2": w2[2]}
-            for role, index, which in self._W4_CALLER_ARGS + (self._W4_BIAS_ARGS if self.spec.bias else ()):
-                bound[role].set_data(index, ptrs[which].data_ptr())
-            stream = torch.cuda.current_stream(self.device).cuda_stream
-            for launch in bound.values():  # launch order: the variant's kernel roles
-                launch(stream)
+            self._replay(fast[1], self._W4_CALLER_ARGS + (self._W4_BIAS_ARGS if self.spec.bias else ()),
+                         {"ids": topk_ids, "x": x, "w13q": w13[0], "w13s": w13[1], "w2q": w2[0], "w2s": w2[1],
+                          "tw": topk_weights, "out": out, "b13": w13[2], "b2": w2[2]})
             return out
         v, libs = self.role_kernels(M)
         T = max_tiles(M, K, self.spec.experts, v.tile_m)
@@ -431,6 +421,16 @@ class MoeLayer:
                 "combine": (y, topk_ids, out)}
         self._launch_and_keep(M, v, ws, libs, args)
         return out
+
+    def _replay(self, bound: dict, caller_args, ptrs: dict) -> None:
+        """A repeated call of the fp8 and mxfp4-w paths: point the kept argument structs at the
+        caller's tensors (``caller_args``: (role, argument index, key of ``ptrs``)), then launch
+        them in the variant's role order on the current stream."""
+        for role, index, which in caller_args:
+            bound[role].set_data(index, ptrs[which].data_ptr())
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        for launch in bound.values():
+            launch(stream)
 
     def _launch_and_keep(self, M, v, ws, libs, args) -> None:
         """The first call at a size of the fp8 and mxfp4-w paths: launch each kernel (role order)
@@ -563,13 +563,19 @@ def moe_forward(x, w13_prepared, w2, topk_weights, topk_ids, out=None, workspace
     if not isinstance(x, torch.Tensor) or not x.is_cuda:
         raise KernelArgumentError("x must be a CUDA tensor [tokens, hidden] (bf16)")
     E, I2, H = shape or w13.shape
-    key = (E, topk_ids.shape[1], H, I2 // 2, activation, precision, bias, x.device.index if x.is_cuda else None)
+    layer = _layer_for(E, topk_ids.shape[1], H, I2 // 2, activation, precision, bias, x.device, store)
+    return layer.forward(x, w13_prepared, w2, topk_weights, topk_ids, out, workspace)
+
+
+def _layer_for(experts, top_k, hidden, intermediate, activation, precision, bias, device, store) -> MoeLayer:
+    """The process's MoeLayer of this shape on this CUDA device, made at first use."""
+    key = (experts, top_k, hidden, intermediate, activation, precision, bias, device.index)
     layer = _LAYERS.get(key)
     if layer is None:
-        spec = make_spec(experts=E, top_k=topk_ids.shape[1], hidden=H, intermediate=I2 // 2,
-                         activation=activation, precision=precision, bias=bias, target=device_target(x.device))
-        layer = _LAYERS[key] = MoeLayer(spec, store=store, device=x.device.index)
-    return layer.forward(x, w13_prepared, w2, topk_weights, topk_ids, out, workspace)
+        spec = make_spec(experts=experts, top_k=top_k, hidden=hidden, intermediate=intermediate,
+                         activation=activation, precision=precision, bias=bias, target=device_target(device))
+        layer = _LAYERS[key] = MoeLayer(spec, store=store, device=device.index)
+    return layer
 
 
 def moe_forward_train(x, w13, w2, topk_weights, topk_ids, activation: str = "swiglu", b13=None, b2=None,
@@ -577,13 +583,7 @@ def moe_forward_train(x, w13, w2, topk_weights, topk_ids, activation: str = "swi
     """MoeLayer.forward_train of the bf16 layer these tensors describe (biases as b13 / b2), or
     None where the database has no GEMM1 that keeps the pre-activations for this token count."""
     E, I2, H = w13.shape
-    bias = b13 is not None
-    key = (E, topk_ids.shape[1], H, I2 // 2, activation, "bf16", bias, x.device.index)
-    layer = _LAYERS.get(key)
-    if layer is None:
-        spec = make_spec(experts=E, top_k=topk_ids.shape[1], hidden=H, intermediate=I2 // 2,
-                         activation=activation, bias=bias, target=device_target(x.device))
-        layer = _LAYERS[key] = MoeLayer(spec, store=store, device=x.device.index)
+    layer = _layer_for(E, topk_ids.shape[1], H, I2 // 2, activation, "bf16", b13 is not None, x.device, store)
     return layer.forward_train(x, w13, w2, topk_weights, topk_ids, b13, b2)
 
 
