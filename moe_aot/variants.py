@@ -432,6 +432,9 @@ def _model_key(seconds: float, t: GemmTiles) -> tuple:
     return (math.floor(math.log(seconds) / math.log(1.01)), -(t.stages - 1) * t.tile_n * t.tile_k, -t.tile_n, t)
 
 
+FP8_DECODE_ROWS = 16  # routed rows per expert up to which fp8's default is the mma.sync kernels
+
+
 def default_variant(spec: LayerSpec, tokens: int) -> LayerVariant:
     """The documented untuned choice per token-count bucket: the first valid of a short list.
     From the H200 kernel measurements (tools/results/gemm_check_h200_2026-11-29.txt): few routed
@@ -447,12 +450,18 @@ def default_variant(spec: LayerSpec, tokens: int) -> LayerVariant:
     if spec.precision in limits.W4:
         return _default_w4(spec, rows_per_expert, cluster)
     if PRECISION_MMAS[spec.precision] is not None:
-        # fp8: the cooperative core with 128x128 tiles and 128-wide k-tiles; 6 stages were faster
-        # than 4 at 1-1024 tokens on the H200 (tools/check_fp8_kernels.py, 2026-12-01); fewer
-        # where K has too few k-tiles for 6 (a stage more than the k-tiles is never filled)
+        # fp8: up to FP8_DECODE_ROWS rows per expert the mma.sync kernels (templates/warp_fp8.py)
+        # stream the weights with 16-row tiles; above, the cooperative core with 128x128 tiles and
+        # 128-wide k-tiles; 6 stages were faster than 4 at 1-1024 tokens on the H200
+        # (tools/check_fp8_kernels.py, 2026-12-01); fewer where K has too few k-tiles for 6 (a
+        # stage more than the k-tiles is never filled)
         why = ""
+        decode = rows_per_expert <= FP8_DECODE_ROWS
         for stages in (6, 4, 3):
-            v = LayerVariant(128, GemmTiles(128, 128, stages, P), GemmTiles(128, 128, stages, P), cluster)
+            if decode:
+                v = LayerVariant(16, GemmTiles(128, 128, stages, W), GemmTiles(32, 128, stages, W), cluster)
+            else:
+                v = LayerVariant(128, GemmTiles(128, 128, stages, P), GemmTiles(128, 128, stages, P), cluster)
             ok, why = can_implement(spec, v)
             if ok:
                 return v
