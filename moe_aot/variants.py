@@ -432,7 +432,7 @@ def _model_key(seconds: float, t: GemmTiles) -> tuple:
     return (math.floor(math.log(seconds) / math.log(1.01)), -(t.stages - 1) * t.tile_n * t.tile_k, -t.tile_n, t)
 
 
-FP8_DECODE_ROWS = 16  # routed rows per expert up to which fp8's default is the mma.sync kernels
+FP8_DECODE_ROWS = 16  # routed rows per expert up to which fp8's default takes its decode tiles
 
 
 def default_variant(spec: LayerSpec, tokens: int) -> LayerVariant:
@@ -450,18 +450,23 @@ def default_variant(spec: LayerSpec, tokens: int) -> LayerVariant:
     if spec.precision in limits.W4:
         return _default_w4(spec, rows_per_expert, cluster)
     if PRECISION_MMAS[spec.precision] is not None:
-        # fp8: up to FP8_DECODE_ROWS rows per expert the mma.sync kernels (templates/warp_fp8.py)
-        # stream the weights with 16-row tiles; above, the cooperative core with 128x128 tiles and
-        # 128-wide k-tiles; 6 stages were faster than 4 at 1-1024 tokens on the H200
-        # (tools/check_fp8_kernels.py, 2026-12-01); fewer where K has too few k-tiles for 6 (a
-        # stage more than the k-tiles is never filled)
+        # fp8 on sm_90a: the cooperative core, 128x128 tiles with 128-wide k-tiles, 64-row tiles up
+        # to FP8_DECODE_ROWS routed rows per expert (as fast as or 1.0-1.4x faster than 128-row ones
+        # at 1-256 tokens, and than 16-row mma.sync ones at 1-16: tools/check_fp8_kernels.py on the
+        # H200, 2026-12-02), 128-row above; 6 stages were faster than 4 at 1-1024 tokens
+        # (2026-12-01). Targets without wgmma: the mma.sync kernels (templates/warp_fp8.py), 16-row
+        # tiles for decode, 64-row above. Fewer stages where K has too few k-tiles for 6 (a stage
+        # more than the k-tiles is never filled) or shared memory too little (DGX Spark).
         why = ""
         decode = rows_per_expert <= FP8_DECODE_ROWS
-        for stages in (6, 4, 3):
-            if decode:
-                v = LayerVariant(16, GemmTiles(128, 128, stages, W), GemmTiles(32, 128, stages, W), cluster)
+        hopper = P in TARGET_LIMITS[spec.target]["mma"]
+        for stages in (6, 5, 4, 3):
+            if hopper:
+                m, g, d = 64 if decode else 128, GemmTiles(128, 128, stages, P), GemmTiles(128, 128, stages, P)
             else:
-                v = LayerVariant(128, GemmTiles(128, 128, stages, P), GemmTiles(128, 128, stages, P), cluster)
+                g = GemmTiles(128, 128, stages, W)
+                m, d = (16, GemmTiles(32, 128, stages, W)) if decode else (64, GemmTiles(64, 128, stages, W))
+            v = LayerVariant(m, g, d, cluster)
             ok, why = can_implement(spec, v)
             if ok:
                 return v

@@ -91,13 +91,18 @@ def test_fp8_reference_tracks_the_bf16_layer(precision):
     assert fp8_ref.moe_fp8_reference(x[:0], w13, w2, tw[:0], ids[:0], precision).shape == (0, h)
 
 
-def test_spec_accepts_fp8_on_hopper_only_with_128_multiples():
+def test_spec_accepts_fp8_with_128_multiples_on_every_target():
     assert make_spec("deepseek-v3", precision="fp8-block128").workload_key.endswith("_fp8-block128")
     assert make_spec("qwen3-30b-a3b", precision="FP8").precision == "fp8"
     with pytest.raises(SpecError, match="multiple of 128 for precision fp8"):
         make_spec("gpt-oss-120b", precision="fp8")
+    for target in ("sm_100a", "sm_121a"):  # the mma.sync kernels (templates/warp_fp8.py)
+        spec = make_spec("deepseek-v3", precision="fp8", target=target)
+        for tokens in V.token_buckets():
+            v = V.default_variant(spec, tokens)
+            assert v.glu.mma == v.down.mma == "warp" and V.can_implement(spec, v)[0]
     with pytest.raises(SpecError, match="not yet supported for sm_100a"):
-        make_spec("deepseek-v3", precision="fp8", target="sm_100a")
+        make_spec("gpt-oss-120b", precision="mxfp4-w", target="sm_100a")
 
 
 @pytest.mark.parametrize("precision", fp8.FP8)
@@ -161,3 +166,26 @@ def test_fp8_kernels_compile(tmp_path, mma):
         want = {"quant": ["x", "xq", "xs"], "glu": ["x", "xs", "w13", "w13s", "sorted_ids", "tile_expert", "h", "hs"],
                 "down": ["h", "hs", "w2", "w2s", "sorted_ids", "tile_expert", "topk_weights", "y"]}[kv.role]
         assert names[:len(want)] == want, names
+
+
+def test_fp8_gemms_build_for_dgx_spark():
+    """sm_121a gets fp8 from the mma.sync kernels, in aarch64 host libraries; there its e4m3 MMA
+    is native (QMMA), where sm_90a converts to f16 first (the same template's sm_90a build is what
+    the H200 checks: tools/check_fp8_kernels.py --only f8w16)."""
+    import cross_tools
+
+    cross_tools.require(cross_tools.CROSS_CC)
+    pytest.importorskip("cutlass")
+    from moe_aot.compiler import build_template
+    from moe_aot.kernel_build import compile_kernel
+
+    spec = make_spec(experts=8, top_k=2, hidden=256, intermediate=256, precision="fp8", target="sm_121a")
+    v = V.default_variant(spec, 16)
+    assert v.glu.mma == v.down.mma == "warp"
+    for kv in v.kernels(spec):
+        if kv.role not in ("glu", "down"):
+            continue
+        art = compile_kernel(build_template(kv), "sm_121a", kv.name)
+        assert int.from_bytes(art.library[18:20], "little") == 183  # EM_AARCH64
+        assert (int.from_bytes(art.cubin[48:52], "little") >> 8) & 0xFF == 121
+        assert "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32" in art.ptx, kv.name
