@@ -73,8 +73,9 @@ def spec_options(f):
                      help="swiglu (default), geglu or swigluoai (gpt-oss's clamped SwiGLU); expert biases "
                           "come with a preset (gpt-oss-120b) or `bias = true` in a --spec file."),
         click.option("--precision", default=None,
-                     help="bf16 (default); on sm_90a also fp8 (per-tensor weights, per-token x) and fp8-block128 "
-                          "(DeepSeek-V3-style 128x128 weight blocks); mxfp8, nvfp4 are not yet supported."),
+                     help="bf16 (default); fp8 (per-tensor weights, per-token x) and fp8-block128 "
+                          "(DeepSeek-V3-style 128x128 weight blocks); on sm_90a also mxfp4-w (weight-only "
+                          "MXFP4); mxfp8, nvfp4 are not yet supported."),
     ]
     for o in reversed(opts):
         f = o(f)
