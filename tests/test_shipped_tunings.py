@@ -34,9 +34,11 @@ TUNED = ROOT / "cache" / "tuned" / "NVIDIA_H200.jsonl"
 # 2026-12-02t: fp8 and fp8-block128 at 1, 16, 64 and 256 tokens for the four fp8 models, after
 # the fp8 default at those buckets became 64-row cooperative tiles and the mma.sync fp8 kernels
 # joined the space (8 trials per study, the committed picks as seeds, a confirmation round each).
+# 2026-12-02u: bf16 Qwen3-235B and Mixtral at 16 and 64 tokens with 16-row 32x128 mma.sync tiles
+# tried beside the committed picks (`tune --try`), a confirmation round each.
 SESSIONS = ("tuning_2026-12-01", "tuning_2026-12-01b", "tuning_2026-12-01c", "tuning_2026-12-01e",
             "tuning_2026-12-01f", "tuning_2026-12-01g", "tuning_2026-12-01h", "tuning_2026-12-01i",
-            "tuning_2026-12-01j", "tuning_2026-12-01l", "tuning_2026-12-02t")
+            "tuning_2026-12-01j", "tuning_2026-12-01l", "tuning_2026-12-02t", "tuning_2026-12-02u")
 FP8_BUCKETS = (1, 16, 64, 256, 4096)
 RECORD_FILES = [ROOT / "tools" / "results" / d / "all_records.json" for d in SESSIONS]
 
