@@ -178,7 +178,7 @@ def native_launcher(unpack_dir=None, wait: bool = True):
             except (OSError, KernelLaunchError):
                 _native_fn = False
                 return None
-            if path.exists() or wait:
+            if wait or os.path.exists(path):
                 _native_fn = _build(path)
             else:
                 def build():
@@ -198,7 +198,7 @@ def _path(folder: Path) -> Path:
 
 def _build(path: Path):
     try:
-        if not path.exists():
+        if not os.path.exists(path):
             cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
             if cc is None:
                 return False
