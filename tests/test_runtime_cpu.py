@@ -773,3 +773,45 @@ def test_library_dir_checks_with_one_stat_what_it_checked_before(tmp_path):
     os.chmod(made, 0o770)
     with pytest.raises(KernelLaunchError, match="writable by no one else"):
         library_dir(made)
+
+
+def test_one_libcuda_handle_per_process(monkeypatch):
+    """The store's driver version and the launcher's graph functions come from one CDLL of
+    libcuda.so.1; where there is none, the failed dlopen is not searched again."""
+    import ctypes
+
+    import moe_aot.runtime.launch as launch
+    import moe_aot.runtime.library as library
+    import moe_aot.runtime.store as store
+
+    made = []
+    proto = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(ctypes.c_int))
+
+    def version(p):
+        p[0] = 12080
+        return 0
+
+    fn = proto(version)
+
+    class Driver:  # every driver function is this one function pointer
+        def __getattr__(self, name):
+            return fn
+
+    monkeypatch.setattr(library, "_libcuda", None)
+    monkeypatch.setattr(launch, "_driver_graph_fns", None)
+    monkeypatch.setattr(ctypes, "CDLL", lambda name, *a, **kw: made.append(name) or Driver())
+    assert store.driver_cuda_version() == (12, 8)
+    assert launch.driver_graph_functions() == (ctypes.cast(fn, ctypes.c_void_p).value,) * 7
+    assert made == ["libcuda.so.1"]
+
+    def missing(name, *a, **kw):
+        made.append(name)
+        raise OSError(f"{name}: cannot open shared object file")
+
+    monkeypatch.setattr(library, "_libcuda", None)
+    monkeypatch.setattr(ctypes, "CDLL", missing)
+    made.clear()
+    for _ in range(2):
+        with pytest.raises(OSError):
+            store.driver_cuda_version()
+    assert made == ["libcuda.so.1"]

@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from .. import env
-from .library import BoundLaunch, KernelLaunchError, library_dir
+from .library import BoundLaunch, KernelLaunchError, libcuda, library_dir
 
 _SOURCE = r"""
 /* moe-aot eager launcher: four bound kernel launches in one call (see moe_aot/runtime/launch.py) */
@@ -228,7 +228,7 @@ def driver_graph_functions() -> tuple:
     global _driver_graph_fns
     if _driver_graph_fns is None:
         try:
-            cuda = ctypes.CDLL("libcuda.so.1")
+            cuda = libcuda()
             _driver_graph_fns = tuple(ctypes.cast(getattr(cuda, n), ctypes.c_void_p).value
                                       for n in _GRAPH_FUNCTIONS)
         except (OSError, AttributeError):

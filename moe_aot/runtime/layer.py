@@ -15,7 +15,7 @@ from ..gemm_limits import FP8, H_SCALE_BLOCK, SCALE_BLOCK, W4, W4_BLOCK, W4_CHUN
 from ..layout import interleave_gate_up, max_tiles
 from ..spec import LayerSpec, make_spec, value_class
 from ..variants import INTERLEAVE, TILE_M, LayerVariant, backward_kernels, bucket_for, default_variant, training_kernels
-from .launch import LayerPlan, feeds
+from .launch import LayerPlan, current_stream, feeds
 from .library import KernelArgumentError, KernelLibrary
 from .store import KernelMissingError, KernelStore
 
@@ -333,7 +333,9 @@ class MoeLayer:
             # the bound kernels then checks nothing twice
             bound = tuple(lib.bind(*a) for lib, a in zip((route, glu, down, comb), args))
             t4 = time.perf_counter()
-            stream = torch.cuda.current_stream(self.device).cuda_stream
+            # the raw stream, as LayerPlan.run takes it: no torch.cuda.Stream object built
+            index = self.device.index
+            stream = current_stream(index) if index is not None else torch.cuda.current_stream(self.device).cuda_stream
             for launch in bound:
                 launch(stream)
             t5 = time.perf_counter()

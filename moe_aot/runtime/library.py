@@ -30,6 +30,24 @@ _DTYPES = {
 }
 
 
+_libcuda = None  # the driver library, opened once per process (False: there is none)
+
+
+def libcuda():
+    """ctypes' handle of libcuda.so.1, shared by the store (the driver's CUDA version) and the
+    launcher (its graph functions): one CDLL per process instead of one each. OSError where the
+    driver cannot be loaded (asked once: a failed dlopen searches every library folder)."""
+    global _libcuda
+    if _libcuda is None:
+        try:
+            _libcuda = ctypes.CDLL("libcuda.so.1")
+        except OSError:
+            _libcuda = False
+    if _libcuda is False:
+        raise OSError("libcuda.so.1 cannot be loaded")
+    return _libcuda
+
+
 class KernelArgumentError(ValueError):
     """A tensor does not satisfy what the kernel was compiled for."""
 
