@@ -1,5 +1,6 @@
 """The runtime's cold start: the value classes that replace dataclasses at import behave exactly as
-the dataclasses they stand for, and the eager fast path keeps its plan exact."""
+the dataclasses they stand for, the eager fast path keeps its plan exact, a first call makes no
+ctypes type the load made, and opening the database is one statement without the sqlite3 package."""
 from __future__ import annotations
 
 import copy
@@ -8,6 +9,7 @@ import inspect
 import pickle
 
 import pytest
+import torch
 
 from moe_aot.runtime.layer import Workspace
 from moe_aot.spec import LayerSpec, make_spec, value_class
@@ -97,3 +99,91 @@ def test_replace_and_spec_validation_still_run():
         dataclasses.replace(spec, hidden=100)
     with pytest.raises(dataclasses.FrozenInstanceError):
         spec.hidden = 1
+
+
+def test_argument_struct_types_are_made_once_per_layout():
+    """A tensor argument's ctypes struct type is shared by every argument of its layout, so a
+    bind (the first call at a size) makes no type the load has not made already."""
+    import ctypes
+
+    from moe_aot.runtime import library
+
+    arg = {"name": "x", "kind": "tensor", "dtype": "BFloat16", "rank": 2, "static_shape": [None, 256],
+           "static_stride": [None, 1], "dynamic_shape_modes": [0], "dynamic_stride_modes": [0],
+           "shape_divisibility": [1, None], "stride_divisibility": [8, None], "shape_c_type": "int32",
+           "stride_c_type": "int64", "assumed_align": 16}
+    t = library._struct_type(arg)
+    assert library._struct_type(dict(arg, name="y", dtype="Float32")) is t  # same layout, other tensor
+    wide = library._struct_type(dict(arg, dynamic_shape_modes=[0, 1], shape_c_type="int64"))
+    static = library._struct_type(dict(arg, dynamic_shape_modes=[], dynamic_stride_modes=[]))
+    assert len({t, wide, static}) == 3
+    assert [(n, ctypes.sizeof(ty)) for n, ty in t._fields_] == [("data", 8), ("shape", 4), ("stride", 8)]
+    assert ctypes.sizeof(t) == 24 and ctypes.sizeof(wide) == 32 and ctypes.sizeof(static) == 8
+
+    lib = object.__new__(library.KernelLibrary)
+    lib.name, lib._tensor_args = "k", [arg, dict(arg, name="y")]
+    n = len(library._STRUCT_TYPES)
+    bound = lib.bind(torch.zeros(4, 256), torch.zeros(4, 256), check=False)
+    assert len(library._STRUCT_TYPES) == n and {type(s) for s in bound._structs} == {t}
+
+
+def _schema_only_db(path):
+    from moe_aot.database import Database
+
+    with Database(f"sqlite:///{path}"):
+        pass
+    return path
+
+
+def test_open_is_one_statement(tmp_path, monkeypatch):
+    """Opening the stdlib reader runs one statement (the schema version); a file without our
+    schema and a garbage file are still told apart from it."""
+    import _sqlite3
+
+    from moe_aot import dbread
+
+    seen = []
+
+    class Traced:
+        Error, OperationalError = _sqlite3.Error, _sqlite3.OperationalError
+
+        @staticmethod
+        def connect(*a, **kw):
+            con = _sqlite3.connect(*a, **kw)
+            con.set_trace_callback(seen.append)
+            return con
+
+    monkeypatch.setattr(dbread, "_sqlite_module", lambda: Traced)
+    reader = dbread.SqliteReader(_schema_only_db(tmp_path / "k.sqlite"))
+    assert seen == [f"SELECT version FROM {dbread.T_VERSION}"]
+    reader.close()
+    other = tmp_path / "other.sqlite"
+    con = _sqlite3.connect(str(other))
+    con.execute("CREATE TABLE t (x)")
+    con.commit()
+    con.close()
+    with pytest.raises(dbread.NoDatabaseError, match="holds no moe-aot schema"):
+        dbread.SqliteReader(other)
+    (tmp_path / "g.sqlite").write_bytes(b"not sqlite\n" * 400)
+    with pytest.raises(dbread.DatabaseError, match="corrupt or not a SQLite database"):
+        dbread.SqliteReader(tmp_path / "g.sqlite")
+
+
+def test_open_imports_the_sqlite_extension_not_the_package(tmp_path, monkeypatch):
+    """A fresh process opens a SQLite database without importing the `sqlite3` package (the
+    extension it re-exports is enough); where `_sqlite3` is missing the package is used."""
+    import sqlite3  # noqa: F401  (in sys.modules: the fallback below finds it there)
+    import subprocess
+    import sys
+
+    from moe_aot import dbread
+
+    path = _schema_only_db(tmp_path / "k.sqlite")
+    code = ("import sys\nfrom moe_aot.runtime.store import KernelStore\n"
+            f"KernelStore('sqlite:///{path}')\n"
+            "print(sorted(m for m in sys.modules if 'sqlite' in m))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["['_sqlite3']"]
+    monkeypatch.setitem(sys.modules, "_sqlite3", None)  # import _sqlite3 -> ImportError
+    dbread.SqliteReader(path).close()

@@ -738,3 +738,80 @@ def test_a_bucket_without_a_pick_runs_its_default_where_the_database_has_it(smal
     assert bucket_for(20) == 16 and layer.variant_for(20) == default_variant(spec, 16)
     assert layer.variant_for(1) == far  # the 1-token default is not in the database
     assert layer.variant_for(30000) == far
+
+
+def test_first_call_at_a_size_renders_no_variant_name(recording_layer, monkeypatch):
+    """Plans are keyed by the variant value, whose name (the database key) a first call no longer
+    renders; launchers() finds the plan by the same key."""
+    from moe_aot.variants import LayerVariant
+
+    layer, args = recording_layer
+    layer.kernels(16)  # the load, as a cold start does it
+    monkeypatch.setattr(LayerVariant, "name", lambda self, spec: pytest.fail("a first call rendered a name"))
+    out = layer.forward(*args)
+    assert out.shape == (16, 256)
+    got = layer.launchers(16)
+    assert list(got) == ["routing", "glu", "down", "combine"]
+    assert _seen(got["routing"]._lib._lib, 1)[0] == args[4].data_ptr()
+    with pytest.raises(KeyError, match="no forward at 8 tokens"):
+        layer.launchers(8)
+
+
+def test_library_dir_checks_with_one_stat_what_it_checked_before(tmp_path):
+    """library_dir: a missing folder is made private, a file is refused as mkdir refused it, a
+    folder others can write into is refused."""
+    import os
+
+    from moe_aot.runtime.library import KernelLaunchError, library_dir
+
+    made = library_dir(tmp_path / "a" / "b")
+    assert made == tmp_path / "a" / "b" and made.is_dir() and made.stat().st_mode & 0o777 == 0o700
+    assert library_dir(made) == made  # there already
+    (tmp_path / "f").write_bytes(b"")
+    with pytest.raises(FileExistsError):
+        library_dir(tmp_path / "f")
+    os.chmod(made, 0o770)
+    with pytest.raises(KernelLaunchError, match="writable by no one else"):
+        library_dir(made)
+
+
+def test_one_libcuda_handle_per_process(monkeypatch):
+    """The store's driver version and the launcher's graph functions come from one CDLL of
+    libcuda.so.1; where there is none, the failed dlopen is not searched again."""
+    import ctypes
+
+    import moe_aot.runtime.launch as launch
+    import moe_aot.runtime.library as library
+    import moe_aot.runtime.store as store
+
+    made = []
+    proto = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(ctypes.c_int))
+
+    def version(p):
+        p[0] = 12080
+        return 0
+
+    fn = proto(version)
+
+    class Driver:  # every driver function is this one function pointer
+        def __getattr__(self, name):
+            return fn
+
+    monkeypatch.setattr(library, "_libcuda", None)
+    monkeypatch.setattr(launch, "_driver_graph_fns", None)
+    monkeypatch.setattr(ctypes, "CDLL", lambda name, *a, **kw: made.append(name) or Driver())
+    assert store.driver_cuda_version() == (12, 8)
+    assert launch.driver_graph_functions() == (ctypes.cast(fn, ctypes.c_void_p).value,) * 7
+    assert made == ["libcuda.so.1"]
+
+    def missing(name, *a, **kw):
+        made.append(name)
+        raise OSError(f"{name}: cannot open shared object file")
+
+    monkeypatch.setattr(library, "_libcuda", None)
+    monkeypatch.setattr(ctypes, "CDLL", missing)
+    made.clear()
+    for _ in range(2):
+        with pytest.raises(OSError):
+            store.driver_cuda_version()
+    assert made == ["libcuda.so.1"]

@@ -18,6 +18,9 @@ installed package has them; the first round of each kind writes them and is drop
   ctypes calls, without what the real launchers do on the GPU (building TMA descriptors, the
   CUDA launch itself).
 - `sqlalchemy`: the load stage through the SQLAlchemy reader that server URLs use.
+- `host` also times the first forward at its size (out allocated, as gpu_run.py --coldstart
+  without the GPU's work) and its stages (`MoeLayer.first_call_ms`), with the native launcher
+  compiled beforehand into the run's unpack folder (a later process finds it there).
 
     python3 tools/coldstart_cpu.py --db cache/moe_aot.sqlite [--model qwen3-30b-a3b] [--runs 7]
                                    [--compare /work/main]   # the same children on another checkout
@@ -142,6 +145,7 @@ url, model, tokens, calls, unpack = sys.argv[1], sys.argv[2], int(sys.argv[3]), 
 spec = make_spec(model)
 store = KernelStore(url, unpack_dir=unpack)
 layer = MoeLayer(spec, store, device=torch.device("cpu"), variants=store.picks(spec, "NVIDIA H200"))
+layer.kernels(tokens)  # loaded before the first forward, as gpu_run.py --coldstart does
 M, bf = tokens, torch.bfloat16
 x = torch.empty(M, spec.hidden, dtype=bf)
 w13 = torch.empty(spec.experts, 2 * spec.intermediate, spec.hidden, dtype=bf)
@@ -150,6 +154,11 @@ tw = torch.empty(M, spec.top_k)
 ids = torch.zeros(M, spec.top_k, dtype=torch.int32)
 out = torch.empty(M, spec.hidden, dtype=bf)
 res = {"tokens": M}
+t = time.perf_counter()
+layer.forward(x, w13, w2, tw, ids)  # the first call at this size, out allocated (as gpu_run.py --coldstart)
+res["first_forward_ms"] = 1e3 * (time.perf_counter() - t)
+res.update({f"first_call_{k}_ms": v for k, v in getattr(layer, "first_call_ms", {}).items()})
+res["native_launch"] = getattr(layer._last, "native", None)
 for label, kw in (("out_given", {"out": out}), ("out_allocated", {})):
     for _ in range(50):
         layer.forward(x, w13, w2, tw, ids, **kw)
@@ -162,6 +171,12 @@ for label, kw in (("out_given", {"out": out}), ("out_allocated", {})):
     res[f"host_us_median_{label}"] = ts[len(ts) // 2] / 1e3
     res[f"host_us_p90_{label}"] = ts[int(len(ts) * 0.9)] / 1e3
 print(json.dumps(res))
+"""
+
+PREBUILD = r"""
+import json, sys
+from moe_aot.runtime.launch import native_launcher
+print(json.dumps({"native_launcher": bool(native_launcher(sys.argv[1]))}))
 """
 
 NOOP_C = r"""
@@ -237,6 +252,8 @@ def main():
     checkouts = {"this": ROOT} | ({"compare": Path(ns.compare).resolve()} if ns.compare else {})
     work = Path(tempfile.mkdtemp(prefix="moe_aot_coldstart_"))
     fake, names = fake_database(db, ns.model, work)
+    for label, checkout in checkouts.items():  # the launcher every later process finds compiled
+        child(PREBUILD, [str(work / f"fake_{label}")], checkout)
     rows = {}
     for i in range(ns.runs + 1):  # the first round writes .pyc files and warms the page cache: dropped
         for label, checkout in checkouts.items():

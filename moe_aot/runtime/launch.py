@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from .. import env
-from .library import BoundLaunch, KernelLaunchError, library_dir
+from .library import BoundLaunch, KernelLaunchError, libcuda, library_dir
 
 _SOURCE = r"""
 /* moe-aot eager launcher: four bound kernel launches in one call (see moe_aot/runtime/launch.py) */
@@ -178,7 +178,7 @@ def native_launcher(unpack_dir=None, wait: bool = True):
             except (OSError, KernelLaunchError):
                 _native_fn = False
                 return None
-            if path.exists() or wait:
+            if wait or os.path.exists(path):
                 _native_fn = _build(path)
             else:
                 def build():
@@ -198,7 +198,7 @@ def _path(folder: Path) -> Path:
 
 def _build(path: Path):
     try:
-        if not path.exists():
+        if not os.path.exists(path):
             cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
             if cc is None:
                 return False
@@ -228,7 +228,7 @@ def driver_graph_functions() -> tuple:
     global _driver_graph_fns
     if _driver_graph_fns is None:
         try:
-            cuda = ctypes.CDLL("libcuda.so.1")
+            cuda = libcuda()
             _driver_graph_fns = tuple(ctypes.cast(getattr(cuda, n), ctypes.c_void_p).value
                                       for n in _GRAPH_FUNCTIONS)
         except (OSError, AttributeError):

@@ -15,7 +15,7 @@ from ..gemm_limits import FP8, H_SCALE_BLOCK, SCALE_BLOCK, W4, W4_BLOCK, W4_CHUN
 from ..layout import interleave_gate_up, max_tiles
 from ..spec import LayerSpec, make_spec, value_class
 from ..variants import INTERLEAVE, TILE_M, LayerVariant, backward_kernels, bucket_for, default_variant, training_kernels
-from .launch import LayerPlan, feeds
+from .launch import LayerPlan, current_stream, feeds
 from .library import KernelArgumentError, KernelLibrary
 from .store import KernelMissingError, KernelStore
 
@@ -109,9 +109,11 @@ class MoeLayer:
             variants = self.store.picks(spec, torch.cuda.get_device_name(self.device))
         self.variants = variants
         self._default_stored: dict[int, bool] = {}  # bucket -> its default's kernels are in the database
+        self._kvs: dict[LayerVariant, list] = {}  # variant -> its kernels (names rendered once)
         self._libs: dict[str, KernelLibrary] = {}
         self._workspace: Workspace | None = None
-        # (tokens, variant, id(workspace)) -> (workspace, the four kernels' bound arguments); the
+        # (tokens, variant, id(workspace)) -> (workspace, the four kernels' bound arguments) (keyed by
+        # the variant value: equal variants have equal names, and hashing it needs no name); the
         # plan holds its workspace, so the id cannot be reused while the plan exists.
         self._plans: dict[tuple, tuple] = {}
         # (tokens, id(workspace), id(variants)) -> LayerPlan: what a repeated call needs, checked
@@ -138,7 +140,7 @@ class MoeLayer:
         if not self.variants:
             return v
         if bucket not in self._default_stored:
-            names = [kv.name for kv in v.kernels(self.spec)]
+            names = [kv.name for kv in self.kernel_variants(v)]
             self._default_stored[bucket] = self.store.has_kernels(names, self.spec.target)
         if self._default_stored[bucket]:
             return v
@@ -157,10 +159,18 @@ class MoeLayer:
         v, libs = self.role_kernels(tokens)
         return v, libs["routing"], libs["glu"], libs["down"], libs["combine"]
 
+    def kernel_variants(self, v: LayerVariant) -> list:
+        """v.kernels(spec), rendered once per variant (a first call at a size asks for them again
+        after the load did)."""
+        kvs = self._kvs.get(v)
+        if kvs is None:
+            kvs = self._kvs[v] = v.kernels(self.spec)
+        return kvs
+
     def role_kernels(self, tokens: int):
         """(variant, {role: library}) of every kernel of the layer at this token count."""
         v = self.variant_for(tokens)
-        kvs = v.kernels(self.spec)
+        kvs = self.kernel_variants(v)
         missing = [kv.name for kv in kvs if kv.name not in self._libs]
         if missing:  # one database query for the bucket's kernels, not one per kernel
             self._libs.update(self.store.load_many(missing, self.spec.target, self.device.index))
@@ -307,7 +317,7 @@ class MoeLayer:
                                       "allocate it with Workspace.allocate(spec, max_tokens, device)")
         sorted_ids, tile_expert = ws.sorted_ids[:R], ws.tile_expert[:T]
         h, y = ws.h[:R], ws.y[: M * self.spec.top_k]
-        key = (M, v.name(self.spec), id(ws))
+        key = (M, v, id(ws))
         plan = self._plans.get(key)
         if plan is None:
             # First call at this size: launch with full per-kernel contract checks, then keep the
@@ -323,7 +333,9 @@ class MoeLayer:
             # the bound kernels then checks nothing twice
             bound = tuple(lib.bind(*a) for lib, a in zip((route, glu, down, comb), args))
             t4 = time.perf_counter()
-            stream = torch.cuda.current_stream(self.device).cuda_stream
+            # the raw stream, as LayerPlan.run takes it: no torch.cuda.Stream object built
+            index = self.device.index
+            stream = current_stream(index) if index is not None else torch.cuda.current_stream(self.device).cuda_stream
             for launch in bound:
                 launch(stream)
             t5 = time.perf_counter()
@@ -455,7 +467,7 @@ class MoeLayer:
             self._plans.clear()
             self._fast.clear()
         bound = {role: lib.bind(*args[role]) for role, lib in libs.items()}
-        self._plans[(M, v.name(self.spec), id(ws))] = (ws,) + tuple(bound.values())  # for launchers()
+        self._plans[(M, v, id(ws))] = (ws,) + tuple(bound.values())  # for launchers()
         self._fast[(M, id(ws), id(self.variants))] = (ws, bound)
 
     def training_kernel(self, tokens: int) -> KernelLibrary | None:
@@ -516,10 +528,10 @@ class MoeLayer:
         called with a stream): for tools that time the kernels one by one."""
         ws = workspace or self.workspace(tokens)
         v = self.variant_for(tokens)
-        plan = self._plans.get((tokens, v.name(self.spec), id(ws)))
+        plan = self._plans.get((tokens, v, id(ws)))
         if plan is None:
             raise KeyError(f"no forward at {tokens} tokens with this workspace yet")
-        return dict(zip((kv.role for kv in v.kernels(self.spec)), plan[1:]))
+        return dict(zip((kv.role for kv in self.kernel_variants(v)), plan[1:]))
 
     def route(self, topk_ids, tile_m: int | None = None):
         """Routing alone (for tests and tools): returns counts, offsets, sorted_ids, tile_expert."""

@@ -16,6 +16,7 @@ import os
 import tempfile
 import time
 from pathlib import Path
+from stat import S_ISDIR
 
 import torch
 
@@ -27,6 +28,24 @@ _DTYPES = {
     "Int32": torch.int32, "Int64": torch.int64, "Uint8": torch.uint8, "Int8": torch.int8,
     "Float8E4M3FN": torch.float8_e4m3fn,
 }
+
+
+_libcuda = None  # the driver library, opened once per process (False: there is none)
+
+
+def libcuda():
+    """ctypes' handle of libcuda.so.1, shared by the store (the driver's CUDA version) and the
+    launcher (its graph functions): one CDLL per process instead of one each. OSError where the
+    driver cannot be loaded (asked once: a failed dlopen searches every library folder)."""
+    global _libcuda
+    if _libcuda is None:
+        try:
+            _libcuda = ctypes.CDLL("libcuda.so.1")
+        except OSError:
+            _libcuda = False
+    if _libcuda is False:
+        raise OSError("libcuda.so.1 cannot be loaded")
+    return _libcuda
 
 
 class KernelArgumentError(ValueError):
@@ -48,13 +67,25 @@ def other_host(built_for: str) -> str:
             "cannot be loaded here (sm_121a libraries are for the DGX Spark's aarch64 host)")
 
 
+_STRUCT_TYPES: dict[tuple, type] = {}  # (shape C type, dynamic extents, stride C type, dynamic strides) -> type
+
+
 def _struct_type(arg: dict):
-    fields = [("data", ctypes.c_void_p)]
-    if arg["dynamic_shape_modes"]:
-        fields.append(("shape", _C_TYPES[arg["shape_c_type"]] * len(arg["dynamic_shape_modes"])))
-    if arg["dynamic_stride_modes"]:
-        fields.append(("stride", _C_TYPES[arg["stride_c_type"]] * len(arg["dynamic_stride_modes"])))
-    return type(f"Arg_{arg['name']}", (ctypes.Structure,), {"_fields_": fields})
+    """The ctypes struct of a tensor argument. One type per layout, shared by every argument and
+    library that has it: making a ctypes type costs ~15 us, and a layer's ~20 arguments have a
+    handful of layouts (before, a bind made every argument's type again after its load had)."""
+    ns, nt = len(arg["dynamic_shape_modes"]), len(arg["dynamic_stride_modes"])
+    key = (arg["shape_c_type"] if ns else None, ns, arg["stride_c_type"] if nt else None, nt)
+    t = _STRUCT_TYPES.get(key)
+    if t is None:
+        fields = [("data", ctypes.c_void_p)]
+        if ns:
+            fields.append(("shape", _C_TYPES[key[0]] * ns))
+        if nt:
+            fields.append(("stride", _C_TYPES[key[2]] * nt))
+        t = _STRUCT_TYPES[key] = type(f"TensorArg_{key[0]}x{ns}_{key[2]}x{nt}", (ctypes.Structure,),
+                                      {"_fields_": fields})
+    return t
 
 
 def check_tensor(arg: dict, t: torch.Tensor, kernel: str = "") -> None:
@@ -75,10 +106,10 @@ def check_tensor(arg: dict, t: torch.Tensor, kernel: str = "") -> None:
         div = arg["shape_divisibility"][i]
         if stat is None and div and size % div:
             raise KernelArgumentError(f"{where}: dimension {i} ({size}) must be a multiple of {div}")
-    for i, (st, stat) in enumerate(zip(t.stride(), arg["static_stride"])):
-        if t.numel() == 0:
-            break  # an empty tensor's strides are never used
-        if t.shape[i] == 1 and stat is not None:
+    shape = t.shape
+    for i, (st, stat) in enumerate(zip(t.stride(), arg["static_stride"]) if t.numel() else ()):
+        # (an empty tensor's strides are never used)
+        if shape[i] == 1 and stat is not None:
             continue  # the stride of a size-1 mode is never used
         if stat is not None and st != stat:
             raise KernelArgumentError(
@@ -97,8 +128,13 @@ def library_dir(unpack_dir: os.PathLike | None = None) -> Path:
     """The folder of extracted kernel libraries (created private). Refused when another user
     could write into it: a library there is loaded into this process after its hash check."""
     folder = Path(unpack_dir) if unpack_dir else Path(tempfile.gettempdir()) / f"moe_aot_{os.getuid()}"
-    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-    st = folder.stat()
+    try:  # one stat where the folder exists (pathlib's mkdir(exist_ok=True) costs an exception and two)
+        st = os.stat(folder)
+    except FileNotFoundError:
+        os.makedirs(folder, mode=0o700, exist_ok=True)
+        st = os.stat(folder)
+    if not S_ISDIR(st.st_mode):  # as mkdir(exist_ok=True) refused it
+        raise FileExistsError(f"{folder} exists and is not a directory")
     if st.st_uid != os.getuid() or st.st_mode & 0o022:
         raise KernelLaunchError(f"refusing to load kernel libraries from {folder}: it must belong to this "
                                 "user and be writable by no one else (pass another unpack_dir)")

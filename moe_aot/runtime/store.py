@@ -15,7 +15,7 @@ from ..dbread import SqliteReader, sqlite_file
 from ..hosts import this_host
 from ..spec import LayerSpec
 from ..variants import LayerVariant
-from .library import KernelLaunchError, KernelLibrary, cached_library, library_dir, other_host
+from .library import KernelLaunchError, KernelLibrary, cached_library, libcuda, library_dir, other_host
 
 # 1: linked with CUDA's static cudart, 2: with the project's runtime shim. Both load the same way
 # and both are self-contained, so a database compiled before the shim keeps working (the newest
@@ -50,7 +50,7 @@ def parse_toolchain(key: str) -> dict:
 
 def driver_cuda_version() -> tuple[int, int]:
     v = ctypes.c_int(0)
-    lib = ctypes.CDLL("libcuda.so.1")
+    lib = libcuda()
     if lib.cuDriverGetVersion(ctypes.byref(v)) != 0:
         raise RuntimeError("cuDriverGetVersion failed")
     return v.value // 1000, (v.value % 1000) // 10
