@@ -110,6 +110,80 @@ def test_gemms_compile_to_the_block_scaled_mma(spark_gemms, role, precision, tmp
     assert ops == {SASS_MMA[precision]}, ops
 
 
+def _mode_coords(shape, stride) -> list[tuple[int, int]]:
+    """The (row, column) offsets of one mode of a static coordinate layout (strides ints or the
+    DSL's ScaledBasis e_mode * value), index by index in colexicographic order: the layout
+    evaluated in plain Python (indexing the traced tensor element by element takes minutes)."""
+    from cutlass.cute import flatten
+
+    shapes = flatten(shape) if isinstance(shape, tuple) else (shape,)
+    strides = flatten(stride) if isinstance(stride, tuple) else (stride,)
+    out = [(0, 0)]
+    for n, d in zip(shapes, strides):
+        assert not isinstance(d, int) or d == 0, d  # coordinates (or a broadcast), not offsets
+        mode = d.mode[0] if not isinstance(d, int) and isinstance(d.mode, (list, tuple)) else getattr(d, "mode", 0)
+        step = (0, 0) if isinstance(d, int) else tuple(d.value if m == mode else 0 for m in (0, 1))
+        out = [(r + k * step[0], c + k * step[1]) for k in range(n) for r, c in out]
+    return out
+
+
+@pytest.mark.parametrize("precision, tile_m, tile_n", [("mxfp8", 32, 64), ("nvfp4", 32, 64), ("mxfp8", 16, 128),
+                                                       ("nvfp4", 64, 128)])
+def test_scale_fragments_follow_the_ptx_lane_layout(precision, tile_m, tile_n):
+    """The scale bytes each lane loads for each m16n8kK instruction, traced through the kernel's
+    own tiled MMA and scale copies (blackwell_helpers' SM120 thread-value layouts) over tile
+    coordinates, are those the PTX ISA's block-scaled mma.sync takes from that lane with
+    byte/thread selectors 0 (what the kernels emit): A row 16 (wm + warps_m i) + l/4 + 8 (l % 2),
+    B columns l/4 of both n8 atoms of the warp's 16 columns of each 16 * warps_n, and the K blocks
+    of the instruction's K (one for mxfp8's k32, four for nvfp4's k64: byte j = block 4 kb + j)."""
+    pytest.importorskip("cutlass")
+    import cutlass.cute as cute
+    import cutlass.utils.blackwell_helpers as bw
+    from moe_aot_templates.blockscaled_warp import BlockScaledDownGemm
+
+    obj = BlockScaledDownGemm(8, 2048, 768, 2, precision=precision, tile_m=tile_m, tile_n=tile_n, tile_k=256,
+                              stages=3)
+    per_mma = limits.BS_MMA_K[precision] // obj.vec  # scale blocks per instruction
+    threads = range(obj.threads)
+    got = {}
+
+    def collect(tiled_mma):  # plain Python at trace time: the jit below does not rewrite its loops
+        perm = tiled_mma.permutation_mnk
+        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), obj.sf_dtype)
+        for name, tv, rows, p in (("a", bw.get_layoutSFA_TV(tiled_mma), obj.tile_m, perm[0]),
+                                  ("b", bw.get_layoutSFB_TV(tiled_mma), obj.tile_n, perm[1])):
+            copy = cute.make_tiled_copy(atom, tv, (cute.size(p), cute.size(perm[2])))
+            for tidx in threads:
+                src = copy.get_slice(tidx).partition_S(cute.make_identity_tensor((rows, obj.tile_k)))
+                vals, inst, kbs = (_mode_coords(src.layout.shape[m], src.layout.stride[m]) for m in range(3))
+                for i, ci in enumerate(inst):
+                    for kb, ck in enumerate(kbs):
+                        got[(name, tidx, i, kb)] = {(src.iterator[0] + cv[0] + ci[0] + ck[0],
+                                                     (src.iterator[1] + cv[1] + ci[1] + ck[1]) // obj.vec)
+                                                    for cv in vals}
+
+    @cute.jit
+    def trace():
+        collect(obj._make_tiled_mma())
+
+    cute.compile(trace, options=f"--gpu-arch {SPARK}")
+    wm_n, wn_n = obj.warps_m, obj.warps_n
+    num_kb = obj.tile_k // limits.BS_MMA_K[precision]
+    want = {}
+    for tidx in threads:
+        lane, w = tidx % 32, tidx // 32
+        wm, wn = w % wm_n, w // wm_n
+        for kb in range(num_kb):
+            blocks = range(kb * per_mma, (kb + 1) * per_mma)
+            for i in range(tile_m // (16 * wm_n)):
+                row = 16 * (wm + wm_n * i) + lane // 4 + 8 * (lane % 2)
+                want[("a", tidx, i, kb)] = {(row, b) for b in blocks}
+            for j in range(tile_n // (16 * wn_n)):
+                cols = [16 * (wn + wn_n * j) + 8 * a + lane // 4 for a in (0, 1)]
+                want[("b", tidx, j, kb)] = {(c, b) for c in cols for b in blocks}
+    assert got == want
+
+
 LAUNCH = r"""
 import ctypes, json, sys
 standin = ctypes.CDLL(sys.argv[1], mode=ctypes.RTLD_GLOBAL)
