@@ -60,8 +60,16 @@ Constraints (``gemm_limits.check_blockscaled``):
   * no expert biases, no pre-activation output, no PDL weight prefetch (pdl=True only waits).
   * all tensors 16-byte aligned; the runtime must check it (compiled-in assumption).
 
-Status: these kernels compile for sm_121a (tests/test_blockscaled_warp.py); none has run, as no
-sm_120-family GPU was available.
+The sm_90a stand-in (``standin=True``, issue 12 item 4c): the same kernels, tile loops, shared
+memory, fragments and epilogues, with each block-scaled ``cute.gemm`` replaced by ``_standin_gemm``,
+which decodes the value and scale fragments the kernel loaded (at the coordinates the same tiled
+MMA partitions them at), multiplies in fp32 through shared-memory scratch, and adds into the same
+accumulators; e2m1 rounding in software. It compiles for sm_90a (no block-scaled MMA there), so an
+H200 can check everything around the instruction against the torch reference
+(tools/check_blockscaled.py); the instruction's own semantics need an sm_120-family GPU.
+
+Status: the kernels compile for sm_121a and the stand-ins for sm_90a (tests/test_blockscaled_warp.py);
+none has run: no sm_120-family GPU was available, and the stand-ins have not been run on the H200 yet.
 """
 
 import math
@@ -88,7 +96,7 @@ class _BlockScaledBase(_GroupedGemmBase):
     """The block-scaled shared memory and mainloop of both GEMMs. A and B arguments are
     (values, scales) pairs wherever grouped_gemm's pass one tensor."""
 
-    def _bs_init(self, n, k, tile_m, tile_n, tile_k, stages, mma, warps_m, warps_n, pdl, precision):
+    def _bs_init(self, n, k, tile_m, tile_n, tile_k, stages, mma, warps_m, warps_n, pdl, precision, standin):
         if precision not in limits.BLOCKSCALED:
             raise ValueError(f"{type(self).__name__} is a block-scaled GEMM ({', '.join(limits.BLOCKSCALED)}), "
                              f"not {precision!r}")
@@ -111,15 +119,26 @@ class _BlockScaledBase(_GroupedGemmBase):
         self.c_row_stride = tile_n + 8
         self.pdl = bool(pdl)
         self.early_b = False
+        # standin: the same kernel with the block-scaled mma.sync emulated (_standin_gemm), for sm_90a
+        self.standin = bool(standin)
+        self.e2m1 = "sw" if self.standin else "hw"  # sm_90a has no e2m1 conversion instruction
+        self.mma_k = limits.BS_MMA_K[precision]
 
     # ------------------------------------------------------------------ host side
     def _make_tiled_mma(self):
         """The block-scaled mma.sync on a warps_m x warps_n grid; N permuted so that warp w owns 16
         consecutive columns of every 16 * warps_n (two n8 atoms, one ldmatrix.x4 of B)."""
-        if const_expr(self.nvfp4):
-            op = cute.nvgpu.warp.MmaMXF4NVF4Op(self.val_dtype, Float32, self.sf_dtype)
+        cls = cute.nvgpu.warp.MmaMXF4NVF4Op if self.nvfp4 else cute.nvgpu.warp.MmaMXF8Op
+        if const_expr(self.standin):
+            # the stand-in partitions with the same atom but never issues it: built without the
+            # op's sm_120-family check (the atom's layouts do not depend on the target)
+            op = object.__new__(cls)
+            fields = (("ab_dtype", self.val_dtype), ("acc_dtype", Float32), ("shape_mnk", (16, 8, self.mma_k)),
+                      ("sf_type", self.sf_dtype), ("sf_vec_size", self.vec), ("use_sf_layout_TV", False))
+            for name, value in fields:
+                object.__setattr__(op, name, value)
         else:
-            op = cute.nvgpu.warp.MmaMXF8Op(self.val_dtype, Float32, self.sf_dtype)
+            op = cls(self.val_dtype, Float32, self.sf_dtype)
         perm_n = cute.make_layout((8, self.warps_n, 2), stride=(1, 16, 8))
         return cute.make_tiled_mma(op, cute.make_layout((self.warps_m, self.warps_n, 1)),
                                    permutation_mnk=(16 * self.warps_m, perm_n, limits.BS_MMA_K[self.precision]))
@@ -152,7 +171,8 @@ class _BlockScaledBase(_GroupedGemmBase):
         vb, sb, st = self.row_bytes, self.row_scales, self.stages
         a_v, b_v = st * self.tile_m * vb, st * self.tile_n * vb
         a_s, b_s = st * self.tile_m * sb, st * self.tile_n * sb
-        base = smem.allocate(max(a_v + b_v + a_s + b_s, self.tile_m * self.c_row_stride * 4), byte_alignment=1024)
+        main = max(a_v + b_v + a_s + b_s, self.tile_m * self.c_row_stride * 4)
+        base = smem.allocate(main + self._standin_bytes(), byte_alignment=1024)
         swizzle = cute.make_swizzle(int(math.log2(min(vb, 128) // 16)), 4, 3)
         views = []
         for v_off, s_off, rows in ((0, a_v + b_v, self.tile_m), (a_v, a_v + b_v + a_s, self.tile_n)):
@@ -164,6 +184,8 @@ class _BlockScaledBase(_GroupedGemmBase):
             selems = cute.make_tensor(cute.recast_ptr(base + s_off, dtype=self.sf_dtype), cute.make_layout(
                 (rows, (self.vec, sb), st), stride=(sb, (0, 1), rows * sb)))
             views.append((vbytes, velems, sbytes, selems))
+        if const_expr(self.standin):
+            views[0] += (self._standin_scratch(base + main),)
         return views[0], views[1], cute.recast_ptr(base, dtype=Float32)
 
     @cute.jit
@@ -225,7 +247,7 @@ class _BlockScaledBase(_GroupedGemmBase):
         mAq, mAs = mA
         mBq, mBs = mBe
         rows_a, rows_s = a_rows
-        sAb, sAe, sSAb, sSA = sA
+        sAb, sAe, sSAb, sSA = sA[:4]
         sBb, sBe, sSBb, sSB = sB
         stages = self.stages
 
@@ -300,13 +322,16 @@ class _BlockScaledBase(_GroupedGemmBase):
                     next_stage = next_stage + 1
                     if next_stage == stages:
                         next_stage = Int32(0)
-                cute.gemm(tiled_mma, acc, [tCrA[None, None, kb], tCrSFA[None, None, kb]],
-                          [tCrB[None, None, kb], tCrSFB[None, None, kb]], acc)
+                if const_expr(self.standin):
+                    self._standin_gemm(tidx, tiled_mma, acc, (tCrA, tCrSFA, tCrB, tCrSFB), sA[4], kb)
+                else:
+                    cute.gemm(tiled_mma, acc, [tCrA[None, None, kb], tCrSFA[None, None, kb]],
+                              [tCrB[None, None, kb], tCrSFB[None, None, kb]], acc)
 
         cute.arch.cp_async_wait_group(0)
         cute.arch.sync_threads()
 
-    def _sf_fragment(self, sf, thr_mma, tidx, a: bool):
+    def _sf_fragment(self, sf, thr_mma, tidx, a: bool, coords: bool = False):
         """This thread's register fragment of the scale tile ``sf`` [rows, (vec, tile_k / vec)] of A
         (``a``) or B as the block-scaled MMA reads it: (scale values, MMA atoms along M or N,
         k-blocks), from blackwell_helpers' SM120 thread-value partition of scale factors. (Its own
@@ -317,7 +342,7 @@ class _BlockScaledBase(_GroupedGemmBase):
         coord = (vmnk[0], (vmnk[1] if a else vmnk[2], vmnk[3]))
         part = cute.group_modes(cute.flatten(thr[coord, (None, None)]), 0, 2)
         part = cute.group_modes(part, 1, cute.rank(part) - 1)
-        return cute.make_fragment_like(part)
+        return part if coords else cute.make_fragment_like(part)
 
     @cute.jit
     def _s2r(self, copies, views, kb, stage):
@@ -328,6 +353,119 @@ class _BlockScaledBase(_GroupedGemmBase):
         cute.copy(s2r_B, tXsB[None, None, kb, stage], tXrB[None, None, kb])
         cute.copy(s2r_SA, tSsA[None, None, kb, stage], tSrA[None, None, kb])
         cute.copy(s2r_SB, tSsB[None, None, kb, stage], tSrB[None, None, kb])
+
+    # ------------------------------------------------------------------ the sm_90a stand-in
+    def _standin_bytes(self) -> int:
+        """fp32 scratch of the stand-in MMA: one instruction's K of decoded A and B values and their
+        scales ([rows, mma_k] and [rows, mma_k / vec] per operand); 0 for the real kernel."""
+        if not self.standin:
+            return 0
+        return (self.tile_m + self.tile_n) * (self.mma_k + self.mma_k // self.vec) * 4
+
+    @cute.jit
+    def _standin_scratch(self, ptr):
+        rows, k, nb = (self.tile_m, self.tile_n), self.mma_k, self.mma_k // self.vec
+        out = []
+        off = 0
+        for cols in (k, nb):
+            for r in rows:
+                out.append(cute.make_tensor(cute.recast_ptr(ptr + off, dtype=Float32),
+                                            cute.make_layout((r, cols), stride=(cols, 1))))
+                off += r * cols * 4
+        return tuple(out)  # (values A, values B, scales A, scales B)
+
+    @cute.jit
+    def _standin_gemm(self, tidx, tiled_mma, acc, frags, scratch, kb: cutlass.Constexpr):
+        """What the block-scaled mma.sync of k-block ``kb`` computes, from the same register
+        fragments: every thread writes its decoded values and scales at their tile coordinates (the
+        tiled MMA's partitions of the tile, as the fragments were made) into fp32 scratch, then each
+        accumulator element adds sum_k A[m, k] SA[m, k / vec] B[n, k] SB[n, k / vec] (fp32, not the
+        tensor core's order). Checks everything around the instruction on a GPU without it."""
+        tCrA, tCrSFA, tCrB, tCrSFB = frags
+        sXA, sXB, sSA, sSB = scratch
+        thr_mma = tiled_mma.get_slice(tidx)
+        k0 = kb * self.mma_k
+        for frag, sX, cT in ((tCrA, sXA, thr_mma.partition_A(cute.make_identity_tensor((self.tile_m, self.tile_k)))),
+                             (tCrB, sXB, thr_mma.partition_B(cute.make_identity_tensor((self.tile_n, self.tile_k))))):
+            vals = self._standin_values(frag[None, None, kb])
+            crd = cT[None, None, kb]
+            for i in cutlass.range_constexpr(cute.size(vals)):
+                sX[crd[i][0], crd[i][1] - k0] = vals[i]
+        for frag, sS, rows, a in ((tCrSFA, sSA, self.tile_m, True), (tCrSFB, sSB, self.tile_n, False)):
+            # coordinates (row, (k within block, block)) of the fragment's elements, partitioned as
+            # the fragment was (over the scale tile's own (rows, (vec, tile_k / vec)) shape)
+            crd = self._sf_fragment(cute.make_identity_tensor((rows, (self.vec, self.row_scales))), thr_mma, tidx,
+                                    a, coords=True)
+            assert cute.size(crd) == cute.size(frag) and cute.rank(crd) == cute.rank(frag), (crd.layout, frag.layout)
+            f = frag[None, None, kb]
+            c = crd[None, None, kb]
+            for i, row, blk in self._distinct_scales(c, cute.size(f), kb * (self.mma_k // self.vec)):
+                sS[row, blk] = self._standin_scale(f, i)
+        cute.arch.sync_threads()
+        tCcC = thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
+        for i in cutlass.range_constexpr(cute.size(acc)):
+            m, n = tCcC[i]
+            total = Float32(0.0)
+            for k in cutlass.range(self.mma_k):
+                total = total + (sXA[m, k] * sSA[m, k // self.vec]) * (sXB[n, k] * sSB[n, k // self.vec])
+            acc[i] = acc[i] + total
+        cute.arch.sync_threads()
+
+    @staticmethod
+    def _distinct_scales(crd, n: int, blk0: int):
+        """[(fragment index, row, block - blk0)] once per scale: the fragment repeats each scale over
+        its block (stride 0). Plain Python at trace time (the coordinates are static)."""
+        out, seen = [], set()
+        for i in range(n):
+            key = (crd[i][0], crd[i][1][1] - blk0)
+            if key not in seen:
+                seen.add(key)
+                out.append((i,) + key)
+        return out
+
+    @cute.jit
+    def _standin_values(self, frag):
+        """A value fragment as fp32: e4m3 by the conversion sm_89+ has, e2m1 decoded from its code
+        bits (element 2j in the low nibble of byte j, as in memory)."""
+        out = cute.make_rmem_tensor(cute.make_layout(cute.size(frag)), Float32)
+        if const_expr(self.nvfp4):
+            dense = cute.make_rmem_tensor(cute.make_layout(cute.size(frag)), self.val_dtype)
+            dense.store(frag.load())
+            packed = cute.recast_tensor(dense, Uint8)
+            for j in cutlass.range_constexpr(cute.size(packed)):
+                byte = packed[j].to(Int32)
+                out[2 * j] = self._e2m1_value(byte & 0xF)
+                out[2 * j + 1] = self._e2m1_value(byte >> 4)
+        else:
+            out.store(frag.load().to(Float32))
+        return out
+
+    @cute.jit
+    def _e2m1_value(self, code):
+        mag = Float32(0.0)
+        for c, v in ((1, 0.5), (2, 1.0), (3, 1.5), (4, 2.0), (5, 3.0), (6, 4.0), (7, 6.0)):
+            if (code & 7) == c:
+                mag = Float32(v)
+        return -mag if (code & 8) != 0 else mag
+
+    @cute.jit
+    def _standin_scale(self, frag, i):
+        """Scale element i of a scale fragment as fp32: e4m3, or ue8m0 2^(byte - 127) (byte 0: the
+        subnormal 2^-127; 0xFF: NaN)."""
+        if const_expr(self.nvfp4):
+            one = cute.make_rmem_tensor(cute.make_layout(2), Float8E4M3FN)
+            one[0] = frag[i]
+            one[1] = frag[i]
+            return one.load().to(Float32)[0]
+        one = cute.make_rmem_tensor(cute.make_layout(4), self.sf_dtype)
+        one[0] = frag[i]
+        b = cute.recast_tensor(one, Uint8)[0].to(Int32)
+        v = (b << 23).bitcast(Float32)
+        if b == 0:
+            v = Int32(0x00400000).bitcast(Float32)
+        if b == 0xFF:
+            v = Int32(0x7FC00000).bitcast(Float32)
+        return v
 
     @cute.jit
     def _global_scale(self, mG, i):
@@ -396,7 +534,8 @@ class BlockScaledGluGemm(_BlockScaledBase):
                  activation: str = "swiglu", interleave: int = 16,
                  tile_m: int = 16, tile_n: int = 64, tile_k: int = 256, stages: int = 4,
                  mma: str = "warp", warps_m: int | None = None, warps_n: int | None = None,
-                 pdl: bool = False, precision: str = "mxfp8", bias: bool = False, save_preact: bool = False):
+                 pdl: bool = False, precision: str = "mxfp8", bias: bool = False, save_preact: bool = False,
+                 standin: bool = False):
         ok, reason = self.can_implement(num_experts, hidden, intermediate, top_k, activation, interleave,
                                         tile_m, tile_n, tile_k, stages, mma, warps_m, warps_n, precision=precision)
         if ok and (bias or save_preact):
@@ -407,7 +546,7 @@ class BlockScaledGluGemm(_BlockScaledBase):
         self.top_k, self.activation, self.interleave = top_k, activation, interleave
         self.bias = self.save_preact = False
         self._bs_init(2 * intermediate, hidden, tile_m, tile_n, tile_k, stages, mma, warps_m, warps_n, pdl,
-                      precision)
+                      precision, standin)
 
     @classmethod
     def can_implement(cls, num_experts, hidden, intermediate, top_k, activation="swiglu", interleave=16,
@@ -496,7 +635,7 @@ class BlockScaledGluGemm(_BlockScaledBase):
                     u = u * alpha
                 vals = cute.make_rmem_tensor(cute.make_layout((1, self.vec)), Float32)
                 vals.store(glu(g, u, self.activation))
-                out, byte = quantize_block(vals, self.precision, s_enc, "hw")
+                out, byte = quantize_block(vals, self.precision, s_enc, self.e2m1)
                 col = bn * blocks + j  # the block's index along I
                 dst = cute.local_tile(self._row(mHq, row0 + row, i_bytes), (qn,), (col,))
                 dst.store(out)
@@ -522,7 +661,7 @@ class BlockScaledDownGemm(_BlockScaledBase):
     def __init__(self, num_experts: int, hidden: int, intermediate: int, top_k: int,
                  tile_m: int = 16, tile_n: int = 64, tile_k: int = 256, stages: int = 4,
                  mma: str = "warp", warps_m: int | None = None, warps_n: int | None = None,
-                 pdl: bool = False, precision: str = "mxfp8", bias: bool = False):
+                 pdl: bool = False, precision: str = "mxfp8", bias: bool = False, standin: bool = False):
         ok, reason = self.can_implement(num_experts, hidden, intermediate, top_k, tile_m, tile_n, tile_k, stages,
                                         mma, warps_m, warps_n, precision=precision)
         if ok and bias:
@@ -532,7 +671,8 @@ class BlockScaledDownGemm(_BlockScaledBase):
         self.num_experts, self.hidden, self.intermediate = num_experts, hidden, intermediate
         self.top_k = top_k
         self.bias = False
-        self._bs_init(hidden, intermediate, tile_m, tile_n, tile_k, stages, mma, warps_m, warps_n, pdl, precision)
+        self._bs_init(hidden, intermediate, tile_m, tile_n, tile_k, stages, mma, warps_m, warps_n, pdl, precision,
+                      standin)
 
     @classmethod
     def can_implement(cls, num_experts, hidden, intermediate, top_k, tile_m=16, tile_n=64, tile_k=256, stages=4,

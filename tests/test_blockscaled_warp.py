@@ -258,6 +258,32 @@ def test_moe_aot_build_compiles_a_spark_layer(tmp_path):
             assert f"moe_{role}" in listed, listed
 
 
+@pytest.mark.parametrize("role, precision", [("glu", "nvfp4"), ("down", "mxfp8")])
+def test_sm90a_standin_compiles_without_the_block_scaled_mma(role, precision):
+    """The stand-in (standin=True) is the same kernel for sm_90a with the MMA emulated: no mma.sync
+    at all, the same ldmatrix / cp.async data path, the same argument list as the sm_121a kernel
+    (so an H200 check calls it exactly as a Spark would call the real one), e2m1 rounded in software
+    (sm_90a has no e2m1 conversion), no local memory."""
+    pytest.importorskip("cutlass")
+    from moe_aot_templates.blockscaled_warp import BlockScaledDownGemm, BlockScaledGluGemm
+
+    from moe_aot.kernel_build import compile_kernel
+
+    cls = BlockScaledGluGemm if role == "glu" else BlockScaledDownGemm
+    tiles = dict(tile_m=16, tile_n=64, tile_k=256, stages=2)  # K = 512: two k-tiles
+    art = compile_kernel(cls(8, 512, 512, 2, precision=precision, standin=True, **tiles), "sm_90a",
+                         f"s_{role}_{precision}")
+    body = art.ptx[art.ptx.index(".entry"):]
+    assert "mma.sync" not in body and "ldmatrix.sync.aligned.m8n8.x4.shared.b16" in body
+    assert "cp.async.cg.shared.global" in body and "cp.async.ca.shared.global" in body
+    assert "e2m1" not in body and "ld.local" not in body
+    if role == "glu":
+        assert "cvt.rn.satfinite.e4m3x2.f32" in body and "st.global.b8" in body  # nvfp4's e4m3 scale bytes
+    assert [a["name"] for a in art.meta["args"]] == ARGS[(role, precision)]
+    with pytest.raises(Exception, match="sm_120a"):  # the real kernel: the instruction is not there
+        compile_kernel(cls(8, 512, 512, 2, precision=precision, **tiles), "sm_90a", f"r_{role}_{precision}")
+
+
 @pytest.mark.parametrize("cls_name, kwargs, words", [
     ("glu", dict(precision="mxfp8", arch="sm_90a"), ["sm_120 family", "sm_90a"]),
     ("down", dict(precision="nvfp4", arch="sm_100a"), ["sm_120 family", "sm_100a"]),
