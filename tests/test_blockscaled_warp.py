@@ -398,3 +398,91 @@ def test_prepared_weights_are_the_reference_quantization_in_kernel_order(fmt):
     assert err < (0.05 if fmt == "mxfp8" else 0.15), err
     with pytest.raises(ValueError, match="block-scaled"):
         bw.prepare_w2(w2, "mxfp4")
+
+
+# -- the stand-in's GPU check, its references and criteria (pure torch) ------------------------------
+def _load_tool():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("check_blockscaled", ROOT / "tools" / "check_blockscaled.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("fmt", limits.BLOCKSCALED)
+def test_reference_chain_is_the_quantized_layer(fmt):
+    """harness.blockscaled's GEMM1 -> h bytes -> GEMM2 chain, summed over top-k, is the fp32 layer
+    of the unquantized weights up to the formats' rounding, and each GEMM2 row is its pair's."""
+    from moe_aot import blockscale as bs
+    from moe_aot.harness import blockscaled as ref
+    from moe_aot.harness.reference import moe_reference, routing_reference
+    from moe_aot.runtime import blockscaled as bw
+
+    g = torch.Generator().manual_seed(3)
+    E, K, H, I, M, tile_m = 4, 2, 256, 128, 9, 16
+    x, ids, tw, w13, w2 = ref.random_layer(E, K, H, I, M, fmt, "cpu", g)
+    _, _, sorted_ids, tile_expert = routing_reference(ids, E, tile_m)
+    gx = x.float().abs().amax() if fmt == "nvfp4" else None
+    xq = bs.quantize(x, fmt, gx)
+    h = ref.h_padded(ref.glu_pairs(xq, w13, ids, "swiglu", fmt), sorted_ids)
+    assert not h[sorted_ids < 0].any() and h[sorted_ids >= 0].abs().amax() > 0
+    hq = ref.quantize_h(h, fmt, h.abs().amax() if fmt == "nvfp4" else None)
+    y = ref.down_rows(hq, w2, sorted_ids, tile_expert, tw, fmt, tile_m)
+    want = moe_reference(x.float(), bw.dequantize(w13, fmt), bw.dequantize(w2, fmt), tw, ids)
+    err = ((y.reshape(M, K, H).sum(1) - want).norm() / want.norm()).item()
+    # x's and h's quantization only (e4m3: ~3.6% RMS per rounding, e2m1 several times that); a
+    # wrong row, expert or gate/up pairing would be of order one
+    assert err < (0.1 if fmt == "mxfp8" else 0.3), err  # measured 0.063 and 0.16
+
+
+@pytest.mark.parametrize("fmt", limits.BLOCKSCALED)
+def test_gpu_check_passes_a_right_kernel_and_fails_wrong_ones(fmt):
+    """tools/check_blockscaled.py's criteria, on the CPU with stand-in 'kernels' written in torch: one
+    that writes exactly the reference's bytes passes; one with two h rows swapped, one that leaves
+    padding rows unwritten and one that drops GEMM2's routing weight each fail."""
+    tool = _load_tool()
+    from moe_aot import blockscale as bs
+    from moe_aot.harness import blockscaled as ref
+
+    tiles = dict(tile_m=16, tile_n=64, tile_k=256, stages=3)
+
+    def make(fault=None):
+        def glu(xq, xs, wq, ws, sorted_ids, tile_expert, hq, hs, *g):
+            gx, gw, gh = g if g else (None, None, None)
+            from moe_aot.runtime.blockscaled import BlockScaledWeight
+
+            pairs = ref.glu_pairs(bs.Quantized(xq, xs, gx), BlockScaledWeight(wq, ws, gw), ids_box[0],
+                                  tool.LAYER["activation"], fmt)
+            q = ref.quantize_h(ref.h_padded(pairs, sorted_ids), fmt, gh)
+            rows = torch.arange(q.values.shape[0])
+            if fault == "swap":
+                rows[[0, 1]] = rows[[1, 0]]
+            keep = sorted_ids >= 0 if fault == "padding" else torch.ones_like(sorted_ids, dtype=torch.bool)
+            hq[keep], hs[keep] = q.values[rows][keep], q.scales[rows][keep]
+
+        def down(hq, hs, wq, ws, sorted_ids, tile_expert, tw, y, *g):
+            from moe_aot.runtime.blockscaled import BlockScaledWeight
+
+            gh, gw = g if g else (None, None)
+            w = tw if fault != "weight" else torch.ones_like(tw)
+            y.copy_(ref.down_rows(bs.Quantized(hq, hs, gh), BlockScaledWeight(wq, ws, gw), sorted_ids, tile_expert,
+                                  w, fmt, tiles["tile_m"]).to(y.dtype))
+        return {"glu": glu, "down": down}
+
+    ids_box = [None]
+    orig = ref.random_layer
+
+    def keep_ids(*a, **kw):  # the fake GEMM1 needs the routing the check drew
+        out = orig(*a, **kw)
+        ids_box[0] = out[1]
+        return out
+
+    ref.random_layer = keep_ids
+    try:
+        dev = torch.device("cpu")
+        assert tool.check(make(), fmt, tiles, 7, 0, dev)["ok"]
+        for fault in ("swap", "padding", "weight"):
+            assert not tool.check(make(fault), fmt, tiles, 7, 0, dev)["ok"], fault
+    finally:
+        ref.random_layer = orig
