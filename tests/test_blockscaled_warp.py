@@ -184,6 +184,54 @@ def test_scale_fragments_follow_the_ptx_lane_layout(precision, tile_m, tile_n):
     assert got == want
 
 
+@pytest.mark.parametrize("precision, tile_m, tile_n", [("mxfp8", 32, 64), ("nvfp4", 64, 128)])
+def test_value_fragments_follow_the_ptx_lane_layout(precision, tile_m, tile_n):
+    """The values each lane feeds each k-block's instructions, from the kernel's own tiled MMA over
+    tile coordinates, are the PTX ISA's m16n8k32 (e4m3) / m16n8k64 (e2m1) fragments: A rows g and
+    g + 8 of each 16-row atom (g = l/4), K columns 4t..4t+3 (e4m3) or 8t..8t+7 (e2m1) of each half
+    of the instruction's K (t = l % 4); B columns g of the warp's two n8 atoms of every 16 * warps_n,
+    the same K. So each lane holds values of exactly the rows and columns whose scales
+    test_scale_fragments_follow_the_ptx_lane_layout shows it (or its quad) supplying."""
+    pytest.importorskip("cutlass")
+    import cutlass.cute as cute
+    from moe_aot_templates.blockscaled_warp import BlockScaledDownGemm
+
+    obj = BlockScaledDownGemm(8, 2048, 768, 2, precision=precision, tile_m=tile_m, tile_n=tile_n, tile_k=256,
+                              stages=3)
+    got = {}
+
+    def collect(tiled_mma):  # plain Python at trace time
+        for tidx in range(obj.threads):
+            thr = tiled_mma.get_slice(tidx)
+            for name, part in (("a", thr.partition_A(cute.make_identity_tensor((obj.tile_m, obj.tile_k)))),
+                               ("b", thr.partition_B(cute.make_identity_tensor((obj.tile_n, obj.tile_k))))):
+                vals, inst, kbs = (_mode_coords(part.layout.shape[m], part.layout.stride[m]) for m in range(3))
+                for kb, ck in enumerate(kbs):
+                    got[(name, tidx, kb)] = {(part.iterator[0] + cv[0] + ci[0] + ck[0],
+                                              part.iterator[1] + cv[1] + ci[1] + ck[1]) for ci in inst for cv in vals}
+
+    @cute.jit
+    def trace():
+        collect(obj._make_tiled_mma())
+
+    cute.compile(trace, options=f"--gpu-arch {SPARK}")
+    kk = limits.BS_MMA_K[precision]
+    per_reg = 32 // obj.bits  # values per 32-bit register
+    reps_m, reps_n = tile_m // (16 * obj.warps_m), tile_n // (16 * obj.warps_n)
+    want = {}
+    for tidx in range(obj.threads):
+        lane, w = tidx % 32, tidx // 32
+        wm, wn = w % obj.warps_m, w // obj.warps_m
+        g, t = lane // 4, lane % 4
+        for kb in range(obj.tile_k // kk):
+            ks = {kb * kk + half * kk // 2 + t * per_reg + j for half in (0, 1) for j in range(per_reg)}
+            rows = {16 * (wm + obj.warps_m * i) + g + 8 * h for i in range(reps_m) for h in (0, 1)}
+            cols = {16 * (wn + obj.warps_n * j) + 8 * a + g for j in range(reps_n) for a in (0, 1)}
+            want[("a", tidx, kb)] = {(r, k) for r in rows for k in ks}
+            want[("b", tidx, kb)] = {(c, k) for c in cols for k in ks}
+    assert got == want
+
+
 LAUNCH = r"""
 import ctypes, json, sys
 standin = ctypes.CDLL(sys.argv[1], mode=ctypes.RTLD_GLOBAL)
