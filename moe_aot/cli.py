@@ -73,8 +73,9 @@ def spec_options(f):
                      help="swiglu (default), geglu or swigluoai (gpt-oss's clamped SwiGLU); expert biases "
                           "come with a preset (gpt-oss-120b) or `bias = true` in a --spec file."),
         click.option("--precision", default=None,
-                     help="bf16 (default); on sm_90a also fp8 (per-tensor weights, per-token x) and fp8-block128 "
-                          "(DeepSeek-V3-style 128x128 weight blocks); mxfp8, nvfp4 are not yet supported."),
+                     help="bf16 (default); fp8 (per-tensor weights, per-token x) and fp8-block128 "
+                          "(DeepSeek-V3-style 128x128 weight blocks); on sm_90a also mxfp4-w (weight-only "
+                          "MXFP4); mxfp8, nvfp4 are not yet supported."),
     ]
     for o in reversed(opts):
         f = o(f)
@@ -327,6 +328,17 @@ def _confirm(ctx, param, value):
     return value
 
 
+def _tiles(text: str):
+    """A LayerVariant from a variant name's tunable part (`tune --try`)."""
+    from .variants import LayerVariant
+
+    try:
+        return LayerVariant.parse("_" + text.strip().lstrip("_"))
+    except ValueError:
+        raise click.BadParameter(f"{text!r} is not a variant's tiles; write them as a variant name ends, e.g. "
+                                 "m16r1_glun32k128s6warp_downn32k128s6warp", param_hint="--try") from None
+
+
 @main.command("tune")
 @spec_options
 @click.option("--tokens", default=None,
@@ -348,10 +360,14 @@ def _confirm(ctx, param, value):
 @click.option("--seed-picks", "seed_dir", default=None,
               help="With --compile-only: after each bucket's default, try first the committed pick for --gpu "
                    "in this folder of tuned picks (e.g. cache/tuned), its PDL twin and the default's PDL twin.")
+@click.option("--try", "try_tiles", multiple=True,
+              help="With --compile-only: try these tiles early in every bucket they can serve (after the "
+                   "default and, with --seed-picks, the committed pick); a variant name's tunable part, e.g. "
+                   "m16r1_glun32k128s6warp_downn32k128s6warp. Repeatable.")
 @click.option("--export-dir", default=None, help=EXPORT_HELP)
 @click.option("--db", "db_url", default=None, help=DB_HELP)
 def tune_cmd(models, spec_file, target, experts, top_k, hidden, intermediate, activation, precision, tokens, gpu,
-             trials, timeout_s, jobs, compile_only, replays, seed, confirm, seed_dir, export_dir, db_url):
+             trials, timeout_s, jobs, compile_only, replays, seed, confirm, seed_dir, try_tiles, export_dir, db_url):
     """Search tile configurations with optuna per token bucket: compile in a CPU pool, measure on the
     GPU (CUDA-graph replays, median, after a check against the reference), record every trial and
     keep the best. With --compile-only, only the compiling half (see `moe-aot measure`)."""
@@ -370,12 +386,13 @@ def tune_cmd(models, spec_file, target, experts, top_k, hidden, intermediate, ac
                 raise click.UsageError("--compile-only needs --gpu NAME: the GPU the candidates will be measured on "
                                        "(as torch.cuda.get_device_name() spells it, e.g. \"NVIDIA H200\")")
             seeds = None
-            if seed_dir:
+            extra = tuple(_tiles(t) for t in try_tiles)
+            if seed_dir or extra:
                 from pathlib import Path
 
-                if not Path(seed_dir).is_dir():
+                if seed_dir and not Path(seed_dir).is_dir():
                     raise click.BadParameter(f"{seed_dir!r} is not a folder of tuned picks", param_hint="--seed-picks")
-                seeds = tuner.seed_variants(Path(seed_dir), gpu, specs, buckets)
+                seeds = tuner.seed_variants(Path(seed_dir) if seed_dir else None, gpu, specs, buckets, extra)
             if confirm is not None:
                 raise click.UsageError("--confirm goes with measuring: --compile-only measures nothing "
                                        "(`moe-aot measure --confirm K` confirms on the GPU machine)")
@@ -383,8 +400,8 @@ def tune_cmd(models, spec_file, target, experts, top_k, hidden, intermediate, ac
                               seeds=seeds)
             click.echo(f"{n} trial(s) compiled and left ready for `moe-aot measure` on {gpu}", err=True)
             return
-        if seed_dir:
-            raise click.UsageError("--seed-picks goes with --compile-only")
+        if seed_dir or try_tiles:
+            raise click.UsageError("--seed-picks and --try go with --compile-only")
         measurer = _gpu_measurer(url, replays)
         if gpu and gpu != measurer.gpu:
             raise click.ClickException(f"--gpu {gpu!r} but this machine's GPU is {measurer.gpu!r}")

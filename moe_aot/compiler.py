@@ -55,8 +55,8 @@ def toolchain_key(target: str) -> str:
 
 
 # The template registry: (role, family) -> (module under moe_aot_templates, class). A GEMM's
-# family is its precision's where that has templates of its own (fp8, mxfp4-w: "w4", mxfp8 / nvfp4:
-# "blockscaled"), else its MMA's mainloop
+# family is its precision's where that has templates of its own (fp8: "fp8" on the Hopper core,
+# "fp8_warp" on mma.sync; mxfp4-w: "w4"; mxfp8 / nvfp4: "blockscaled"), else its MMA's mainloop
 # family: one template module per family, all taking the same constructor arguments per role.
 TEMPLATES = {
     ("routing", None): ("routing", "MoeRouting"),
@@ -72,6 +72,8 @@ TEMPLATES = {
     ("down", "hopper"): ("hopper_gemm", "HopperDownGemm"),
     ("glu", "fp8"): ("hopper_fp8", "HopperGluGemmFp8"),
     ("down", "fp8"): ("hopper_fp8", "HopperDownGemmFp8"),
+    ("glu", "fp8_warp"): ("warp_fp8", "WarpGluGemmFp8"),
+    ("down", "fp8_warp"): ("warp_fp8", "WarpDownGemmFp8"),
     ("glu", "w4"): ("grouped_w4", "GroupedGluGemmW4"),
     ("down", "w4"): ("grouped_w4", "GroupedDownGemmW4"),
     ("glu", "blockscaled"): ("blockscaled_warp", "BlockScaledGluGemm"),
@@ -89,7 +91,7 @@ def template_family(kv: KernelVariant) -> str | None:
     if precision in BLOCKSCALED:
         return "blockscaled"
     if precision != "bf16":
-        return "fp8"
+        return "fp8" if kw.get("mma") in WARP_SPECIALIZED else "fp8_warp"
     return "hopper" if kw.get("mma") in WARP_SPECIALIZED else "grouped"
 
 

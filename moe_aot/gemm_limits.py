@@ -35,7 +35,8 @@ SWIGLUOAI_LIMIT = 7.0
 BIAS_PRECISIONS = ("bf16", "mxfp4-w")
 
 # Precisions of the grouped GEMMs' operands. fp8 (e4m3 A and B, fp32 accumulation) runs on the
-# warp-specialized wgmma cores only, with 128-element (128-byte) k-tiles:
+# cooperative wgmma core (templates/hopper_fp8.py) and on mma.sync (templates/warp_fp8.py, the
+# decode regime's weight streaming), with 128-element (128-byte) k-tiles:
 #   "fp8"           weights: one fp32 scale per expert and matrix (w13: gate and up each);
 #                   x: one fp32 scale per token
 #   "fp8-block128"  weights: fp32 scales per 128x128 block (DeepSeek-V3's weight_scale_inv);
@@ -55,8 +56,9 @@ FP8_MAX = 448.0  # largest finite e4m3 value
 # promoting consumers keep two more accumulators, the partial sums of two K blocks in flight
 MAX_PROMOTE_ACC = 64
 # the cores fp8 is built on: the cooperative one (the ping-pong one crashed in its first GPU
-# check at 1 token, under timing only, memcheck clean: tools/results/NOTES.md, 2026-12-01)
-FP8_MMAS = ("hopws",)
+# check at 1 token, under timing only, memcheck clean: tools/results/NOTES.md, 2026-12-01) and
+# mma.sync's e4m3 m16n8k32 (sm_89+)
+FP8_MMAS = ("hopws", "warp")
 
 
 def default_warps(tile_m, tile_n, warps_m=None, warps_n=None, mma="warp") -> tuple[int, int]:
@@ -116,8 +118,10 @@ def check_tiles(n, k, tile_m, tile_n, tile_k, stages, mma, warps_m, warps_n,
         warps_m, warps_n = tile_m // 16, 1  # for the mma.sync-only checks below
     if warps_m < 1 or warps_n < 1 or threads > 256:
         return False, f"warps {warps_m}x{warps_n}: need 1..8 warps"
-    if precision in FP8 and mma not in WARP_SPECIALIZED:
-        return False, f"{precision} runs on mma in {WARP_SPECIALIZED} (sm_90a) only, not {mma!r}"
+    if precision in FP8 and mma not in FP8_MMAS:
+        return False, f"{precision} runs on mma in {FP8_MMAS}, not {mma!r}"
+    if precision in FP8 and tile_k != FP8_TILE_K:
+        return False, f"{precision}: tile_k {tile_k} must be {FP8_TILE_K} (one 128-byte row and scale block per k-tile)"
     if tile_k not in (32, 64, 128):
         return False, f"tile_k {tile_k} must be 32, 64 or 128"
     if k % tile_k:
@@ -232,15 +236,24 @@ def check_fp8(role, precision, n, k, tile_m, tile_n, mma, cluster_m=1) -> tuple[
                        f"(whole {H_SCALE_BLOCK}-column scale blocks of its output)")
     if mma not in FP8_MMAS:
         return False, f"{precision} runs on mma in {FP8_MMAS}, not {mma!r}"
-    if promotes(role, precision):
+    if promotes(role, precision) and mma in WGMMA:
         acc_threads = 128 if mma in PINGPONG else max(tile_m // 64, 1) * 128  # tile_m: check_tiles' rule
         if tile_m * tile_n // acc_threads > MAX_PROMOTE_ACC:
             return False, (f"{precision} {role}: a {tile_m}x{tile_n} tile needs "
                            f"{3 * tile_m * tile_n // acc_threads} accumulator registers per thread with "
                            f"its two partial sums (max {3 * MAX_PROMOTE_ACC}): tile_n <= 128 at "
                            f"64 rows per warpgroup")
-        if precision == "fp8-block128" and SCALE_BLOCK % tile_n and role == "down":
-            return False, f"{precision} GEMM2: tile_n {tile_n} must divide {SCALE_BLOCK} (one weight block)"
+    if promotes(role, precision) and mma == "warp":
+        wm, wn = default_warps(tile_m, tile_n, mma=mma)
+        acc = tile_m * tile_n // (wm * wn * 32)
+        if 2 * acc > MAX_ACC_REGS:
+            return False, (f"{precision} {role}: a {tile_m}x{tile_n} tile on {wm * wn} warps needs {2 * acc} "
+                           f"accumulator registers per thread with its partial sums (max {MAX_ACC_REGS})")
+    if precision == "fp8-block128" and role == "down" and SCALE_BLOCK % tile_n:
+        return False, f"{precision} GEMM2: tile_n {tile_n} must divide {SCALE_BLOCK} (one weight block)"
+    if role == "glu" and SCALE_BLOCK % (tile_n // 2):
+        return False, (f"{precision} GEMM1: tile_n {tile_n} must cover whole gate rows of one {SCALE_BLOCK}-row "
+                       f"weight block (tile_n / 2 dividing {SCALE_BLOCK})")
     return True, ""
 
 # Block-scaled formats (moe_aot/blockscale.py defines them bit for bit; templates/blockscale_quant.py

@@ -17,9 +17,9 @@ from .gemm_limits import ACTIVATIONS, BIAS_PRECISIONS, BLOCKSCALED, BS_SIZE_MULT
 # "mxfp4-w": weight-only MXFP4 (gpt-oss's expert weights as shipped), activations bf16
 PRECISIONS = ("bf16", "fp8", "fp8-block128", "mxfp4-w", "mxfp8", "nvfp4")
 SUPPORTED_PRECISIONS = {"sm_90a": ("bf16", "fp8", "fp8-block128", "mxfp4-w"),
-                        "sm_100a": ("bf16",),
+                        "sm_100a": ("bf16", "fp8", "fp8-block128"),
                         # mxfp8 / nvfp4: the block-scaled mma.sync of the sm_120 family (templates/blockscaled_warp.py)
-                        "sm_121a": ("bf16", "mxfp8", "nvfp4")}
+                        "sm_121a": ("bf16", "fp8", "fp8-block128", "mxfp8", "nvfp4")}
 FP8_SIZE_MULTIPLE = 128  # fp8: hidden/intermediate in whole 128-element k-tiles and scale blocks
 TARGETS = {
     "sm_90a": "Hopper: H100 / H200",

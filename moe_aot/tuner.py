@@ -613,24 +613,31 @@ def _seen(slot: Slot) -> set[str]:
     return {t.user_attrs["variant"] for t in slot.study.get_trials(deepcopy=False) if "variant" in t.user_attrs}
 
 
-def seed_variants(tuned_dir: Path, gpu: str, specs, buckets) -> dict[tuple[str, int], list[LayerVariant]]:
+def seed_variants(tuned_dir: Path | None, gpu: str, specs, buckets,
+                  extra: tuple[LayerVariant, ...] = ()) -> dict[tuple[str, int], list[LayerVariant]]:
     """Per (workload, bucket), in this order: the committed pick for `gpu` in `tuned_dir`, the
-    64-row ping-pong twins (LayerVariant.pingpong_twin) of the pick and of the default, the
-    pick's and the default's twins with programmatic dependent launch flipped, then the
-    2-CTA-cluster twins (LayerVariant.cluster_twins) of the pick, or of the default where there
-    is none. After a template change these are what a new default must be measured against
-    first (the newest family first: a small --trials measures the pick and its ping-pong twins)."""
+    `extra` variants (`tune --try`), the 64-row ping-pong twins (LayerVariant.pingpong_twin) of
+    the pick and of the default, the pick's and the default's twins with programmatic dependent
+    launch flipped, then the 2-CTA-cluster twins (LayerVariant.cluster_twins) of the pick, or of
+    the default where there is none. After a template change these are what a new default must
+    be measured against first (the newest family first: a small --trials measures the pick and its
+    ping-pong twins). Without `tuned_dir`, only the `extra` variants."""
     from .variants import default_variant
 
-    path = tuned_path(tuned_dir, gpu)
-    picks = {(r["workload"], r["tokens"]): r["variant"] for r in read_tuned_file(path)} if path.exists() else {}
+    path = tuned_path(tuned_dir, gpu) if tuned_dir is not None else None
+    rows = read_tuned_file(path) if path and path.exists() else []
+    picks = {(r["workload"], r["tokens"]): r["variant"] for r in rows}
     out = {}
     for spec in specs:
         for tokens in buckets:
             base = default_variant(spec, tokens)
+            if tuned_dir is None:
+                out[(spec.workload_key, tokens)] = [v for v in dict.fromkeys(extra)
+                                                   if v != base and can_implement(spec, v)[0]]
+                continue
             name = picks.get((spec.workload_key, tokens))
             pick = LayerVariant.parse(name) if name else None
-            seeds = [pick] + [v.pingpong_twin(spec) for v in (pick or base, base)]
+            seeds = [pick, *extra] + [v.pingpong_twin(spec) for v in (pick or base, base)]
             seeds += [pick and pick.pdl_twin(), base.pdl_twin()] + (pick or base).cluster_twins()
             out[(spec.workload_key, tokens)] = [v for v in dict.fromkeys(seeds)
                                                if v is not None and v != base and can_implement(spec, v)[0]]

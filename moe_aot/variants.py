@@ -447,6 +447,9 @@ def _model_key(seconds: float, t: GemmTiles) -> tuple:
     return (math.floor(math.log(seconds) / math.log(1.01)), -(t.stages - 1) * t.tile_n * t.tile_k, -t.tile_n, t)
 
 
+FP8_DECODE_ROWS = 16  # routed rows per expert up to which fp8's default takes its decode tiles
+
+
 def default_variant(spec: LayerSpec, tokens: int) -> LayerVariant:
     """The documented untuned choice per token-count bucket: the first valid of a short list.
     From the H200 kernel measurements (tools/results/gemm_check_h200_2026-11-29.txt): few routed
@@ -464,12 +467,23 @@ def default_variant(spec: LayerSpec, tokens: int) -> LayerVariant:
     if spec.precision in limits.BLOCKSCALED:
         return _default_blockscaled(spec, rows_per_expert)
     if PRECISION_MMAS[spec.precision] is not None:
-        # fp8: the cooperative core with 128x128 tiles and 128-wide k-tiles; 6 stages were faster
-        # than 4 at 1-1024 tokens on the H200 (tools/check_fp8_kernels.py, 2026-12-01); fewer
-        # where K has too few k-tiles for 6 (a stage more than the k-tiles is never filled)
+        # fp8 on sm_90a: the cooperative core, 128x128 tiles with 128-wide k-tiles, 64-row tiles up
+        # to FP8_DECODE_ROWS routed rows per expert (as fast as or 1.0-1.4x faster than 128-row ones
+        # at 1-256 tokens, and than 16-row mma.sync ones at 1-16: tools/check_fp8_kernels.py on the
+        # H200, 2026-12-02), 128-row above; 6 stages were faster than 4 at 1-1024 tokens
+        # (2026-12-01). Targets without wgmma: the mma.sync kernels (templates/warp_fp8.py), 16-row
+        # tiles for decode, 64-row above. Fewer stages where K has too few k-tiles for 6 (a stage
+        # more than the k-tiles is never filled) or shared memory too little (DGX Spark).
         why = ""
-        for stages in (6, 4, 3):
-            v = LayerVariant(128, GemmTiles(128, 128, stages, P), GemmTiles(128, 128, stages, P), cluster)
+        decode = rows_per_expert <= FP8_DECODE_ROWS
+        hopper = P in TARGET_LIMITS[spec.target]["mma"]
+        for stages in (6, 5, 4, 3):
+            if hopper:
+                m, g, d = 64 if decode else 128, GemmTiles(128, 128, stages, P), GemmTiles(128, 128, stages, P)
+            else:
+                g = GemmTiles(128, 128, stages, W)
+                m, d = (16, GemmTiles(32, 128, stages, W)) if decode else (64, GemmTiles(64, 128, stages, W))
+            v = LayerVariant(m, g, d, cluster)
             ok, why = can_implement(spec, v)
             if ok:
                 return v

@@ -38,6 +38,7 @@ from moe_aot import gemm_limits as limits
 from moe_aot.layout import interleave_gate_up  # noqa: F401  (the w13 layout the GLU kernels read)
 
 _MMA_SHAPE = (16, 8, 16)
+_MMA_SHAPE_FP8 = (16, 8, 32)
 RASTER_GROUP = 8  # M tiles walked per N tile by consecutive CTAs (L2 reuse of weight tiles)
 # the MMA families and what each can be built with: moe_aot/gemm_limits.py (DSL-free, shared
 # with variants.py); "hopws"/"hoppp" (persistent, warp-specialized) live in hopper_gemm.py
@@ -152,8 +153,8 @@ class _GroupedGemmBase:
     def _smem_layout_ab(self, rows):
         # K-major tile in 8-row atoms, byte-address swizzle so that ldmatrix of 8 rows and
         # the 16-byte cp.async writes are bank-conflict free.
-        atom_k = min(self.tile_k, 64)  # at most 128-byte rows per swizzle atom
-        swizzle_bits = min(int(math.log2(atom_k * 16 // 128)), 3)
+        atom_k = min(self.tile_k, 128 // self.elem_bytes)  # at most 128-byte rows per swizzle atom
+        swizzle_bits = min(int(math.log2(atom_k * self.elem_bytes * 8 // 128)), 3)
         swizzle = cute.make_swizzle(swizzle_bits, 4, 3)
         atom = cute.make_layout((8, atom_k), stride=(atom_k, 1))
         layout = cute.tile_to_shape(atom, (rows, self.tile_k, self.stages), (0, 1, 2))
@@ -165,12 +166,15 @@ class _GroupedGemmBase:
             return sm90_utils.make_trivial_tiled_mma(
                 self.ab_dtype, self.ab_dtype, k_major, k_major, Float32, (self.tile_m // 64 // self.acc_m_blocks, 1, 1),
                 tiler_mn=(64, self.tile_n))
-        op = cute.nvgpu.warp.MmaF16BF16Op(BFloat16, Float32, _MMA_SHAPE)
+        if const_expr(self.fp8):  # e4m3 mma.sync (sm_89+): k32, the fragments of bf16's k16 in bytes
+            op = cute.nvgpu.warp.MmaFP8Op(self.ab_dtype, Float32, _MMA_SHAPE_FP8)
+        else:
+            op = cute.nvgpu.warp.MmaF16BF16Op(BFloat16, Float32, _MMA_SHAPE)
         return cute.make_tiled_mma(
             op,
             cute.make_layout((self.warps_m, self.warps_n, 1)),
             # N permuted to 16 per warp so that one ldmatrix.x4 feeds two n8 atoms
-            permutation_mnk=(self.warps_m * 16, self.warps_n * 16, 16),
+            permutation_mnk=(self.warps_m * 16, self.warps_n * 16, op.shape_mnk[2]),
         )
 
     def _make_g2s_copy(self):
@@ -202,8 +206,8 @@ class _GroupedGemmBase:
         else:
             sA_layout, swizzle = self._smem_layout_ab(self.tile_m)
             sB_layout, _ = self._smem_layout_ab(self.tile_n)
-            sA = cute.make_tensor(cute.recast_ptr(base, swizzle, BFloat16), sA_layout)
-            sB = cute.make_tensor(cute.recast_ptr(base + a_bytes, swizzle, BFloat16), sB_layout)
+            sA = cute.make_tensor(cute.recast_ptr(base, swizzle, self.ab_dtype), sA_layout)
+            sB = cute.make_tensor(cute.recast_ptr(base + a_bytes, swizzle, self.ab_dtype), sB_layout)
         sC_ptr = cute.recast_ptr(base, dtype=Float32)
         return sA, sB, sC_ptr
 
@@ -240,15 +244,17 @@ class _GroupedGemmBase:
             cute.arch.griddepcontrol_launch_dependents()
 
     @cute.jit
-    def _mainloop(self, tidx, mA, a_rows, sA, mBe, bn, sB, tiled_mma, acc):
+    def _mainloop(self, tidx, mA, a_rows, sA, mBe, bn, sB, tiled_mma, acc, pstate=None):
         """acc += A[a_rows] @ B_e[bn-tile]^T over all of K.
 
         ``a_rows`` holds, per A row this thread copies, the source row of ``mA`` (or -1:
-        the shared-memory row is zero-filled once and never loaded)."""
+        the shared-memory row is zero-filled once and never loaded). ``pstate``: None, or the
+        state of a subclass that scales partial sums per K block (``_promote_state``; mma.sync
+        only)."""
         if const_expr(self.mma == "wgmma"):
             self._mainloop_wgmma(tidx, mA, a_rows, sA, mBe, bn, sB, tiled_mma, acc)
         else:
-            self._mainloop_warp(tidx, mA, a_rows, sA, mBe, bn, sB, tiled_mma, acc)
+            self._mainloop_warp(tidx, mA, a_rows, sA, mBe, bn, sB, tiled_mma, acc, pstate)
 
     @cute.jit
     def _g2s_partitions(self, tidx, sA, mBe, bn, sB, a_rows):
@@ -306,8 +312,9 @@ class _GroupedGemmBase:
         cute.arch.sync_threads()
 
     @cute.jit
-    def _mainloop_warp(self, tidx, mA, a_rows, sA, mBe, bn, sB, tiled_mma, acc):
-        """Ampere-style: cp.async stages-1 k-tiles ahead, ldmatrix one k-block ahead."""
+    def _mainloop_warp(self, tidx, mA, a_rows, sA, mBe, bn, sB, tiled_mma, acc, pstate=None):
+        """Ampere-style: cp.async stages-1 k-tiles ahead, ldmatrix one k-block ahead. With
+        ``pstate`` each MMA k-block goes through ``_gemm_promote`` instead of into acc."""
         tiled_copy, tAsA, tAcA, tBgB, tBsB = self._g2s_partitions(tidx, sA, mBe, bn, sB, a_rows)
         k_tiles = self.k // self.tile_k
         stages = self.stages
@@ -316,7 +323,7 @@ class _GroupedGemmBase:
         thr_mma = tiled_mma.get_slice(tidx)
         tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA)[None, None, None, 0])
         tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB)[None, None, None, 0])
-        ldm = cute.make_copy_atom(cute.nvgpu.warp.LdMatrix8x8x16bOp(False, 4), BFloat16)
+        ldm = cute.make_copy_atom(cute.nvgpu.warp.LdMatrix8x8x16bOp(False, 4), self.ab_dtype)
         s2r_A = cute.make_tiled_copy_A(ldm, tiled_mma)
         s2r_B = cute.make_tiled_copy_B(ldm, tiled_mma)
         thr_s2r_A = s2r_A.get_slice(tidx)
@@ -331,6 +338,8 @@ class _GroupedGemmBase:
         cute.arch.sync_threads()
         cute.copy(s2r_A, tXsA[None, None, 0, 0], tXrA[None, None, 0])
         cute.copy(s2r_B, tXsB[None, None, 0, 0], tXrB[None, None, 0])
+        if const_expr(pstate is not None):
+            self._promote_begin(pstate)
 
         read_stage = Int32(0)  # stage the register pipeline reads from
         next_stage = Int32(0)  # stage of the next k-tile to be read
@@ -353,7 +362,11 @@ class _GroupedGemmBase:
                     next_stage = next_stage + 1
                     if next_stage == stages:
                         next_stage = Int32(0)
-                cute.gemm(tiled_mma, acc, tCrA[None, None, kb], tCrB[None, None, kb], acc)
+                if const_expr(pstate is None):
+                    cute.gemm(tiled_mma, acc, tCrA[None, None, kb], tCrB[None, None, kb], acc)
+                else:
+                    self._gemm_promote(tiled_mma, acc, tCrA[None, None, kb], tCrB[None, None, kb], kt, kb,
+                                       pstate)
 
         cute.arch.cp_async_wait_group(0)
         cute.arch.sync_threads()
@@ -490,9 +503,15 @@ class _GroupedGemmBase:
             acc = tiled_mma.make_fragment_C(tiled_mma.get_slice(tidx).partition_C(
                 cute.make_identity_tensor((self.tile_m, self.tile_n))).shape)
             acc.fill(0.0)
-            self._mainloop(tidx, mA, a_rows, sA, self._expert_weights(mW, expert), bn, sB, tiled_mma, acc)
+            pstate = self._promote_state(tidx, tiled_mma, mIds, row0, expert, bn, epi)
+            self._mainloop(tidx, mA, a_rows, sA, self._expert_weights(mW, expert), bn, sB, tiled_mma, acc,
+                           pstate)
             sC = self._stage_acc(tidx, tiled_mma, acc, sC_ptr)
             self._epilogue(tidx, sC, epi, row0, bn, expert)
+
+    def _promote_state(self, tidx, tiled_mma, mIds, row0, expert, bn, epi):
+        """The per-K-block scaling state of the tile (templates/warp_fp8.py); None: plain MMA."""
+        return None
 
     @cute.jit
     def _acc_coords(self, ctid, tiled_mma):

@@ -176,8 +176,9 @@ class _W4Mainloop:
         return q, s
 
     @cute.jit
-    def _mainloop(self, tidx, mA, a_rows, sA, mBe, bn, sB, tiled_mma, acc):
-        """acc += A[a_rows] @ dequant(B_e)[bn-tile]^T over all of K (see the module docstring)."""
+    def _mainloop(self, tidx, mA, a_rows, sA, mBe, bn, sB, tiled_mma, acc, pstate=None):
+        """acc += A[a_rows] @ dequant(B_e)[bn-tile]^T over all of K (see the module docstring);
+        ``pstate`` is always None here (the weights' scales are applied in the conversion)."""
         mQe, mSe = mBe
         sQ, sS = sB
         k_tiles = self.k // self.tile_k

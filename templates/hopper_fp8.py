@@ -45,6 +45,62 @@ HB = limits.H_SCALE_BLOCK
 SB = limits.SCALE_BLOCK
 
 
+def glu_fp8_arguments(gemm):
+    """The fake arguments of an fp8 GEMM1 template ``gemm`` (both cores): see HopperGluGemmFp8."""
+    from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
+
+    m = cute.sym_int32(symbol="M")
+    r = cute.sym_int32(symbol="R", divisibility=gemm.tile_m)
+    t = cute.sym_int32(symbol="T")
+    e, hd, i = gemm.num_experts, gemm.hidden, gemm.intermediate
+    if gemm.block:
+        xs = make_fake_tensor(Float32, (m, hd // SB), (hd // SB, 1), assumed_align=4)
+        ws = make_fake_tensor(Float32, (e, 2 * i // SB, hd // SB),
+                              (2 * i // SB * (hd // SB), hd // SB, 1), assumed_align=4)
+    else:
+        xs = make_fake_tensor(Float32, (m,), (1,), assumed_align=4)
+        ws = make_fake_tensor(Float32, (e, 2), (2, 1), assumed_align=4)
+    return [
+        ("x", make_fake_tensor(Float8E4M3FN, (m, hd), (hd, 1), assumed_align=16)),
+        ("xs", xs),
+        ("w13", make_fake_tensor(Float8E4M3FN, (e, 2 * i, hd), (2 * i * hd, hd, 1), assumed_align=16)),
+        ("w13s", ws),
+        ("sorted_ids", make_fake_tensor(Int32, (r,), (1,), assumed_align=16)),
+        ("tile_expert", make_fake_tensor(Int32, (t,), (1,), assumed_align=16)),
+        ("h", make_fake_tensor(Float8E4M3FN, (r, i), (i, 1), assumed_align=16)),
+        ("hs", make_fake_tensor(Float32, (r, i // HB), (i // HB, 1), assumed_align=4)),
+        ("stream", make_fake_stream()),
+    ]
+
+
+def down_fp8_arguments(gemm):
+    """The fake arguments of an fp8 GEMM2 template ``gemm`` (both cores): see HopperDownGemmFp8."""
+    from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
+
+    m = cute.sym_int32(symbol="M")
+    mk = cute.sym_int32(symbol="MK")
+    r = cute.sym_int32(symbol="R", divisibility=gemm.tile_m)
+    t = cute.sym_int32(symbol="T")
+    e, hd, i = gemm.num_experts, gemm.hidden, gemm.intermediate
+    if gemm.block:
+        ws = make_fake_tensor(Float32, (e, hd // SB, i // SB), (hd // SB * (i // SB), i // SB, 1),
+                              assumed_align=4)
+    else:
+        ws = make_fake_tensor(Float32, (e,), (1,), assumed_align=4)
+    return [
+        ("h", make_fake_tensor(Float8E4M3FN, (r, i), (i, 1), assumed_align=16)),
+        ("hs", make_fake_tensor(Float32, (r, i // HB), (i // HB, 1), assumed_align=4)),
+        ("w2", make_fake_tensor(Float8E4M3FN, (e, hd, i), (hd * i, i, 1), assumed_align=16)),
+        ("w2s", ws),
+        ("sorted_ids", make_fake_tensor(Int32, (r,), (1,), assumed_align=16)),
+        ("tile_expert", make_fake_tensor(Int32, (t,), (1,), assumed_align=16)),
+        ("topk_weights", make_fake_tensor(Float32, (m, gemm.top_k), (gemm.top_k, 1),
+                                          assumed_align=16)),
+        ("y", make_fake_tensor(BFloat16, (mk, hd), (hd, 1), assumed_align=16)),
+        ("stream", make_fake_stream()),
+    ]
+
+
 class _Fp8Consumer:
     """The fp8 consumer loop of both GEMMs (see the module docstring)."""
 
@@ -213,30 +269,7 @@ class HopperGluGemmFp8(_Fp8Consumer, HopperGluGemm):
         self._fp8_init()
 
     def fake_arguments(self):
-        from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
-
-        m = cute.sym_int32(symbol="M")
-        r = cute.sym_int32(symbol="R", divisibility=self.tile_m)
-        t = cute.sym_int32(symbol="T")
-        e, hd, i = self.num_experts, self.hidden, self.intermediate
-        if self.block:
-            xs = make_fake_tensor(Float32, (m, hd // SB), (hd // SB, 1), assumed_align=4)
-            ws = make_fake_tensor(Float32, (e, 2 * i // SB, hd // SB),
-                                  (2 * i // SB * (hd // SB), hd // SB, 1), assumed_align=4)
-        else:
-            xs = make_fake_tensor(Float32, (m,), (1,), assumed_align=4)
-            ws = make_fake_tensor(Float32, (e, 2), (2, 1), assumed_align=4)
-        return [
-            ("x", make_fake_tensor(Float8E4M3FN, (m, hd), (hd, 1), assumed_align=16)),
-            ("xs", xs),
-            ("w13", make_fake_tensor(Float8E4M3FN, (e, 2 * i, hd), (2 * i * hd, hd, 1), assumed_align=16)),
-            ("w13s", ws),
-            ("sorted_ids", make_fake_tensor(Int32, (r,), (1,), assumed_align=16)),
-            ("tile_expert", make_fake_tensor(Int32, (t,), (1,), assumed_align=16)),
-            ("h", make_fake_tensor(Float8E4M3FN, (r, i), (i, 1), assumed_align=16)),
-            ("hs", make_fake_tensor(Float32, (r, i // HB), (i // HB, 1), assumed_align=4)),
-            ("stream", make_fake_stream()),
-        ]
+        return glu_fp8_arguments(self)
 
     @cute.jit
     def __call__(self, x: cute.Tensor, xs: cute.Tensor, w13: cute.Tensor, w13s: cute.Tensor,
@@ -345,30 +378,7 @@ class HopperDownGemmFp8(_Fp8Consumer, HopperDownGemm):
         self._fp8_init()
 
     def fake_arguments(self):
-        from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
-
-        m = cute.sym_int32(symbol="M")
-        mk = cute.sym_int32(symbol="MK")
-        r = cute.sym_int32(symbol="R", divisibility=self.tile_m)
-        t = cute.sym_int32(symbol="T")
-        e, hd, i = self.num_experts, self.hidden, self.intermediate
-        if self.block:
-            ws = make_fake_tensor(Float32, (e, hd // SB, i // SB), (hd // SB * (i // SB), i // SB, 1),
-                                  assumed_align=4)
-        else:
-            ws = make_fake_tensor(Float32, (e,), (1,), assumed_align=4)
-        return [
-            ("h", make_fake_tensor(Float8E4M3FN, (r, i), (i, 1), assumed_align=16)),
-            ("hs", make_fake_tensor(Float32, (r, i // HB), (i // HB, 1), assumed_align=4)),
-            ("w2", make_fake_tensor(Float8E4M3FN, (e, hd, i), (hd * i, i, 1), assumed_align=16)),
-            ("w2s", ws),
-            ("sorted_ids", make_fake_tensor(Int32, (r,), (1,), assumed_align=16)),
-            ("tile_expert", make_fake_tensor(Int32, (t,), (1,), assumed_align=16)),
-            ("topk_weights", make_fake_tensor(Float32, (m, self.top_k), (self.top_k, 1),
-                                              assumed_align=16)),
-            ("y", make_fake_tensor(BFloat16, (mk, hd), (hd, 1), assumed_align=16)),
-            ("stream", make_fake_stream()),
-        ]
+        return down_fp8_arguments(self)
 
     @cute.jit
     def __call__(self, h: cute.Tensor, hs: cute.Tensor, w2: cute.Tensor, w2s: cute.Tensor,

@@ -51,7 +51,7 @@ def test_explicit_db_flag(runner, tmp_path):
     (["compile", "--model", "qwen3-30b-a3b", "--target", "sm_75"], "target must be one of"),
     (["compile", "--model", "qwen3-30b-a3b", "--precision", "nvfp4"], "not yet supported for sm_90a"),
     (["compile", "--model", "gpt-oss-120b", "--precision", "fp8"], "multiple of 128 for precision fp8"),
-    (["compile", "--model", "qwen3-30b-a3b", "--precision", "fp8", "--target", "sm_121a"],
+    (["compile", "--model", "gpt-oss-120b", "--precision", "mxfp4-w", "--target", "sm_121a"],
      "not yet supported for sm_121a"),
     (["compile", "--experts", "8", "--top-k", "9", "--hidden", "64", "--intermediate", "64"], "must not exceed"),
     (["compile", "--model", "qwen3-30b-a3b", "--tokens", "0,x"], "comma-separated positive integers"),

@@ -91,13 +91,18 @@ def test_fp8_reference_tracks_the_bf16_layer(precision):
     assert fp8_ref.moe_fp8_reference(x[:0], w13, w2, tw[:0], ids[:0], precision).shape == (0, h)
 
 
-def test_spec_accepts_fp8_on_hopper_only_with_128_multiples():
+def test_spec_accepts_fp8_with_128_multiples_on_every_target():
     assert make_spec("deepseek-v3", precision="fp8-block128").workload_key.endswith("_fp8-block128")
     assert make_spec("qwen3-30b-a3b", precision="FP8").precision == "fp8"
     with pytest.raises(SpecError, match="multiple of 128 for precision fp8"):
         make_spec("gpt-oss-120b", precision="fp8")
+    for target in ("sm_100a", "sm_121a"):  # the mma.sync kernels (templates/warp_fp8.py)
+        spec = make_spec("deepseek-v3", precision="fp8", target=target)
+        for tokens in V.token_buckets():
+            v = V.default_variant(spec, tokens)
+            assert v.glu.mma == v.down.mma == "warp" and V.can_implement(spec, v)[0]
     with pytest.raises(SpecError, match="not yet supported for sm_100a"):
-        make_spec("deepseek-v3", precision="fp8", target="sm_100a")
+        make_spec("gpt-oss-120b", precision="mxfp4-w", target="sm_100a")
 
 
 @pytest.mark.parametrize("precision", fp8.FP8)
@@ -112,36 +117,75 @@ def test_fp8_variants_and_their_refusals(precision):
     bf = make_spec("deepseek-v3")
     assert "precision" not in dict(V.default_variant(bf, 4096).kernels(bf)[1].params)  # bf16 kernels as before
     space = V.candidate_space(spec)
-    assert space and all(t.mma == "hopws" and t.tile_k == 128 and t.cluster == 1
+    assert space and all(t.mma in ("hopws", "warp") and t.tile_k == 128 and t.cluster == 1
                          for var in space for t in (var.glu, var.down))
-    assert {var.glu.tile_n for var in space} == {128}
+    assert {var.glu.tile_n for var in space if var.glu.mma == "hopws"} == {128}
+    assert {var.glu.tile_n for var in space if var.glu.mma == "warp"} == {128, 256}
+    assert {var.tile_m for var in space if var.glu.mma == "warp"} == set(V.TILE_M)
     G = V.GemmTiles
-    for glu, down, why in ((G(256, 128, 4, "hopws"), G(128, 128, 6, "hopws"), "accumulator registers"),
-                           (G(128, 64, 6, "hopws"), G(128, 128, 6, "hopws"), "tile_k 64 must be 128"),
-                           (G(128, 128, 8, "hoppp"), G(128, 128, 6, "hoppp"), "runs on mma in"),
-                           (G(128, 128, 6, "hopws", 2), G(128, 128, 6, "hopws"), "clusters")):
-        ok, reason = V.can_implement(spec, V.LayerVariant(128 if glu.mma == "hopws" else 64, glu, down))
+    for tm, glu, down, why in (
+            (128, G(256, 128, 4, "hopws"), G(128, 128, 6, "hopws"), "accumulator registers"),
+            (128, G(128, 64, 6, "hopws"), G(128, 128, 6, "hopws"), "tile_k 64 must be 128"),
+            (64, G(128, 128, 8, "hoppp"), G(128, 128, 6, "hoppp"), "runs on mma in"),
+            (128, G(128, 128, 6, "hopws", 2), G(128, 128, 6, "hopws"), "clusters"),
+            (16, G(128, 64, 6, "warp"), G(32, 128, 8, "warp"), "tile_k 64 must be 128"),
+            (16, G(64, 128, 6, "warp"), G(32, 128, 8, "warp"), "tile_n 64 must be a multiple of 128"),
+            (128, G(256, 128, 3, "warp"), G(32, 128, 8, "warp"), "with its partial sums")):
+        ok, reason = V.can_implement(spec, V.LayerVariant(tm, glu, down))
         assert not ok and why in reason, reason
+    if precision == "fp8-block128":
+        ok, reason = V.can_implement(spec, V.LayerVariant(16, G(128, 128, 6, "warp"), G(256, 128, 4, "warp")))
+        assert not ok and "must divide 128" in reason, reason
 
 
-def test_fp8_kernels_compile(tmp_path):
+@pytest.mark.parametrize("mma", ["hopws", "warp"])
+def test_fp8_kernels_compile(tmp_path, mma):
     """The quantization kernel and both fp8 GEMMs compile on this CPU machine into libraries whose
-    cubins hold fp8 wgmma (QGMMA)."""
+    cubins hold fp8 wgmma (QGMMA) on the Hopper core, e4m3 mma.sync on the mma.sync one; both
+    take the same arguments."""
     pytest.importorskip("cutlass")
     from moe_aot.compiler import build_template
     from moe_aot.kernel_build import compile_kernel
 
     spec = make_spec(experts=8, top_k=2, hidden=256, intermediate=256, precision="fp8-block128")
-    v = V.LayerVariant(128, V.GemmTiles(128, 128, 3, "hopws"), V.GemmTiles(128, 128, 3, "hopws"))
+    if mma == "hopws":
+        v = V.LayerVariant(128, V.GemmTiles(128, 128, 3, "hopws"), V.GemmTiles(128, 128, 3, "hopws"))
+        want_mma = r"wgmma\.mma_async\.sync\.aligned\.m64n128k32\.f32\.e4m3\.e4m3"
+    else:
+        v = V.LayerVariant(16, V.GemmTiles(128, 128, 2, "warp"), V.GemmTiles(32, 128, 2, "warp"))
+        want_mma = r"mma\.sync\.aligned\.m16n8k32\.row\.col\.f32\.e4m3\.e4m3\.f32"
     assert V.can_implement(spec, v)[0]
     for kv in v.kernels(spec):
-        if kv.role not in ("quant", "glu", "down"):
+        if kv.role not in ("quant", "glu", "down") or (kv.role == "quant" and mma == "warp"):
             continue
         art = compile_kernel(build_template(kv), "sm_90a", kv.name)
         assert art.library[:4] == b"\x7fELF"
         if kv.role != "quant":
-            assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n128k32\.f32\.e4m3\.e4m3", art.ptx), kv.name
+            assert re.search(want_mma, art.ptx), kv.name
         names = [a["name"] for a in art.meta["args"]]
         want = {"quant": ["x", "xq", "xs"], "glu": ["x", "xs", "w13", "w13s", "sorted_ids", "tile_expert", "h", "hs"],
                 "down": ["h", "hs", "w2", "w2s", "sorted_ids", "tile_expert", "topk_weights", "y"]}[kv.role]
         assert names[:len(want)] == want, names
+
+
+def test_fp8_gemms_build_for_dgx_spark():
+    """sm_121a gets fp8 from the mma.sync kernels, in aarch64 host libraries; there its e4m3 MMA
+    is native (QMMA), where sm_90a converts to f16 first (the same template's sm_90a build is what
+    the H200 checks: tools/check_fp8_kernels.py --only f8w16)."""
+    import cross_tools
+
+    cross_tools.require(cross_tools.CROSS_CC)
+    pytest.importorskip("cutlass")
+    from moe_aot.compiler import build_template
+    from moe_aot.kernel_build import compile_kernel
+
+    spec = make_spec(experts=8, top_k=2, hidden=256, intermediate=256, precision="fp8", target="sm_121a")
+    v = V.default_variant(spec, 16)
+    assert v.glu.mma == v.down.mma == "warp"
+    for kv in v.kernels(spec):
+        if kv.role not in ("glu", "down"):
+            continue
+        art = compile_kernel(build_template(kv), "sm_121a", kv.name)
+        assert int.from_bytes(art.library[18:20], "little") == 183  # EM_AARCH64
+        assert (int.from_bytes(art.cubin[48:52], "little") >> 8) & 0xFF == 121
+        assert "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32" in art.ptx, kv.name

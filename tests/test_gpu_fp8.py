@@ -66,7 +66,7 @@ def layer_and_weights(request, store):
     torch.cuda.empty_cache()
 
 
-@pytest.mark.parametrize("tokens", [1, 16, 256, 4096])
+@pytest.mark.parametrize("tokens", [1, 16, 64, 256, 4096])
 @pytest.mark.parametrize("routing", ["uniform", "skewed"])
 def test_fp8_stages_match_reference(layer_and_weights, tokens, routing):
     """Routing exact; x's quantization and GEMM1's e4m3 output against torch on the same inputs;

@@ -723,3 +723,18 @@ def test_last_plan_is_used_only_for_its_own_size_workspace_and_picks(recording_l
     p16.run = lambda *a: calls.append(a)
     at(16)
     assert not calls
+
+
+def test_a_bucket_without_a_pick_runs_its_default_where_the_database_has_it(small_db):
+    """Picks for some buckets only (a database whose other picks predate a change of the
+    defaults): a token count in a bucket without a pick runs that bucket's default when its
+    kernels are in the database, not another bucket's pick; else the nearest pick, as before."""
+    from moe_aot.variants import bucket_for
+
+    url, spec = small_db  # holds the 16-token bucket's default only
+    far = default_variant(spec, 16384)
+    assert far != default_variant(spec, 16) != default_variant(spec, 1)
+    layer = MoeLayer(spec, KernelStore(url), device=torch.device("cpu"), variants={16384: far})
+    assert bucket_for(20) == 16 and layer.variant_for(20) == default_variant(spec, 16)
+    assert layer.variant_for(1) == far  # the 1-token default is not in the database
+    assert layer.variant_for(30000) == far

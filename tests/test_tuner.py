@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import click
 import pytest
 from click.testing import CliRunner
 from optuna.trial import TrialState
@@ -582,6 +583,28 @@ def test_seed_variants_measure_the_pick_its_twins_and_its_cluster_twins(tmp_path
     # for its mma.sync tiles
     base16 = default_variant(SPEC, 16)
     assert seeds[(SPEC.workload_key, 16)] == [base16.pingpong_twin(SPEC), base16.pdl_twin()]
+
+
+def test_tried_tiles_come_right_after_the_pick_where_they_can_serve(tmp_path):
+    """`tune --try`: the given tiles are seeded after the committed pick (or alone without
+    --seed-picks), only in buckets they can serve, never the default again."""
+    from moe_aot.cli import _tiles
+
+    tried = _tiles("m16r1_glun32k128s6warp_downn32k128s6warp")
+    big = _tiles("_m128r1_glun192k64s4hopws_downn256k64s4hopws")
+    assert tried.tile_m == 16 and tried.glu.tile_k == 128 and big.glu.mma == "hopws"
+    odd = make_spec(experts=8, top_k=2, hidden=1024, intermediate=1024)  # 2I = 2048: no 192-wide GEMM1 tile
+    alone = tuner.seed_variants(None, GPU, [SPEC, odd], [16], (tried, big, default_variant(SPEC, 16)))
+    assert alone[(SPEC.workload_key, 16)] == [tried, big]
+    assert alone[(odd.workload_key, 16)] == [tried, default_variant(SPEC, 16)]  # SPEC's default, not odd's
+    pick = default_variant(SPEC, 4096).pdl_twin()
+    picks.write_tuned(tmp_path, GPU, [{"workload": SPEC.workload_key, "target": SPEC.target, "tokens": 4096,
+                                       "gpu": GPU, "variant": pick.name(SPEC),
+                                       "default": default_variant(SPEC, 4096).name(SPEC), "median_us": 1.0,
+                                       "default_us": 1.1}])
+    assert tuner.seed_variants(tmp_path, GPU, [SPEC], [4096], (tried,))[(SPEC.workload_key, 4096)][:2] == [pick, tried]
+    with pytest.raises(click.BadParameter, match="not a variant's tiles"):
+        _tiles("m16_bogus")
 
 
 # -- confirmation rounds: the fastest few candidates and the default measured again, interleaved --

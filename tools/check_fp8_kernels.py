@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Check the fp8 kernels (templates/quant.py, templates/hopper_fp8.py) on a GPU against fp32
+"""Check the fp8 kernels (templates/quant.py, hopper_fp8.py, warp_fp8.py) on a GPU against fp32
 references of exactly what they consume, and time them beside the bf16 GEMMs of the same shapes.
 
   --compile DIR         (CPU, needs the DSL) compile the configs below for sm_90a into DIR/<name>/
@@ -52,6 +52,12 @@ CONFIGS = [
     # the ping-pong core, refused by gemm_limits.FP8_MMAS (its GEMM2 crashed under timing at 1
     # token, 2026-12-01): compiled here only with --experimental, to find out why
     ("f8p", "hoppp", PRECISIONS, 64, (128, 8), (128, 6)),
+    ("f8c64", "hopws", PRECISIONS, 64, (128, 6), (128, 6)),
+    # mma.sync (templates/warp_fp8.py): the decode regime's weight streaming
+    ("f8w16", "warp", PRECISIONS, 16, (128, 6), (32, 6)),
+    ("f8w16b", "warp", PRECISIONS, 16, (128, 4), (64, 6)),
+    ("f8w64", "warp", PRECISIONS, 64, (128, 4), (64, 4)),
+    ("bf_w16", "warp", ("bf16",), 16, (32, 8), (32, 8)),
     ("bf_hw128", "hopws", ("bf16",), 128, (256, 4), (256, 4)),
     ("bf_pp64", "hoppp", ("bf16",), 64, (256, 5), (256, 5)),
 ]
@@ -75,9 +81,11 @@ def kernels(only=None):
 
 # ----------------------------------------------------------------------------- compile (CPU)
 def compile_all(out_dir: Path, arch: str, only=None) -> None:
+    from moe_aot_templates.grouped_gemm import GroupedDownGemm, GroupedGluGemm
     from moe_aot_templates.hopper_fp8 import HopperDownGemmFp8, HopperGluGemmFp8
     from moe_aot_templates.hopper_gemm import HopperDownGemm, HopperGluGemm
     from moe_aot_templates.quant import QuantizeFp8
+    from moe_aot_templates.warp_fp8 import WarpDownGemmFp8, WarpGluGemmFp8
 
     from moe_aot import gemm_limits
     from moe_aot.kernel_build import compile_kernel
@@ -89,7 +97,10 @@ def compile_all(out_dir: Path, arch: str, only=None) -> None:
     for v in kernels(only):
         fp8 = v["precision"] != "bf16"
         tk = 128 if fp8 else 64
-        glu_cls, down_cls = (HopperGluGemmFp8, HopperDownGemmFp8) if fp8 else (HopperGluGemm, HopperDownGemm)
+        if v["mma"] == "warp":
+            glu_cls, down_cls = (WarpGluGemmFp8, WarpDownGemmFp8) if fp8 else (GroupedGluGemm, GroupedDownGemm)
+        else:
+            glu_cls, down_cls = (HopperGluGemmFp8, HopperDownGemmFp8) if fp8 else (HopperGluGemm, HopperDownGemm)
         objs = [
             (glu_cls(v["E"], v["H"], v["I"], v["k"], interleave=INTERLEAVE, tile_m=v["tile_m"],
                      tile_n=v["glu"][0], tile_k=tk, stages=v["glu"][1], mma=v["mma"],

@@ -108,6 +108,7 @@ class MoeLayer:
         if variants is None:
             variants = self.store.picks(spec, torch.cuda.get_device_name(self.device))
         self.variants = variants
+        self._default_stored: dict[int, bool] = {}  # bucket -> its default's kernels are in the database
         self._libs: dict[str, KernelLibrary] = {}
         self._workspace: Workspace | None = None
         # (tokens, variant, id(workspace)) -> (workspace, the four kernels' bound arguments); the
@@ -123,13 +124,25 @@ class MoeLayer:
 
     # -- kernel selection ----------------------------------------------------------------------
     def variant_for(self, tokens: int) -> LayerVariant:
-        """The tuned pick of the nearest bucket, else that bucket's default: `build` and
-        `compile` put exactly the buckets' variants in the database, so another token count
-        must not ask for a variant of its own (300 tokens would want a 16-CTA routing cluster
-        that the 256-token bucket's default does not have)."""
-        if self.variants:
-            return self.variants[bucket_for(tokens, tuple(sorted(self.variants)))]
-        return default_variant(self.spec, bucket_for(tokens))
+        """The variant of the token count's nearest bucket: its tuned pick; without one, the
+        bucket's default where the database holds its kernels (`build` compiles every bucket's
+        default); else the pick of the nearest bucket that has one. Only buckets' variants: `build`
+        and `compile` put exactly those in the database, so another token count must not ask for
+        a variant of its own (300 tokens would want a 16-CTA routing cluster that the 256-token
+        bucket's default does not have). Picks for some buckets only happen when a database's
+        picks predate a change of the defaults (their records no longer say what they beat)."""
+        bucket = bucket_for(tokens)
+        if bucket in self.variants:
+            return self.variants[bucket]
+        v = default_variant(self.spec, bucket)
+        if not self.variants:
+            return v
+        if bucket not in self._default_stored:
+            names = [kv.name for kv in v.kernels(self.spec)]
+            self._default_stored[bucket] = self.store.has_kernels(names, self.spec.target)
+        if self._default_stored[bucket]:
+            return v
+        return self.variants[bucket_for(tokens, tuple(sorted(self.variants)))]
 
     def _lib(self, kv) -> KernelLibrary:
         lib = self._libs.get(kv.name)

@@ -123,6 +123,12 @@ class KernelStore:
             libs[name] = KernelLibrary(cached_library(folder, name, digest, fetch), meta, device)
         return libs
 
+    def has_kernels(self, names: list[str], target: str) -> bool:
+        """Whether every named kernel has a usable build here (one query, nothing loaded)."""
+        versions = self.db.kernel_versions(list(dict.fromkeys(names)))
+        ok = {v.name for v in versions if v.status == "ok" and usable(v.toolchain, target, self._driver)[0]}
+        return all(n in ok for n in names)
+
     def picks(self, spec: LayerSpec, gpu: str) -> dict[int, LayerVariant]:
         """Tuned picks per token bucket for this GPU, or {} (defaults) with a warning that says
         what differed when the database holds picks for another GPU or toolchain only."""
