@@ -240,10 +240,11 @@ class _BlockScaledBase(_GroupedGemmBase):
         self._load_scales(kt, stage, tidx, mBs, b_rows, self.tile_n, sSB)
 
     @cute.jit
-    def _mainloop(self, tidx, mA, a_rows, sA, mBe, bn, sB, tiled_mma, acc):
+    def _mainloop(self, tidx, mA, a_rows, sA, mBe, bn, sB, tiled_mma, acc, pstate=None):
         """acc += (A * SFA)[a_rows] @ (B_e * SFB_e)[bn-tile]^T over all of K: cp.async stages - 1
         k-tiles ahead (values and scales of a k-tile in one group), ldmatrix and the scale loads one
-        k-block ahead of the block-scaled mma.sync, as grouped_gemm's "warp" mainloop."""
+        k-block ahead of the block-scaled mma.sync, as grouped_gemm's "warp" mainloop. ``pstate``
+        (grouped_gemm's per-K-block promotion state) is always None here: the MMA applies the scales."""
         mAq, mAs = mA
         mBq, mBs = mBe
         rows_a, rows_s = a_rows
