@@ -14,7 +14,7 @@ from multiprocessing import get_context
 from pathlib import Path
 from typing import Callable, Iterable
 
-from .gemm_limits import W4, WARP_SPECIALIZED
+from .gemm_limits import BLOCKSCALED, W4, WARP_SPECIALIZED
 from .hosts import HOSTS, host_for
 from .kernel_build import Artifact, HostToolchainError, KernelCompileError, compile_kernel, host_toolchain  # noqa: F401
 from .spec import LayerSpec
@@ -56,7 +56,7 @@ def toolchain_key(target: str) -> str:
 
 # The template registry: (role, family) -> (module under moe_aot_templates, class). A GEMM's
 # family is its precision's where that has templates of its own (fp8: "fp8" on the Hopper core,
-# "fp8_warp" on mma.sync; mxfp4-w: "w4"), else its MMA's mainloop
+# "fp8_warp" on mma.sync; mxfp4-w: "w4"; mxfp8 / nvfp4: "blockscaled"), else its MMA's mainloop
 # family: one template module per family, all taking the same constructor arguments per role.
 TEMPLATES = {
     ("routing", None): ("routing", "MoeRouting"),
@@ -76,6 +76,8 @@ TEMPLATES = {
     ("down", "fp8_warp"): ("warp_fp8", "WarpDownGemmFp8"),
     ("glu", "w4"): ("grouped_w4", "GroupedGluGemmW4"),
     ("down", "w4"): ("grouped_w4", "GroupedDownGemmW4"),
+    ("glu", "blockscaled"): ("blockscaled_warp", "BlockScaledGluGemm"),
+    ("down", "blockscaled"): ("blockscaled_warp", "BlockScaledDownGemm"),
 }
 
 
@@ -86,6 +88,8 @@ def template_family(kv: KernelVariant) -> str | None:
     precision = kw.get("precision", "bf16")
     if precision in W4:
         return "w4"
+    if precision in BLOCKSCALED:
+        return "blockscaled"
     if precision != "bf16":
         return "fp8" if kw.get("mma") in WARP_SPECIALIZED else "fp8_warp"
     return "hopper" if kw.get("mma") in WARP_SPECIALIZED else "grouped"

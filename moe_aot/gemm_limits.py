@@ -178,6 +178,8 @@ def check_gemm(n, k, tile_m, tile_n, tile_k, stages, mma, warps_m=None, warps_n=
     ok, reason = check_cluster(mma, tile_m, cluster_m)
     if not ok:
         return ok, reason
+    if precision in BLOCKSCALED:  # their own tile rules (the role's own: check_blockscaled with a role)
+        return check_blockscaled(None, precision, n, k, tile_m, tile_n, tile_k, stages, mma, warps_m, warps_n, arch)
     if precision in W4 and warps_m is None and warps_n is None:
         warps_m, warps_n = w4_warps(tile_m, tile_n)
     warps_m, warps_n = default_warps(tile_m, tile_n, warps_m, warps_n, mma)
@@ -322,4 +324,78 @@ def check_w4(precision, n, k, tile_m, tile_n, tile_k, stages, mma, threads=None)
     if rows_per_pass < 1 or (tile_n // cn) % rows_per_pass:
         return False, (f"{precision}: tile_n {tile_n} must be a multiple of the {max(rows_per_pass, 1) * cn} packed "
                        f"weight rows one cp.async pass of {threads} threads covers (tile_k {tile_k})")
+    return True, ""
+
+# Block-scaled grouped GEMMs ("mxfp8", "nvfp4"; templates/blockscaled_warp.py): activations and
+# weights both block-scaled along K, multiplied by the sm_120-family warp MMAs
+# `mma.sync ... kind::mxf8f6f4.block_scale.scale_vec::1X` (e4m3, ue8m0 scale per 32) and
+# `kind::mxf4nvf4.block_scale.scale_vec::4X` (e2m1, e4m3 scale per 16), which exist on the
+# sm_120 family only (DGX Spark's sm_121a here; sm_90a and sm_100a have neither). Values and scale
+# bytes are cp.async-ed per k-tile: a k-tile row is 64-256 value bytes and 4-16 scale bytes (one
+# cp.async of 4, 8 or 16 bytes), hence the k-tiles of BS_TILE_K elements.
+BLOCKSCALED = ("mxfp8", "nvfp4")
+BS_MMAS = ("warp",)
+BS_TARGETS = ("sm_121a",)
+BS_ELEM_BITS = {"mxfp8": 8, "nvfp4": 4}
+BS_MMA_K = {"mxfp8": 32, "nvfp4": 64}  # K of one m16n8kK block-scaled mma.sync
+BS_TILE_K = (128, 256)
+BS_SIZE_MULTIPLE = 128  # hidden and intermediate: whole 128-element k-tiles
+
+
+def bs_row_bytes(precision, tile_k) -> tuple[int, int]:
+    """(value bytes, scale bytes) of one row of a block-scaled k-tile of tile_k elements."""
+    return tile_k * BS_ELEM_BITS[precision] // 8, tile_k // BLOCKSCALE_BLOCK[precision]
+
+
+def bs_smem_bytes(precision, tile_m, tile_n, tile_k, stages) -> int:
+    """Shared memory of a block-scaled CTA: per stage the A and B value tiles and their scale
+    bytes, reused for the fp32 staging of the accumulator tile, + the allocator's alignment slack."""
+    vb, sb = bs_row_bytes(precision, tile_k)
+    return max(stages * (tile_m + tile_n) * (vb + sb), tile_m * (tile_n + 8) * 4) + 1024
+
+
+def check_blockscaled(role, precision, n, k, tile_m, tile_n, tile_k, stages, mma, warps_m=None, warps_n=None,
+                      arch=None) -> tuple[bool, str]:
+    """(ok, reason) of one block-scaled grouped GEMM over [N, K] weights: its tile rules, GEMM1's
+    own (role "glu"; None: the rules both roles share) and, if `arch` is given, that target's MMAs
+    and shared memory (other precisions: ok)."""
+    if precision not in BLOCKSCALED:
+        return True, ""
+    if mma not in BS_MMAS:
+        return False, f"{precision} runs on the block-scaled mma.sync (mma 'warp') only, not {mma!r}"
+    if arch is not None and arch not in BS_TARGETS:
+        return False, (f"{precision}: the block-scaled mma.sync exists on the sm_120 family only "
+                       f"({', '.join(BS_TARGETS)} here), not on {arch}")
+    if tile_k not in BS_TILE_K:
+        return False, f"{precision}: tile_k {tile_k} must be one of {BS_TILE_K} (whole cp.async rows of scale bytes)"
+    if k % tile_k or n % tile_n:
+        return False, f"{precision}: K={k} must be a multiple of tile_k {tile_k} and N={n} of tile_n {tile_n}"
+    warps_m, warps_n = default_warps(tile_m, tile_n, warps_m, warps_n)
+    threads = warps_m * warps_n * 32
+    if warps_m < 1 or warps_n < 1 or threads > 256:
+        return False, f"{precision}: warps {warps_m}x{warps_n} must be 1..8 warps"
+    if tile_m % (16 * warps_m) or tile_n % (16 * warps_n) or tile_m > 256 or tile_n > 256:
+        return False, (f"{precision}: tile {tile_m}x{tile_n} must be multiples of 16 per warp "
+                       f"({16 * warps_m}x{16 * warps_n}) and at most 256x256")
+    vb, _ = bs_row_bytes(precision, tile_k)
+    rows_per_pass = threads // (vb // 16)
+    if rows_per_pass < 1 or tile_m % rows_per_pass or tile_n % rows_per_pass:
+        return False, (f"{precision}: tile_m {tile_m} and tile_n {tile_n} must be multiples of the "
+                       f"{max(rows_per_pass, 1)} rows one 16-byte cp.async pass of {threads} threads covers "
+                       f"(tile_k {tile_k})")
+    if tile_m * tile_n // threads > MAX_ACC_REGS:
+        return False, (f"{precision}: a {tile_m}x{tile_n} tile on {threads} threads needs "
+                       f"{tile_m * tile_n // threads} fp32 accumulators per thread (max {MAX_ACC_REGS})")
+    if not 2 <= stages <= 8:
+        return False, f"{precision}: stages {stages} must be in 2..8"
+    if k // tile_k < stages - 1:
+        return False, f"{precision}: K={k} has {k // tile_k} k-tiles, fewer than stages-1={stages - 1}"
+    if role == "glu" and (tile_n // 2) % BLOCKSCALE_BLOCK[precision]:
+        return False, (f"{precision} GEMM1: tile_n {tile_n} must hold whole {BLOCKSCALE_BLOCK[precision]}-column "
+                       f"scale blocks of its output in its tile_n / 2 columns")
+    if arch is not None:
+        cap = SMEM_CAPACITY[arch]
+        need = bs_smem_bytes(precision, tile_m, tile_n, tile_k, stages)
+        if need > cap:
+            return False, f"{precision}: needs {need} B of shared memory per block, {arch} allows {cap}"
     return True, ""

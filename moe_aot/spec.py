@@ -12,12 +12,14 @@ import reprlib
 from dataclasses import FrozenInstanceError, asdict
 from pathlib import Path
 
-from .gemm_limits import ACTIVATIONS, BIAS_PRECISIONS
+from .gemm_limits import ACTIVATIONS, BIAS_PRECISIONS, BLOCKSCALED, BS_SIZE_MULTIPLE
 
 # "mxfp4-w": weight-only MXFP4 (gpt-oss's expert weights as shipped), activations bf16
 PRECISIONS = ("bf16", "fp8", "fp8-block128", "mxfp4-w", "mxfp8", "nvfp4")
 SUPPORTED_PRECISIONS = {"sm_90a": ("bf16", "fp8", "fp8-block128", "mxfp4-w"),
-                        "sm_100a": ("bf16", "fp8", "fp8-block128"), "sm_121a": ("bf16", "fp8", "fp8-block128")}
+                        "sm_100a": ("bf16", "fp8", "fp8-block128"),
+                        # mxfp8 / nvfp4: the block-scaled mma.sync of the sm_120 family (templates/blockscaled_warp.py)
+                        "sm_121a": ("bf16", "fp8", "fp8-block128", "mxfp8", "nvfp4")}
 FP8_SIZE_MULTIPLE = 128  # fp8: hidden/intermediate in whole 128-element k-tiles and scale blocks
 TARGETS = {
     "sm_90a": "Hopper: H100 / H200",
@@ -205,6 +207,12 @@ def _validate(s: LayerSpec) -> None:
             if v % FP8_SIZE_MULTIPLE:
                 raise SpecError(f"{name} must be a multiple of {FP8_SIZE_MULTIPLE} for precision {s.precision} "
                                 f"(128-element k-tiles and scale blocks), got {v}; use bf16 for this layer")
+    if s.precision in BLOCKSCALED:
+        for name in ("hidden", "intermediate"):
+            v = getattr(s, name)
+            if v % BS_SIZE_MULTIPLE:
+                raise SpecError(f"{name} must be a multiple of {BS_SIZE_MULTIPLE} for precision {s.precision} "
+                                f"(128-element k-tiles), got {v}; use bf16 for this layer")
     if s.bias and s.precision not in BIAS_PRECISIONS:
         raise SpecError(f"expert biases (bias=true) are built for precision {', '.join(BIAS_PRECISIONS)} only, "
                         f"not {s.precision}")

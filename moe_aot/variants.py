@@ -36,9 +36,12 @@ INTERLEAVE = 16  # gate/up rows alternate in blocks of this many rows in the pre
 PRECISION_ROLES = {"bf16": ("routing", "glu", "down", "combine"),
                    "fp8": ("routing", "quant", "glu", "down", "combine"),
                    "fp8-block128": ("routing", "quant", "glu", "down", "combine"),
-                   "mxfp4-w": ("routing", "glu", "down", "combine")}
+                   "mxfp4-w": ("routing", "glu", "down", "combine"),
+                   # block-scaled: x quantized by templates/blockscale_quant.py ("bsquant"), h by GEMM1
+                   "mxfp8": ("routing", "bsquant", "glu", "down", "combine"),
+                   "nvfp4": ("routing", "bsquant", "glu", "down", "combine")}
 PRECISION_MMAS = {"bf16": None, "fp8": limits.FP8_MMAS, "fp8-block128": limits.FP8_MMAS,  # None: all
-                  "mxfp4-w": limits.W4_MMAS}
+                  "mxfp4-w": limits.W4_MMAS, "mxfp8": limits.BS_MMAS, "nvfp4": limits.BS_MMAS}
 
 
 def arch_tag(target: str) -> str:
@@ -179,6 +182,8 @@ class LayerVariant:
         if "quant" in PRECISION_ROLES[spec.precision]:
             out.insert(1, KernelVariant("quant", f"moe_quant_{a}_{p}_h{h}",
                                         (("hidden", h), ("precision", spec.precision))))
+        if "bsquant" in PRECISION_ROLES[spec.precision]:
+            out.insert(1, blockscale_kernel(BlockScaleShape(spec.precision, h, spec.target)))
         return out
 
     @classmethod
@@ -333,6 +338,9 @@ def gemm_can_implement(n: int, k: int, tile_m: int, t: GemmTiles, target: str, p
     ok, why = limits.check_fp8(role, precision, n, k, tile_m, t.tile_n, t.mma, t.cluster)
     if not ok:
         return False, why
+    ok, why = limits.check_blockscaled(role, precision, n, k, tile_m, t.tile_n, t.tile_k, t.stages, t.mma, arch=target)
+    if not ok:
+        return False, why
     ok, why = limits.check_gemm(n, k, tile_m, t.tile_n, t.tile_k, t.stages, t.mma, arch=target,
                                 cluster_m=t.cluster, precision=precision)
     return (True, "ok") if ok else (False, why)
@@ -362,6 +370,12 @@ TILE_M = (16, 32, 64, 128)
 GEMM_CLUSTERS = limits.CLUSTERS_M  # CTAs per cluster along M of a grouped GEMM (hopws: B multicast)
 TILE_N = (32, 64, 128, 192, 256)
 TILE_K = (32, 64, 128)
+
+
+def tile_ks(precision: str) -> tuple[int, ...]:
+    """The k-tiles the tuner tries for `precision` (block-scaled: gemm_limits.BS_TILE_K)."""
+    return limits.BS_TILE_K if precision in limits.BLOCKSCALED else TILE_K
+
 STAGES = (2, 3, 4, 5, 6, 8)
 
 
@@ -375,7 +389,8 @@ def candidate_space(spec: LayerSpec) -> list[LayerVariant]:
         for role, n_dim, k_dim in (("glu", 2 * spec.intermediate, spec.hidden),
                                    ("down", spec.hidden, spec.intermediate)):
             tiles[role] = [t for t in (GemmTiles(n, k, st, mma, c) for n, k, st, mma, c in
-                                       itertools.product(TILE_N, TILE_K, STAGES, lim["mma"], GEMM_CLUSTERS))
+                                       itertools.product(TILE_N, tile_ks(spec.precision), STAGES, lim["mma"],
+                                                         GEMM_CLUSTERS))
                            if gemm_can_implement(n_dim, k_dim, m, t, spec.target, spec.precision, role)[0]
                            and (role == "down" or limits.check_glu_shape(spec.intermediate, t.tile_n,
                                                                          INTERLEAVE, spec.activation)[0])]
@@ -449,6 +464,8 @@ def default_variant(spec: LayerSpec, tokens: int) -> LayerVariant:
     W, G, P = "warp", "wgmma", "hopws"
     if spec.precision in limits.W4:
         return _default_w4(spec, rows_per_expert, cluster)
+    if spec.precision in limits.BLOCKSCALED:
+        return _default_blockscaled(spec, rows_per_expert)
     if PRECISION_MMAS[spec.precision] is not None:
         # fp8 on sm_90a: the cooperative core, 128x128 tiles with 128-wide k-tiles, 64-row tiles up
         # to FP8_DECODE_ROWS routed rows per expert (as fast as or 1.0-1.4x faster than 128-row ones
@@ -502,6 +519,27 @@ def _default_w4(spec: LayerSpec, rows_per_expert: float, cluster: int) -> LayerV
     for tile_m, (n, k), n2, st in itertools.product(dict.fromkeys((m, 16)), ((128, 64), (64, 64), (32, 64)),
                                                     (128, 64, 32), (6, 4, 3)):
         v = LayerVariant(tile_m, GemmTiles(n, k, st, "warp"), GemmTiles(min(n, n2), k, st, "warp"), cluster)
+        ok, why = can_implement(spec, v)
+        if ok:
+            return v
+    raise ValueError(f"no default variant can implement {spec.workload_key} on {spec.target}: {why}")
+
+
+def _default_blockscaled(spec: LayerSpec, rows_per_expert: float) -> LayerVariant:
+    """mxfp8 / nvfp4's untuned choice on the sm_120 family (compiled, never measured: no Spark was
+    available): decode (few rows per expert) streams the weights with 16-row tiles, 64 weight rows
+    and 256-wide k-tiles per CTA (256 weight bytes per row per k-tile for mxfp8, 128 for nvfp4) in a
+    3-4 deep cp.async pipeline within GB10's 99 KB; more rows per expert take 64-row tiles with
+    128 weight rows, so a weight tile feeds more rows. The first valid of each list."""
+    if rows_per_expert <= 16:
+        prefs = [(16, n, k, st) for n in (64, 32) for k, st in ((256, 4), (256, 3), (128, 6), (128, 4))]
+    else:
+        prefs = [(64, n, k, st) for n in (128, 64) for k, st in ((128, 4), (128, 3), (256, 2))]
+    prefs += [(m, n, k, st) for m in (16, 32, 64) for n in (64, 32, 128) for k in limits.BS_TILE_K
+              for st in (4, 3, 2)]
+    why = ""
+    for m, n, k, st in prefs:
+        v = LayerVariant(m, GemmTiles(n, k, st, "warp"), GemmTiles(n, k, st, "warp"), 1)
         ok, why = can_implement(spec, v)
         if ok:
             return v

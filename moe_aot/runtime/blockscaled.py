@@ -1,0 +1,74 @@
+"""Expert weights of the block-scaled layer ("mxfp8", "nvfp4") in the layout its kernels read
+(templates/blockscaled_warp.py), in plain torch: no DSL, no database.
+
+Each matrix is quantized along K with moe_aot/blockscale.py, row by row, so the kernels' layout is
+the reference's own: values [E, N, K] e4m3 bytes or [E, N, K/2] packed e2m1, scales [E, N, K/vec]
+bytes (row r's scale of K block b at r * K/vec + b), all uint8 and contiguous. w13's rows are
+gate/up interleaved in blocks of ``interleave`` rows (layout.interleave_gate_up) after quantizing
+gate and up: a row's bytes do not depend on the other rows, except through NVFP4's global amax,
+which is one per expert and matrix (w13: over gate and up together; w2), fp32 [E].
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from .. import blockscale
+from ..gemm_limits import BLOCKSCALED
+from ..layout import interleave_gate_up, split_gate_up
+
+
+class BlockScaledWeight(NamedTuple):
+    values: torch.Tensor  # uint8 [E, N, K] (mxfp8) or [E, N, K/2] (nvfp4)
+    scales: torch.Tensor  # uint8 [E, N, K/vec]
+    global_amax: torch.Tensor | None  # nvfp4: fp32 [E]; mxfp8: None
+
+
+def check_format(fmt: str) -> None:
+    if fmt not in BLOCKSCALED:
+        raise ValueError(f"format {fmt!r} has no block-scaled GEMMs; use one of {', '.join(BLOCKSCALED)}")
+
+
+def _quantize_experts(w: torch.Tensor, fmt: str, amax: torch.Tensor | None):
+    """[E, N, K] -> (values, scales) stacked per expert, expert e relative to amax[e] (nvfp4)."""
+    parts = [blockscale.quantize(w[e], fmt, None if amax is None else amax[e]) for e in range(w.shape[0])]
+    return torch.stack([p.values for p in parts]), torch.stack([p.scales for p in parts])
+
+
+def expert_amax(*ws: torch.Tensor) -> torch.Tensor:
+    """fp32 [E]: the largest |w| of each expert over all the given [E, N, K] matrices."""
+    return torch.stack([w.float().abs().amax(dim=(1, 2)) for w in ws]).amax(0)
+
+
+def prepare_w13(w_gate: torch.Tensor, w_up: torch.Tensor, fmt: str, interleave: int = 16) -> BlockScaledWeight:
+    """Gate and up [E, I, H] -> w13 as GEMM1 reads it (see the module docstring)."""
+    check_format(fmt)
+    if w_gate.shape != w_up.shape or w_gate.dim() != 3:
+        raise ValueError(f"gate {tuple(w_gate.shape)} and up {tuple(w_up.shape)} must be equal [E, I, H] tensors")
+    amax = expert_amax(w_gate, w_up) if fmt == "nvfp4" else None
+    qg, sg = _quantize_experts(w_gate, fmt, amax)
+    qu, su = _quantize_experts(w_up, fmt, amax)
+    return BlockScaledWeight(interleave_gate_up(qg, qu, interleave), interleave_gate_up(sg, su, interleave), amax)
+
+
+def prepare_w2(w2: torch.Tensor, fmt: str) -> BlockScaledWeight:
+    """w2 [E, H, I] -> as GEMM2 reads it."""
+    check_format(fmt)
+    amax = expert_amax(w2) if fmt == "nvfp4" else None
+    q, s = _quantize_experts(w2, fmt, amax)
+    return BlockScaledWeight(q, s, amax)
+
+
+def dequantize(w: BlockScaledWeight, fmt: str) -> torch.Tensor:
+    """The fp32 [E, N, K] a prepared weight stands for (blockscale.dequantize per expert)."""
+    check_format(fmt)
+    return torch.stack([blockscale.dequantize(blockscale.Quantized(
+        w.values[e], w.scales[e], None if w.global_amax is None else w.global_amax[e:e + 1]), fmt)
+        for e in range(w.values.shape[0])])
+
+
+def split_w13(w13: BlockScaledWeight, interleave: int = 16) -> tuple[BlockScaledWeight, BlockScaledWeight]:
+    """The inverse of prepare_w13's interleave: (gate, up) prepared weights, each [E, I, .]."""
+    (qg, qu), (sg, su) = split_gate_up(w13.values, interleave), split_gate_up(w13.scales, interleave)
+    return BlockScaledWeight(qg, sg, w13.global_amax), BlockScaledWeight(qu, su, w13.global_amax)
