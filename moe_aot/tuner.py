@@ -631,14 +631,12 @@ def seed_variants(tuned_dir: Path | None, gpu: str, specs, buckets,
     for spec in specs:
         for tokens in buckets:
             base = default_variant(spec, tokens)
-            if tuned_dir is None:
-                out[(spec.workload_key, tokens)] = [v for v in dict.fromkeys(extra)
-                                                   if v != base and can_implement(spec, v)[0]]
-                continue
-            name = picks.get((spec.workload_key, tokens))
-            pick = LayerVariant.parse(name) if name else None
-            seeds = [pick, *extra] + [v.pingpong_twin(spec) for v in (pick or base, base)]
-            seeds += [pick and pick.pdl_twin(), base.pdl_twin()] + (pick or base).cluster_twins()
+            seeds = list(extra)
+            if tuned_dir is not None:
+                name = picks.get((spec.workload_key, tokens))
+                pick = LayerVariant.parse(name) if name else None
+                seeds = [pick, *extra] + [v.pingpong_twin(spec) for v in (pick or base, base)]
+                seeds += [pick and pick.pdl_twin(), base.pdl_twin()] + (pick or base).cluster_twins()
             out[(spec.workload_key, tokens)] = [v for v in dict.fromkeys(seeds)
                                                if v is not None and v != base and can_implement(spec, v)[0]]
     return out
