@@ -34,6 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from moe_aot.harness.measure import graph_times_us, input_sets  # noqa: E402
+from moe_aot.harness.reference import rel_err  # noqa: E402
 from moe_aot.layout import interleave_gate_up  # noqa: E402
 from moe_aot.runtime.layer import MoeLayer, prepare_fp8_weights  # noqa: E402
 from moe_aot.runtime.store import KernelStore  # noqa: E402
@@ -88,11 +89,27 @@ def torch_fp8(a, h, offs, w13_e4m3, w2_e4m3, replays) -> dict:
             def fn(x8=x8, sx=sx, wt=wt, sw=sw):
                 return torch._scaled_grouped_mm(x8, wt, sx, sw, offs=offs, out_dtype=torch.bfloat16)
 
-            fn()
+            y = fn()
             out[role] = kernel_us(fn, replays)
+            out[role + "_rel_err"] = fp8_error(y, x8, sx, w, offs)
         return out
     except Exception as exc:  # an op this build does not run on this GPU: reported
         return {"error": f"{type(exc).__name__}: {exc}"[:300]}
+
+
+def fp8_error(y, x8, sx, w8, offs, experts: int = 4) -> float:
+    """torch's fp8 output against the fp32 product of exactly its e4m3 inputs (row scales applied,
+    weight scales ones), over the rows of the first few experts that have rows: what its
+    accumulation costs (ours: tools/check_fp8_kernels.py, <= 1e-2 against the same kind of
+    reference)."""
+    ends = offs.tolist()
+    errs, start = [], 0
+    for e, end in enumerate(ends):
+        if end > start and len(errs) < experts:
+            ref = (x8[start:end].float() * sx[start:end, None]) @ w8[e].float().t()
+            errs.append(rel_err(y[start:end], ref))
+        start = end
+    return max(errs) if errs else float("nan")
 
 
 def tflops(flops: float, us: float | None):
@@ -148,6 +165,9 @@ def bench_model(name, tokens_list, replays, store) -> list[dict]:
                              "torch_over_ours": round(theirs / ours, 3) if theirs else None}
             if "error" in peer:
                 ent["torch_error"] = peer["error"]
+            for role in ("glu", "down"):
+                if role + "_rel_err" in peer:
+                    ent[role]["torch_rel_err"] = peer[role + "_rel_err"]
             row[p] = ent
             print(f"{name:16} M={M:6} {p:5} " + "  ".join(
                 f"{r}: ours {ent[r]['ours_us']:.0f}/{ent[r]['ours_again_us']:.0f} us ({ent[r]['ours_tflops']}) "
@@ -180,8 +200,9 @@ def markdown(res: dict) -> str:
             for role in ("glu", "down"):
                 g = ent[role]
                 best = min(g["ours_us"], g["ours_again_us"])
+                err = f", err {g['torch_rel_err']:.1e}" if "torch_rel_err" in g else ""
                 cells += [f"{best:.0f} ({g['ours_tflops']})",
-                          f"{g['torch_us']:.0f} ({g['torch_tflops']})" if g["torch_us"] else "-",
+                          f"{g['torch_us']:.0f} ({g['torch_tflops']}{err})" if g["torch_us"] else "-",
                           f"{g['torch_over_ours']:.2f}" if g["torch_over_ours"] else "-"]
             lines.append(f"| {r['model']} | {r['tokens']} | {p} | " + " | ".join(cells)
                          + f" | `{ent['variant'].split('_', 6)[-1]}` |")

@@ -327,7 +327,7 @@ def main():
         summary["compileall"] = compiled
         summary["bytecode_after_compileall"] = bytecode_state(env)
         print("compileall", compiled, summary["bytecode_after_compileall"], flush=True)
-        runs += [(m, label, cenv) for m in ("qwen3-30b-a3b", "qwen3-30b-a3b", "deepseek-v3")
+        runs += [(m, label, cenv) for m in ("qwen3-30b-a3b", "qwen3-30b-a3b", "deepseek-v3", "deepseek-v3")
                  for label, cenv in checkouts.items()]
         if ns.coldstart_diag:
             runs += [(m, label + "+diag", dict(cenv, MOE_AOT_COLDSTART_DIAG="1", MOE_AOT_SHIM_STATS="1"))
