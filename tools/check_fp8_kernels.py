@@ -189,9 +189,7 @@ def run_all(kdir: Path, out_dir: Path, iters: int, tokens=None, only=None, model
                 wq[prec] = (w13q, w13s, w2q, w2s)
         w13, w13s, w2x, w2s = wq[prec]
         glu, down = lib(v["glu_name"]), lib(v["down_name"])
-        for m in v["tokens"] if "tokens" in v else TOKENS:
-            if tokens and m not in tokens:
-                continue
+        for m in tokens or (v["tokens"] if "tokens" in v else TOKENS):
             x = torch.randn(m, hd, device=dev, generator=gen).bfloat16()
             logits = torch.randn(m, e, device=dev, generator=gen)
             topk_w, topk_ids = torch.topk(torch.softmax(logits, -1), k, dim=-1)
