@@ -266,8 +266,10 @@ def check_fp8(role, precision, n, k, tile_m, tile_n, mma, cluster_m=1) -> tuple[
         if 2 * acc > MAX_ACC_REGS:
             return False, (f"{precision} {role}: a {tile_m}x{tile_n} tile on {wm * wn} warps needs {2 * acc} "
                            f"accumulator registers per thread with its partial sums (max {MAX_ACC_REGS})")
-    if precision == "fp8-block128" and role == "down" and SCALE_BLOCK % tile_n:
-        return False, f"{precision} GEMM2: tile_n {tile_n} must divide {SCALE_BLOCK} (one weight block)"
+    part_n = tile_n // promote_parts(mma, tile_m, tile_n) if mma in WGMMA else tile_n
+    if precision == "fp8-block128" and role == "down" and SCALE_BLOCK % part_n:
+        return False, (f"{precision} GEMM2: tile_n {tile_n} must divide {SCALE_BLOCK} (one weight block), "
+                       f"or be promoted in parts that do (hopws 128-row tiles)")
     if role == "glu" and SCALE_BLOCK % (tile_n // 2):
         return False, (f"{precision} GEMM1: tile_n {tile_n} must cover whole gate rows of one {SCALE_BLOCK}-row "
                        f"weight block (tile_n / 2 dividing {SCALE_BLOCK})")

@@ -26,8 +26,9 @@ Each consumer thread loads the scales its accumulator rows need straight from gl
 
 Constraints beyond hopper_gemm's: H and I multiples of 128 (2I and H for GEMM1); GEMM1
 tile_n a multiple of 128 (whole 64-column output blocks); promoting GEMMs at most 64
-accumulators per thread (tile_n <= 128 at 64 rows per warpgroup); fp8-block128 GEMM2 tile_n
-dividing 128; no 2-CTA clusters. ``gemm_limits.check_fp8`` holds the rules.
+accumulators per thread (tile_n <= 128 at 64 rows per warpgroup), or cooperative 128-row tiles
+of 256 columns promoted in two 128-column parts (``_mainloop_parts``); fp8-block128 GEMM2 tile_n
+(or part) dividing 128; no 2-CTA clusters. ``gemm_limits.check_fp8`` holds the rules.
 """
 
 import cuda.bindings.driver as cuda
@@ -260,6 +261,9 @@ class _Fp8Consumer:
             for sub in cutlass.range_constexpr(self.kblocks):
                 self._load_kscales(sa, sb, tCcC, pairs, epi, expert, row0, bn, kt, sub)
                 for j in cutlass.range_constexpr(self.parts):
+                    if const_expr(j > 0 and self.block and not self.glu):
+                        # fp8-block128 GEMM2: each 128-column part is its own weight block
+                        self._load_kscales(sa, sb, tCcC, pairs, epi, expert, row0, bn, kt, sub, j)
                     cute.nvgpu.warpgroup.fence()
                     for kb in cutlass.range_constexpr(self.ka_per_block):
                         k = sub * self.ka_per_block + kb
@@ -355,7 +359,8 @@ class HopperGluGemmFp8(_Fp8Consumer, HopperGluGemm):
                        (mH, mHs, mXs, mWs, mTileExpert))
 
     @cute.jit
-    def _load_kscales(self, sa, sb, tCcC, pairs, epi, expert, row0, bn, kt, sub: cutlass.Constexpr):
+    def _load_kscales(self, sa, sb, tCcC, pairs, epi, expert, row0, bn, kt, sub: cutlass.Constexpr,
+                      part: cutlass.Constexpr = 0):
         """K block ``kt`` (a k-tile): x's scale of each accumulator row and the tile's gate and
         up weight scales (fp8-block128: those of the block; "fp8": the token's and the expert's,
         the same for every block, which keeps one code path: constant scales let the compiler
@@ -465,15 +470,17 @@ class HopperDownGemmFp8(_Fp8Consumer, HopperDownGemm):
                        (mIds, mTopkW, mY, mHs, mWs, mTileExpert))
 
     @cute.jit
-    def _load_kscales(self, sa, sb, tCcC, pairs, epi, expert, row0, bn, kt, sub: cutlass.Constexpr):
+    def _load_kscales(self, sa, sb, tCcC, pairs, epi, expert, row0, bn, kt, sub: cutlass.Constexpr,
+                      part: cutlass.Constexpr = 0):
         """K block ``sub`` (64 columns) of k-tile ``kt``: h's scale of each accumulator row and
-        the tile's weight scale (fp8-block128: of its 128x128 block; "fp8": the expert's)."""
+        the weight scale of column part ``part`` of the tile (fp8-block128: of its 128x128
+        block; "fp8": the expert's)."""
         _, _, _, mHs, mWs, _ = epi
         for hrow in cutlass.range_constexpr(self.acc_rows):
             r = tCcC[self._acc_index(hrow, 0)][0]
             sa[hrow] = mHs[row0 + r, kt * self.kblocks + sub]
         if const_expr(self.block):
-            sb[0] = mWs[expert, (bn * self.tile_n) // SB, kt]
+            sb[0] = mWs[expert, (bn * self.tile_n + part * self.part_n) // SB, kt]
         else:
             sb[0] = mWs[expert]
         sb[1] = sb[0]

@@ -53,6 +53,8 @@ CONFIGS = [
     # GEMM2 tile_n must divide its 128-column weight blocks
     ("f8n256", "hopws", ("fp8",), 128, (256, 4), (256, 4)),
     ("f8n256b", "hopws", ("fp8-block128",), 128, (256, 4), (128, 6)),
+    # fp8-block128's GEMM2 at 128x256 too: each 128-column part is one weight block
+    ("f8n256bb", "hopws", ("fp8-block128",), 128, (256, 4), (256, 4)),
     # the ping-pong core, refused by gemm_limits.FP8_MMAS (its GEMM2 crashed under timing at 1
     # token, 2026-12-01): compiled here only with --experimental, to find out why
     ("f8p", "hoppp", PRECISIONS, 64, (128, 8), (128, 6)),
