@@ -106,7 +106,7 @@ class _Blackwell:
 
     def _make_umma(self):
         """The 1-CTA tcgen05 MMA: A and B K-major from shared memory, fp32 accumulators in TMEM."""
-        k_major = tcgen05.OperandMajorMode.K
+        k_major = cute.nvgpu.OperandMajorMode.K
         return sm100_utils.make_trivial_tiled_mma(
             BFloat16, BFloat16, k_major, k_major, Float32, tcgen05.CtaGroup.ONE, (self.tile_m, self.tile_n))
 
