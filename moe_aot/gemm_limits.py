@@ -97,7 +97,8 @@ def check_umma(n, k, tile_m, tile_n, tile_k, stages, precision="bf16") -> tuple[
     if precision not in UMMA_PRECISIONS:
         return False, f"umma: built for {', '.join(UMMA_PRECISIONS)} only, not {precision}"
     if tile_m not in UMMA_TILE_M:
-        return False, f"umma: tile_m {tile_m} must be one of {UMMA_TILE_M} (one 1-CTA tcgen05.mma M, a TMEM lane per row)"
+        return False, (f"umma: tile_m {tile_m} must be one of {UMMA_TILE_M} "
+                       f"(one 1-CTA tcgen05.mma M, a TMEM lane per row)")
     if tile_n % 32 or not 32 <= tile_n <= 256:
         return False, f"umma: tile_n {tile_n} must be a multiple of 32 in 32..256"
     if tile_k != UMMA_TILE_K:

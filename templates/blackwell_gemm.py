@@ -63,7 +63,6 @@ import cutlass.utils.blackwell_helpers as sm100_utils
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import BFloat16, Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, tcgen05
-from cutlass.memory import get_num_tmem_alloc_cols
 from cutlass.tensor_utils import LayoutEnum
 
 from moe_aot import gemm_limits as limits

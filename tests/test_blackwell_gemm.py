@@ -137,6 +137,7 @@ def test_layouts_the_kernel_assumes():
     import cutlass.utils.hopper_helpers as sm90_utils
     from cutlass import BFloat16, Float32
     from cutlass.cute.nvgpu import tcgen05
+    from cutlass.memory import get_num_tmem_alloc_cols
     from cutlass.tensor_utils import LayoutEnum
     from moe_aot_templates.blackwell_gemm import BlackwellGluGemm
 
@@ -158,14 +159,30 @@ def test_layouts_the_kernel_assumes():
         a_umma, _ = obj._smem_layouts(tiled_mma)
         a_cp = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, obj._mma_tiler(), BFloat16, obj.stages)
         seen["swizzle"] = (str(a_umma.inner), str(a_cp.inner))
-        seen["offsets"] = [(cute.crd2idx(((m, k % 16), 0, k // 16, s), a_umma.outer), cute.crd2idx((m, k, s), a_cp.outer))
+        seen["offsets"] = [(cute.crd2idx(((m, k % 16), 0, k // 16, s), a_umma.outer),
+                            cute.crd2idx((m, k, s), a_cp.outer))
                            for m in (0, 1, 7, 8, 63, 64, 127) for k in (0, 1, 15, 16, 40, 63) for s in (0, 2)]
+        for n in (32, 96, 192, 256):  # the DSL-free TMEM rule against the DSL's own count
+            mma_n = obj._make_umma() if n == 128 else _umma(n)
+            two = mma_n.make_fragment_C(cute.append(mma_n.partition_shape_C((128, n)), 2))
+            seen[("tmem", n)] = get_num_tmem_alloc_cols(two)
 
     cute.compile(trace, options="--gpu-arch sm_100a")
     for tid in (0, 5, 37, 127):
         assert seen[tid] == [(tid, 32 * c + i) for c in (0, 3) for i in (0, 1, 15, 16, 31)]
     assert seen["swizzle"][0] == seen["swizzle"][1]
     assert all(u == v for u, v in seen["offsets"]), seen["offsets"]
+    for n in (32, 96, 192, 256):
+        assert seen[("tmem", n)] == limits.umma_tmem_columns(n), n
+
+
+def _umma(tile_n):
+    import cutlass.utils.blackwell_helpers as sm100_utils
+    from cutlass import BFloat16, Float32
+    from cutlass.cute.nvgpu import OperandMajorMode, tcgen05
+
+    k = OperandMajorMode.K
+    return sm100_utils.make_trivial_tiled_mma(BFloat16, BFloat16, k, k, Float32, tcgen05.CtaGroup.ONE, (128, tile_n))
 
 
 @pytest.mark.parametrize("kwargs, words", [
