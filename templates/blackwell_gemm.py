@@ -47,8 +47,9 @@ output of training (``save_preact``).
 Constraints (the rules are moe_aot/gemm_limits.py's ``check_umma``):
   * sm_100a only; bf16 in, fp32 accumulate, bf16 out; tile_m 128 (one 1-CTA UMMA M);
     tile_n a multiple of 32 in 32..256 (GEMM1: of 2 * interleave as well); tile_k 64 (one
-    128-byte swizzle atom); 3 <= stages; shared memory stages * (128 + tile_n) * 128 B + 1 KB +
-    barriers; ``ACC_STAGES * tile_n`` TMEM columns (rounded up to a power of two, at most 512).
+    128-byte swizzle atom); 3 <= stages <= 8; shared memory stages * (128 + tile_n) * 128 B + 1 KB
+    (the mbarriers live in that first KB); ``ACC_STAGES * tile_n`` TMEM columns (rounded up to
+    a power of two, at most 512).
   * grid min(tiles, ctas) persistent CTAs of 192 threads (GEMM2) or 320 (GEMM1).
   * pdl=True: every thread waits for the previous grid before its first read.
 """

@@ -228,3 +228,53 @@ def test_umma_rules_and_registry():
         BlackwellGluGemm(**QWEN3_30B, tile_m=128, mma="umma", save_preact=True)
     with pytest.raises(ValueError, match="umma"):
         BlackwellGluGemm(**QWEN3_30B, tile_m=128, mma="hopws")
+
+
+LAUNCH = r"""
+import ctypes, json, sys
+standin = ctypes.CDLL(sys.argv[1], mode=ctypes.RTLD_GLOBAL)
+standin.standin_log.restype = ctypes.c_char_p
+import torch
+from moe_aot.runtime.library import KernelLibrary
+lib = KernelLibrary.from_dir(sys.argv[2], device=0)
+dt = {"Int32": torch.int32, "Float32": torch.float32, "BFloat16": torch.bfloat16}
+ts = [torch.zeros([s if s is not None else 256 for s in a["static_shape"]], dtype=dt[a["dtype"]])
+      for a in lib._tensor_args]
+standin.standin_reset()
+lib(*ts, stream=0x5151, check=False)
+print(json.dumps(standin.standin_log().decode()))
+"""
+
+
+@pytest.mark.parametrize("role, tile_n, stages", [("glu", 256, 4), ("down", 128, 6)])
+def test_launcher_asks_for_the_budgeted_shared_memory(role, tile_n, stages, tmp_path):
+    """The kernel's own host launcher (which encodes the TMA descriptors itself), run against the
+    stand-in driver of tests/cuda_standin.py (no GPU): one launch of 320 (GEMM1) or 192 (GEMM2)
+    threads on min(tiles, 148) CTAs, asking for exactly the shared memory that
+    gemm_limits.umma_smem_bytes budgets."""
+    import json
+    import sys
+
+    import cuda_standin
+    from moe_aot_templates.blackwell_gemm import BlackwellDownGemm, BlackwellGluGemm
+
+    from moe_aot.kernel_build import compile_kernel
+
+    cls = BlackwellGluGemm if role == "glu" else BlackwellDownGemm
+    obj = cls(**QWEN3_30B, tile_m=128, tile_n=tile_n, tile_k=64, stages=stages, mma="umma")
+    compile_kernel(obj, "sm_100a", f"k_{role}").write_dir(tmp_path / "lib")
+    (tmp_path / "standin").mkdir()
+    standin = cuda_standin.build(tmp_path / "standin")
+    res = subprocess.run([sys.executable, "-c", LAUNCH, str(standin), str(tmp_path / "lib")],
+                         capture_output=True, text=True, timeout=120, cwd=Path(__file__).resolve().parents[1])
+    assert res.returncode == 0, res.stderr
+    launches = [ln for ln in json.loads(res.stdout).splitlines() if ln.startswith("cuLaunchKernelEx")]
+    assert len(launches) == 1, launches
+    smem = int(re.search(r" smem=(\d+) ", launches[0])[1])
+    grid = int(re.search(r" grid=(\d+),", launches[0])[1])
+    threads = int(re.search(r" block=(\d+),", launches[0])[1])
+    budget = limits.umma_smem_bytes(128, tile_n, 64, stages)
+    assert smem == budget, (smem, budget)
+    assert budget <= limits.SMEM_CAPACITY["sm_100a"]
+    assert threads == (320 if role == "glu" else 192)
+    assert grid == min(256 * obj.n // tile_n, 148)  # 256 M tiles in the stand-in's tile_expert
