@@ -85,8 +85,6 @@ _BAR_TMEM_ALLOC, _BAR_EPI = 1, 2
 class _Blackwell:
     """The persistent tcgen05 loop shared by both GEMMs (see the module docstring)."""
 
-    warp_specialized = False  # not one of grouped_gemm's warp-specialized families (hopws)
-
     def __init__(self, *args, mma: str = MMAS[0], ctas: int = B200_SMS, **kwargs):
         if mma not in MMAS:
             raise ValueError(f"{type(self).__name__} implements mma in {MMAS}, not {mma!r}")
