@@ -30,11 +30,14 @@ def _cuobjdump():
     """cuobjdump of the CUDA wheels the DSL installs (nvidia/cu*/bin), else from PATH."""
     import shutil
 
-    import nvidia
+    try:
+        import nvidia
 
-    for base in nvidia.__path__:
-        for path in sorted(Path(base).glob("cu*/bin/cuobjdump")):
-            return str(path)
+        for base in nvidia.__path__:
+            for path in sorted(Path(base).glob("cu*/bin/cuobjdump")):
+                return str(path)
+    except ImportError:
+        pass
     return shutil.which("cuobjdump")
 
 
