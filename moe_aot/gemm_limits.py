@@ -1,6 +1,6 @@
 """What a grouped-GEMM kernel can be built with: the one copy of the templates' validity rules.
 
-The templates (templates/grouped_gemm.py, templates/hopper_gemm.py) refuse their constructor
+The templates (templates/grouped_gemm.py, hopper_gemm.py, blackwell_gemm.py, ...) refuse their constructor
 arguments with these functions, and variants.py prunes the tuner's space and explains refusals
 with the same ones, so a rule lives here once. Pure Python: the runtime imports it through
 variants.py, so it must not import cutlass or the templates. Its source is part of the
