@@ -36,10 +36,14 @@ TUNED = ROOT / "cache" / "tuned" / "NVIDIA_H200.jsonl"
 # joined the space (8 trials per study, the committed picks as seeds, a confirmation round each).
 # 2026-12-02u: bf16 Qwen3-235B and Mixtral at 16 and 64 tokens with 16-row 32x128 mma.sync tiles
 # tried beside the committed picks (`tune --try`), a confirmation round each.
+# 2026-12-02v: fp8 and fp8-block128 at 1024, 4096 and 16384 tokens (Mixtral also 256) after the fp8
+# default there became 128x256 tiles promoted in column parts (4 trials per study: the default, the
+# committed pick and both PDL twins; a confirmation round each).
 SESSIONS = ("tuning_2026-12-01", "tuning_2026-12-01b", "tuning_2026-12-01c", "tuning_2026-12-01e",
             "tuning_2026-12-01f", "tuning_2026-12-01g", "tuning_2026-12-01h", "tuning_2026-12-01i",
-            "tuning_2026-12-01j", "tuning_2026-12-01l", "tuning_2026-12-02t", "tuning_2026-12-02u")
-FP8_BUCKETS = (1, 16, 64, 256, 4096)
+            "tuning_2026-12-01j", "tuning_2026-12-01l", "tuning_2026-12-02t", "tuning_2026-12-02u",
+            "tuning_2026-12-02v")
+FP8_BUCKETS = (1, 16, 64, 256, 1024, 4096, 16384)
 RECORD_FILES = [ROOT / "tools" / "results" / d / "all_records.json" for d in SESSIONS]
 
 
@@ -112,7 +116,7 @@ def test_committed_picks_are_derived_from_the_records_and_never_slower_than_the_
             assert len(pick_us) >= 3 and round(pick_us[0], 3) <= r["median_us"] <= round(pick_us[-1], 3), r
             assert r["median_us"] <= r["default_us"] <= max(default_us), r
     assert len(rows) == 35 + 7 + 4 * 2 * len(FP8_BUCKETS)
-    assert confirmed == len(rows) - 1  # every bucket had a round but one fp8 bucket at 4096 tokens
+    assert confirmed == len(rows)  # every bucket had a confirmation round
 
 
 def test_committed_picks_are_valid_variants():
