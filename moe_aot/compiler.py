@@ -14,7 +14,7 @@ from multiprocessing import get_context
 from pathlib import Path
 from typing import Callable, Iterable
 
-from .gemm_limits import BLOCKSCALED, W4, WARP_SPECIALIZED
+from .gemm_limits import BLOCKSCALED, UMMA, W4, WARP_SPECIALIZED
 from .hosts import HOSTS, host_for
 from .kernel_build import Artifact, HostToolchainError, KernelCompileError, compile_kernel, host_toolchain  # noqa: F401
 from .spec import LayerSpec
@@ -57,7 +57,8 @@ def toolchain_key(target: str) -> str:
 # The template registry: (role, family) -> (module under moe_aot_templates, class). A GEMM's
 # family is its precision's where that has templates of its own (fp8: "fp8" on the Hopper core,
 # "fp8_warp" on mma.sync; mxfp4-w: "w4"; mxfp8 / nvfp4: "blockscaled"), else its MMA's mainloop
-# family: one template module per family, all taking the same constructor arguments per role.
+# family ("grouped": mma.sync / wgmma, "hopper": hopws / hoppp, "umma": tcgen05 on sm_100a): one
+# template module per family, all taking the same constructor arguments per role.
 TEMPLATES = {
     ("routing", None): ("routing", "MoeRouting"),
     ("combine", None): ("routing", "MoeCombine"),
@@ -78,6 +79,8 @@ TEMPLATES = {
     ("down", "w4"): ("grouped_w4", "GroupedDownGemmW4"),
     ("glu", "blockscaled"): ("blockscaled_warp", "BlockScaledGluGemm"),
     ("down", "blockscaled"): ("blockscaled_warp", "BlockScaledDownGemm"),
+    ("glu", "umma"): ("blackwell_gemm", "BlackwellGluGemm"),
+    ("down", "umma"): ("blackwell_gemm", "BlackwellDownGemm"),
 }
 
 
@@ -92,6 +95,8 @@ def template_family(kv: KernelVariant) -> str | None:
         return "blockscaled"
     if precision != "bf16":
         return "fp8" if kw.get("mma") in WARP_SPECIALIZED else "fp8_warp"
+    if kw.get("mma") in UMMA:
+        return "umma"
     return "hopper" if kw.get("mma") in WARP_SPECIALIZED else "grouped"
 
 

@@ -1,6 +1,6 @@
 """What a grouped-GEMM kernel can be built with: the one copy of the templates' validity rules.
 
-The templates (templates/grouped_gemm.py, templates/hopper_gemm.py) refuse their constructor
+The templates (templates/grouped_gemm.py, hopper_gemm.py, blackwell_gemm.py, ...) refuse their constructor
 arguments with these functions, and variants.py prunes the tuner's space and explains refusals
 with the same ones, so a rule lives here once. Pure Python: the runtime imports it through
 variants.py, so it must not import cutlass or the templates. Its source is part of the
@@ -11,7 +11,7 @@ from __future__ import annotations
 # Opt-in shared memory per block, by target (bytes)
 SMEM_CAPACITY = {"sm_80": 163 * 1024, "sm_90a": 227 * 1024, "sm_100a": 227 * 1024,
                  "sm_121a": 99 * 1024}
-MMAS = ("warp", "wgmma", "hopws", "hoppp")
+MMAS = ("warp", "wgmma", "hopws", "hoppp", "umma")
 WGMMA = ("wgmma", "hopws", "hoppp")  # sm_90a only
 # persistent warp-specialized CTAs walking the tiles, epilogue from registers
 # (templates/hopper_gemm.py): "hopws" two consumer warpgroups on one tile (cooperative),
@@ -74,6 +74,61 @@ def promote_parts(mma, tile_m, tile_n) -> int:
 FP8_MMAS = ("hopws", "warp")
 
 
+# tcgen05 (templates/blackwell_gemm.py, mma "umma", sm_100a only; compiled, never run: no
+# Blackwell GPU was available): persistent warp-specialized CTAs, TMA for the weights (and GEMM2's
+# A), GEMM1's gathered A rows by cp.async from four loader warps, 1-CTA tcgen05.mma (M 128) into
+# UMMA_ACC_STAGES TMEM accumulators, epilogue warps reading TMEM. bf16 only for now.
+UMMA = ("umma",)
+UMMA_TARGETS = ("sm_100a",)
+UMMA_TILE_M = (128,)  # one 1-CTA MMA's M: the TMEM lane of each row is its epilogue thread
+UMMA_TILE_K = 64  # one 128-byte swizzle atom of bf16 per k-tile
+UMMA_MIN_STAGES = 3
+UMMA_ACC_STAGES = 2  # TMEM accumulators: a tile's epilogue beside the next tile's MMAs
+TMEM_COLUMNS = 512  # 32-bit columns of an SM's tensor memory (128 lanes each)
+UMMA_EPI_MAX_COLS = 128  # columns of one tcgen05.ld.32x32b (x128): GEMM1 loads 2 * interleave at once
+UMMA_PRECISIONS = ("bf16",)
+
+
+def umma_tmem_columns(tile_n) -> int:
+    """TMEM columns a umma CTA allocates: UMMA_ACC_STAGES fp32 accumulators of tile_n columns,
+    rounded up to a power of two of at least 32 (tcgen05.alloc's rule)."""
+    cols = 32
+    while cols < UMMA_ACC_STAGES * tile_n:
+        cols *= 2
+    return cols
+
+
+def umma_smem_bytes(tile_m, tile_n, tile_k, stages) -> int:
+    """Dynamic shared memory of a umma CTA: the A/B stages (bf16, 1024-byte aligned for the
+    swizzle) after the first KB, which holds the mbarriers (a full and an empty one per stage
+    and per TMEM accumulator: at most 160 B) and the TMEM address slot. Exactly what the
+    kernel's launcher asks for (tests/test_blackwell_gemm.py)."""
+    return stages * (tile_m + tile_n) * tile_k * 2 + 1024
+
+
+def check_umma(n, k, tile_m, tile_n, tile_k, stages, precision="bf16") -> tuple[bool, str]:
+    """(ok, reason) of the tcgen05 tile rules for an [N, K] weight matrix (target rules: check_gemm)."""
+    if precision not in UMMA_PRECISIONS:
+        return False, f"umma: built for {', '.join(UMMA_PRECISIONS)} only, not {precision}"
+    if tile_m not in UMMA_TILE_M:
+        return False, (f"umma: tile_m {tile_m} must be one of {UMMA_TILE_M} "
+                       f"(one 1-CTA tcgen05.mma M, a TMEM lane per row)")
+    if tile_n % 32 or not 32 <= tile_n <= 256:
+        return False, f"umma: tile_n {tile_n} must be a multiple of 32 in 32..256"
+    if tile_k != UMMA_TILE_K:
+        return False, f"umma: tile_k {tile_k} must be {UMMA_TILE_K} (one 128-byte swizzle atom)"
+    if not UMMA_MIN_STAGES <= stages <= 8:
+        return False, f"umma: stages {stages} must be in {UMMA_MIN_STAGES}..8"
+    if k % tile_k:
+        return False, f"K={k} not divisible by tile_k={tile_k}"
+    if n % tile_n:
+        return False, f"N={n} not divisible by tile_n={tile_n}"
+    if umma_tmem_columns(tile_n) > TMEM_COLUMNS:
+        return False, (f"umma: {UMMA_ACC_STAGES} accumulators of tile_n {tile_n} need {umma_tmem_columns(tile_n)} "
+                       f"TMEM columns, an SM has {TMEM_COLUMNS}")
+    return True, ""
+
+
 def default_warps(tile_m, tile_n, warps_m=None, warps_n=None, mma="warp") -> tuple[int, int]:
     """Warp grid of the accumulator-holding warps. mma.sync: 2 warps along M (1 for tile_m 16);
     4 warps for tiles smaller than 128x128, 8 from there (a 128x128 tile on 4 warps spills on
@@ -99,6 +154,8 @@ def smem_bytes(tile_m, tile_n, tile_k, stages, mma="warp", precision="bf16") -> 
     full and an empty mbarrier per stage, and the two-slot tile schedule: 4 mbarriers, 2 tile
     indices, and per slot each row's pair and routing weight, 64 + 16 * tile_m bytes with
     alignment) + the allocator's alignment slack."""
+    if mma in UMMA:
+        return umma_smem_bytes(tile_m, tile_n, tile_k, stages)
     ab = stages * (tile_m + tile_n) * tile_k * ELEM_BYTES[precision]
     if precision in W4:
         ab = w4_pipeline_bytes(tile_m, tile_n, tile_k, stages)
@@ -114,7 +171,9 @@ def check_tiles(n, k, tile_m, tile_n, tile_k, stages, mma, warps_m, warps_n,
         return False, f"precision {precision!r} must be one of {tuple(ELEM_BYTES)}"
     if mma not in MMAS:
         return False, (f"mma {mma!r} must be 'warp' (mma.sync), 'wgmma', 'hopws' or 'hoppp' "
-                       f"(the last three sm_90a only)")
+                       f"(those three sm_90a only) or 'umma' (tcgen05, sm_100a only)")
+    if mma in UMMA:
+        return check_umma(n, k, tile_m, tile_n, tile_k, stages, precision)
     threads = warps_m * warps_n * 32
     acc_threads = 128 if mma in PINGPONG else threads  # threads sharing one tile's accumulators
     if mma in WGMMA:
@@ -203,6 +262,8 @@ def check_gemm(n, k, tile_m, tile_n, tile_k, stages, mma, warps_m=None, warps_n=
         return ok, reason
     if mma in WGMMA and arch != "sm_90a":
         return False, f"{mma}: wgmma exists only on sm_90a, not {arch}"
+    if mma in UMMA and arch not in UMMA_TARGETS:
+        return False, f"{mma}: tcgen05 is built for {', '.join(UMMA_TARGETS)} only, not {arch}"
     cap = SMEM_CAPACITY.get(arch)
     if cap is None:
         return False, f"arch {arch} not supported (one of {sorted(SMEM_CAPACITY)})"

@@ -67,7 +67,9 @@ DEVICES = {
 # latency and fixed cost were fitted to the tuner's 679 H200 measurements by coordinate descent on
 # a grid (least regret of the model's pick per bucket): tools/perfmodel_check.py reports the fit,
 # and a leave-one-layer-out check of it (fitted on five layers, scored on the sixth).
-MMA_EFFICIENCY = {"warp": 0.25, "wgmma": 0.45, "hopws": 0.55, "hoppp": 0.55}
+# "umma" (tcgen05, sm_100a): never measured (no Blackwell GPU was available); taken as the
+# persistent Hopper cores' until it is.
+MMA_EFFICIENCY = {"warp": 0.25, "wgmma": 0.45, "hopws": 0.55, "hoppp": 0.55, "umma": 0.55}
 REREAD = 0.5  # of an expert's weights read again per further M tile of that expert
 KTILE_S = 0.1e-6  # per k-tile of a CTA, the SM's share of its loop overhead (see gemm_seconds)
 NARROW_EXP = 0.25  # how a tile smaller than 64x128 loses MMA rate (its area ratio to this power)
@@ -95,7 +97,7 @@ def gemm_seconds(dev: Device, n: int, k: int, out_cols: int, tokens: int, top_k:
     dram = w_bytes * (1 + REREAD * (m_per_e - 1))
     dram += m_tiles * tile_m * out_cols * 2 + (m_tiles * tile_m * k * 2 if read_a else 0)
     flops = 2.0 * m_tiles * tile_m * n * k
-    persistent = tiles.mma in limits.PERSISTENT
+    persistent = tiles.mma in limits.PERSISTENT or tiles.mma in limits.UMMA
     wm, wn = limits.default_warps(tile_m, tiles.tile_n, mma=tiles.mma)
     threads = 32 * wm * wn + (limits.LOAD_THREADS if persistent or tiles.mma == "wgmma" else 0)
     if tiles.mma in limits.PINGPONG:

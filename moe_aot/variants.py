@@ -23,10 +23,12 @@ from .spec import BENCH_TOKENS, LayerSpec, value_class
 # included: gemm_limits.py, the templates' own rules). "hopws"
 # (sm_90a: templates/hopper_gemm.py, persistent warp-specialized CTAs on the DSL's TMA pipeline)
 # is the large-token default since its H200 checks of 2026-12-01 (tools/results/NOTES.md);
-# "hoppp" is its ping-pong form (two consumer warpgroups on alternate 64-row tiles).
+# "hoppp" is its ping-pong form (two consumer warpgroups on alternate 64-row tiles). "umma"
+# (sm_100a: templates/blackwell_gemm.py, persistent CTAs on tcgen05 with TMEM accumulators) is
+# compiled only: no Blackwell GPU was available to run or measure it.
 TARGET_LIMITS = {
     "sm_90a": {"mma": ("warp", "wgmma", "hopws", "hoppp"), "sms": 132, "clusters": (1, 2, 4, 8, 16)},
-    "sm_100a": {"mma": ("warp",), "sms": 148, "clusters": (1, 2, 4, 8, 16)},
+    "sm_100a": {"mma": ("warp", "umma"), "sms": 148, "clusters": (1, 2, 4, 8, 16)},
     "sm_121a": {"mma": ("warp",), "sms": 48, "clusters": (1,)},
 }
 INTERLEAVE = 16  # gate/up rows alternate in blocks of this many rows in the prepared w13
@@ -448,6 +450,10 @@ def _model_key(seconds: float, t: GemmTiles) -> tuple:
 
 
 FP8_DECODE_ROWS = 16  # routed rows per expert up to which fp8's default takes its decode tiles
+# routed rows per expert from which sm_100a's bf16 default takes the tcgen05 kernels (128-row
+# tiles; fewer rows would mostly multiply padding). A guess, not a measurement: no Blackwell GPU
+# was available; below it the mma.sync kernels, as on every target.
+UMMA_MIN_ROWS = 64
 
 
 def default_variant(spec: LayerSpec, tokens: int) -> LayerVariant:
@@ -456,7 +462,9 @@ def default_variant(spec: LayerSpec, tokens: int) -> LayerVariant:
     rows per expert (decode) stream weights best with 16-row tiles and deep pipelines; many rows
     per expert need wgmma 128-row tiles (the persistent TMA core "hopws" where the target has it,
     from 33 rows per expert: at 64 rows per expert it beat 64-row mma.sync tiles by 14-23% in the
-    kernel check of 2026-12-01, tools/results/NOTES.md); in between, 64-row mma.sync tiles."""
+    kernel check of 2026-12-01, tools/results/NOTES.md); in between, 64-row mma.sync tiles. On
+    sm_100a the tcgen05 kernels ("umma", 128-row tiles) from UMMA_MIN_ROWS rows per expert: compiled,
+    never measured (no Blackwell GPU was available)."""
     if spec.target in MODELED_DEFAULTS and PRECISION_MMAS[spec.precision] is None:
         return modeled_default(spec, tokens)
     cluster = 1 if tokens <= 256 else max(TARGET_LIMITS[spec.target]["clusters"])
@@ -501,6 +509,10 @@ def default_variant(spec: LayerSpec, tokens: int) -> LayerVariant:
     if rows_per_expert <= 2:
         prefs = [(16, GemmTiles(32, 64, 8, W), GemmTiles(32, 64, 8, W)),
                  (16, GemmTiles(64, 128, 2, W), GemmTiles(64, 128, 2, W))]
+    elif "umma" in TARGET_LIMITS[spec.target]["mma"] and rows_per_expert >= UMMA_MIN_ROWS:
+        # the widest weight tile N allows (fewer re-reads of the gathered rows), 4 stages fit
+        prefs = [(128, GemmTiles(n, 64, st, "umma"), GemmTiles(n2, 64, st, "umma")) for st in (4, 3)
+                 for n in (256, 192, 128, 64) for n2 in (256, 192, 128, 64)]
     elif rows_per_expert <= 32 or "hopws" not in TARGET_LIMITS[spec.target]["mma"]:
         prefs = [(64, GemmTiles(128, 64, 4, W), GemmTiles(128, 64, 4, W))]
     else:

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Check the grouped-GEMM templates on a GPU against a PyTorch fp32 reference, and time them.
 
-  --compile DIR         (CPU, needs the DSL) compile the variants below for sm_90a into DIR/<name>/
+  --compile DIR         (CPU, needs the DSL) compile the variants below for --arch (default sm_90a;
+                        those whose MMA family the arch has: variants.TARGET_LIMITS) into DIR/<name>/
   --run DIR --out OUT   (GPU, needs only torch + moe_aot.runtime) load each kernel library, run it
                         on fresh random inputs with NaN-poisoned outputs for every model shape and
                         token count, print rel err ||out-ref||/||ref|| and timings, write OUT/results.json
@@ -96,6 +97,11 @@ CONFIGS = [
     ("pp64sw", "hoppp", SWAPPED, "swiglu", 64, (256, 64, 5), (256, 64, 5), [4096]),
     ("hwbigsw", "hopws", ["qwen3_30b_a3b_sw", "mixtral_8x7b_sw"], "swiglu", 128, (256, 64, 4),
      (256, 64, 4), [16384]),
+    # sm_100a (--arch sm_100a): tcgen05 with TMEM accumulators (templates/blackwell_gemm.py), compiled
+    # only so far: no Blackwell GPU has run them
+    ("bw128", "umma", ALL, "swiglu", 128, (256, 64, 4), (256, 64, 4), [16, 256, 1024, 4096]),
+    ("bw128n128", "umma", ALL, "geglu", 128, (128, 64, 6), (128, 64, 6), [256, 4096]),
+    ("bwbig", "umma", ["qwen3_30b_a3b", "mixtral_8x7b"], "swiglu", 128, (256, 64, 4), (256, 64, 4), [16384]),
 ]
 
 
@@ -121,18 +127,23 @@ def variants(only=None):
 
 # ----------------------------------------------------------------------------- compile (CPU)
 def compile_all(out_dir: Path, arch: str, only=None) -> None:
+    from moe_aot_templates.blackwell_gemm import BlackwellDownGemm, BlackwellGluGemm
     from moe_aot_templates.grouped_gemm import GroupedDownGemm, GroupedGluGemm
     from moe_aot_templates.hopper_gemm import HopperDownGemm, HopperGluGemm
 
-    from moe_aot.gemm_limits import WARP_SPECIALIZED
+    from moe_aot.gemm_limits import UMMA, WARP_SPECIALIZED
     from moe_aot.kernel_build import compile_kernel
+    from moe_aot.variants import TARGET_LIMITS
 
     out_dir.mkdir(parents=True, exist_ok=True)
     manifest = []
     for v in variants(only):
         mma, _, opt = v["mma"].partition(":")  # "hopws:c2": cluster_m 2
-        hop = mma in WARP_SPECIALIZED
-        glu_cls, down_cls = (HopperGluGemm, HopperDownGemm) if hop else (GroupedGluGemm, GroupedDownGemm)
+        if mma not in TARGET_LIMITS[arch]["mma"]:
+            continue  # e.g. wgmma on sm_100a, umma on sm_90a
+        glu_cls, down_cls = ((HopperGluGemm, HopperDownGemm) if mma in WARP_SPECIALIZED
+                             else (BlackwellGluGemm, BlackwellDownGemm) if mma in UMMA
+                             else (GroupedGluGemm, GroupedDownGemm))
         extra = {{"c": "cluster_m"}[opt[0]]: int(opt[1:])} if opt else {}
         g = glu_cls(v["E"], v["H"], v["I"], v["k"], activation=v["act"],
                     interleave=INTERLEAVE, tile_m=v["tile_m"], tile_n=v["glu"][0],
