@@ -75,7 +75,7 @@ def spec_options(f):
         click.option("--precision", default=None,
                      help="bf16 (default); fp8 (per-tensor weights, per-token x) and fp8-block128 "
                           "(DeepSeek-V3-style 128x128 weight blocks); on sm_90a also mxfp4-w (weight-only "
-                          "MXFP4); mxfp8, nvfp4 are not yet supported."),
+                          "MXFP4); on sm_121a (and its stand-in) also mxfp8 and nvfp4 (block-scaled)."),
     ]
     for o in reversed(opts):
         f = o(f)

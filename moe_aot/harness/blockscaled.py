@@ -63,6 +63,15 @@ def down_rows(hq: blockscale.Quantized, w2: bw.BlockScaledWeight, sorted_ids, ti
 
 
 # -- the whole layer (MoeLayer.forward of an mxfp8 / nvfp4 layer) -----------------------------------
+# The DGX Spark layers checked through their sm_90a stand-in (target "sm_121a-standin") on an
+# H100/H200: (layer fields, precisions, token counts). tools/spark_standin.py --build compiles their
+# bucket defaults; tests/test_gpu_spark_standin.py and the tool's --run check them. The small
+# layer is tools/check_blockscaled.py's (1, 7, 64, 300 tokens: buckets 1, 16, 64, 256, both the
+# decode and the 64-row tiles); Qwen3-30B-A3B at decode sizes.
+STANDIN_CHECKS = (
+    (dict(experts=8, top_k=2, hidden=1024, intermediate=512), ("bf16", "fp8", "mxfp8", "nvfp4"), (1, 7, 64, 300)),
+    (dict(model="qwen3-30b-a3b"), ("bf16", "mxfp8", "nvfp4"), (1, 16, 64)),
+)
 POISON_BYTE = 0xAB  # written into the workspace's quantized x and h before a checked forward
 CALIBRATION_TOKENS = 64  # random tokens whose GLU outputs give nvfp4's h amax (random_weights)
 
