@@ -84,45 +84,13 @@ def build(folder: Path, jobs: int, trials: int, gpu: str) -> int:
     return 1 if failed else 0
 
 
-def _graph_check(layer, w13, w2, tokens: int) -> dict:
-    """The forward captured in a CUDA graph, replayed with new inputs written into the captured
-    buffers: equal to the eager forward on them (and nothing waits for the host)."""
-    import torch
-
-    from moe_aot.harness.verify import random_routing
-
-    spec, dev = layer.spec, layer.device
-    x = torch.randn(tokens, spec.hidden, device=dev, dtype=torch.bfloat16)
-    tw, ids = random_routing(tokens, spec, dev)
-    out = torch.empty(tokens, spec.hidden, device=dev, dtype=torch.bfloat16)
-    ws = layer.workspace(tokens)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        layer.forward(x, w13, w2, tw, ids, out=out, workspace=ws)
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        layer.forward(x, w13, w2, tw, ids, out=out, workspace=ws)
-    x2 = torch.randn_like(x)
-    tw2, ids2 = random_routing(tokens, spec, dev, skew=True)
-    for buf, new in ((x, x2), (tw, tw2), (ids, ids2)):
-        buf.copy_(new)
-    out.fill_(float("nan"))
-    g.replay()
-    torch.cuda.synchronize()
-    eager = layer.forward(x2, w13, w2, tw2, ids2)
-    torch.cuda.synchronize()
-    return {"stage": "cuda_graph", "tokens": tokens, "equal": bool(torch.equal(out, eager)),
-            "ok": bool(torch.equal(out, eager)) and not bool(torch.isnan(out).any())}
-
-
 def run(folder: Path, out: Path, replays: int) -> int:
     import torch
 
     from moe_aot import picks
     from moe_aot.database import Database
     from moe_aot.gemm_limits import BLOCKSCALED
+    from moe_aot.harness.blockscaled import graph_replay_check
     from moe_aot.harness.verify import check_stages, random_routing, random_weights
     from moe_aot.runtime.layer import MoeLayer
     from moe_aot.runtime.store import KernelStore
@@ -144,7 +112,7 @@ def run(folder: Path, out: Path, replays: int) -> int:
                     rows.append(r)
                     print(json.dumps(r), flush=True)
         if spec.precision in BLOCKSCALED:
-            r = _graph_check(layer, w13, w2, tokens[-1])
+            r = graph_replay_check(layer, w13, w2, tokens[-1])
             r.update(layer=spec.label(), precision=spec.precision, variant=layer.variant_for(tokens[-1]).name(spec))
             rows.append(r)
             print(json.dumps(r), flush=True)
