@@ -6,7 +6,9 @@ the reference's own: values [E, N, K] e4m3 bytes or [E, N, K/2] packed e2m1, sca
 bytes (row r's scale of K block b at r * K/vec + b), all uint8 and contiguous. w13's rows are
 gate/up interleaved in blocks of ``interleave`` rows (layout.interleave_gate_up) after quantizing
 gate and up: a row's bytes do not depend on the other rows, except through NVFP4's global amax,
-which is one per expert and matrix (w13: over gate and up together; w2), fp32 [E].
+which is one per expert and matrix (w13: over gate and up together; w2), fp32 [E]. An nvfp4
+weight also carries the calibrated amax of its GEMM's activation input (`input_amax`, fp32 [1]):
+w2's is h's, which GEMM1 needs before h exists (MoeLayer.forward refuses an nvfp4 w2 without it).
 """
 from __future__ import annotations
 

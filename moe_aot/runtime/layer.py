@@ -333,7 +333,9 @@ class MoeLayer:
         contribute nothing (documented, tested). Returns `out` (allocated if None). fp8 layers
         take w13 and w2 as (e4m3 weights, fp32 scales) pairs (prepare_fp8_weights); layers with
         expert biases (spec bias=True, gpt-oss) as (bf16 weights, bf16 biases) pairs: (w13, b13)
-        with b13 [E, 2I] interleaved as w13's rows (prepare_biases), and (w2, b2) with b2 [E, H]."""
+        with b13 [E, 2I] interleaved as w13's rows (prepare_biases), and (w2, b2) with b2 [E, H];
+        mxfp4-w layers as W4Weights (runtime/w4.py); mxfp8 / nvfp4 layers as BlockScaledWeights
+        (runtime/blockscaled.py; nvfp4's w2 with h's calibrated input_amax)."""
         if self.spec.precision in FP8:
             return self._forward_fp8(x, w13, w2, topk_weights, topk_ids, out, workspace)
         if self.spec.precision in W4:
