@@ -9,7 +9,7 @@ MOE_AOT_DB=sqlite:///DIR/standin.sqlite. Skipped without a GPU, on a GPU other t
 (the stand-ins are sm_90a builds), without a database, or for layers it does not hold."""
 from __future__ import annotations
 
-import shutil
+import sqlite3
 
 import pytest
 
@@ -121,7 +121,9 @@ def test_tune_measure_flow_on_the_standin(store, tmp_path):
     if path is None:
         pytest.skip("the flow test copies a SQLite database")
     copy = tmp_path / "standin.sqlite"
-    shutil.copyfile(path, copy)
+    src, dst = sqlite3.connect(path), sqlite3.connect(copy)
+    src.backup(dst)  # with what a write-ahead log holds
+    src.close(), dst.close()
     url = f"sqlite:///{copy}"
     measurer = GpuMeasurer(url, replays=10)
     try:

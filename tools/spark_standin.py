@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
+import sqlite3
 import sys
 import time
 from pathlib import Path
@@ -125,7 +125,10 @@ def run(folder: Path, out: Path, replays: int) -> int:
 
     # the tuning flow: measure what `tune --compile-only` left ready, on a copy (OUTDIR holds the records)
     db_copy = out / DB_NAME
-    shutil.copyfile(folder / DB_NAME, db_copy)
+    db_copy.unlink(missing_ok=True)
+    src, dst = sqlite3.connect(folder / DB_NAME), sqlite3.connect(db_copy)
+    src.backup(dst)  # with what a write-ahead log holds
+    src.close(), dst.close()
     url = f"sqlite:///{db_copy}"
     measured_ok = True
     try:
