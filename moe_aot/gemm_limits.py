@@ -93,6 +93,19 @@ H_SCALE_BLOCK = 64  # GEMM1's fp8 output: one scale per row per 64 columns
 FP8_MAX = 448.0  # largest finite e4m3 value
 # promoting consumers keep two more accumulators, the partial sums of two K blocks in flight
 MAX_PROMOTE_ACC = 64
+# ... or, for cooperative 128-row tiles wider than that allows (tile_n 256), one partial-sum
+# accumulator of PROMOTE_PART_N columns: the tile's columns are multiplied and promoted part by
+# part, the other consumer warpgroup's wgmmas running while one promotes (templates/hopper_fp8.py)
+PROMOTE_PART_N = 128
+
+
+def promote_parts(mma, tile_m, tile_n) -> int:
+    """How many column parts a promoting wgmma GEMM multiplies its tile in: 1 (two partial sums
+    of the whole tile, pipelined), or tile_n / PROMOTE_PART_N for cooperative 128-row tiles
+    wider than PROMOTE_PART_N (one partial sum of one part at a time)."""
+    if mma == "hopws" and tile_m == 128 and tile_n > PROMOTE_PART_N:
+        return tile_n // PROMOTE_PART_N
+    return 1
 # the cores fp8 is built on: the cooperative one (the ping-pong one crashed in its first GPU
 # check at 1 token, under timing only, memcheck clean: tools/results/NOTES.md, 2026-12-01) and
 # mma.sync's e4m3 m16n8k32 (sm_89+)
@@ -274,13 +287,17 @@ def check_fp8(role, precision, n, k, tile_m, tile_n, mma, cluster_m=1) -> tuple[
                        f"(whole {H_SCALE_BLOCK}-column scale blocks of its output)")
     if mma not in FP8_MMAS:
         return False, f"{precision} runs on mma in {FP8_MMAS}, not {mma!r}"
-    if promotes(role, precision) and mma in WGMMA:
+    if promotes(role, precision) and mma in WGMMA and promote_parts(mma, tile_m, tile_n) > 1:
+        if tile_n % PROMOTE_PART_N:
+            return False, (f"{precision} {role}: a {tile_m}x{tile_n} tile is promoted in parts of "
+                           f"{PROMOTE_PART_N} columns; tile_n must be a multiple of {PROMOTE_PART_N}")
+    elif promotes(role, precision) and mma in WGMMA:
         acc_threads = 128 if mma in PINGPONG else max(tile_m // 64, 1) * 128  # tile_m: check_tiles' rule
         if tile_m * tile_n // acc_threads > MAX_PROMOTE_ACC:
             return False, (f"{precision} {role}: a {tile_m}x{tile_n} tile needs "
                            f"{3 * tile_m * tile_n // acc_threads} accumulator registers per thread with "
                            f"its two partial sums (max {3 * MAX_PROMOTE_ACC}): tile_n <= 128 at "
-                           f"64 rows per warpgroup")
+                           f"64 rows per warpgroup (wider: hopws 128-row tiles, promoted in parts)")
     if promotes(role, precision) and mma == "warp":
         wm, wn = default_warps(tile_m, tile_n, mma=mma)
         acc = tile_m * tile_n // (wm * wn * 32)

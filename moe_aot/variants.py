@@ -476,12 +476,22 @@ def default_variant(spec: LayerSpec, tokens: int) -> LayerVariant:
         # to FP8_DECODE_ROWS routed rows per expert (as fast as or 1.0-1.4x faster than 128-row ones
         # at 1-256 tokens, and than 16-row mma.sync ones at 1-16: tools/check_fp8_kernels.py on the
         # H200, 2026-12-02), 128-row above; 6 stages were faster than 4 at 1-1024 tokens
-        # (2026-12-01). Targets without wgmma: the mma.sync kernels (templates/warp_fp8.py), 16-row
-        # tiles for decode, 64-row above. Fewer stages where K has too few k-tiles for 6 (a stage
-        # more than the k-tiles is never filled) or shared memory too little (DGX Spark).
+        # (2026-12-01). Above FP8_DECODE_ROWS, 128x256 tiles promoted in two 128-column parts
+        # first (4 stages: what shared memory holds), GEMM2 too where its weight blocks allow
+        # (fp8-block128's GEMM2 tiles divide 128): 1.13-1.34x GEMM1 and 1.1-1.2x GEMM2 over
+        # 128x128 at 4096-16384 tokens on the H200, 1.0-1.1x at 256 (tools/check_fp8_kernels.py
+        # --only f8c,f8n256,f8n256b, 2026-12-02). Targets without wgmma: the mma.sync kernels
+        # (templates/warp_fp8.py), 16-row tiles for decode, 64-row above. Fewer stages where K has
+        # too few k-tiles for 6 (a stage more than the k-tiles is never filled) or shared memory
+        # too little (DGX Spark).
         why = ""
         decode = rows_per_expert <= FP8_DECODE_ROWS
         hopper = P in TARGET_LIMITS[spec.target]["mma"]
+        if hopper and not decode:
+            for d in (GemmTiles(256, 128, 4, P), GemmTiles(128, 128, 6, P)):
+                v = LayerVariant(128, GemmTiles(256, 128, 4, P), d, cluster)
+                if can_implement(spec, v)[0]:
+                    return v
         for stages in (6, 5, 4, 3):
             if hopper:
                 m, g, d = 64 if decode else 128, GemmTiles(128, 128, stages, P), GemmTiles(128, 128, stages, P)

@@ -34,7 +34,9 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import BFloat16, Float8E4M3FN, Float32, Int32, const_expr
+from cutlass.tensor_utils import LayoutEnum
 
 from moe_aot import gemm_limits as limits
 
@@ -112,6 +114,10 @@ class _Fp8Consumer:
         self.kblock = SB if self.glu else HB
         self.kblocks = self.tile_k // self.kblock  # promotions per k-tile
         self.ka_per_block = self.kblock // 32  # wgmma k32 instructions per promotion
+        # column parts of the tile multiplied and promoted one at a time (1: the whole tile, two
+        # partial sums pipelined; gemm_limits.promote_parts)
+        self.parts = limits.promote_parts(self.mma, self.tile_m, self.tile_n) if self.mma != "warp" else 1
+        self.part_n = self.tile_n // self.parts
 
     @cute.jit
     def _consume_ws(self, ctid, pipe, sched, tiled_mma, sA, sB, epi, num_m_tiles):
@@ -128,7 +134,17 @@ class _Fp8Consumer:
         acc_shape = tiled_mma.get_slice(ctid).partition_C(
             cute.make_identity_tensor((self.tile_m, self.tile_n))).shape
         acc = tiled_mma.make_fragment_C(acc_shape)
-        part = tiled_mma.make_fragment_C(acc_shape)  # one K block's partial sums (promoting GEMMs)
+        part_mma = tiled_mma
+        if const_expr(self.parts > 1):
+            # the wgmmas of one column part: B's rows [j * part_n, (j + 1) * part_n) of a stage
+            # are part j of this MMA's N mode over the stage
+            part_mma = self._make_part_mma()
+            thr_part = part_mma.get_slice(warp_group * 128)
+            tCrA = part_mma.make_fragment_A(thr_part.partition_A(sA))
+            tCrB = part_mma.make_fragment_B(thr_part.partition_B(sB))
+        # one K block's partial sums (of the whole tile, or of one column part)
+        part = part_mma.make_fragment_C(part_mma.get_slice(ctid).partition_C(
+            cute.make_identity_tensor((self.tile_m, self.part_n))).shape)
         tCcC = self._acc_coords(ctid, tiled_mma)
         pairs = cute.make_rmem_tensor(cute.make_layout(self.acc_rows), Int32)
         scales = cute.make_rmem_tensor(cute.make_layout(self.acc_rows), Float32)
@@ -153,8 +169,12 @@ class _Fp8Consumer:
                 sstate.advance()
             acc.fill(0.0)
             tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
-            read = self._mainloop_promote(pipe, read, tiled_mma, tCrA, tCrB, acc, part, tCcC, pairs,
-                                          epi, expert, bt, bn, k_tiles)
+            if const_expr(self.parts > 1):
+                read = self._mainloop_parts(pipe, read, part_mma, tCrA, tCrB, acc, part, tCcC, pairs,
+                                            epi, expert, bt, bn, k_tiles)
+            else:
+                read = self._mainloop_promote(pipe, read, tiled_mma, tCrA, tCrB, acc, part, tCcC, pairs,
+                                              epi, expert, bt, bn, k_tiles)
             if const_expr(self.pingpong):  # the other warpgroup's tile comes next in the ring
                 read.advance(k_tiles)
             self._epilogue_fp8(ctid, tiled_mma, acc, tCcC, pairs, scales, epi, expert, bt * self.tile_m, bn)
@@ -213,6 +233,48 @@ class _Fp8Consumer:
             rel.advance()
         return read
 
+    def _make_part_mma(self):
+        """The cooperative wgmma of one column part: 64 rows per consumer warpgroup, part_n wide."""
+        k_major = LayoutEnum.ROW_MAJOR.sm90_mma_major_mode()
+        return sm90_utils.make_trivial_tiled_mma(
+            self.ab_dtype, self.ab_dtype, k_major, k_major, Float32, (self.tile_m // 64, 1, 1),
+            tiler_mn=(64, self.part_n))
+
+    @cute.jit
+    def _mainloop_parts(self, pipe, read, part_mma, tCrA, tCrB, acc, part, tCcC, pairs, epi,
+                        expert, bt, bn, k_tiles):
+        """_mainloop_promote for tiles promoted in column parts: per K block and part j, the
+        part's wgmmas into ``part``, waited for, then added into acc's columns of part j times
+        the block's scales. A warpgroup never overlaps its own wgmmas with its promotion (one
+        partial-sum accumulator of a part is what the registers allow beside a 64x256 acc);
+        the other consumer warpgroup's wgmmas fill the tensor cores meanwhile. Returns the ring
+        state past the tile's k-tiles."""
+        sa = cute.make_rmem_tensor(cute.make_layout(self.acc_rows), Float32)
+        sb = cute.make_rmem_tensor(cute.make_layout(2), Float32)
+        row0 = bt * self.tile_m
+        for kt in range(k_tiles):
+            pipe.consumer_wait(read)
+            if const_expr(self.glu):
+                cute.arch.fence_proxy("async.shared", space="cta")  # A by cp.async
+            stage = read.index
+            for sub in cutlass.range_constexpr(self.kblocks):
+                self._load_kscales(sa, sb, tCcC, pairs, epi, expert, row0, bn, kt, sub)
+                for j in cutlass.range_constexpr(self.parts):
+                    cute.nvgpu.warpgroup.fence()
+                    for kb in cutlass.range_constexpr(self.ka_per_block):
+                        k = sub * self.ka_per_block + kb
+                        # the part's first wgmma overwrites it (no zero fill: a fill of the
+                        # registers the last part's promotion reads made ptxas keep both live)
+                        part_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, kb > 0)
+                        cute.gemm(part_mma, part, tCrA[None, None, k, stage],
+                                  cute.append_ones(tCrB[None, j, k, stage], up_to_rank=2), part)
+                    cute.nvgpu.warpgroup.commit_group()
+                    cute.nvgpu.warpgroup.wait_group(0)
+                    self._promote(acc, part, sa, sb, j * cute.size(part))
+            pipe.consumer_release(read)
+            read.advance()
+        return read
+
     @cute.jit
     def _issue(self, pipe, read, stage, tiled_mma, part, tCrA, tCrB, sub: cutlass.Constexpr):
         """Zero ``part`` and issue K block ``sub`` of the current k-tile into it as one wgmma
@@ -235,15 +297,19 @@ class _Fp8Consumer:
         return stage, read
 
     @cute.jit
-    def _promote(self, acc, part, sa, sb):
-        """acc += part * a_scale(row) * b_scale(column class)."""
+    def _promote(self, acc, part, sa, sb, base: cutlass.Constexpr = 0):
+        """acc[base + i] += part[i] * a_scale(row) * b_scale(column class): ``part`` holds the
+        whole tile (base 0) or one column part, whose elements are acc's from ``base`` on (the
+        wgmma fragment orders elements by n8 block, so part j of a 64-row warpgroup's
+        accumulators is the contiguous run of j * size(part))."""
         mult = cute.make_rmem_tensor(cute.make_layout((self.acc_rows, 2)), Float32)
         for hrow in cutlass.range_constexpr(self.acc_rows):
             mult[hrow, 0] = sa[hrow] * sb[0]
             mult[hrow, 1] = sa[hrow] * sb[1]
-        for i in cutlass.range_constexpr(cute.size(acc)):
-            hrow = (i // 2) % 2 + 2 * (i // (self.tile_n // 2))
-            acc[i] = acc[i] + part[i] * mult[hrow, self._col_class(i)]
+        for i in cutlass.range_constexpr(cute.size(part)):
+            f = base + i
+            hrow = (f // 2) % 2 + 2 * (f // (self.tile_n // 2))
+            acc[f] = acc[f] + part[i] * mult[hrow, self._col_class(f)]
 
     def _col_class(self, i: int) -> int:
         """GEMM1: 0 where accumulator element i is a gate column, 1 where it is an up column

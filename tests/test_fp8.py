@@ -4,6 +4,7 @@ checked on the GPU: tests/test_gpu_fp8.py, tools/check_fp8_kernels.py)."""
 from __future__ import annotations
 
 import re
+import subprocess
 
 import pytest
 
@@ -17,6 +18,7 @@ from moe_aot.layout import interleave_gate_up, split_gate_up  # noqa: E402
 from moe_aot.runtime import fp8  # noqa: E402
 from moe_aot.runtime.layer import prepare_fp8_weights  # noqa: E402
 from moe_aot.spec import SpecError, make_spec  # noqa: E402
+from test_gemm_templates import _cuobjdump  # noqa: E402
 
 
 def _e4m3_half_step(v):
@@ -119,12 +121,15 @@ def test_fp8_variants_and_their_refusals(precision):
     space = V.candidate_space(spec)
     assert space and all(t.mma in ("hopws", "warp") and t.tile_k == 128 and t.cluster == 1
                          for var in space for t in (var.glu, var.down))
-    assert {var.glu.tile_n for var in space if var.glu.mma == "hopws"} == {128}
+    # 256 columns only in cooperative 128-row tiles (promoted in two 128-column parts)
+    assert {var.glu.tile_n for var in space if var.glu.mma == "hopws"} == {128, 256}
+    assert {var.tile_m for var in space for t in (var.glu, var.down) if t.mma == "hopws" and t.tile_n > 128} == {128}
     assert {var.glu.tile_n for var in space if var.glu.mma == "warp"} == {128, 256}
     assert {var.tile_m for var in space if var.glu.mma == "warp"} == set(V.TILE_M)
     G = V.GemmTiles
     for tm, glu, down, why in (
-            (128, G(256, 128, 4, "hopws"), G(128, 128, 6, "hopws"), "accumulator registers"),
+            (64, G(256, 128, 4, "hopws"), G(128, 128, 6, "hopws"), "accumulator registers"),
+            (128, G(192, 128, 4, "hopws"), G(128, 128, 6, "hopws"), "multiple of 128"),
             (128, G(128, 64, 6, "hopws"), G(128, 128, 6, "hopws"), "tile_k 64 must be 128"),
             (64, G(128, 128, 8, "hoppp"), G(128, 128, 6, "hoppp"), "runs on mma in"),
             (128, G(128, 128, 6, "hopws", 2), G(128, 128, 6, "hopws"), "clusters"),
@@ -138,7 +143,7 @@ def test_fp8_variants_and_their_refusals(precision):
         assert not ok and "must divide 128" in reason, reason
 
 
-@pytest.mark.parametrize("mma", ["hopws", "warp"])
+@pytest.mark.parametrize("mma", ["hopws", "hopws256", "warp"])
 def test_fp8_kernels_compile(tmp_path, mma):
     """The quantization kernel and both fp8 GEMMs compile on this CPU machine into libraries whose
     cubins hold fp8 wgmma (QGMMA) on the Hopper core, e4m3 mma.sync on the mma.sync one; both
@@ -151,6 +156,10 @@ def test_fp8_kernels_compile(tmp_path, mma):
     if mma == "hopws":
         v = V.LayerVariant(128, V.GemmTiles(128, 128, 3, "hopws"), V.GemmTiles(128, 128, 3, "hopws"))
         want_mma = r"wgmma\.mma_async\.sync\.aligned\.m64n128k32\.f32\.e4m3\.e4m3"
+    elif mma == "hopws256":  # 128x256 tiles promoted in two 128-column parts (GEMM2: "fp8" only)
+        spec = make_spec(experts=8, top_k=2, hidden=256, intermediate=256, precision="fp8")
+        v = V.LayerVariant(128, V.GemmTiles(256, 128, 3, "hopws"), V.GemmTiles(256, 128, 3, "hopws"))
+        want_mma = r"wgmma\.mma_async\.sync\.aligned\.m64n128k32\.f32\.e4m3\.e4m3"
     else:
         v = V.LayerVariant(16, V.GemmTiles(128, 128, 2, "warp"), V.GemmTiles(32, 128, 2, "warp"))
         want_mma = r"mma\.sync\.aligned\.m16n8k32\.row\.col\.f32\.e4m3\.e4m3\.f32"
@@ -162,6 +171,17 @@ def test_fp8_kernels_compile(tmp_path, mma):
         assert art.library[:4] == b"\x7fELF"
         if kv.role != "quant":
             assert re.search(want_mma, art.ptx), kv.name
+        if mma == "hopws256" and kv.role != "quant":
+            # both parts of every K block: GEMM1 one block of 4 k32 wgmmas per k-tile, GEMM2 two
+            # of 2 (its h scales per 64 columns); B's second part 16 KB into the stage
+            assert len(re.findall(want_mma, art.ptx)) == 8, kv.name
+            tool = _cuobjdump()
+            if tool:  # one partial sum of a part beside the 64x256 accumulators: ptxas spills nothing
+                cubin = tmp_path / f"{kv.role}.cubin"
+                cubin.write_bytes(art.cubin)
+                usage = subprocess.run([tool, "--dump-resource-usage", str(cubin)], capture_output=True,
+                                       text=True, check=True).stdout
+                assert "STACK:0" in usage and "LOCAL:0" in usage, usage
         names = [a["name"] for a in art.meta["args"]]
         want = {"quant": ["x", "xq", "xs"], "glu": ["x", "xs", "w13", "w13s", "sorted_ids", "tile_expert", "h", "hs"],
                 "down": ["h", "hs", "w2", "w2s", "sorted_ids", "tile_expert", "topk_weights", "y"]}[kv.role]

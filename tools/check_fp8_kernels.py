@@ -49,6 +49,10 @@ PRECISIONS = ("fp8", "fp8-block128")
 CONFIGS = [
     ("f8c", "hopws", PRECISIONS, 128, (128, 6), (128, 6)),
     ("f8c4", "hopws", PRECISIONS, 128, (128, 4), (128, 4)),
+    # 128x256 tiles promoted in two 128-column parts (gemm_limits.promote_parts); fp8-block128's
+    # GEMM2 tile_n must divide its 128-column weight blocks
+    ("f8n256", "hopws", ("fp8",), 128, (256, 4), (256, 4)),
+    ("f8n256b", "hopws", ("fp8-block128",), 128, (256, 4), (128, 6)),
     # the ping-pong core, refused by gemm_limits.FP8_MMAS (its GEMM2 crashed under timing at 1
     # token, 2026-12-01): compiled here only with --experimental, to find out why
     ("f8p", "hoppp", PRECISIONS, 64, (128, 8), (128, 6)),
@@ -185,9 +189,7 @@ def run_all(kdir: Path, out_dir: Path, iters: int, tokens=None, only=None, model
                 wq[prec] = (w13q, w13s, w2q, w2s)
         w13, w13s, w2x, w2s = wq[prec]
         glu, down = lib(v["glu_name"]), lib(v["down_name"])
-        for m in v["tokens"] if "tokens" in v else TOKENS:
-            if tokens and m not in tokens:
-                continue
+        for m in tokens or (v["tokens"] if "tokens" in v else TOKENS):
             x = torch.randn(m, hd, device=dev, generator=gen).bfloat16()
             logits = torch.randn(m, e, device=dev, generator=gen)
             topk_w, topk_ids = torch.topk(torch.softmax(logits, -1), k, dim=-1)

@@ -3,8 +3,8 @@
 
     python3 tools/gpu_run.py --out $OUT [--db cache/moe_aot.sqlite] [--tests]
         [--coldstart [--coldstart-compare DIR [--coldstart-compare-db FILE]] [--coldstart-diag]]
-        [--bench ARGS]
-                             [--gemm-check DIR]
+        [--bench ARGS] [--bench-fp8 ARGS] [--gemm-peers ARGS] [--profile-layer MODEL:TOKENS,...]
+        [--gemm-check DIR [--profile TAGS@TOKENS]] [--measure] [--sanitize MODELS]
 
 1. installs the wheels brought along in .whl/ (sqlalchemy, ...) into /tmp/site;
 2. records the device (name, driver, torch);
@@ -130,6 +130,24 @@ print(json.dumps({"model": sys.argv[1], "cuda_context_ms": 1e3 * (t_cuda - t0),
 """
 
 
+BYTECODE_STATE = r"""
+import json, os, sys, glob
+import moe_aot
+pkg = os.path.dirname(moe_aot.__file__)
+print(json.dumps({"dont_write_bytecode": sys.flags.dont_write_bytecode, "pycache_prefix": sys.pycache_prefix,
+                  "env": {k: v for k, v in os.environ.items() if k.startswith("PYTHON") and k != "PYTHONPATH"},
+                  "package_writable": os.access(pkg, os.W_OK),
+                  "pyc_files": len(glob.glob(os.path.join(pkg, "**", "__pycache__", "*.pyc"), recursive=True))}))
+"""
+
+
+def bytecode_state(env):
+    """Whether this checkout's modules can have .pyc files, and how many there are."""
+    rc, log, _ = sh([sys.executable, "-c", BYTECODE_STATE], env=dict(env, PYTHONSAFEPATH="1"), timeout=60)
+    lines = [x for x in log.splitlines() if x.startswith("{")]
+    return json.loads(lines[-1]) if rc == 0 and lines else {"error": log[-500:]}
+
+
 def sh(cmd, log=None, env=None, timeout=None):
     """Run cmd; a command past `timeout` is killed and returns rc 124 with what it printed."""
     t0 = time.perf_counter()
@@ -215,6 +233,10 @@ def main():
                          "ones, splitting the eager host time (the launchers alone, the shim's own "
                          "counters with MOE_AOT_SHIM_STATS=1, a CUDA-graph replay for scale)")
     ap.add_argument("--bench", default=None, help="arguments for tools/bench.py ('' for defaults)")
+    ap.add_argument("--gemm-peers", default=None, metavar="ARGS",
+                    help="arguments for tools/gemm_peers.py ('' for defaults): our GEMMs beside torch's grouped GEMMs")
+    ap.add_argument("--profile-layer", default=None, metavar="POINTS",
+                    help="ncu over one forward of the served layer per point, e.g. 'qwen3-30b-a3b:1,mixtral-8x7b:256'")
     ap.add_argument("--bench-fp8", default=None, help="arguments for tools/bench_fp8.py ('' for defaults)")
     ap.add_argument("--gemm-check", default=None, metavar="DIR",
                     help="run tools/check_gemm_kernels.py on the kernels compiled into DIR "
@@ -289,8 +311,24 @@ def main():
                                         PYTHONPATH=f"{SITE}:{Path(ns.coldstart_compare).resolve()}")
             if ns.coldstart_compare_db:
                 checkouts["compare"]["MOE_AOT_DB"] = f"sqlite:///{Path(ns.coldstart_compare_db).resolve()}"
-        runs = [(m, label, cenv) for m in ("qwen3-30b-a3b", "qwen3-30b-a3b", "deepseek-v3")
-                for label, cenv in checkouts.items()]
+        summary["bytecode"] = bytecode_state(env)
+        print("bytecode before", summary["bytecode"], flush=True)
+        # one process with no .pyc to read or write: what an import costs when every module is
+        # compiled from source (a checkout whose __pycache__ is missing or not writable)
+        nopyc = dict(checkouts["this"], PYTHONDONTWRITEBYTECODE="1", PYTHONPYCACHEPREFIX=f"/tmp/nopyc-{os.getpid()}")
+        runs = [("qwen3-30b-a3b", "this+no-pyc", nopyc)]
+        # then every checkout's modules compiled once, as `pip install` does for an installed
+        # package, so that the timed processes below read .pyc files
+        compiled = {}
+        for label, cenv in checkouts.items():
+            src = str(Path(cenv["PYTHONPATH"].split(":")[-1]) / "moe_aot")
+            rc, log, secs = sh([sys.executable, "-m", "compileall", "-q", src], env=cenv, timeout=120)
+            compiled[label] = {"rc": rc, "seconds": round(secs, 2), "tail": log[-300:]}
+        summary["compileall"] = compiled
+        summary["bytecode_after_compileall"] = bytecode_state(env)
+        print("compileall", compiled, summary["bytecode_after_compileall"], flush=True)
+        runs += [(m, label, cenv) for m in ("qwen3-30b-a3b", "qwen3-30b-a3b", "deepseek-v3", "deepseek-v3")
+                 for label, cenv in checkouts.items()]
         if ns.coldstart_diag:
             runs += [(m, label + "+diag", dict(cenv, MOE_AOT_COLDSTART_DIAG="1", MOE_AOT_SHIM_STATS="1"))
                      for m in ("qwen3-30b-a3b", "deepseek-v3") for label, cenv in checkouts.items()]
@@ -301,6 +339,11 @@ def main():
             rows[-1]["checkout"] = label
             print("coldstart", rows[-1], flush=True)
         summary["coldstart"] = rows
+        # where an import's time goes, module by module, in one more process after the timed ones
+        rc, log, _ = sh([sys.executable, "-X", "importtime", "-c",
+                         "import torch; torch.zeros(1, device='cuda'); import moe_aot.runtime.layer"],
+                        env=checkouts["this"], timeout=120)
+        (out / "importtime.txt").write_text(log)
 
     if ns.tests:
         cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-rfE", "-p", "no:cacheprovider",
@@ -320,6 +363,25 @@ def main():
         rc, log, secs = sh(cmd, log=out / "bench_fp8.log", env=env, timeout=560)
         summary["bench_fp8"] = {"rc": rc, "seconds": round(secs, 1)}
         print(log[-8000:], flush=True)
+
+    if ns.gemm_peers is not None:
+        cmd = [sys.executable, "tools/gemm_peers.py", "--out", str(out), *ns.gemm_peers.split()]
+        rc, log, secs = sh(cmd, log=out / "gemm_peers.log", env=env, timeout=560)
+        summary["gemm_peers"] = {"rc": rc, "seconds": round(secs, 1)}
+        print(log[-6000:], flush=True)
+
+    if ns.profile_layer:
+        cmd = ["ncu", "--clock-control", "none", "--nvtx", "--nvtx-include", "regex:prof_.*/", "--csv",
+               "--page", "details", *[a for sec in NCU_SECTIONS for a in ("--section", sec)],
+               "--metrics", ",".join(NCU_METRICS), "--log-file", str(out / "ncu_layer.csv"),
+               sys.executable, "tools/profile_layer.py", *ns.profile_layer.split(",")]
+        rc, log, secs = sh(cmd, log=out / "ncu_layer.log", env=env, timeout=400)
+        summary["profile_layer"] = {"rc": rc, "seconds": round(secs, 1)}
+        print("ncu layer", rc, log[-1500:], flush=True)
+        if rc == 0:
+            rc, log, _ = sh([sys.executable, "tools/ncu_summary.py", str(out / "ncu_layer.csv")], env=env)
+            (out / "ncu_layer_summary.txt").write_text(log)
+            print(log[-6000:], flush=True)
 
     if ns.gemm_check is not None and not ns.skip_check:
         check = [sys.executable, "tools/check_gemm_kernels.py", "--run", ns.gemm_check]
