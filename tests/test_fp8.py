@@ -10,6 +10,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from test_gemm_templates import _cuobjdump  # noqa: E402
+
 from moe_aot import gemm_limits as limits  # noqa: E402
 from moe_aot import variants as V  # noqa: E402
 from moe_aot.harness import fp8 as fp8_ref  # noqa: E402
@@ -18,7 +20,6 @@ from moe_aot.layout import interleave_gate_up, split_gate_up  # noqa: E402
 from moe_aot.runtime import fp8  # noqa: E402
 from moe_aot.runtime.layer import prepare_fp8_weights  # noqa: E402
 from moe_aot.spec import SpecError, make_spec  # noqa: E402
-from test_gemm_templates import _cuobjdump  # noqa: E402
 
 
 def _e4m3_half_step(v):
