@@ -274,3 +274,15 @@ def test_check_forward_passes_the_right_answer_and_fails_wrong_ones(precision):
 
     for how in ("swap", "padding", "weight", "xscale"):
         assert not broken(how)["ok"], how
+
+
+def test_a_standin_layer_refuses_a_gpu_of_another_arch(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    spec = make_spec(**SMALL, precision="nvfp4", target=STANDIN)
+    for cc, target in (((12, 1), "sm_121a"), ((10, 0), "sm_100a")):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, cc=cc: cc)
+        with pytest.raises(KernelArgumentError, match=f"sm_90a builds of the sm_121a layer, for checks on sm_90a "
+                                                      f"GPUs; this GPU is {target}"):
+            layer_mod.MoeLayer(spec, store=object(), device=torch.device("cuda", 0), variants={})
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert layer_mod.MoeLayer(spec, store=object(), device=torch.device("cuda", 0), variants={}).spec is spec
