@@ -275,6 +275,16 @@ def test_check_forward_passes_the_right_answer_and_fails_wrong_ones(precision):
     for how in ("swap", "padding", "weight", "xscale"):
         assert not broken(how)["ok"], how
 
+    # verify.check_stages (moe-aot verify, the GPU tests) runs one forward into a poisoned
+    # workspace and reports the three stages from check_forward
+    from moe_aot.harness.verify import check_stages
+
+    layer.workspace = lambda tokens, ws=Workspace.allocate(spec, M, "cpu"): ws
+    layer.forward = lambda x, w13, w2, tw, ids, out, workspace: out.copy_(
+        _torch_forward(spec, variant.tile_m, x, w13, w2, tw, ids, workspace))
+    rows = check_stages(layer, x, w13, w2, tw, ids)
+    assert [r["stage"] for r in rows] == ["routing", "glu", "layer"] and all(r["ok"] for r in rows), rows
+
 
 def test_a_standin_layer_refuses_a_gpu_of_another_arch(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
