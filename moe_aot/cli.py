@@ -75,7 +75,7 @@ def spec_options(f):
         click.option("--precision", default=None,
                      help="bf16 (default); fp8 (per-tensor weights, per-token x) and fp8-block128 "
                           "(DeepSeek-V3-style 128x128 weight blocks); on sm_90a also mxfp4-w (weight-only "
-                          "MXFP4); mxfp8, nvfp4 are not yet supported."),
+                          "MXFP4); on sm_121a (and its stand-in) also mxfp8 and nvfp4 (block-scaled)."),
     ]
     for o in reversed(opts):
         f = o(f)
@@ -249,8 +249,11 @@ def _tuned_uses(db: Database, kernel: str) -> list[str]:
 @main.command("verify")
 @click.option("--model", "models", multiple=True, help="Preset(s) to verify (default: all five).")
 @click.option("--tokens", default="1,16,256,4096", show_default=True, help="Token counts to check.")
+@click.option("--precision", default=None, help="The layers' precision (default bf16).")
+@click.option("--target", default=None, help="The kernels' target (default: this GPU's; on an H100/H200 "
+              "also sm_121a-standin, the DGX Spark's layer built for sm_90a).")
 @click.option("--db", "db_url", default=None, help=DB_HELP)
-def verify_cmd(models, tokens, db_url):
+def verify_cmd(models, tokens, precision, target, db_url):
     """On a GPU: run the stored kernels against the fp32 PyTorch reference."""
     from .harness.verify import verify_layer
 
@@ -265,20 +268,20 @@ def verify_cmd(models, tokens, db_url):
 
     names = [n for m in models for n in m.split(",") if n] or list(PRESETS)
     try:
-        target = device_target(torch.device("cuda"))
+        target = target or device_target(torch.device("cuda"))
     except KernelArgumentError as exc:
         raise click.ClickException(str(exc)) from None
     bad = 0
     for name in names:
         try:
-            spec = make_spec(name, target=target)
+            spec = make_spec(name, target=target, precision=precision)
         except SpecError as exc:
             raise click.ClickException(str(exc)) from None
         from .runtime.store import KernelMissingError
 
         try:
             rows = verify_layer(spec, _tokens(tokens), db_url)
-        except (KernelMissingError, DatabaseError) as exc:
+        except (KernelMissingError, KernelArgumentError, DatabaseError) as exc:
             raise click.ClickException(str(exc)) from None
         for row in rows:
             bad += not row["ok"]

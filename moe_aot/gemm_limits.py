@@ -8,9 +8,47 @@ templates' hash (compiler.templates_hash), as the templates' own.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
+
+# Stand-in targets, declared here once: a target's layer (its variants, limits, tile rules and
+# defaults) compiled for another GPU's arch so that it runs there: DGX Spark's (sm_121a) kernels
+# as sm_90a builds on an H100/H200, where the block-scaled MMA the Spark has is emulated
+# (templates/blockscaled_warp.py standin=True) and e2m1 is rounded in software. Every table keyed
+# by target gives a stand-in its model's entry (with_standins), except what the machine code
+# depends on: the --gpu-arch (`arch`), the host CPU beside that GPU (hosts.py) and the e2m1
+# instruction. The stand-in's own name is in its kernels' names (variants.arch_tag) and its
+# toolchain keys, so a stand-in is never loaded as a real sm_121a kernel, nor as an sm_90a one.
+class Standin(NamedTuple):
+    model: str  # the target whose layer it is
+    arch: str  # the arch its machine code is built for (and the GPUs it runs on)
+
+
+STANDINS = {"sm_121a-standin": Standin("sm_121a", "sm_90a")}
+
+
+def modeled_target(target: str) -> str:
+    """The target whose limits and rules apply: a stand-in's model, else the target itself."""
+    s = STANDINS.get(target)
+    return s.model if s is not None else target
+
+
+def gpu_arch(target: str) -> str:
+    """The arch a target's machine code is built for (--gpu-arch): a stand-in's, else the target."""
+    s = STANDINS.get(target)
+    return s.arch if s is not None else target
+
+
+def with_standins(table):
+    """A table keyed by target (dict, or tuple of targets) with each stand-in given its model's entry."""
+    if isinstance(table, dict):
+        return {**table, **{t: table[s.model] for t, s in STANDINS.items() if s.model in table}}
+    return tuple(table) + tuple(t for t, s in STANDINS.items() if s.model in table)
+
+
 # Opt-in shared memory per block, by target (bytes)
-SMEM_CAPACITY = {"sm_80": 163 * 1024, "sm_90a": 227 * 1024, "sm_100a": 227 * 1024,
-                 "sm_121a": 99 * 1024}
+SMEM_CAPACITY = with_standins({"sm_80": 163 * 1024, "sm_90a": 227 * 1024, "sm_100a": 227 * 1024,
+                               "sm_121a": 99 * 1024})
 MMAS = ("warp", "wgmma", "hopws", "hoppp", "umma")
 WGMMA = ("wgmma", "hopws", "hoppp")  # sm_90a only
 # persistent warp-specialized CTAs walking the tiles, epilogue from registers
@@ -415,7 +453,7 @@ def check_w4(precision, n, k, tile_m, tile_n, tile_k, stages, mma, threads=None)
 # cp.async of 4, 8 or 16 bytes), hence the k-tiles of BS_TILE_K elements.
 BLOCKSCALED = ("mxfp8", "nvfp4")
 BS_MMAS = ("warp",)
-BS_TARGETS = ("sm_121a",)
+BS_TARGETS = with_standins(("sm_121a",))  # the stand-in emulates the MMA (standin=True)
 BS_ELEM_BITS = {"mxfp8": 8, "nvfp4": 4}
 BS_MMA_K = {"mxfp8": 32, "nvfp4": 64}  # K of one m16n8kK block-scaled mma.sync
 BS_TILE_K = (128, 256)

@@ -5,12 +5,14 @@ CPU: an H100/H200 or B200 server is x86-64, a DGX Spark (GB10) is aarch64. A hos
 field in toolchain keys (`dsl|cu13.0|sm_121a|aarch64|fmt2|src...`), so libraries for two hosts
 never share a key and the runtime refuses a library for another host before it opens it.
 
-DSL-free and standard library only: the runtime imports it.
+DSL-free (the standard library and gemm_limits' stand-in table): the runtime imports it.
 """
 from __future__ import annotations
 
 import os
 from typing import NamedTuple
+
+from .gemm_limits import STANDINS
 
 
 class Host(NamedTuple):  # a frozen value; a NamedTuple compiles next to nothing at import
@@ -36,6 +38,8 @@ HOSTS = {
 
 # The host CPU beside each target's GPU: GB10 exists only in the DGX Spark, an aarch64 machine.
 TARGET_HOSTS = {"sm_90a": "x86-64", "sm_100a": "x86-64", "sm_121a": "aarch64"}
+# A stand-in runs on its arch's GPU, so beside that GPU's host (sm_121a-standin: an H200's x86-64).
+TARGET_HOSTS.update({t: TARGET_HOSTS[s.arch] for t, s in STANDINS.items()})
 
 _MACHINES = {"x86_64": "x86-64", "amd64": "x86-64", "aarch64": "aarch64", "arm64": "aarch64"}
 

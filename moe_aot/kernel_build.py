@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import env
+from .gemm_limits import gpu_arch
 from .hosts import HOSTS, TARGET_HOSTS, Host, this_host
 
 # The DSL's --host-target per host (hosts.py says why these baselines).
@@ -115,12 +116,14 @@ def _load_dsl_runtime() -> Path:
 
 
 def toolchain_fingerprint(arch: str, host: str | None = None) -> dict:
-    """What an artifact of `arch` built here depends on; `host` (a hosts.HOSTS name) defaults to
-    the target's own (hosts.TARGET_HOSTS)."""
+    """What an artifact of target `arch` built here depends on; `host` (a hosts.HOSTS name)
+    defaults to the target's own (hosts.TARGET_HOSTS). A stand-in target (gemm_limits.STANDINS)
+    keeps its own name as "arch", the key runtimes match, and adds the arch its machine code is
+    for as "gpu_arch" (absent for every other target, whose fingerprints are unchanged)."""
     import cutlass
     from cutlass.base_dsl.version_info import CUDA_VERSION
 
-    return {
+    fp = {
         "dsl": f"nvidia-cutlass-dsl=={cutlass.__version__}",
         "cuda_flavour": f"cu{CUDA_VERSION.major}.{CUDA_VERSION.minor}",
         "arch": arch,
@@ -128,6 +131,9 @@ def toolchain_fingerprint(arch: str, host: str | None = None) -> dict:
         "artifact_format": ARTIFACT_FORMAT,
         "cudart_shim": shim_digest(),
     }
+    if gpu_arch(arch) != arch:
+        fp["gpu_arch"] = gpu_arch(arch)
+    return fp
 
 
 def _sym(value):
@@ -268,7 +274,8 @@ def host_toolchain(host: Host) -> tuple[str, Path | None]:
 
 def compile_kernel(kernel_obj, arch: str, name: str, host: str | None = None) -> Artifact:
     """Compile `kernel_obj` (a template instance with `fake_arguments()` and a @cute.jit
-    `__call__`) for `arch` and return its artifact. `name` becomes the C symbol prefix; `host`
+    `__call__`) for target `arch` (a stand-in: for its gemm_limits.gpu_arch) and return its
+    artifact. `name` becomes the C symbol prefix; `host`
     (a hosts.HOSTS name) defaults to the host beside the target's GPU (hosts.TARGET_HOSTS)."""
     if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
         raise ValueError(f"artifact name {name!r} must be a C identifier")
@@ -283,7 +290,7 @@ def compile_kernel(kernel_obj, arch: str, name: str, host: str | None = None) ->
     with tempfile.TemporaryDirectory(prefix="moe_aot_build_") as tmp:
         tmp = Path(tmp)
         (tmp / "dump").mkdir()
-        opts = (f"--gpu-arch {arch} --keep-cubin --keep-ptx --dump-dir {tmp / 'dump'} "
+        opts = (f"--gpu-arch {gpu_arch(arch)} --keep-cubin --keep-ptx --dump-dir {tmp / 'dump'} "
                 f"--host-target {shlex.quote(host_target)}")
         t0 = time.perf_counter()
         try:

@@ -126,7 +126,7 @@ def gemm_seconds(dev: Device, n: int, k: int, out_cols: int, tokens: int, top_k:
 def predict(spec, variant, tokens: int, dev: Device | None = None) -> dict:
     """Predicted seconds of the whole layer (routing, GEMM1, GEMM2, combine) for `variant` at
     `tokens` on `dev` (default: the spec's target's device), with each part."""
-    dev = dev or DEVICES[spec.target]
+    dev = dev or DEVICES[limits.modeled_target(spec.target)]
     E, K, H, I = spec.experts, spec.top_k, spec.hidden, spec.intermediate
     glu = gemm_seconds(dev, 2 * I, H, I, tokens, K, E, variant.tile_m, variant.glu, False, variant.pdl)
     down = gemm_seconds(dev, H, I, H, tokens, K, E, variant.tile_m, variant.down, True, variant.pdl)

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .database import Database, RecordRow
+from .gemm_limits import STANDINS
 from .spec import LayerSpec
 from .variants import LayerVariant, can_implement
 
@@ -345,9 +346,13 @@ def pick_line(p: Pick) -> dict:
 def export_tuned(db: Database, directory: Path, gpu: str | None = None) -> list[Path]:
     """Write the picks derived from the records as reviewable text, one file per GPU, one JSON
     object per line with the default's record beside the pick, sorted so a re-export of
-    unchanged results is byte-identical. Lines of other layers already in a file are kept."""
+    unchanged results is byte-identical. Lines of other layers already in a file are kept.
+    Stand-in targets (gemm_limits.STANDINS) are left out: their times are another GPU's, and
+    these files are what deployments build from."""
     by_gpu: dict[str, list[dict]] = {}
     for spec in _record_specs(db, gpu):
+        if spec.target in STANDINS:
+            continue
         for p in derive_picks(db, spec, gpu):
             by_gpu.setdefault(p.gpu, []).append(pick_line(p))
     return [write_tuned(directory, g, entries) for g, entries in sorted(by_gpu.items())]

@@ -12,7 +12,7 @@ import reprlib
 from dataclasses import FrozenInstanceError, asdict
 from pathlib import Path
 
-from .gemm_limits import ACTIVATIONS, BIAS_PRECISIONS, BLOCKSCALED, BS_SIZE_MULTIPLE
+from .gemm_limits import ACTIVATIONS, BIAS_PRECISIONS, BLOCKSCALED, BS_SIZE_MULTIPLE, STANDINS, with_standins
 
 # "mxfp4-w": weight-only MXFP4 (gpt-oss's expert weights as shipped), activations bf16
 PRECISIONS = ("bf16", "fp8", "fp8-block128", "mxfp4-w", "mxfp8", "nvfp4")
@@ -20,12 +20,15 @@ SUPPORTED_PRECISIONS = {"sm_90a": ("bf16", "fp8", "fp8-block128", "mxfp4-w"),
                         "sm_100a": ("bf16", "fp8", "fp8-block128"),
                         # mxfp8 / nvfp4: the block-scaled mma.sync of the sm_120 family (templates/blockscaled_warp.py)
                         "sm_121a": ("bf16", "fp8", "fp8-block128", "mxfp8", "nvfp4")}
+SUPPORTED_PRECISIONS = with_standins(SUPPORTED_PRECISIONS)
 FP8_SIZE_MULTIPLE = 128  # fp8: hidden/intermediate in whole 128-element k-tiles and scale blocks
 TARGETS = {
     "sm_90a": "Hopper: H100 / H200",
     "sm_100a": "Blackwell datacenter: B200 / GB200",
     "sm_121a": "Blackwell desktop: DGX Spark (GB10)",
 }
+# gemm_limits.STANDINS: for checks and the tuning flow on another GPU, never for a deployment
+TARGETS.update({t: f"stand-in: the {s.model} layer built for {s.arch} GPUs" for t, s in STANDINS.items()})
 SIZE_MULTIPLE = 64  # hidden/intermediate: 16-byte aligned rows and whole 64-wide K tiles
 MAX_EXPERTS = 512  # the routing kernel keeps a per-warp histogram of E+1 words in shared memory
 MAX_TOP_K = 32

@@ -31,6 +31,7 @@ TARGET_LIMITS = {
     "sm_100a": {"mma": ("warp", "umma"), "sms": 148, "clusters": (1, 2, 4, 8, 16)},
     "sm_121a": {"mma": ("warp",), "sms": 48, "clusters": (1,)},
 }
+TARGET_LIMITS = limits.with_standins(TARGET_LIMITS)  # a stand-in is sized as its model (GB10's 48 SMs)
 INTERLEAVE = 16  # gate/up rows alternate in blocks of this many rows in the prepared w13
 # The precision registry: the kernel roles of a layer in launch order (fp8 quantizes x in a
 # kernel of its own before GEMM1), and which MMA families a target offers that precision (the
@@ -47,7 +48,8 @@ PRECISION_MMAS = {"bf16": None, "fp8": limits.FP8_MMAS, "fp8-block128": limits.F
 
 
 def arch_tag(target: str) -> str:
-    return target.replace("_", "")
+    """The target in kernel names (C identifiers): "sm90a"; a stand-in "sm121a_standin"."""
+    return target.replace("_", "").replace("-", "_")
 
 
 @value_class(order=True)
@@ -164,6 +166,9 @@ class LayerVariant:
         g, d, m, x = self.glu, self.down, self.tile_m, self._pdl_tag
         pdl = (("pdl", True),) if self.pdl else ()
         bias = (("bias", True),) if spec.bias else ()  # the GEMMs take b13 / b2 (shape_tag ends in "b")
+        # a stand-in target's block-scaled GEMMs emulate the MMA its arch lacks (its name is in a)
+        standin = (("standin", True),) if spec.target in limits.STANDINS and spec.precision in limits.BLOCKSCALED \
+            else ()
         out = [
             KernelVariant("routing", f"moe_route_{a}_e{e}k{k}_m{m}_c{self.route_cluster}{x}",
                           (("num_experts", e), ("top_k", k), ("tile_m", m), ("cluster_size", self.route_cluster))
@@ -173,11 +178,11 @@ class LayerVariant:
                        f"{_c(g)}_g{INTERLEAVE}{x}",
                 (("num_experts", e), ("top_k", k), ("hidden", h), ("intermediate", i),
                  ("activation", spec.activation), ("tile_m", m)) + g.params(spec.precision)
-                + (("interleave", INTERLEAVE),) + pdl + bias),
+                + (("interleave", INTERLEAVE),) + pdl + bias + standin),
             KernelVariant(
                 "down", f"moe_down_{a}_{p}_{s}_t{m}x{d.tile_n}x{d.tile_k}_s{d.stages}_{d.mma}{_c(d)}{x}",
                 (("num_experts", e), ("top_k", k), ("hidden", h), ("intermediate", i), ("tile_m", m))
-                + d.params(spec.precision) + pdl + bias),
+                + d.params(spec.precision) + pdl + bias + standin),
             KernelVariant("combine", f"moe_combine_{a}_{p}_e{e}k{k}h{h}{x}",
                           (("num_experts", e), ("hidden", h), ("top_k", k)) + pdl),
         ]
@@ -404,7 +409,7 @@ def candidate_space(spec: LayerSpec) -> list[LayerVariant]:
 # Targets whose defaults come from the performance model (moe_aot/perfmodel.py) instead of
 # measurements: no DGX Spark was available to measure on. On the H200 the model's pick per bucket
 # came within a geomean 4-5% of the best measured variant (tools/results/perfmodel_h200.md).
-MODELED_DEFAULTS = ("sm_121a",)
+MODELED_DEFAULTS = limits.with_standins(("sm_121a",))
 
 
 @functools.cache
@@ -414,7 +419,7 @@ def modeled_default(spec: LayerSpec, tokens: int) -> LayerVariant:
     + combine, so per tile_m each GEMM's tiles are chosen alone."""
     from .perfmodel import DEVICES, gemm_seconds, predict
 
-    dev, lim = DEVICES[spec.target], TARGET_LIMITS[spec.target]
+    dev, lim = DEVICES[limits.modeled_target(spec.target)], TARGET_LIMITS[spec.target]
     E, K, H, I = spec.experts, spec.top_k, spec.hidden, spec.intermediate
     best = None
     for m in TILE_M:

@@ -4,7 +4,7 @@
     python3 tools/gpu_run.py --out $OUT [--db cache/moe_aot.sqlite] [--tests]
         [--coldstart [--coldstart-compare DIR [--coldstart-compare-db FILE]] [--coldstart-diag]]
         [--bench ARGS] [--bench-fp8 ARGS] [--gemm-peers ARGS] [--profile-layer MODEL:TOKENS,...]
-        [--gemm-check DIR [--profile TAGS@TOKENS]] [--measure] [--sanitize MODELS]
+        [--gemm-check DIR [--profile TAGS@TOKENS]] [--measure] [--sanitize MODELS] [--spark-standin DIR]
 
 1. installs the wheels brought along in .whl/ (sqlalchemy, ...) into /tmp/site;
 2. records the device (name, driver, torch);
@@ -232,6 +232,9 @@ def main():
                     help="with --coldstart: one more process per model and checkout, run after the timed "
                          "ones, splitting the eager host time (the launchers alone, the shim's own "
                          "counters with MOE_AOT_SHIM_STATS=1, a CUDA-graph replay for scale)")
+    ap.add_argument("--spark-standin", default=None, metavar="DIR",
+                    help="tools/spark_standin.py --run DIR (the DGX Spark layers' sm_90a stand-ins built by "
+                         "--build DIR: checks, graph replays, tune -> measure) into OUT/spark_standin")
     ap.add_argument("--bench", default=None, help="arguments for tools/bench.py ('' for defaults)")
     ap.add_argument("--gemm-peers", default=None, metavar="ARGS",
                     help="arguments for tools/gemm_peers.py ('' for defaults): our GEMMs beside torch's grouped GEMMs")
@@ -351,6 +354,12 @@ def main():
         rc, log, secs = sh(cmd, log=out / "gpu_tests.log", env=env, timeout=540)
         summary["tests"] = {"rc": rc, "seconds": round(secs, 1), "tail": log.strip().splitlines()[-1:]}
         print(log[-6000:], flush=True)
+
+    if ns.spark_standin:
+        cmd = [sys.executable, "tools/spark_standin.py", "--run", ns.spark_standin, "--out", str(out / "spark_standin")]
+        rc, log, secs = sh(cmd, log=out / "spark_standin.log", env=env, timeout=560)
+        summary["spark_standin"] = {"rc": rc, "seconds": round(secs, 1), "tail": log.strip().splitlines()[-3:]}
+        print(log[-4000:], flush=True)
 
     if ns.bench is not None:
         cmd = [sys.executable, "tools/bench.py", "--out", str(out), *ns.bench.split()]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..gemm_limits import FP8, W4
+from ..gemm_limits import BLOCKSCALED, FP8, W4
 from ..layout import max_tiles
 from ..runtime import fp8 as fp8_format
 from ..runtime.layer import MoeLayer, split_biases
@@ -39,11 +39,16 @@ BIAS_STD = 0.5  # random expert biases: N(0, 0.25), about half the spread of the
 def random_weights(spec: LayerSpec, device, scale: float = 1.0):
     """Random prepared weights of the layer: bf16 w13 (interleaved) and w2, or for fp8 layers
     the (e4m3, scales) pairs of random bf16 weights quantized by prepare_fp8_weights (mxfp4-w:
-    W4Weights of random weights, harness/w4.random_w4_weights), or for
+    W4Weights of random weights, harness/w4.random_w4_weights; mxfp8 / nvfp4: BlockScaledWeights,
+    harness/blockscaled.random_weights), or for
     layers with expert biases the (weights, biases) pairs (w13, b13), (w2, b2)."""
     H, I, E = spec.hidden, spec.intermediate, spec.experts
     if spec.precision in W4:
         return w4.random_w4_weights(spec, device, scale)
+    if spec.precision in BLOCKSCALED:  # BlockScaledWeights; nvfp4's w2 with h's calibrated amax
+        from . import blockscaled
+
+        return blockscaled.random_weights(spec, device, scale)
     if spec.precision in FP8:
         # 16 experts at a time: DeepSeek-V3's bf16 weights (22 GB) are never all held at once
         parts13, parts2 = [], []
@@ -70,13 +75,20 @@ def layer_reference(spec: LayerSpec, x, w13, w2, topk_weights, topk_ids):
                                      INTERLEAVE)
     if spec.precision in W4:
         return w4.moe_w4_reference(x, w13, w2, topk_weights, topk_ids, spec.activation, INTERLEAVE)
+    if spec.precision in BLOCKSCALED:
+        from . import blockscaled
+
+        return blockscaled.layer_reference(x, w13, w2, topk_weights, topk_ids, spec.precision, spec.activation)
     w13, b13, w2, b2 = split_biases(spec, w13, w2)
     return moe_reference(x, w13, w2, topk_weights, topk_ids, spec.activation, INTERLEAVE, b13, b2)
 
 
 def check_stages(layer: MoeLayer, x, w13, w2, topk_weights, topk_ids) -> list[dict]:
-    """Routing (exact), GEMM1+GLU (rel err), whole layer (rel err) for one input set."""
+    """Routing (exact), GEMM1+GLU (rel err), whole layer (rel err) for one input set. mxfp8 /
+    nvfp4: one forward, each stage checked on what its kernels consumed (blockscaled.check_forward)."""
     spec, M = layer.spec, x.shape[0]
+    if spec.precision in BLOCKSCALED:
+        return _check_stages_bs(layer, x, w13, w2, topk_weights, topk_ids)
     rows = []
     v, route, glu, down, comb = layer.kernels(M)
     T = max_tiles(M, spec.top_k, spec.experts, v.tile_m)
@@ -99,6 +111,26 @@ def check_stages(layer: MoeLayer, x, w13, w2, topk_weights, topk_ids) -> list[di
     rows.append({"stage": "layer", "rel_err": e, "row_rel_err": er, "ok": e <= TOLERANCE and er <= ROW_TOLERANCE,
                  "variant": v.name(spec)})
     return rows
+
+
+def _check_stages_bs(layer, x, w13, w2, topk_weights, topk_ids) -> list[dict]:
+    from . import blockscaled
+
+    spec, M = layer.spec, x.shape[0]
+    ws = layer.workspace(M)
+    blockscaled.poison(ws)
+    out = torch.full((M, spec.hidden), float("nan"), device=x.device, dtype=torch.bfloat16)
+    layer.forward(x, w13, w2, topk_weights, topk_ids, out=out, workspace=ws)
+    r = blockscaled.check_forward(layer, x, w13, w2, topk_weights, topk_ids, out, ws)
+    h_ok = (r["x_bytes_equal"] and r["h_err"] <= 1.25 * r["h_err_reference"] + 1e-3 and r["h_padding_zero"]
+            and r["h_scale_bytes_equal"] >= 0.99)
+    return [{"stage": "routing", "rel_err": 0.0 if r["routing_equal"] else 1.0, "ok": r["routing_equal"],
+             "variant": r["variant"]},
+            {"stage": "glu", "rel_err": r["h_err"], "h_err_reference": r["h_err_reference"],
+             "x_bytes_equal": r["x_bytes_equal"], "h_scale_bytes_equal": r["h_scale_bytes_equal"],
+             "pad_rows_zero": r["h_padding_zero"], "ok": h_ok, "variant": r["variant"]},
+            {"stage": "layer", "rel_err": r["rel_err"], "row_rel_err": r["row_rel_err"],
+             "ok": r["rel_err"] <= TOLERANCE and r["row_rel_err"] <= ROW_TOLERANCE, "variant": r["variant"]}]
 
 
 def _check_glu(layer, x, w13, topk_ids, sorted_ids, tile_expert, offsets, v, glu) -> dict:

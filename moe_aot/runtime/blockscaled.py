@@ -6,7 +6,9 @@ the reference's own: values [E, N, K] e4m3 bytes or [E, N, K/2] packed e2m1, sca
 bytes (row r's scale of K block b at r * K/vec + b), all uint8 and contiguous. w13's rows are
 gate/up interleaved in blocks of ``interleave`` rows (layout.interleave_gate_up) after quantizing
 gate and up: a row's bytes do not depend on the other rows, except through NVFP4's global amax,
-which is one per expert and matrix (w13: over gate and up together; w2), fp32 [E].
+which is one per expert and matrix (w13: over gate and up together; w2), fp32 [E]. An nvfp4
+weight also carries the calibrated amax of its GEMM's activation input (`input_amax`, fp32 [1]):
+w2's is h's, which GEMM1 needs before h exists (MoeLayer.forward refuses an nvfp4 w2 without it).
 """
 from __future__ import annotations
 
@@ -23,6 +25,17 @@ class BlockScaledWeight(NamedTuple):
     values: torch.Tensor  # uint8 [E, N, K] (mxfp8) or [E, N, K/2] (nvfp4)
     scales: torch.Tensor  # uint8 [E, N, K/vec]
     global_amax: torch.Tensor | None  # nvfp4: fp32 [E]; mxfp8: None
+    # nvfp4: the calibrated amax of this GEMM's activation input, fp32 [1] (a checkpoint's
+    # per-linear activation scale, as an amax). w2's is required: GEMM1 quantizes h against it
+    # before h exists. w13's may be None: the layer then takes x's amax on the device every call.
+    # mxfp8: None (its scales are per block only).
+    input_amax: torch.Tensor | None = None
+
+
+def with_input_amax(w: BlockScaledWeight, amax) -> BlockScaledWeight:
+    """`w` with its activation input's calibrated amax (a float or a tensor; fp32 [1] on w's device)."""
+    t = torch.as_tensor(amax, dtype=torch.float32, device=w.values.device).reshape(1).clone()
+    return w._replace(input_amax=t)
 
 
 def check_format(fmt: str) -> None:
@@ -71,4 +84,5 @@ def dequantize(w: BlockScaledWeight, fmt: str) -> torch.Tensor:
 def split_w13(w13: BlockScaledWeight, interleave: int = 16) -> tuple[BlockScaledWeight, BlockScaledWeight]:
     """The inverse of prepare_w13's interleave: (gate, up) prepared weights, each [E, I, .]."""
     (qg, qu), (sg, su) = split_gate_up(w13.values, interleave), split_gate_up(w13.scales, interleave)
-    return BlockScaledWeight(qg, sg, w13.global_amax), BlockScaledWeight(qu, su, w13.global_amax)
+    return (BlockScaledWeight(qg, sg, w13.global_amax, w13.input_amax),
+            BlockScaledWeight(qu, su, w13.global_amax, w13.input_amax))

@@ -11,7 +11,18 @@ import time
 
 import torch
 
-from ..gemm_limits import FP8, H_SCALE_BLOCK, SCALE_BLOCK, W4, W4_BLOCK, W4_CHUNK
+from ..gemm_limits import (
+    BLOCKSCALE_BLOCK,
+    BLOCKSCALED,
+    BS_ELEM_BITS,
+    FP8,
+    H_SCALE_BLOCK,
+    SCALE_BLOCK,
+    STANDINS,
+    W4,
+    W4_BLOCK,
+    W4_CHUNK,
+)
 from ..layout import interleave_gate_up, max_tiles
 from ..spec import LayerSpec, make_spec, value_class
 from ..variants import INTERLEAVE, TILE_M, LayerVariant, backward_kernels, bucket_for, default_variant, training_kernels
@@ -57,19 +68,22 @@ class Workspace:
     h: torch.Tensor
     y: torch.Tensor
     max_tokens: int
-    # fp8 layers: x quantized with its scales, and GEMM1's e4m3 output with its scales
+    # fp8 layers: x quantized with its scales, and GEMM1's e4m3 output with its scales; block-scaled
+    # layers (mxfp8, nvfp4): the same as uint8 value and scale bytes (blockscale.quantize's layout)
     xq: torch.Tensor | None = None
     xs: torch.Tensor | None = None
     hq: torch.Tensor | None = None
     hs: torch.Tensor | None = None
+    # nvfp4: x's global amax (fp32 [1]), taken on the device each call unless w13 carries a calibrated one
+    xg: torch.Tensor | None = None
 
     def __init__(self, counts: torch.Tensor, offsets: torch.Tensor, sorted_ids: torch.Tensor,
                  tile_expert: torch.Tensor, h: torch.Tensor, y: torch.Tensor, max_tokens: int,
                  xq: torch.Tensor | None = None, xs: torch.Tensor | None = None, hq: torch.Tensor | None = None,
-                 hs: torch.Tensor | None = None):
+                 hs: torch.Tensor | None = None, xg: torch.Tensor | None = None):
         self.counts, self.offsets, self.sorted_ids, self.tile_expert = counts, offsets, sorted_ids, tile_expert
         self.h, self.y, self.max_tokens = h, y, max_tokens
-        self.xq, self.xs, self.hq, self.hs = xq, xs, hq, hs
+        self.xq, self.xs, self.hq, self.hs, self.xg = xq, xs, hq, hs, xg
 
     @classmethod
     def allocate(cls, spec: LayerSpec, max_tokens: int, device) -> "Workspace":
@@ -80,7 +94,15 @@ class Workspace:
         i32 = dict(dtype=torch.int32, device=device)
         bf = dict(dtype=torch.bfloat16, device=device)
         fp8 = spec.precision in FP8
+        bs = spec.precision in BLOCKSCALED
         extra = {}
+        if bs:
+            u8 = dict(dtype=torch.uint8, device=device)
+            bits, vec = BS_ELEM_BITS[spec.precision], BLOCKSCALE_BLOCK[spec.precision]
+            H, I = spec.hidden, spec.intermediate
+            extra = dict(xq=torch.empty(max_tokens, H * bits // 8, **u8), xs=torch.empty(max_tokens, H // vec, **u8),
+                         hq=torch.empty(R, I * bits // 8, **u8), hs=torch.empty(R, I // vec, **u8),
+                         xg=torch.empty(1, dtype=torch.float32, device=device) if spec.precision == "nvfp4" else None)
         if fp8:
             f8, f32 = dict(dtype=torch.float8_e4m3fn, device=device), dict(dtype=torch.float32, device=device)
             xs_shape = (max_tokens,) if spec.precision == "fp8" else (max_tokens, spec.hidden // SCALE_BLOCK)
@@ -89,7 +111,7 @@ class Workspace:
                          hs=torch.empty(R, spec.intermediate // H_SCALE_BLOCK, **f32))
         return cls(torch.empty(spec.experts, **i32), torch.empty(spec.experts + 1, **i32),
                    torch.empty(R, **i32), torch.empty(T, **i32),
-                   torch.empty(0 if fp8 else R, spec.intermediate, **bf),
+                   torch.empty(0 if fp8 or bs else R, spec.intermediate, **bf),
                    torch.empty(max_tokens * spec.top_k, spec.hidden, **bf), max_tokens, **extra)
 
 
@@ -103,6 +125,10 @@ class MoeLayer:
             self.device = device
         else:
             self.device = torch.device("cuda", torch.cuda.current_device() if device is None else device)
+        standin = STANDINS.get(spec.target)
+        if standin is not None and self.device.type == "cuda" and device_target(self.device) != standin.arch:
+            raise KernelArgumentError(f"{spec.target} kernels are {standin.arch} builds of the {standin.model} layer, "
+                                      f"for checks on {standin.arch} GPUs; this GPU is {device_target(self.device)}")
         self.store = store or KernelStore()
         # Per token bucket: the tuned pick for this GPU if the database has one, else the default.
         if variants is None:
@@ -196,6 +222,8 @@ class MoeLayer:
         M = x.shape[0] if isinstance(x, torch.Tensor) and x.dim() == 2 else None
         if s.precision in FP8:
             weights = self._fp8_weight_checks(w13, w2)
+        elif s.precision in BLOCKSCALED:
+            weights = self._bs_weight_checks(w13, w2)
         elif s.precision in W4:
             weights = self._w4_weight_checks(w13, w2)
         else:
@@ -265,17 +293,55 @@ class MoeLayer:
             out += [("b13", w13[2], (E, 2 * I), torch.bfloat16), ("b2", w2[2], (E, H), torch.bfloat16)]
         return out
 
+    def _bs_weight_checks(self, w13, w2) -> list:
+        """mxfp8 / nvfp4 layers take each weight as a BlockScaledWeight (runtime/blockscaled.py:
+        prepare_w13, prepare_w2); nvfp4's carry their global amaxes, and w2 the calibrated amax of
+        h (with_input_amax), which GEMM1 quantizes h against."""
+        from .blockscaled import BlockScaledWeight
+
+        s = self.spec
+        nv = s.precision == "nvfp4"
+        for name, w in (("w13", w13), ("w2", w2)):
+            if not isinstance(w, BlockScaledWeight):
+                raise KernelArgumentError(f"{name} must be a BlockScaledWeight for precision {s.precision} "
+                                          f"(blockscaled.prepare_w13 / prepare_w2), got {type(w).__name__}")
+            if (w.global_amax is None) == nv:
+                want = "an fp32 [experts] tensor" if nv else "None"
+                raise KernelArgumentError(f"{name}'s global_amax must be {want} for precision {s.precision}")
+            if not nv and w.input_amax is not None:
+                raise KernelArgumentError(f"{name}'s input_amax must be None for precision {s.precision} "
+                                          "(only nvfp4 has global scales)")
+        if nv and w2.input_amax is None:
+            raise KernelArgumentError("w2's input_amax (fp32 [1], the calibrated amax of h) is needed for precision "
+                                      "nvfp4: GEMM1 quantizes h against it (blockscaled.with_input_amax)")
+        E, H, I, u8, f32 = s.experts, s.hidden, s.intermediate, torch.uint8, torch.float32
+        bits, vec = BS_ELEM_BITS[s.precision], BLOCKSCALE_BLOCK[s.precision]
+        out = [("w13 values", w13.values, (E, 2 * I, H * bits // 8), u8),
+               ("w13 scales", w13.scales, (E, 2 * I, H // vec), u8),
+               ("w2 values", w2.values, (E, H, I * bits // 8), u8),
+               ("w2 scales", w2.scales, (E, H, I // vec), u8)]
+        if nv:
+            out += [("w13 global_amax", w13.global_amax, (E,), f32), ("w2 global_amax", w2.global_amax, (E,), f32),
+                    ("w2 input_amax", w2.input_amax, (1,), f32)]
+            if w13.input_amax is not None:
+                out.append(("w13 input_amax", w13.input_amax, (1,), f32))
+        return out
+
     # -- the layer -----------------------------------------------------------------------------
     def forward(self, x, w13, w2, topk_weights, topk_ids, out=None, workspace: Workspace | None = None):
         """out[m] = sum_k topk_weights[m,k] * FFN_{topk_ids[m,k]}(x[m]). Ids outside [0, experts)
         contribute nothing (documented, tested). Returns `out` (allocated if None). fp8 layers
         take w13 and w2 as (e4m3 weights, fp32 scales) pairs (prepare_fp8_weights); layers with
         expert biases (spec bias=True, gpt-oss) as (bf16 weights, bf16 biases) pairs: (w13, b13)
-        with b13 [E, 2I] interleaved as w13's rows (prepare_biases), and (w2, b2) with b2 [E, H]."""
+        with b13 [E, 2I] interleaved as w13's rows (prepare_biases), and (w2, b2) with b2 [E, H];
+        mxfp4-w layers as W4Weights (runtime/w4.py); mxfp8 / nvfp4 layers as BlockScaledWeights
+        (runtime/blockscaled.py; nvfp4's w2 with h's calibrated input_amax)."""
         if self.spec.precision in FP8:
             return self._forward_fp8(x, w13, w2, topk_weights, topk_ids, out, workspace)
         if self.spec.precision in W4:
             return self._forward_w4(x, w13, w2, topk_weights, topk_ids, out, workspace)
+        if self.spec.precision in BLOCKSCALED:
+            return self._forward_bs(x, w13, w2, topk_weights, topk_ids, out, workspace)
         b13 = b2 = None
         if self.spec.bias:
             w13, b13, w2, b2 = split_biases(self.spec, w13, w2)
@@ -447,6 +513,61 @@ class MoeLayer:
         self._launch_and_keep(M, v, ws, libs, args)
         return out
 
+    # the caller's tensors in each block-scaled kernel's arguments, as _FP8_CALLER_ARGS; nvfp4's
+    # global amaxes after them (x's from the workspace unless w13 carries a calibrated one)
+    _BS_CALLER_ARGS = (("routing", 0, "ids"), ("bsquant", 0, "x"), ("glu", 2, "w13q"), ("glu", 3, "w13s"),
+                       ("down", 2, "w2q"), ("down", 3, "w2s"), ("down", 6, "tw"), ("combine", 1, "ids"),
+                       ("combine", 2, "out"))
+    _NV_CALLER_ARGS = (("glu", 9, "w13g"), ("glu", 10, "hg"), ("down", 8, "hg"), ("down", 9, "w2g"))
+    _NV_X_AMAX_ARGS = (("bsquant", 3, "xg"), ("glu", 8, "xg"))
+
+    def _forward_bs(self, x, w13, w2, topk_weights, topk_ids, out, workspace):
+        """routing -> x quantized (bsquant) -> GEMM1 (h quantized in its epilogue) -> GEMM2 ->
+        combine, with BlockScaledWeights (mxfp8, nvfp4). nvfp4: x's global amax is taken on the
+        device into the workspace (one torch reduction on the current stream, no host sync) unless
+        w13 carries a calibrated input_amax; h's is w2's input_amax. As _forward_fp8: the first
+        call at a size launches with the kernels' own contract checks and keeps the filled
+        argument structs; later calls re-run check_inputs and swap the caller's data pointers."""
+        self.check_inputs(x, w13, w2, topk_weights, topk_ids, out)
+        M, K = x.shape[0], self.spec.top_k
+        nv = self.spec.precision == "nvfp4"
+        if out is None:
+            out = torch.empty(M, self.spec.hidden, dtype=torch.bfloat16, device=self.device)
+        if M == 0:
+            return out
+        ws = workspace or self.workspace(M)
+        if ws.max_tokens < M or ws.xq is None or ws.xq.dtype != torch.uint8 or (nv and ws.xg is None):
+            raise KernelArgumentError(f"workspace must be allocated for this {self.spec.precision} layer and hold {M} "
+                                      "tokens (Workspace.allocate(spec, max_tokens, device))")
+        xg = w13.input_amax
+        if nv and xg is None:  # x's amax on the device: max |x| in fp32, exact
+            xg = ws.xg
+            torch.linalg.vector_norm(x, float("inf"), dtype=torch.float32, out=xg.view(()))
+        ptrs = {"ids": topk_ids, "x": x, "w13q": w13.values, "w13s": w13.scales, "w2q": w2.values,
+                "w2s": w2.scales, "tw": topk_weights, "out": out, "w13g": w13.global_amax, "w2g": w2.global_amax,
+                "hg": w2.input_amax, "xg": xg}
+        fast = self._fast.get((M, id(ws), id(self.variants)))
+        if fast is not None:
+            args = self._BS_CALLER_ARGS + ((self._NV_CALLER_ARGS + self._NV_X_AMAX_ARGS) if nv else ())
+            self._replay(fast[1], args, ptrs)
+            return out
+        v, libs = self.role_kernels(M)
+        T = max_tiles(M, K, self.spec.experts, v.tile_m)
+        R = T * v.tile_m
+        if ws.sorted_ids.numel() < R or ws.tile_expert.numel() < T or ws.hq.shape[0] < R:
+            raise KernelArgumentError(f"workspace too small for {M} tokens with tile_m {v.tile_m}; "
+                                      "allocate it with Workspace.allocate(spec, max_tokens, device)")
+        sorted_ids, tile_expert = ws.sorted_ids[:R], ws.tile_expert[:T]
+        xq, xs, hq, hs, y = ws.xq[:M], ws.xs[:M], ws.hq[:R], ws.hs[:R], ws.y[: M * K]
+        gx, g13, gh, g2 = ((xg,), (w13.global_amax,), (w2.input_amax,), (w2.global_amax,)) if nv else ((),) * 4
+        args = {"routing": (topk_ids, ws.counts, ws.offsets, sorted_ids, tile_expert),
+                "bsquant": (x, xq, xs) + gx,
+                "glu": (xq, xs, w13.values, w13.scales, sorted_ids, tile_expert, hq, hs) + gx + g13 + gh,
+                "down": (hq, hs, w2.values, w2.scales, sorted_ids, tile_expert, topk_weights, y) + gh + g2,
+                "combine": (y, topk_ids, out)}
+        self._launch_and_keep(M, v, ws, libs, args)
+        return out
+
     def _replay(self, bound: dict, caller_args, ptrs: dict) -> None:
         """A repeated call of the fp8 and mxfp4-w paths: point the kept argument structs at the
         caller's tensors (``caller_args``: (role, argument index, key of ``ptrs``)), then launch
@@ -552,18 +673,32 @@ _LAYERS: dict[tuple, MoeLayer] = {}
 
 
 def moe_forward(x, w13_prepared, w2, topk_weights, topk_ids, out=None, workspace=None,
-                activation: str = "swiglu", store: KernelStore | None = None):
+                activation: str = "swiglu", store: KernelStore | None = None, target: str | None = None):
     """One call for the whole fused layer; the layer shape is read off the tensors. bf16:
     w13_prepared from prepare_weights(), w2 a tensor; fp8: both (e4m3 weights, fp32 scales) pairs
     from prepare_fp8_weights() or fp8.from_block128_checkpoint(), the precision read off the
     scales' shape (w13 scales [E, 2]: "fp8", [E, 2I/128, H/128]: "fp8-block128"). Expert biases
     (gpt-oss, activation="swigluoai"): both as (bf16 weights, bf16 biases) pairs, (w13, b13 from
     prepare_biases()) and (w2, b2 [E, H]). mxfp4-w (gpt-oss's MXFP4 experts): both as W4Weight
-    (blocks, scales, bias) triples from w4.from_gpt_oss() or w4.prepare_weights()."""
+    (blocks, scales, bias) triples from w4.from_gpt_oss() or w4.prepare_weights(). mxfp8 / nvfp4
+    (the DGX Spark's block-scaled layers): both as BlockScaledWeights from blockscaled.prepare_w13()
+    and prepare_w2(), the precision read off them (nvfp4's carry global amaxes; w2 the calibrated
+    amax of h: blockscaled.with_input_amax). `target`: the kernels' target (default: this GPU's;
+    e.g. "sm_121a-standin" runs the Spark layer's sm_90a stand-ins on an H100/H200)."""
     precision, bias = "bf16", False
     w13 = w13_prepared
     shape = None  # (E, 2I, H) where w13 is not a plain [E, 2I, H] tensor
-    if isinstance(w13_prepared, (tuple, list)) and len(w13_prepared) == 3 and \
+    if isinstance(w13_prepared, tuple) and len(w13_prepared) == 4:
+        from .blockscaled import BlockScaledWeight
+
+        if isinstance(w13_prepared, BlockScaledWeight) and isinstance(w13_prepared.scales, torch.Tensor) and \
+                w13_prepared.scales.dim() == 3:
+            precision = "mxfp8" if w13_prepared.global_amax is None else "nvfp4"
+            E, I2, ks = w13_prepared.scales.shape
+            shape = (E, I2, ks * BLOCKSCALE_BLOCK[precision])
+    if shape is not None:
+        pass
+    elif isinstance(w13_prepared, (tuple, list)) and len(w13_prepared) == 3 and \
             isinstance(w13_prepared[0], torch.Tensor) and w13_prepared[0].dtype == torch.uint8:
         # mxfp4-w: blocks in fragment order [E, 2I / 16, H / 64, 512] (runtime/w4.py)
         w13, precision, bias = w13_prepared[0], "mxfp4-w", w13_prepared[2] is not None
@@ -581,24 +716,27 @@ def moe_forward(x, w13_prepared, w2, topk_weights, topk_ids, out=None, workspace
             precision = "fp8" if second.dim() == 2 else "fp8-block128"
     if shape is None and (not isinstance(w13, torch.Tensor) or w13.dim() != 3):
         raise KernelArgumentError("w13_prepared must be a [experts, 2*intermediate, hidden] tensor "
-                                  "from prepare_weights(), or an fp8 (weights, scales) pair from "
-                                  "prepare_fp8_weights()")
+                                  "from prepare_weights(), an fp8 (weights, scales) pair from "
+                                  "prepare_fp8_weights(), or a BlockScaledWeight from blockscaled.prepare_w13()")
     if not isinstance(topk_ids, torch.Tensor) or topk_ids.dim() != 2:
         raise KernelArgumentError("topk_ids must be a [tokens, top_k] int32 tensor")
     if not isinstance(x, torch.Tensor) or not x.is_cuda:
         raise KernelArgumentError("x must be a CUDA tensor [tokens, hidden] (bf16)")
     E, I2, H = shape or w13.shape
-    layer = _layer_for(E, topk_ids.shape[1], H, I2 // 2, activation, precision, bias, x.device, store)
+    layer = _layer_for(E, topk_ids.shape[1], H, I2 // 2, activation, precision, bias, x.device, store, target)
     return layer.forward(x, w13_prepared, w2, topk_weights, topk_ids, out, workspace)
 
 
-def _layer_for(experts, top_k, hidden, intermediate, activation, precision, bias, device, store) -> MoeLayer:
-    """The process's MoeLayer of this shape on this CUDA device, made at first use."""
-    key = (experts, top_k, hidden, intermediate, activation, precision, bias, device.index)
+def _layer_for(experts, top_k, hidden, intermediate, activation, precision, bias, device, store,
+               target: str | None = None) -> MoeLayer:
+    """The process's MoeLayer of this shape on this CUDA device (for `target`, default the
+    device's), made at first use."""
+    key = (experts, top_k, hidden, intermediate, activation, precision, bias, device.index, target)
     layer = _LAYERS.get(key)
     if layer is None:
         spec = make_spec(experts=experts, top_k=top_k, hidden=hidden, intermediate=intermediate,
-                         activation=activation, precision=precision, bias=bias, target=device_target(device))
+                         activation=activation, precision=precision, bias=bias,
+                         target=target or device_target(device))
         layer = _LAYERS[key] = MoeLayer(spec, store=store, device=device.index)
     return layer
 
@@ -624,7 +762,7 @@ def glu_backward_kernel(experts: int, top_k: int, hidden: int, intermediate: int
     if key not in _BACKWARD:
         spec = make_spec(experts=experts, top_k=top_k, hidden=hidden, intermediate=intermediate,
                          activation=activation, bias=bias, target=device_target(device))
-        layer = _LAYERS.get((*key[:5], "bf16", bias, device.index))  # the forward's, with its store
+        layer = _LAYERS.get((*key[:5], "bf16", bias, device.index, None))  # the forward's, with its store
         store = store or (layer.store if layer is not None else KernelStore())
         try:
             (kv,) = backward_kernels(spec)
