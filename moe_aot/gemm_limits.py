@@ -451,25 +451,34 @@ def check_w4(precision, n, k, tile_m, tile_n, tile_k, stages, mma, threads=None)
 # sm_120 family only (DGX Spark's sm_121a here; sm_90a and sm_100a have neither). Values and scale
 # bytes are cp.async-ed per k-tile: a k-tile row is 64-256 value bytes and 4-16 scale bytes (one
 # cp.async of 4, 8 or 16 bytes), hence the k-tiles of BS_TILE_K elements.
-BLOCKSCALED = ("mxfp8", "nvfp4")
+# "w4a8-mx" (gpt-oss's MXFP4 expert weights on the Spark): MXFP4 weights (e2m1, ue8m0 per 32) times
+# MXFP8 activations (x by the quantizer, h by GEMM1's epilogue, as "mxfp8"), on the mixed-type
+# `kind::mxf8f6f4 ... .e4m3.e2m1 ... ue8m0` (each e2m1 in a byte of the B registers, bits 5:2).
+# Not "mxfp4": that names the format (blockscale.FORMATS) and "mxfp4-w" Hopper's weight-only layer.
+BLOCKSCALED = ("mxfp8", "nvfp4", "w4a8-mx")
+BS_FORMATS = {"mxfp8": ("mxfp8", "mxfp8"), "nvfp4": ("nvfp4", "nvfp4"),  # (activations, weights)
+              "w4a8-mx": ("mxfp8", "mxfp4")}
 BS_MMAS = ("warp",)
 BS_TARGETS = with_standins(("sm_121a",))  # the stand-in emulates the MMA (standin=True)
-BS_ELEM_BITS = {"mxfp8": 8, "nvfp4": 4}
-BS_MMA_K = {"mxfp8": 32, "nvfp4": 64}  # K of one m16n8kK block-scaled mma.sync
+BS_ELEM_BITS = {"mxfp8": 8, "nvfp4": 4, "mxfp4": 4}  # per format (a precision's activations: BS_FORMATS[p][0])
+BS_MMA_K = {"mxfp8": 32, "nvfp4": 64, "w4a8-mx": 32}  # K of one m16n8kK block-scaled mma.sync
 BS_TILE_K = (128, 256)
 BS_SIZE_MULTIPLE = 128  # hidden and intermediate: whole 128-element k-tiles
 
 
-def bs_row_bytes(precision, tile_k) -> tuple[int, int]:
-    """(value bytes, scale bytes) of one row of a block-scaled k-tile of tile_k elements."""
-    return tile_k * BS_ELEM_BITS[precision] // 8, tile_k // BLOCKSCALE_BLOCK[precision]
+def bs_row_bytes(precision, tile_k, weights: bool = False) -> tuple[int, int]:
+    """(value bytes, scale bytes) of one row of a block-scaled k-tile of tile_k elements of the
+    activations (A) or, with ``weights``, of the weights (B)."""
+    fmt = BS_FORMATS[precision][int(weights)]
+    return tile_k * BS_ELEM_BITS[fmt] // 8, tile_k // BLOCKSCALE_BLOCK[fmt]
 
 
 def bs_smem_bytes(precision, tile_m, tile_n, tile_k, stages) -> int:
     """Shared memory of a block-scaled CTA: per stage the A and B value tiles and their scale
     bytes, reused for the fp32 staging of the accumulator tile, + the allocator's alignment slack."""
-    vb, sb = bs_row_bytes(precision, tile_k)
-    return max(stages * (tile_m + tile_n) * (vb + sb), tile_m * (tile_n + 8) * 4) + 1024
+    va, sa = bs_row_bytes(precision, tile_k)
+    vb, sb = bs_row_bytes(precision, tile_k, weights=True)
+    return max(stages * (tile_m * (va + sa) + tile_n * (vb + sb)), tile_m * (tile_n + 8) * 4) + 1024
 
 
 def check_blockscaled(role, precision, n, k, tile_m, tile_n, tile_k, stages, mma, warps_m=None, warps_n=None,
@@ -495,12 +504,13 @@ def check_blockscaled(role, precision, n, k, tile_m, tile_n, tile_k, stages, mma
     if tile_m % (16 * warps_m) or tile_n % (16 * warps_n) or tile_m > 256 or tile_n > 256:
         return False, (f"{precision}: tile {tile_m}x{tile_n} must be multiples of 16 per warp "
                        f"({16 * warps_m}x{16 * warps_n}) and at most 256x256")
-    vb, _ = bs_row_bytes(precision, tile_k)
-    rows_per_pass = threads // (vb // 16)
-    if rows_per_pass < 1 or tile_m % rows_per_pass or tile_n % rows_per_pass:
-        return False, (f"{precision}: tile_m {tile_m} and tile_n {tile_n} must be multiples of the "
-                       f"{max(rows_per_pass, 1)} rows one 16-byte cp.async pass of {threads} threads covers "
-                       f"(tile_k {tile_k})")
+    for rows, weights in ((tile_m, False), (tile_n, True)):
+        vb, _ = bs_row_bytes(precision, tile_k, weights)
+        rows_per_pass = threads // (vb // 16)
+        if rows_per_pass < 1 or rows % rows_per_pass:
+            return False, (f"{precision}: tile_m {tile_m} and tile_n {tile_n} must be multiples of the "
+                           f"{max(rows_per_pass, 1)} rows one 16-byte cp.async pass of {threads} threads covers "
+                           f"(tile_k {tile_k})")
     if tile_m * tile_n // threads > MAX_ACC_REGS:
         return False, (f"{precision}: a {tile_m}x{tile_n} tile on {threads} threads needs "
                        f"{tile_m * tile_n // threads} fp32 accumulators per thread (max {MAX_ACC_REGS})")
@@ -508,8 +518,9 @@ def check_blockscaled(role, precision, n, k, tile_m, tile_n, tile_k, stages, mma
         return False, f"{precision}: stages {stages} must be in 2..8"
     if k // tile_k < stages - 1:
         return False, f"{precision}: K={k} has {k // tile_k} k-tiles, fewer than stages-1={stages - 1}"
-    if role == "glu" and (tile_n // 2) % BLOCKSCALE_BLOCK[precision]:
-        return False, (f"{precision} GEMM1: tile_n {tile_n} must hold whole {BLOCKSCALE_BLOCK[precision]}-column "
+    vec = BLOCKSCALE_BLOCK[BS_FORMATS[precision][0]]  # h's scale blocks
+    if role == "glu" and (tile_n // 2) % vec:
+        return False, (f"{precision} GEMM1: tile_n {tile_n} must hold whole {vec}-column "
                        f"scale blocks of its output in its tile_n / 2 columns")
     if arch is not None:
         cap = SMEM_CAPACITY[arch]

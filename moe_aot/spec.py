@@ -15,11 +15,13 @@ from pathlib import Path
 from .gemm_limits import ACTIVATIONS, BIAS_PRECISIONS, BLOCKSCALED, BS_SIZE_MULTIPLE, STANDINS, with_standins
 
 # "mxfp4-w": weight-only MXFP4 (gpt-oss's expert weights as shipped), activations bf16
-PRECISIONS = ("bf16", "fp8", "fp8-block128", "mxfp4-w", "mxfp8", "nvfp4")
+# "w4a8-mx": MXFP4 weights (gpt-oss's) times MXFP8 activations, block-scaled on the sm_120 family
+PRECISIONS = ("bf16", "fp8", "fp8-block128", "mxfp4-w", "mxfp8", "nvfp4", "w4a8-mx")
 SUPPORTED_PRECISIONS = {"sm_90a": ("bf16", "fp8", "fp8-block128", "mxfp4-w"),
                         "sm_100a": ("bf16", "fp8", "fp8-block128"),
-                        # mxfp8 / nvfp4: the block-scaled mma.sync of the sm_120 family (templates/blockscaled_warp.py)
-                        "sm_121a": ("bf16", "fp8", "fp8-block128", "mxfp8", "nvfp4")}
+                        # mxfp8 / nvfp4 / w4a8-mx: the block-scaled mma.sync of the sm_120 family
+                        # (templates/blockscaled_warp.py)
+                        "sm_121a": ("bf16", "fp8", "fp8-block128", "mxfp8", "nvfp4", "w4a8-mx")}
 SUPPORTED_PRECISIONS = with_standins(SUPPORTED_PRECISIONS)
 FP8_SIZE_MULTIPLE = 128  # fp8: hidden/intermediate in whole 128-element k-tiles and scale blocks
 TARGETS = {

@@ -42,9 +42,11 @@ PRECISION_ROLES = {"bf16": ("routing", "glu", "down", "combine"),
                    "mxfp4-w": ("routing", "glu", "down", "combine"),
                    # block-scaled: x quantized by templates/blockscale_quant.py ("bsquant"), h by GEMM1
                    "mxfp8": ("routing", "bsquant", "glu", "down", "combine"),
-                   "nvfp4": ("routing", "bsquant", "glu", "down", "combine")}
+                   "nvfp4": ("routing", "bsquant", "glu", "down", "combine"),
+                   "w4a8-mx": ("routing", "bsquant", "glu", "down", "combine")}  # x to mxfp8, weights mxfp4
 PRECISION_MMAS = {"bf16": None, "fp8": limits.FP8_MMAS, "fp8-block128": limits.FP8_MMAS,  # None: all
-                  "mxfp4-w": limits.W4_MMAS, "mxfp8": limits.BS_MMAS, "nvfp4": limits.BS_MMAS}
+                  "mxfp4-w": limits.W4_MMAS, "mxfp8": limits.BS_MMAS, "nvfp4": limits.BS_MMAS,
+                  "w4a8-mx": limits.BS_MMAS}
 
 
 def arch_tag(target: str) -> str:
@@ -190,7 +192,7 @@ class LayerVariant:
             out.insert(1, KernelVariant("quant", f"moe_quant_{a}_{p}_h{h}",
                                         (("hidden", h), ("precision", spec.precision))))
         if "bsquant" in PRECISION_ROLES[spec.precision]:
-            out.insert(1, blockscale_kernel(BlockScaleShape(spec.precision, h, spec.target)))
+            out.insert(1, blockscale_kernel(BlockScaleShape(limits.BS_FORMATS[spec.precision][0], h, spec.target)))
         return out
 
     @classmethod

@@ -88,8 +88,8 @@ from moe_aot.layout import interleave_gate_up  # noqa: F401  (the w13 row order 
 from .blockscale_quant import nvfp4_encode_scale, quantize_block
 from .grouped_gemm import _COPY_ELEMS, _GroupedGemmBase, glu
 
-VALUE_DTYPES = {"mxfp8": Float8E4M3FN, "nvfp4": Float4E2M1FN}
-SCALE_DTYPES = {"mxfp8": Float8E8M0FNU, "nvfp4": Float8E4M3FN}
+VALUE_DTYPES = {"mxfp8": Float8E4M3FN, "nvfp4": Float4E2M1FN, "mxfp4": Float4E2M1FN}  # per format
+SCALE_DTYPES = {"mxfp8": Float8E8M0FNU, "nvfp4": Float8E4M3FN, "mxfp4": Float8E8M0FNU}
 _PIECE = 16  # bytes per cp.async of values
 
 
@@ -104,13 +104,19 @@ class _BlockScaledBase(_GroupedGemmBase):
         warps_m, warps_n = limits.default_warps(tile_m, tile_n, warps_m, warps_n)
         self.precision = precision
         self.nvfp4 = precision == "nvfp4"
-        self.vec = limits.BLOCKSCALE_BLOCK[precision]
-        self.bits = limits.BS_ELEM_BITS[precision]
-        self.val_dtype, self.sf_dtype = VALUE_DTYPES[precision], SCALE_DTYPES[precision]
+        # activations (x, h: A) and weights (B); w4a8-mx: mxfp8 x mxfp4, the MMA's e2m1 B in byte containers
+        self.act_fmt, self.w_fmt = limits.BS_FORMATS[precision]
+        self.mixed = self.act_fmt != self.w_fmt
+        self.vec = limits.BLOCKSCALE_BLOCK[self.act_fmt]  # both operands' (w4a8-mx: 32 and 32)
+        self.bits, self.w_bits = limits.BS_ELEM_BITS[self.act_fmt], limits.BS_ELEM_BITS[self.w_fmt]
+        self.val_dtype, self.sf_dtype = VALUE_DTYPES[self.act_fmt], SCALE_DTYPES[self.act_fmt]
+        self.w_dtype = VALUE_DTYPES[self.w_fmt]
         self.n, self.k = n, k
         self.k_bytes, self.k_scales = k * self.bits // 8, k // self.vec  # per row in global memory
+        self.w_k_bytes = k * self.w_bits // 8
         self.tile_m, self.tile_n, self.tile_k = tile_m, tile_n, tile_k
         self.row_bytes, self.row_scales = limits.bs_row_bytes(precision, tile_k)  # per k-tile row
+        self.w_row_bytes = limits.bs_row_bytes(precision, tile_k, weights=True)[0]
         self.stages, self.mma = stages, mma
         self.warps_m, self.warps_n = warps_m, warps_n
         self.threads = self.mma_threads = self.load_threads = warps_m * warps_n * 32
@@ -130,7 +136,17 @@ class _BlockScaledBase(_GroupedGemmBase):
         """The block-scaled mma.sync on a warps_m x warps_n grid; N permuted so that warp w owns 16
         consecutive columns of every 16 * warps_n (two n8 atoms, one ldmatrix.x4 of B)."""
         cls = cute.nvgpu.warp.MmaMXF4NVF4Op if self.nvfp4 else cute.nvgpu.warp.MmaMXF8Op
-        if const_expr(self.standin):
+        if const_expr(self.mixed):
+            # e4m3 A x e2m1 B, kind::mxf8f6f4 (the same m16n8k32 fragments and ue8m0 scale operands as mxfp8)
+            cls = cute.nvgpu.warp.MmaMXF8F6F4Op
+            if const_expr(self.standin):
+                op = object.__new__(cls)
+                for name, value in (("a_dtype", self.val_dtype), ("b_dtype", self.w_dtype), ("acc_dtype", Float32),
+                                    ("sf_type", self.sf_dtype)):
+                    object.__setattr__(op, name, value)
+            else:
+                op = cls(self.val_dtype, self.w_dtype, Float32, self.sf_dtype)
+        elif const_expr(self.standin):
             # the stand-in partitions with the same atom but never issues it: built without the
             # op's sm_120-family check (the atom's layouts do not depend on the target)
             op = object.__new__(cls)
@@ -144,11 +160,12 @@ class _BlockScaledBase(_GroupedGemmBase):
         return cute.make_tiled_mma(op, cute.make_layout((self.warps_m, self.warps_n, 1)),
                                    permutation_mnk=(16 * self.warps_m, perm_n, limits.BS_MMA_K[self.precision]))
 
-    def _make_g2s_copy(self):
-        """16-byte cp.async of a [rows, row_bytes] value tile, row_bytes / 16 threads per row."""
+    def _make_g2s_copy(self, row_bytes: Optional[int] = None):
+        """16-byte cp.async of a [rows, row_bytes] value tile (A's row bytes unless given),
+        row_bytes / 16 threads per row."""
         atom = cute.make_copy_atom(
             cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.LoadCacheMode.GLOBAL), Uint8, num_bits_per_copy=128)
-        tpr = self.row_bytes // _PIECE
+        tpr = (row_bytes or self.row_bytes) // _PIECE
         thr = cute.make_layout((self.threads // tpr, tpr), stride=(tpr, 1))
         return cute.make_tiled_copy_tv(atom, thr, cute.make_layout((1, _PIECE)))
 
@@ -156,12 +173,14 @@ class _BlockScaledBase(_GroupedGemmBase):
         return -(-rows // self.threads)
 
     # ------------------------------------------------------------------ device helpers
-    def _value_layout(self, rows: int, bits: int):
-        """(rows, row_bytes * 8 / bits elements, stages) in 8-row atoms of min(row_bytes, 128) bytes."""
-        atom_bytes = min(self.row_bytes, 128)
+    def _value_layout(self, rows: int, bits: int, row_bytes: Optional[int] = None):
+        """(rows, row_bytes * 8 / bits elements, stages) in 8-row atoms of min(row_bytes, 128) bytes
+        (A's row bytes unless given)."""
+        row_bytes = row_bytes or self.row_bytes
+        atom_bytes = min(row_bytes, 128)
         per = atom_bytes * 8 // bits
         atom = cute.make_layout((8, per), stride=(per, 1))
-        return cute.tile_to_shape(atom, (rows, self.row_bytes * 8 // bits, self.stages), (0, 1, 2))
+        return cute.tile_to_shape(atom, (rows, row_bytes * 8 // bits, self.stages), (0, 1, 2))
 
     @cute.jit
     def _smem_tensors(self):
@@ -169,17 +188,19 @@ class _BlockScaledBase(_GroupedGemmBase):
         scale stages as bytes, the same as the MMA's scale type over (rows, (vec, tile_k / vec))),
         and the fp32 staging tile over the same bytes. Returns ((A views), (B views), sC_ptr)."""
         smem = cutlass.memory.SmemAllocator()
-        vb, sb, st = self.row_bytes, self.row_scales, self.stages
-        a_v, b_v = st * self.tile_m * vb, st * self.tile_n * vb
+        vb, wb, sb, st = self.row_bytes, self.w_row_bytes, self.row_scales, self.stages
+        a_v, b_v = st * self.tile_m * vb, st * self.tile_n * wb
         a_s, b_s = st * self.tile_m * sb, st * self.tile_n * sb
         main = max(a_v + b_v + a_s + b_s, self.tile_m * self.c_row_stride * 4)
         base = smem.allocate(main + self._standin_bytes(), byte_alignment=1024)
-        swizzle = cute.make_swizzle(int(math.log2(min(vb, 128) // 16)), 4, 3)
         views = []
-        for v_off, s_off, rows in ((0, a_v + b_v, self.tile_m), (a_v, a_v + b_v + a_s, self.tile_n)):
-            vbytes = cute.make_tensor(cute.recast_ptr(base + v_off, swizzle, Uint8), self._value_layout(rows, 8))
-            velems = cute.make_tensor(cute.recast_ptr(base + v_off, swizzle, self.val_dtype),
-                                      self._value_layout(rows, self.bits))
+        for v_off, s_off, rows, rb, dtype, bits in (
+                (0, a_v + b_v, self.tile_m, vb, self.val_dtype, self.bits),
+                (a_v, a_v + b_v + a_s, self.tile_n, wb, self.w_dtype, self.w_bits)):
+            swizzle = cute.make_swizzle(int(math.log2(min(rb, 128) // 16)), 4, 3)
+            vbytes = cute.make_tensor(cute.recast_ptr(base + v_off, swizzle, Uint8), self._value_layout(rows, 8, rb))
+            velems = cute.make_tensor(cute.recast_ptr(base + v_off, swizzle, dtype),
+                                      self._value_layout(rows, bits, rb))
             sbytes = cute.make_tensor(cute.recast_ptr(base + s_off, dtype=Uint8),
                                       cute.make_layout((rows, sb, st), stride=(sb, 1, rows * sb)))
             selems = cute.make_tensor(cute.recast_ptr(base + s_off, dtype=self.sf_dtype), cute.make_layout(
@@ -193,8 +214,8 @@ class _BlockScaledBase(_GroupedGemmBase):
     def _expert_weights(self, mW, expert):
         """(values [N, K bytes], scales [N, K/vec]) of one expert, offsets formed in 64 bits."""
         mWq, mWs = mW
-        q = cute.make_tensor((mWq.iterator + cutlass.Int64(expert) * (self.n * self.k_bytes)).align(16),
-                             cute.make_layout((self.n, self.k_bytes), stride=(self.k_bytes, 1)))
+        q = cute.make_tensor((mWq.iterator + cutlass.Int64(expert) * (self.n * self.w_k_bytes)).align(16),
+                             cute.make_layout((self.n, self.w_k_bytes), stride=(self.w_k_bytes, 1)))
         s = cute.make_tensor((mWs.iterator + cutlass.Int64(expert) * (self.n * self.k_scales)).align(self.row_scales),
                              cute.make_layout((self.n, self.k_scales), stride=(self.k_scales, 1)))
         return q, s
@@ -234,10 +255,10 @@ class _BlockScaledBase(_GroupedGemmBase):
     @cute.jit
     def _load_tile(self, kt, stage, tidx, ld):
         """Issue the cp.async copies of k-tile ``kt`` (A and B values and scales) into ``stage``."""
-        copy, mAq, mAs, a_rows, s_rows, tAsA, tAcA, sSA, tBgB, tBsB, mBs, b_rows, sSB = ld
+        copy, mAq, mAs, a_rows, s_rows, tAsA, tAcA, sSA, tBgB, tBsB, mBs, b_rows, sSB, copy_b = ld
         self._load_a_values(kt, stage, copy, mAq, a_rows, tAsA, tAcA)
         self._load_scales(kt, stage, tidx, mAs, s_rows, self.tile_m, sSA)
-        cute.copy(copy, tBgB[None, None, None, kt], tBsB[None, None, None, stage])
+        cute.copy(copy_b, tBgB[None, None, None, kt], tBsB[None, None, None, stage])
         self._load_scales(kt, stage, tidx, mBs, b_rows, self.tile_n, sSB)
 
     @cute.jit
@@ -257,8 +278,12 @@ class _BlockScaledBase(_GroupedGemmBase):
         thr_copy = copy.get_slice(tidx)
         tAsA = thr_copy.partition_D(sAb)
         tAcA = thr_copy.partition_S(cute.make_identity_tensor((self.tile_m, self.row_bytes)))
-        tBsB = thr_copy.partition_D(sBb)
-        tBgB = thr_copy.partition_S(cute.local_tile(mBq, (self.tile_n, self.row_bytes), (bn, None)))
+        copy_b, thr_copy_b = copy, thr_copy
+        if const_expr(self.mixed):  # the weights' rows are half as long (packed e2m1)
+            copy_b = self._make_g2s_copy(self.w_row_bytes)
+            thr_copy_b = copy_b.get_slice(tidx)
+        tBsB = thr_copy_b.partition_D(sBb)
+        tBgB = thr_copy_b.partition_S(cute.local_tile(mBq, (self.tile_n, self.w_row_bytes), (bn, None)))
         # padding rows of A: values and scales zero in every stage (a garbage scale byte could be
         # NaN, and NaN * 0 is NaN), never loaded
         for m in cutlass.range_constexpr(cute.size(tAsA, mode=[1])):
@@ -274,7 +299,7 @@ class _BlockScaledBase(_GroupedGemmBase):
         b_rows = cute.make_rmem_tensor(cute.make_layout(self._scale_passes(self.tile_n)), Int32)
         for p in cutlass.range_constexpr(self._scale_passes(self.tile_n)):
             b_rows[p] = bn * self.tile_n + tidx + p * self.threads
-        ld = (copy, mAq, mAs, rows_a, rows_s, tAsA, tAcA, sSAb, tBgB, tBsB, mBs, b_rows, sSBb)
+        ld = (copy, mAq, mAs, rows_a, rows_s, tAsA, tAcA, sSAb, tBgB, tBsB, mBs, b_rows, sSBb, copy_b)
 
         for s in cutlass.range_constexpr(stages - 1):
             self._load_tile(s, s, tidx, ld)
@@ -288,7 +313,15 @@ class _BlockScaledBase(_GroupedGemmBase):
         tCrSFB = self._sf_fragment(sSB[None, None, 0], thr_mma, tidx, False)
         ldm = cute.make_copy_atom(cute.nvgpu.warp.LdMatrix8x8x16bOp(False, 4), self.val_dtype)
         s2r_A = cute.make_tiled_copy_A(ldm, tiled_mma).get_slice(tidx)
-        s2r_B = cute.make_tiled_copy_B(ldm, tiled_mma).get_slice(tidx)
+        tCrB8 = tCrB
+        if const_expr(self.mixed):
+            # packed e2m1 from shared memory: a lane's four consecutive k of a B column are two bytes
+            # (ldmatrix.b16 would hand it eight); then widened to the MMA's byte containers per k-block
+            s2r_B = cute.make_tiled_copy_B(cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.w_dtype,
+                                                               num_bits_per_copy=16), tiled_mma).get_slice(tidx)
+            tCrB8 = cute.make_rmem_tensor(tCrB.layout, Uint8)
+        else:
+            s2r_B = cute.make_tiled_copy_B(ldm, tiled_mma).get_slice(tidx)
         sf_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.sf_dtype)
         perm = tiled_mma.permutation_mnk
         s2r_SA = cute.make_tiled_copy(sf_atom, sm120_utils.get_layoutSFA_TV(tiled_mma),
@@ -324,14 +357,27 @@ class _BlockScaledBase(_GroupedGemmBase):
                     next_stage = next_stage + 1
                     if next_stage == stages:
                         next_stage = Int32(0)
+                if const_expr(self.mixed):
+                    self._e2m1_containers(tCrB[None, None, kb], tCrB8[None, None, kb])
                 if const_expr(self.standin):
-                    self._standin_gemm(tidx, tiled_mma, acc, (tCrA, tCrSFA, tCrB, tCrSFB), sA[4], kb)
+                    self._standin_gemm(tidx, tiled_mma, acc, (tCrA, tCrSFA, tCrB8, tCrSFB), sA[4], kb)
                 else:
                     cute.gemm(tiled_mma, acc, [tCrA[None, None, kb], tCrSFA[None, None, kb]],
-                              [tCrB[None, None, kb], tCrSFB[None, None, kb]], acc)
+                              [tCrB8[None, None, kb], tCrSFB[None, None, kb]], acc)
 
         cute.arch.cp_async_wait_group(0)
         cute.arch.sync_threads()
+
+    @cute.jit
+    def _e2m1_containers(self, src, dst):
+        """Packed e2m1 codes (element 2j in the low nibble of byte j) -> one per byte at bits 5:2,
+        the other bits zero: how kind::mxf8f6f4 takes .e2m1 operands (B: two .b32 registers of
+        four elements each, as for e4m3)."""
+        packed = cute.recast_tensor(src, Uint8)  # a k-block's slice of the fragment is contiguous
+        for j in cutlass.range_constexpr(cute.size(packed)):
+            byte = packed[j].to(Int32)
+            dst[2 * j] = ((byte & 0xF) << 2).to(Uint8)
+            dst[2 * j + 1] = ((byte >> 4) << 2).to(Uint8)
 
     def _sf_fragment(self, sf, thr_mma, tidx, a: bool, coords: bool = False):
         """This thread's register fragment of the scale tile ``sf`` [rows, (vec, tile_k / vec)] of A
@@ -387,9 +433,10 @@ class _BlockScaledBase(_GroupedGemmBase):
         sXA, sXB, sSA, sSB = scratch
         thr_mma = tiled_mma.get_slice(tidx)
         k0 = kb * self.mma_k
-        for frag, sX, cT in ((tCrA, sXA, thr_mma.partition_A(cute.make_identity_tensor((self.tile_m, self.tile_k)))),
-                             (tCrB, sXB, thr_mma.partition_B(cute.make_identity_tensor((self.tile_n, self.tile_k))))):
-            vals = self._standin_values(frag[None, None, kb])
+        for frag, sX, cT, b in (
+                (tCrA, sXA, thr_mma.partition_A(cute.make_identity_tensor((self.tile_m, self.tile_k))), False),
+                (tCrB, sXB, thr_mma.partition_B(cute.make_identity_tensor((self.tile_n, self.tile_k))), True)):
+            vals = self._standin_values(frag[None, None, kb], b and self.mixed)
             crd = cT[None, None, kb]
             for i in cutlass.range_constexpr(cute.size(vals)):
                 sX[crd[i][0], crd[i][1] - k0] = vals[i]
@@ -426,11 +473,15 @@ class _BlockScaledBase(_GroupedGemmBase):
         return out
 
     @cute.jit
-    def _standin_values(self, frag):
+    def _standin_values(self, frag, containers: cutlass.Constexpr = False):
         """A value fragment as fp32: e4m3 by the conversion sm_89+ has, e2m1 decoded from its code
-        bits (element 2j in the low nibble of byte j, as in memory)."""
+        bits (element 2j in the low nibble of byte j, as in memory; ``containers``: w4a8-mx's B,
+        one code per byte at bits 5:2, as the MMA takes it)."""
         out = cute.make_rmem_tensor(cute.make_layout(cute.size(frag)), Float32)
-        if const_expr(self.nvfp4):
+        if const_expr(containers):
+            for j in cutlass.range_constexpr(cute.size(frag)):
+                out[j] = self._e2m1_value((frag[j].to(Int32) >> 2) & 0xF)
+        elif const_expr(self.nvfp4):
             dense = cute.make_rmem_tensor(cute.make_layout(cute.size(frag)), self.val_dtype)
             dense.store(frag.load())
             packed = cute.recast_tensor(dense, Uint8)
@@ -484,7 +535,7 @@ class _BlockScaledBase(_GroupedGemmBase):
     def _fake_weights(self, e, n, k):
         from cutlass.cute.runtime import make_fake_tensor
 
-        qc, sc = k * self.bits // 8, k // self.vec
+        qc, sc = k * self.w_bits // 8, k // self.vec
         return (make_fake_tensor(Uint8, (e, n, qc), (n * qc, qc, 1), assumed_align=16),
                 make_fake_tensor(Uint8, (e, n, sc), (n * sc, sc, 1), assumed_align=16))
 
@@ -637,7 +688,7 @@ class BlockScaledGluGemm(_BlockScaledBase):
                     u = u * alpha
                 vals = cute.make_rmem_tensor(cute.make_layout((1, self.vec)), Float32)
                 vals.store(glu(g, u, self.activation))
-                out, byte = quantize_block(vals, self.precision, s_enc, self.e2m1)
+                out, byte = quantize_block(vals, self.act_fmt, s_enc, self.e2m1)
                 col = bn * blocks + j  # the block's index along I
                 dst = cute.local_tile(self._row(mHq, row0 + row, i_bytes), (qn,), (col,))
                 dst.store(out)
