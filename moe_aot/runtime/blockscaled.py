@@ -1,5 +1,9 @@
-"""Expert weights of the block-scaled layer ("mxfp8", "nvfp4") in the layout its kernels read
-(templates/blockscaled_warp.py), in plain torch: no DSL, no database.
+"""Expert weights of the block-scaled layer ("mxfp8", "nvfp4", "w4a8-mx") in the layout its
+kernels read (templates/blockscaled_warp.py), in plain torch: no DSL, no database.
+
+"w4a8-mx"'s weights are MXFP4 (gemm_limits.BS_FORMATS: e2m1 codes two per byte, a ue8m0 scale per
+32), its activations MXFP8: prepare_w13 / prepare_w2 quantize bf16 weights to MXFP4, and
+from_gpt_oss takes gpt-oss's experts as its checkpoint ships them, without requantizing.
 
 Each matrix is quantized along K with moe_aot/blockscale.py, row by row, so the kernels' layout is
 the reference's own: values [E, N, K] e4m3 bytes or [E, N, K/2] packed e2m1, scales [E, N, K/vec]
@@ -17,12 +21,12 @@ from typing import NamedTuple
 import torch
 
 from .. import blockscale
-from ..gemm_limits import BLOCKSCALED
+from ..gemm_limits import BLOCKSCALED, BS_FORMATS
 from ..layout import interleave_gate_up, split_gate_up
 
 
 class BlockScaledWeight(NamedTuple):
-    values: torch.Tensor  # uint8 [E, N, K] (mxfp8) or [E, N, K/2] (nvfp4)
+    values: torch.Tensor  # uint8 [E, N, K] (mxfp8) or [E, N, K/2] (nvfp4, w4a8-mx)
     scales: torch.Tensor  # uint8 [E, N, K/vec]
     global_amax: torch.Tensor | None  # nvfp4: fp32 [E]; mxfp8: None
     # nvfp4: the calibrated amax of this GEMM's activation input, fp32 [1] (a checkpoint's
@@ -44,8 +48,10 @@ def check_format(fmt: str) -> None:
 
 
 def _quantize_experts(w: torch.Tensor, fmt: str, amax: torch.Tensor | None):
-    """[E, N, K] -> (values, scales) stacked per expert, expert e relative to amax[e] (nvfp4)."""
-    parts = [blockscale.quantize(w[e], fmt, None if amax is None else amax[e]) for e in range(w.shape[0])]
+    """[E, N, K] -> (values, scales) stacked per expert in the weights' format of precision `fmt`,
+    expert e relative to amax[e] (nvfp4)."""
+    wfmt = BS_FORMATS[fmt][1]
+    parts = [blockscale.quantize(w[e], wfmt, None if amax is None else amax[e]) for e in range(w.shape[0])]
     return torch.stack([p.values for p in parts]), torch.stack([p.scales for p in parts])
 
 
@@ -77,7 +83,7 @@ def dequantize(w: BlockScaledWeight, fmt: str) -> torch.Tensor:
     """The fp32 [E, N, K] a prepared weight stands for (blockscale.dequantize per expert)."""
     check_format(fmt)
     return torch.stack([blockscale.dequantize(blockscale.Quantized(
-        w.values[e], w.scales[e], None if w.global_amax is None else w.global_amax[e:e + 1]), fmt)
+        w.values[e], w.scales[e], None if w.global_amax is None else w.global_amax[e:e + 1]), BS_FORMATS[fmt][1])
         for e in range(w.values.shape[0])])
 
 
@@ -86,3 +92,41 @@ def split_w13(w13: BlockScaledWeight, interleave: int = 16) -> tuple[BlockScaled
     (qg, qu), (sg, su) = split_gate_up(w13.values, interleave), split_gate_up(w13.scales, interleave)
     return (BlockScaledWeight(qg, sg, w13.global_amax, w13.input_amax),
             BlockScaledWeight(qu, su, w13.global_amax, w13.input_amax))
+
+
+def _gpt_oss_rows(blocks: torch.Tensor, scales: torch.Tensor, name: str):
+    """gpt-oss's blocks [E, N, K/32, 16] and scales [E, N, K/32] uint8 -> (codes [E, N, K/2],
+    scales [E, N, K/32]), contiguous: the checkpoint's bytes are already row-major MXFP4 (element
+    2j in the low nibble, as blockscale.pack_fp4)."""
+    if not isinstance(blocks, torch.Tensor) or not isinstance(scales, torch.Tensor) or blocks.dim() != 4 or \
+            scales.dim() != 3 or blocks.dtype != torch.uint8 or scales.dtype != torch.uint8 or blocks.shape[3] != 16 \
+            or tuple(scales.shape) != tuple(blocks.shape[:3]):
+        raise ValueError(f"{name}_blocks and {name}_scales must be uint8 [E, N, K/32, 16] and [E, N, K/32] "
+                         "(gpt-oss's MXFP4 checkpoint layout)")
+    e, n, g, b = blocks.shape
+    return blocks.reshape(e, n, g * b).contiguous(), scales.contiguous()
+
+
+def from_gpt_oss(gate_up_blocks, gate_up_scales, down_blocks, down_scales,
+                 interleave: int = 16) -> tuple[BlockScaledWeight, BlockScaledWeight]:
+    """One gpt-oss layer's MXFP4 experts as its checkpoint ships them (gate_up_proj_blocks /
+    _scales: rows gate, up, gate, up, ... (even rows gate); down_proj_blocks / _scales) -> (w13,
+    w2) "w4a8-mx" BlockScaledWeights: the same code and scale bytes, w13's rows regrouped into
+    gate/up blocks of ``interleave``; nothing is requantized. gpt-oss's expert biases have no
+    place here: the block-scaled GEMMs take none."""
+    q13, s13 = _gpt_oss_rows(gate_up_blocks, gate_up_scales, "gate_up_proj")
+    q2, s2 = _gpt_oss_rows(down_blocks, down_scales, "down_proj")
+    if q13.shape[1] % 2:
+        raise ValueError(f"gate_up_proj has {q13.shape[1]} rows; gate and up rows alternate, so it must be even")
+    w13 = BlockScaledWeight(interleave_gate_up(q13[:, 0::2], q13[:, 1::2], interleave),
+                            interleave_gate_up(s13[:, 0::2], s13[:, 1::2], interleave), None)
+    return w13, BlockScaledWeight(q2, s2, None)
+
+
+def to_gpt_oss(w13: BlockScaledWeight, w2: BlockScaledWeight, interleave: int = 16):
+    """The inverse of from_gpt_oss: (gate_up_blocks, gate_up_scales, down_blocks, down_scales)."""
+    (g, u), (gs, us) = split_gate_up(w13.values, interleave), split_gate_up(w13.scales, interleave)
+    e, i, half = g.shape
+    blocks = torch.stack((g, u), dim=2).reshape(e, 2 * i, half // 16, 16)
+    scales = torch.stack((gs, us), dim=2).reshape(e, 2 * i, -1)
+    return blocks, scales, w2.values.reshape(e, w2.values.shape[1], -1, 16), w2.scales

@@ -15,6 +15,7 @@ from ..gemm_limits import (
     BLOCKSCALE_BLOCK,
     BLOCKSCALED,
     BS_ELEM_BITS,
+    BS_FORMATS,
     FP8,
     H_SCALE_BLOCK,
     SCALE_BLOCK,
@@ -69,7 +70,7 @@ class Workspace:
     y: torch.Tensor
     max_tokens: int
     # fp8 layers: x quantized with its scales, and GEMM1's e4m3 output with its scales; block-scaled
-    # layers (mxfp8, nvfp4): the same as uint8 value and scale bytes (blockscale.quantize's layout)
+    # layers (mxfp8, nvfp4, w4a8-mx): the same as uint8 value and scale bytes (blockscale.quantize's layout)
     xq: torch.Tensor | None = None
     xs: torch.Tensor | None = None
     hq: torch.Tensor | None = None
@@ -98,7 +99,8 @@ class Workspace:
         extra = {}
         if bs:
             u8 = dict(dtype=torch.uint8, device=device)
-            bits, vec = BS_ELEM_BITS[spec.precision], BLOCKSCALE_BLOCK[spec.precision]
+            act = BS_FORMATS[spec.precision][0]  # x's and h's format (w4a8-mx: mxfp8)
+            bits, vec = BS_ELEM_BITS[act], BLOCKSCALE_BLOCK[act]
             H, I = spec.hidden, spec.intermediate
             extra = dict(xq=torch.empty(max_tokens, H * bits // 8, **u8), xs=torch.empty(max_tokens, H // vec, **u8),
                          hq=torch.empty(R, I * bits // 8, **u8), hs=torch.empty(R, I // vec, **u8),
@@ -294,9 +296,10 @@ class MoeLayer:
         return out
 
     def _bs_weight_checks(self, w13, w2) -> list:
-        """mxfp8 / nvfp4 layers take each weight as a BlockScaledWeight (runtime/blockscaled.py:
-        prepare_w13, prepare_w2); nvfp4's carry their global amaxes, and w2 the calibrated amax of
-        h (with_input_amax), which GEMM1 quantizes h against."""
+        """mxfp8 / nvfp4 / w4a8-mx layers take each weight as a BlockScaledWeight (runtime/blockscaled.py:
+        prepare_w13, prepare_w2; w4a8-mx's values packed e2m1, e.g. from_gpt_oss); nvfp4's carry
+        their global amaxes, and w2 the calibrated amax of h (with_input_amax), which GEMM1
+        quantizes h against."""
         from .blockscaled import BlockScaledWeight
 
         s = self.spec
@@ -315,7 +318,8 @@ class MoeLayer:
             raise KernelArgumentError("w2's input_amax (fp32 [1], the calibrated amax of h) is needed for precision "
                                       "nvfp4: GEMM1 quantizes h against it (blockscaled.with_input_amax)")
         E, H, I, u8, f32 = s.experts, s.hidden, s.intermediate, torch.uint8, torch.float32
-        bits, vec = BS_ELEM_BITS[s.precision], BLOCKSCALE_BLOCK[s.precision]
+        wfmt = BS_FORMATS[s.precision][1]
+        bits, vec = BS_ELEM_BITS[wfmt], BLOCKSCALE_BLOCK[wfmt]
         out = [("w13 values", w13.values, (E, 2 * I, H * bits // 8), u8),
                ("w13 scales", w13.scales, (E, 2 * I, H // vec), u8),
                ("w2 values", w2.values, (E, H, I * bits // 8), u8),
@@ -334,7 +338,7 @@ class MoeLayer:
         take w13 and w2 as (e4m3 weights, fp32 scales) pairs (prepare_fp8_weights); layers with
         expert biases (spec bias=True, gpt-oss) as (bf16 weights, bf16 biases) pairs: (w13, b13)
         with b13 [E, 2I] interleaved as w13's rows (prepare_biases), and (w2, b2) with b2 [E, H];
-        mxfp4-w layers as W4Weights (runtime/w4.py); mxfp8 / nvfp4 layers as BlockScaledWeights
+        mxfp4-w layers as W4Weights (runtime/w4.py); mxfp8 / nvfp4 / w4a8-mx layers as BlockScaledWeights
         (runtime/blockscaled.py; nvfp4's w2 with h's calibrated input_amax)."""
         if self.spec.precision in FP8:
             return self._forward_fp8(x, w13, w2, topk_weights, topk_ids, out, workspace)
@@ -523,7 +527,7 @@ class MoeLayer:
 
     def _forward_bs(self, x, w13, w2, topk_weights, topk_ids, out, workspace):
         """routing -> x quantized (bsquant) -> GEMM1 (h quantized in its epilogue) -> GEMM2 ->
-        combine, with BlockScaledWeights (mxfp8, nvfp4). nvfp4: x's global amax is taken on the
+        combine, with BlockScaledWeights (mxfp8, nvfp4, w4a8-mx). nvfp4: x's global amax is taken on the
         device into the workspace (one torch reduction on the current stream, no host sync) unless
         w13 carries a calibrated input_amax; h's is w2's input_amax. As _forward_fp8: the first
         call at a size launches with the kernels' own contract checks and keeps the filled
@@ -683,7 +687,8 @@ def moe_forward(x, w13_prepared, w2, topk_weights, topk_ids, out=None, workspace
     (blocks, scales, bias) triples from w4.from_gpt_oss() or w4.prepare_weights(). mxfp8 / nvfp4
     (the DGX Spark's block-scaled layers): both as BlockScaledWeights from blockscaled.prepare_w13()
     and prepare_w2(), the precision read off them (nvfp4's carry global amaxes; w2 the calibrated
-    amax of h: blockscaled.with_input_amax). `target`: the kernels' target (default: this GPU's;
+    amax of h: blockscaled.with_input_amax; packed e2m1 values with ue8m0 scales: w4a8-mx, from
+    blockscaled.from_gpt_oss() or prepare_w13/w2(..., "w4a8-mx")). `target`: the kernels' target (default: this GPU's;
     e.g. "sm_121a-standin" runs the Spark layer's sm_90a stand-ins on an H100/H200)."""
     precision, bias = "bf16", False
     w13 = w13_prepared
@@ -696,6 +701,10 @@ def moe_forward(x, w13_prepared, w2, topk_weights, topk_ids, out=None, workspace
             precision = "mxfp8" if w13_prepared.global_amax is None else "nvfp4"
             E, I2, ks = w13_prepared.scales.shape
             shape = (E, I2, ks * BLOCKSCALE_BLOCK[precision])
+            vals = w13_prepared.values
+            if precision == "mxfp8" and isinstance(vals, torch.Tensor) and vals.dim() == 3 and \
+                    vals.shape[2] * 2 == shape[2]:
+                precision = "w4a8-mx"  # packed e2m1 values (half a byte each) with ue8m0 scales
     if shape is not None:
         pass
     elif isinstance(w13_prepared, (tuple, list)) and len(w13_prepared) == 3 and \
