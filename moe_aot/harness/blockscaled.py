@@ -1,12 +1,13 @@
-"""References of the block-scaled layer's GEMMs ("mxfp8", "nvfp4"; templates/blockscaled_warp.py) in
-fp32 torch, on exactly the bytes the kernels read: x, the weights and h dequantized with
-moe_aot/blockscale.py, the fp32 layer of moe_aot/harness/reference.py in between, and h quantized
+"""References of the block-scaled layer's GEMMs ("mxfp8", "nvfp4", "w4a8-mx"; templates/blockscaled_warp.py)
+in fp32 torch, on exactly the bytes the kernels read: x, the weights and h dequantized with
+moe_aot/blockscale.py (each in its own format: w4a8-mx's x and h mxfp8, its weights mxfp4), the fp32 layer of moe_aot/harness/reference.py in between, and h quantized
 back as GEMM1's epilogue does (padding rows quantized zeros). Plain torch, CPU or CUDA."""
 from __future__ import annotations
 
 import torch
 
 from .. import blockscale
+from ..gemm_limits import BS_FORMATS
 from ..runtime import blockscaled as bw
 from ..variants import INTERLEAVE
 from .reference import glu_reference
@@ -26,9 +27,15 @@ def random_layer(experts: int, top_k: int, hidden: int, intermediate: int, token
             bw.prepare_w2(w2, fmt))
 
 
+def _act(fmt: str) -> str:
+    """The format of x and h of the block-scaled precision `fmt` (w4a8-mx: mxfp8)."""
+    return BS_FORMATS[fmt][0]
+
+
 def glu_pairs(xq: blockscale.Quantized, w13: bw.BlockScaledWeight, topk_ids, activation: str, fmt: str):
     """[M*top_k, I] fp32: the GLU of every routed pair on the dequantized x and w13."""
-    return glu_reference(blockscale.dequantize(xq, fmt), bw.dequantize(w13, fmt), topk_ids, activation, INTERLEAVE)
+    return glu_reference(blockscale.dequantize(xq, _act(fmt)), bw.dequantize(w13, fmt), topk_ids, activation,
+                         INTERLEAVE)
 
 
 def h_padded(pairs: torch.Tensor, sorted_ids: torch.Tensor) -> torch.Tensor:
@@ -41,14 +48,14 @@ def h_padded(pairs: torch.Tensor, sorted_ids: torch.Tensor) -> torch.Tensor:
 
 def quantize_h(h: torch.Tensor, fmt: str, h_gamax: torch.Tensor | None) -> blockscale.Quantized:
     """GEMM1's output bytes for the fp32 h rows (nvfp4: relative to the given global amax)."""
-    return blockscale.quantize(h, fmt, h_gamax if fmt == "nvfp4" else None)
+    return blockscale.quantize(h, _act(fmt), h_gamax if fmt == "nvfp4" else None)
 
 
 def down_rows(hq: blockscale.Quantized, w2: bw.BlockScaledWeight, sorted_ids, tile_expert, topk_weights, fmt: str,
               tile_m: int):
     """[M*top_k, H] fp32: GEMM2's rows, y[p] = w[p] * (dequant(h[r]) . dequant(w2_e)^T) for p =
     sorted_ids[r] with e the expert of r's tile; rows no pair maps to are zeros."""
-    h = blockscale.dequantize(hq, fmt)
+    h = blockscale.dequantize(hq, _act(fmt))
     w = bw.dequantize(w2, fmt)
     pairs = topk_weights.numel()
     y = torch.zeros(pairs, w.shape[1], dtype=torch.float32, device=h.device)
@@ -62,15 +69,18 @@ def down_rows(hq: blockscale.Quantized, w2: bw.BlockScaledWeight, sorted_ids, ti
     return y
 
 
-# -- the whole layer (MoeLayer.forward of an mxfp8 / nvfp4 layer) -----------------------------------
+# -- the whole layer (MoeLayer.forward of an mxfp8 / nvfp4 / w4a8-mx layer) -------------------------
 # The DGX Spark layers checked through their sm_90a stand-in (target "sm_121a-standin") on an
 # H100/H200: (layer fields, precisions, token counts). tools/spark_standin.py --build compiles their
 # bucket defaults; tests/test_gpu_spark_standin.py and the tool's --run check them. The small
 # layer is tools/check_blockscaled.py's (1, 7, 64, 300 tokens: buckets 1, 16, 64, 256, both the
-# decode and the 64-row tiles); Qwen3-30B-A3B at decode sizes.
+# decode and the 64-row tiles); Qwen3-30B-A3B at decode sizes. w4a8-mx (MXFP4 weights) runs on
+# both; a gpt-oss shape cannot (hidden = intermediate = 2880 is no multiple of the 128-element
+# k-tiles, gemm_limits.BS_SIZE_MULTIPLE).
 STANDIN_CHECKS = (
-    (dict(experts=8, top_k=2, hidden=1024, intermediate=512), ("bf16", "fp8", "mxfp8", "nvfp4"), (1, 7, 64, 300)),
-    (dict(model="qwen3-30b-a3b"), ("bf16", "mxfp8", "nvfp4"), (1, 16, 64)),
+    (dict(experts=8, top_k=2, hidden=1024, intermediate=512), ("bf16", "fp8", "mxfp8", "nvfp4", "w4a8-mx"),
+     (1, 7, 64, 300)),
+    (dict(model="qwen3-30b-a3b"), ("bf16", "mxfp8", "nvfp4", "w4a8-mx"), (1, 16, 64)),
 )
 POISON_BYTE = 0xAB  # written into the workspace's quantized x and h before a checked forward
 CALIBRATION_TOKENS = 64  # random tokens whose GLU outputs give nvfp4's h amax (random_weights)
@@ -134,7 +144,7 @@ def check_forward(layer, x, w13, w2, topk_weights, topk_ids, out, ws=None) -> di
     gx = None
     if nv:
         gx = w13.input_amax if w13.input_amax is not None else x.float().abs().amax().reshape(1)
-    xq_ref = blockscale.quantize(x, fmt, gx)
+    xq_ref = blockscale.quantize(x, _act(fmt), gx)
     x_ok = torch.equal(ws.xq[:M], xq_ref.values) and torch.equal(ws.xs[:M], xq_ref.scales)
     gh = w2.input_amax if nv else None
     rows = int(offsets[-1])  # rows of the tiles that have an expert (routing pads each to tile_m)
@@ -148,8 +158,8 @@ def check_forward(layer, x, w13, w2, topk_weights, topk_ids, out, ws=None) -> di
     ref = y.view(M, K, -1).sum(1)
     res = {
         "routing_equal": routing_ok, "x_bytes_equal": x_ok,
-        "h_err": _rel(blockscale.dequantize(h_got, fmt), h_exact) if rows else 0.0,
-        "h_err_reference": _rel(blockscale.dequantize(h_want, fmt), h_exact) if rows else 0.0,
+        "h_err": _rel(blockscale.dequantize(h_got, _act(fmt)), h_exact) if rows else 0.0,
+        "h_err_reference": _rel(blockscale.dequantize(h_want, _act(fmt)), h_exact) if rows else 0.0,
         "h_scale_bytes_equal": (ws.hs[:rows] == h_want.scales).float().mean().item() if rows else 1.0,
         "h_padding_zero": bool((ws.hq[:rows][pad] == 0).all() and (ws.hs[:rows][pad] == 0).all()),
         "rel_err": rel_err(out, ref), "row_rel_err": row_rel_err(out, ref),
@@ -172,7 +182,7 @@ def layer_reference(x, w13, w2, topk_weights, topk_ids, fmt: str, activation: st
     M, K, E = topk_ids.shape[0], topk_ids.shape[1], w13.values.shape[0]
     nv = fmt == "nvfp4"
     gx = (w13.input_amax if w13.input_amax is not None else x.float().abs().amax().reshape(1)) if nv else None
-    xq = blockscale.quantize(x, fmt, gx)
+    xq = blockscale.quantize(x, _act(fmt), gx)
     _, _, sorted_ids, tile_expert = routing_reference(topk_ids, E, tile_m)
     h = h_padded(glu_pairs(xq, w13, topk_ids, activation, fmt), sorted_ids)
     y = down_rows(quantize_h(h, fmt, w2.input_amax if nv else None), w2, sorted_ids, tile_expert, topk_weights,
