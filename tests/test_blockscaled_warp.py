@@ -336,7 +336,8 @@ def test_sm90a_standin_compiles_without_the_block_scaled_mma(role, precision):
         assert "cvt.rn.satfinite.e4m3x2.f32" in body and "st.global.b8" in body  # nvfp4's e4m3 scale bytes
     assert [a["name"] for a in art.meta["args"]] == ARGS[(role, precision)]
     with pytest.raises(Exception, match="sm_120a"):  # the real kernel: the instruction is not there
-        compile_kernel(cls(8, 512, 512, 2, precision=precision, **tiles), "sm_90a", f"r_{role}_{precision.replace('-', '_')}")
+        compile_kernel(cls(8, 512, 512, 2, precision=precision, **tiles), "sm_90a",
+                       f"r_{role}_{precision.replace('-', '_')}")
 
 
 @pytest.mark.parametrize("cls_name, kwargs, words", [

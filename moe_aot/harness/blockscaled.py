@@ -1,7 +1,8 @@
-"""References of the block-scaled layer's GEMMs ("mxfp8", "nvfp4", "w4a8-mx"; templates/blockscaled_warp.py)
-in fp32 torch, on exactly the bytes the kernels read: x, the weights and h dequantized with
-moe_aot/blockscale.py (each in its own format: w4a8-mx's x and h mxfp8, its weights mxfp4), the fp32 layer of moe_aot/harness/reference.py in between, and h quantized
-back as GEMM1's epilogue does (padding rows quantized zeros). Plain torch, CPU or CUDA."""
+"""References of the block-scaled layer's GEMMs ("mxfp8", "nvfp4", "w4a8-mx";
+templates/blockscaled_warp.py) in fp32 torch, on exactly the bytes the kernels read: x, the weights
+and h dequantized with moe_aot/blockscale.py (each in its own format: w4a8-mx's x and h mxfp8, its
+weights mxfp4), the fp32 layer of moe_aot/harness/reference.py in between, and h quantized back as
+GEMM1's epilogue does (padding rows quantized zeros). Plain torch, CPU or CUDA."""
 from __future__ import annotations
 
 import torch
