@@ -1,5 +1,5 @@
 """GPU tests of the DGX Spark layers through their sm_90a stand-in (target "sm_121a-standin",
-moe_aot/gemm_limits.STANDINS) on an H100/H200: bf16, fp8 and the block-scaled mxfp8 / nvfp4 layers
+moe_aot/gemm_limits.STANDINS) on an H100/H200: bf16, fp8 and the block-scaled mxfp8 / nvfp4 / w4a8-mx layers
 end to end through MoeLayer.forward against fp32 references of exactly what their kernels
 consumed (outputs NaN-poisoned, the quantized x and h poisoned, every row checked), CUDA-graph
 replays, moe_forward, and the tuning flow (`tune --compile-only` on the CPU, `measure` here).
@@ -24,7 +24,7 @@ if torch.cuda.get_device_capability() != (9, 0):
 from moe_aot.gemm_limits import BLOCKSCALED  # noqa: E402
 from moe_aot.harness import blockscaled as bsref  # noqa: E402
 from moe_aot.harness.verify import check_stages, random_routing, random_weights  # noqa: E402
-from moe_aot.runtime.blockscaled import with_input_amax  # noqa: E402
+from moe_aot.runtime.blockscaled import from_gpt_oss, to_gpt_oss, with_input_amax  # noqa: E402
 from moe_aot.runtime.layer import MoeLayer, moe_forward  # noqa: E402
 from moe_aot.runtime.store import KernelMissingError  # noqa: E402
 from moe_aot.spec import LayerSpec, make_spec  # noqa: E402
@@ -93,6 +93,30 @@ def test_nvfp4_takes_a_calibrated_x_amax_and_saturates_like_the_reference(case):
         layer.forward(x, a, b, tw, ids, out=out, workspace=ws)
         r = bsref.check_forward(layer, x, a, b, tw, ids, out, ws)
         assert r["ok"], r
+
+
+def test_w4a8_mx_runs_gpt_oss_checkpoint_bytes(case, store):
+    """w4a8-mx: the weights in gpt-oss's checkpoint layout (blocks [E, 2I, H/32, 16], gate and up
+    rows alternating) through blockscaled.from_gpt_oss give the kernels exactly the prepared
+    weights' bytes: every stage passes check_forward, the output equals the forward on the
+    prepared weights, and moe_forward reads the precision off them."""
+    layer, w13, w2, tokens = case
+    if layer.spec.precision != "w4a8-mx":
+        pytest.skip("w4a8-mx only")
+    spec = layer.spec
+    a, b = from_gpt_oss(*to_gpt_oss(w13, w2))
+    for t in (tokens[0], tokens[-1]):
+        x = torch.randn(t, spec.hidden, device=layer.device, dtype=torch.bfloat16)
+        tw, ids = random_routing(t, spec, layer.device, skew=True)
+        ws = layer.workspace(t)
+        bsref.poison(ws)
+        out = torch.full((t, spec.hidden), float("nan"), device=layer.device, dtype=torch.bfloat16)
+        layer.forward(x, a, b, tw, ids, out=out, workspace=ws)
+        r = bsref.check_forward(layer, x, a, b, tw, ids, out, ws)
+        assert r["ok"], r
+        assert torch.equal(out, layer.forward(x, w13, w2, tw, ids))
+        if not spec.model:
+            assert torch.equal(moe_forward(x, a, b, tw, ids, store=store, target=STANDIN), out)
 
 
 def test_moe_forward_runs_the_standin_layer(case, store):

@@ -3,19 +3,22 @@
 (target "sm_121a-standin", moe_aot/gemm_limits.STANDINS): the Spark's variants, limits and kernels,
 built for sm_90a, the block-scaled MMA emulated.
 
-  python3 tools/spark_standin.py --build DIR [-j N] [--trials N] [--gpu NAME]
+  python3 tools/spark_standin.py --build DIR [-j N] [--trials N] [--gpu NAME] [--precisions P,..]
       (CPU, needs the DSL) into DIR/standin.sqlite: the bucket defaults of every layer, precision
       and token count of harness/blockscaled.STANDIN_CHECKS (`compile_into`, as `moe-aot build`
       does), then `moe-aot tune --compile-only --target sm_121a-standin` of the small layer (bf16 at
       1 and 256 tokens, mxfp8 and nvfp4 at 1 token, --trials each) for --gpu (default NVIDIA H200).
-  python3 tools/spark_standin.py --run DIR --out OUTDIR [--replays N]
+      Kernels already in DIR/standin.sqlite are kept, so a second --build compiles only what is new.
+  python3 tools/spark_standin.py --run DIR --out OUTDIR [--replays N] [--precisions P,..]
       (H100/H200, torch + moe_aot, no DSL) every check of STANDIN_CHECKS twice (uniform and skewed
       routing) through MoeLayer.forward against the fp32 references (harness/verify.check_stages:
-      mxfp8 / nvfp4 each stage on the bytes its kernels consumed), a CUDA-graph replay of each
+      mxfp8 / nvfp4 / w4a8-mx each stage on the bytes its kernels consumed), a CUDA-graph replay of each
       block-scaled layer against its eager forward, then `moe-aot measure --target
       sm_121a-standin` on a copy of the database in OUTDIR (the compiled trials, each bucket's
       default, a confirmation round). Writes OUTDIR/checks.json, OUTDIR/measure.txt,
       OUTDIR/summary.txt and OUTDIR/standin.sqlite (the records); exits 1 on any failed check.
+  --precisions (both steps): only these precisions' layers and tuning (e.g. w4a8-mx: its kernels
+      alone, no tuning, none measured).
 
 What passing means: the Spark layer's kernels, runtime path and tuning flow are right everywhere
 except the block-scaled mma.sync instruction itself (emulated here; it needs an sm_120-family GPU)
@@ -40,13 +43,18 @@ SMALL = dict(experts=8, top_k=2, hidden=1024, intermediate=512)
 TUNE = (("bf16", "1,256"), ("mxfp8", "1"), ("nvfp4", "1"))
 
 
-def _specs():
+def _specs(only=None):
     from moe_aot.harness.blockscaled import STANDIN_CHECKS
     from moe_aot.spec import make_spec
 
     for fields, precisions, tokens in STANDIN_CHECKS:
         for p in precisions:
-            yield make_spec(**fields, precision=p, target=STANDIN), tokens
+            if only is None or p in only:
+                yield make_spec(**fields, precision=p, target=STANDIN), tokens
+
+
+def _tune(only=None):
+    return [(p, t) for p, t in TUNE if only is None or p in only]
 
 
 def _cli(args: list[str]) -> None:
@@ -56,14 +64,14 @@ def _cli(args: list[str]) -> None:
     main.main(args, standalone_mode=False)
 
 
-def build(folder: Path, jobs: int, trials: int, gpu: str) -> int:
+def build(folder: Path, jobs: int, trials: int, gpu: str, only=None) -> int:
     from moe_aot.compiler import compile_into
     from moe_aot.database import Database
     from moe_aot.variants import bucket_for, default_variant
 
     folder.mkdir(parents=True, exist_ok=True)
     url = f"sqlite:///{folder / DB_NAME}"
-    pairs = [(spec, default_variant(spec, b)) for spec, tokens in _specs()
+    pairs = [(spec, default_variant(spec, b)) for spec, tokens in _specs(only)
              for b in sorted({bucket_for(t) for t in tokens})]
     t0 = time.time()
 
@@ -77,14 +85,14 @@ def build(folder: Path, jobs: int, trials: int, gpu: str) -> int:
     failed = [r for r in results if r.error]
     print(f"defaults: {len(results)} kernels compiled, {len(failed)} failed, {time.time() - t0:.0f}s", flush=True)
     sizes = [f"--{k.replace('_', '-')}={v}" for k, v in SMALL.items()]
-    for precision, tokens in TUNE:
+    for precision, tokens in _tune(only):
         _cli(["tune", "--compile-only", "--gpu", gpu, "--target", STANDIN, *sizes, "--precision", precision,
               "--tokens", tokens, "--trials", str(trials), "--seed", "0", "-j", str(jobs), "--db", url])
     print(f"built {url} in {time.time() - t0:.0f}s", flush=True)
     return 1 if failed else 0
 
 
-def run(folder: Path, out: Path, replays: int) -> int:
+def run(folder: Path, out: Path, replays: int, only=None) -> int:
     import torch
 
     from moe_aot import picks
@@ -100,7 +108,7 @@ def run(folder: Path, out: Path, replays: int) -> int:
     gpu = torch.cuda.get_device_name()
     store = KernelStore(f"sqlite:///{folder / DB_NAME}")
     rows, t0 = [], time.time()
-    for spec, tokens in _specs():
+    for spec, tokens in _specs(only):
         layer = MoeLayer(spec, store, variants={})
         w13, w2 = random_weights(spec, layer.device)
         for t in tokens:
@@ -123,6 +131,11 @@ def run(folder: Path, out: Path, replays: int) -> int:
     lines = [f"{len(rows) - len(bad)} of {len(rows)} stand-in checks passed on {gpu} ({time.time() - t0:.0f}s)"]
     lines += [f"  FAILED {json.dumps(r)}" for r in bad]
 
+    if not _tune(only):  # --precisions without a tuned one: the checks alone
+        (out / "summary.txt").write_text("\n".join(lines) + "\n")
+        print("\n".join(lines), flush=True)
+        return 1 if bad else 0
+
     # the tuning flow: measure what `tune --compile-only` left ready, on a copy (OUTDIR holds the records)
     db_copy = out / DB_NAME
     db_copy.unlink(missing_ok=True)
@@ -142,7 +155,7 @@ def run(folder: Path, out: Path, replays: int) -> int:
     sizes = dict(SMALL, target=STANDIN)
     with Database(url) as db:
         report = []
-        for precision, tokens in TUNE:
+        for precision, tokens in _tune(only):
             spec = make_spec(**sizes, precision=precision)
             buckets = [bucket_for(int(t)) for t in tokens.split(",")]
             rows_ = picks.summary(db, spec, gpu, buckets)
@@ -168,10 +181,14 @@ def main() -> int:
     ap.add_argument("--trials", type=int, default=3, help="compile-only trials per tuned bucket (default 3)")
     ap.add_argument("--gpu", default="NVIDIA H200", help="the GPU the trials are for, as torch names it")
     ap.add_argument("--replays", type=int, default=30, help="CUDA-graph replays per measurement (default 30)")
+    ap.add_argument("--precisions", help="only these precisions (comma-separated), e.g. w4a8-mx")
     args = ap.parse_args()
     if bool(args.build) == bool(args.run):
         ap.error("give exactly one of --build DIR and --run DIR")
-    return build(args.build, args.jobs, args.trials, args.gpu) if args.build else run(args.run, args.out, args.replays)
+    only = set(args.precisions.split(",")) if args.precisions else None
+    if args.build:
+        return build(args.build, args.jobs, args.trials, args.gpu, only)
+    return run(args.run, args.out, args.replays, only)
 
 
 if __name__ == "__main__":
