@@ -1,5 +1,5 @@
-"""Block-scaled grouped GEMMs ("mxfp8", "nvfp4") for DGX Spark (sm_121a) on the warp-level
-block-scaled ``mma.sync``, with GEMM1's GLU output quantized to the same format in its epilogue.
+"""Block-scaled grouped GEMMs ("mxfp8", "nvfp4", "w4a8-mx") for DGX Spark (sm_121a) on the warp-level
+block-scaled ``mma.sync``, with GEMM1's GLU output quantized to the activations' format in its epilogue.
 
 The two GEMMs of grouped_gemm.py (gathered-A GEMM1 + GLU, GEMM2 + routing weight, the same
 routing layout: ``sorted_ids`` [R] routed pair per padded row or -1, ``tile_expert`` [T] expert
@@ -14,10 +14,20 @@ formats bit for bit):
            ... .e2m1.e2m1.f32.ue4m3``. The MMA applies the block scales; the global scales,
            1 / S_enc of each operand (S_enc = 448 * 6 / amax, ``blockscale_quant.nvfp4_encode_scale``),
            multiply the fp32 sums in the epilogue.
+  "w4a8-mx" MXFP4 weights (gpt-oss's: e2m1 two per byte, a ue8m0 scale byte per 32 along K) times
+           MXFP8 activations (x, h as "mxfp8"): ``mma.sync.aligned.kind::mxf8f6f4.block_scale
+           .scale_vec::1X.m16n8k32 ... .e4m3.e2m1.f32.ue8m0`` (cute.nvgpu.warp.MmaMXF8F6F4Op). Its B
+           operand holds each e2m1 in a byte (two .b32 registers of four, the code at bits 5:2, the
+           rest zero), while shared memory holds the weights packed: each k-block's fragment is read
+           as packed codes (two bytes per lane and n8 atom: its four consecutive k) and widened in
+           registers (``_e2m1_containers``) before the MMA, whose B fragment is then a Uint8 tensor
+           (the DSL 4.8.1 lowering of a Float4E2M1FN fragment passes eight packed codes in the
+           first register and leaves the second undefined, so the kernel never hands it one).
 
 Operand layouts in global memory (all uint8, row-major; exactly what ``blockscale.quantize``
 returns for each matrix, so no permutation beyond bf16's gate/up interleave):
-  values  [rows, K] e4m3 bytes (mxfp8) or [rows, K/2] packed e2m1 (nvfp4)
+  values  [rows, K] e4m3 bytes (mxfp8, w4a8-mx's x and h) or [rows, K/2] packed e2m1 (nvfp4,
+          w4a8-mx's weights: gpt-oss's checkpoint bytes, runtime/blockscaled.from_gpt_oss)
   scales  [rows, K/vec] bytes, vec = 32 (mxfp8) or 16 (nvfp4): row r's scales of K block b at r * K/vec + b
   w13     [E, 2I, .] values and [E, 2I, H/vec] scales, rows gate/up interleaved in blocks of
           ``interleave`` (``layout.interleave_gate_up`` applied to the quantized gate and up rows;
@@ -26,7 +36,8 @@ returns for each matrix, so no permutation beyond bf16's gate/up interleave):
 Shared memory, per pipeline stage: the A and B value tiles [rows, tile_k * bits / 8] bytes in
 8-row atoms of min(row bytes, 128) bytes with the bf16 kernels' byte-address swizzle (16-byte
 chunk index XOR row), filled by 16-byte cp.async and read by ``ldmatrix.x4.b16`` (the fp8/fp4
-A and B fragments of these MMAs are byte-for-byte the bf16 m16n8k16 ones); the A and B scale
+A and B fragments of these MMAs are byte-for-byte the bf16 m16n8k16 ones; w4a8-mx's B tile has
+half of A's row bytes and is read by 2-byte shared loads, see above); the A and B scale
 tiles [rows, tile_k / vec] bytes, row-major, one cp.async of 4, 8 or 16 bytes per row (the
 k-tile's scales of a row are contiguous in the global layout above). The MMA's scale operand:
 per m16n8kK instruction lane l supplies the scale byte(s) of A row l/4 + 8 (l % 2) (scale_vec 1X:
@@ -68,7 +79,8 @@ accumulators; e2m1 rounding in software. It compiles for sm_90a (no block-scaled
 H200 can check everything around the instruction against the torch reference
 (tools/check_blockscaled.py); the instruction's own semantics need an sm_120-family GPU.
 
-Status: the kernels compile for sm_121a and the stand-ins for sm_90a (tests/test_blockscaled_warp.py);
+Status: the kernels compile for sm_121a and the stand-ins for sm_90a (tests/test_blockscaled_warp.py;
+w4a8-mx's to ``QMMA.SF.16832.F32.E4M3.E2M1.E8``, its stand-in not yet run on a GPU);
 none has run on an sm_120-family GPU (none was available); the stand-ins ran on the H200 (2026-12-02:
 32/32 GEMM checks, and the whole stand-in layer's 154 stage checks, tools/results/NOTES.md).
 """
