@@ -545,3 +545,37 @@ def test_gpu_check_passes_a_right_kernel_and_fails_wrong_ones(fmt):
             assert not tool.check(make(fault), fmt, tiles, 7, 0, dev)["ok"], fault
     finally:
         ref.random_layer = orig
+
+
+def test_w4a8_mx_takes_gpt_oss_checkpoint_bytes():
+    """blockscaled.from_gpt_oss: gpt-oss's MXFP4 experts as shipped (blocks [E, 2I, H/32, 16], gate
+    and up rows alternating, even rows gate) become w4a8-mx weights that dequantize to what
+    gpt-oss's own decode gives (low nibble first, value * 2^(scale - 127), as transformers'
+    convert_moe_packed_tensors), nothing requantized; to_gpt_oss gives the bytes back; a wrong
+    layout is refused in one sentence."""
+    from moe_aot.runtime import blockscaled as bw
+
+    g = torch.Generator().manual_seed(5)
+    E, I, H = 2, 32, 64
+    blocks = torch.randint(0, 256, (E, 2 * I, H // 32, 16), dtype=torch.uint8, generator=g)
+    scales = torch.randint(118, 130, (E, 2 * I, H // 32), dtype=torch.uint8, generator=g)
+    dblocks = torch.randint(0, 256, (E, H, I // 32, 16), dtype=torch.uint8, generator=g)
+    dscales = torch.randint(118, 130, (E, H, I // 32), dtype=torch.uint8, generator=g)
+    lut = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+
+    def gpt_oss_decode(b, s):  # [E, N, G, 16], [E, N, G] -> [E, N, 32 G]
+        vals = torch.stack((lut[(b & 0xF).long()], lut[(b >> 4).long()]), dim=-1).flatten(-2)
+        return (vals * torch.exp2(s.float() - 127).unsqueeze(-1)).flatten(-2)
+
+    w13, w2 = bw.from_gpt_oss(blocks, scales, dblocks, dscales)
+    assert w13.values.shape == (E, 2 * I, H // 2) and w13.scales.shape == (E, 2 * I, H // 32)
+    want = gpt_oss_decode(blocks, scales)
+    gate, up = bw.split_w13(w13)
+    assert torch.equal(bw.dequantize(gate, "w4a8-mx"), want[:, 0::2])
+    assert torch.equal(bw.dequantize(up, "w4a8-mx"), want[:, 1::2])
+    assert torch.equal(bw.dequantize(w2, "w4a8-mx"), gpt_oss_decode(dblocks, dscales))
+    for got, orig in zip(bw.to_gpt_oss(w13, w2), (blocks, scales, dblocks, dscales)):
+        assert torch.equal(got, orig)
+    with pytest.raises(ValueError, match=r"^gate_up_proj_blocks and gate_up_proj_scales must be uint8") as exc:
+        bw.from_gpt_oss(blocks[..., :8], scales, dblocks, dscales)
+    assert "\n" not in str(exc.value)
