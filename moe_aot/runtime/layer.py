@@ -438,6 +438,19 @@ class MoeLayer:
                         ("down", 2, "w2"), ("down", 3, "w2s"), ("down", 6, "tw"), ("combine", 1, "ids"),
                         ("combine", 2, "out"))
 
+    def _first_call_views(self, M: int, ws, inter):
+        """The first call at a size of the quantized paths (fp8, mxfp4-w, block-scaled): the
+        variant and its kernels at M tokens, the routing buffers sliced to its tiles, and R, the
+        rows of its tiles; refuses a workspace whose routing buffers or intermediate ``inter``
+        (h or hq) are too small for them."""
+        v, libs = self.role_kernels(M)
+        T = max_tiles(M, self.spec.top_k, self.spec.experts, v.tile_m)
+        R = T * v.tile_m
+        if ws.sorted_ids.numel() < R or ws.tile_expert.numel() < T or inter.shape[0] < R:
+            raise KernelArgumentError(f"workspace too small for {M} tokens with tile_m {v.tile_m}; "
+                                      "allocate it with Workspace.allocate(spec, max_tokens, device)")
+        return v, libs, ws.sorted_ids[:R], ws.tile_expert[:T], R
+
     def _forward_fp8(self, x, w13, w2, topk_weights, topk_ids, out, workspace):
         """routing -> quantization of x -> GEMM1 (e4m3 h) -> GEMM2 -> combine. The first call at
         a size launches with the kernels' own contract checks and keeps the filled argument
@@ -459,13 +472,7 @@ class MoeLayer:
         if ws.max_tokens < M or ws.xq is None:
             raise KernelArgumentError(f"workspace must be allocated for this fp8 layer and hold {M} tokens "
                                       f"(Workspace.allocate(spec, max_tokens, device))")
-        v, libs = self.role_kernels(M)
-        T = max_tiles(M, K, self.spec.experts, v.tile_m)
-        R = T * v.tile_m
-        if ws.sorted_ids.numel() < R or ws.tile_expert.numel() < T or ws.hq.shape[0] < R:
-            raise KernelArgumentError(f"workspace too small for {M} tokens with tile_m {v.tile_m}; "
-                                      "allocate it with Workspace.allocate(spec, max_tokens, device)")
-        sorted_ids, tile_expert = ws.sorted_ids[:R], ws.tile_expert[:T]
+        v, libs, sorted_ids, tile_expert, R = self._first_call_views(M, ws, ws.hq)
         xq, xs, hq, hs, y = ws.xq[:M], ws.xs[:M], ws.hq[:R], ws.hs[:R], ws.y[: M * K]
         args = {"routing": (topk_ids, ws.counts, ws.offsets, sorted_ids, tile_expert),
                 "quant": (x, xq, xs),
@@ -502,13 +509,8 @@ class MoeLayer:
                          {"ids": topk_ids, "x": x, "w13q": w13[0], "w13s": w13[1], "w2q": w2[0], "w2s": w2[1],
                           "tw": topk_weights, "out": out, "b13": w13[2], "b2": w2[2]})
             return out
-        v, libs = self.role_kernels(M)
-        T = max_tiles(M, K, self.spec.experts, v.tile_m)
-        R = T * v.tile_m
-        if ws.sorted_ids.numel() < R or ws.tile_expert.numel() < T or ws.h.shape[0] < R:
-            raise KernelArgumentError(f"workspace too small for {M} tokens with tile_m {v.tile_m}; "
-                                      "allocate it with Workspace.allocate(spec, max_tokens, device)")
-        sorted_ids, tile_expert, h, y = ws.sorted_ids[:R], ws.tile_expert[:T], ws.h[:R], ws.y[: M * K]
+        v, libs, sorted_ids, tile_expert, R = self._first_call_views(M, ws, ws.h)
+        h, y = ws.h[:R], ws.y[: M * K]
         b13, b2 = ((w13[2],), (w2[2],)) if self.spec.bias else ((), ())
         args = {"routing": (topk_ids, ws.counts, ws.offsets, sorted_ids, tile_expert),
                 "glu": (x, w13[0], w13[1], sorted_ids, tile_expert, h) + b13,
@@ -555,13 +557,7 @@ class MoeLayer:
             args = self._BS_CALLER_ARGS + ((self._NV_CALLER_ARGS + self._NV_X_AMAX_ARGS) if nv else ())
             self._replay(fast[1], args, ptrs)
             return out
-        v, libs = self.role_kernels(M)
-        T = max_tiles(M, K, self.spec.experts, v.tile_m)
-        R = T * v.tile_m
-        if ws.sorted_ids.numel() < R or ws.tile_expert.numel() < T or ws.hq.shape[0] < R:
-            raise KernelArgumentError(f"workspace too small for {M} tokens with tile_m {v.tile_m}; "
-                                      "allocate it with Workspace.allocate(spec, max_tokens, device)")
-        sorted_ids, tile_expert = ws.sorted_ids[:R], ws.tile_expert[:T]
+        v, libs, sorted_ids, tile_expert, R = self._first_call_views(M, ws, ws.hq)
         xq, xs, hq, hs, y = ws.xq[:M], ws.xs[:M], ws.hq[:R], ws.hs[:R], ws.y[: M * K]
         gx, g13, gh, g2 = ((xg,), (w13.global_amax,), (w2.input_amax,), (w2.global_amax,)) if nv else ((),) * 4
         args = {"routing": (topk_ids, ws.counts, ws.offsets, sorted_ids, tile_expert),
