@@ -160,12 +160,14 @@ class _GroupedGemmBase:
         layout = cute.tile_to_shape(atom, (rows, self.tile_k, self.stages), (0, 1, 2))
         return layout, swizzle
 
-    def _make_tiled_mma(self):
+    def _make_tiled_mma(self, tile_n: Optional[int] = None):
+        """The tile's MMA; wgmma cores: ``tile_n`` columns wide where given (hopper_fp8's column
+        parts), else the tile's."""
         if const_expr(self.mma in _WGMMA):
             k_major = LayoutEnum.ROW_MAJOR.sm90_mma_major_mode()
             return sm90_utils.make_trivial_tiled_mma(
                 self.ab_dtype, self.ab_dtype, k_major, k_major, Float32, (self.tile_m // 64 // self.acc_m_blocks, 1, 1),
-                tiler_mn=(64, self.tile_n))
+                tiler_mn=(64, tile_n or self.tile_n))
         if const_expr(self.fp8):  # e4m3 mma.sync (sm_89+): k32, the fragments of bf16's k16 in bytes
             op = cute.nvgpu.warp.MmaFP8Op(self.ab_dtype, Float32, _MMA_SHAPE_FP8)
         else:

@@ -35,9 +35,7 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import BFloat16, Float8E4M3FN, Float32, Int32, const_expr
-from cutlass.tensor_utils import LayoutEnum
 
 from moe_aot import gemm_limits as limits
 
@@ -139,7 +137,7 @@ class _Fp8Consumer:
         if const_expr(self.parts > 1):
             # the wgmmas of one column part: B's rows [j * part_n, (j + 1) * part_n) of a stage
             # are part j of this MMA's N mode over the stage
-            part_mma = self._make_part_mma()
+            part_mma = self._make_tiled_mma(self.part_n)
             thr_part = part_mma.get_slice(warp_group * 128)
             tCrA = part_mma.make_fragment_A(thr_part.partition_A(sA))
             tCrB = part_mma.make_fragment_B(thr_part.partition_B(sB))
@@ -233,13 +231,6 @@ class _Fp8Consumer:
             pipe.consumer_release(rel)
             rel.advance()
         return read
-
-    def _make_part_mma(self):
-        """The cooperative wgmma of one column part: 64 rows per consumer warpgroup, part_n wide."""
-        k_major = LayoutEnum.ROW_MAJOR.sm90_mma_major_mode()
-        return sm90_utils.make_trivial_tiled_mma(
-            self.ab_dtype, self.ab_dtype, k_major, k_major, Float32, (self.tile_m // 64, 1, 1),
-            tiler_mn=(64, self.part_n))
 
     @cute.jit
     def _mainloop_parts(self, pipe, read, part_mma, tCrA, tCrB, acc, part, tCcC, pairs, epi,
