@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from sass_tools import cuobjdump
 
 cute = pytest.importorskip("cutlass.cute")
 
@@ -26,23 +27,8 @@ from moe_aot.variants import GemmTiles, LayerVariant, can_implement, default_var
 QWEN3_30B = dict(num_experts=128, hidden=2048, intermediate=768, top_k=8)
 
 
-def _cuobjdump():
-    """cuobjdump of the CUDA wheels the DSL installs (nvidia/cu*/bin), else from PATH."""
-    import shutil
-
-    try:
-        import nvidia
-
-        for base in nvidia.__path__:
-            for path in sorted(Path(base).glob("cu*/bin/cuobjdump")):
-                return str(path)
-    except ImportError:
-        pass
-    return shutil.which("cuobjdump")
-
-
 def _sass(cubin: bytes, tmp_path) -> str:
-    tool = _cuobjdump()
+    tool = cuobjdump()
     if tool is None:
         pytest.skip("no cuobjdump")
     path = tmp_path / "k.cubin"

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from sass_tools import cuobjdump
 
 torch = pytest.importorskip("torch")
 
@@ -50,21 +51,6 @@ ARGS = {  # the argument lists of the module docstring, in order (None gamax: no
                         "w2_gamax", "stream"],
 }
 ARGS[("glu", "w4a8-mx")], ARGS[("down", "w4a8-mx")] = ARGS[("glu", "mxfp8")], ARGS[("down", "mxfp8")]
-
-
-def _cuobjdump():
-    """cuobjdump of the CUDA wheels the DSL installs (nvidia/cu*/bin), else from PATH, else None."""
-    import shutil
-
-    try:
-        import nvidia
-
-        for base in nvidia.__path__:
-            for path in sorted(Path(base).glob("cu*/bin/cuobjdump")):
-                return str(path)
-    except ImportError:
-        pass
-    return shutil.which("cuobjdump")
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +90,7 @@ def test_gemms_compile_to_the_block_scaled_mma(spark_gemms, role, precision, tmp
         assert "st.global.v4.b32" in body and "cvt.rn.satfinite" not in body
     assert [a["name"] for a in art.meta["args"]] == ARGS[(role, precision)]
     assert int.from_bytes(art.library[18:20], "little") == 183  # EM_AARCH64: the Spark's host CPU
-    tool = _cuobjdump()
+    tool = cuobjdump()
     if tool is None:
         return  # the PTX checks stand; SASS needs cuobjdump
     cubin = tmp_path / "k.cubin"

@@ -7,10 +7,10 @@ import re
 import subprocess
 
 import pytest
+from sass_tools import cuobjdump
 
 torch = pytest.importorskip("torch")
 
-from test_gemm_templates import _cuobjdump  # noqa: E402
 
 from moe_aot import gemm_limits as limits  # noqa: E402
 from moe_aot import variants as V  # noqa: E402
@@ -176,7 +176,7 @@ def test_fp8_kernels_compile(tmp_path, mma):
             # both parts of every K block: GEMM1 one block of 4 k32 wgmmas per k-tile, GEMM2 two
             # of 2 (its h scales per 64 columns); B's second part 16 KB into the stage
             assert len(re.findall(want_mma, art.ptx)) == 8, kv.name
-            tool = _cuobjdump()
+            tool = cuobjdump()
             if tool:  # one partial sum of a part beside the 64x256 accumulators: ptxas spills nothing
                 cubin = tmp_path / f"{kv.role}.cubin"
                 cubin.write_bytes(art.cubin)

@@ -3,11 +3,10 @@
 Numerics are checked on the GPU by tools/check_gemm_kernels.py (compile here, run there).
 """
 import re
-import shutil
 import subprocess
-from pathlib import Path
 
 import pytest
+from sass_tools import cuobjdump
 
 cute = pytest.importorskip("cutlass.cute")
 torch = pytest.importorskip("torch")
@@ -240,19 +239,6 @@ def test_hoppp_pingpong_gives_each_warpgroup_its_own_tiles(role, tile_m, tile_n,
     assert not ok and "shared memory" in reason
 
 
-def _cuobjdump():
-    """cuobjdump of the CUDA wheels the DSL installs (nvidia/cu*/bin), else from PATH, else None."""
-    try:
-        import nvidia
-
-        for base in nvidia.__path__:
-            for path in sorted(Path(base).glob("cu*/bin/cuobjdump")):
-                return str(path)
-    except ImportError:
-        pass
-    return shutil.which("cuobjdump")
-
-
 @pytest.mark.parametrize("tile_m, tile_n, activation", [(128, 256, "swiglu"), (64, 128, "geglu"),
                                                         (128, 96, "swiglu")])
 def test_hopws_glu_epilogue_stores_16_byte_chunks(tile_m, tile_n, activation, tmp_path):
@@ -276,7 +262,7 @@ def test_hopws_glu_epilogue_stores_16_byte_chunks(tile_m, tile_n, activation, tm
     else:
         assert stores == ["st.global.b32"] * (2 * tile_n // 16), stores
     assert "ld.local" not in body and "st.local" not in body
-    tool = _cuobjdump()
+    tool = cuobjdump()
     if tool is None:
         return  # the PTX checks above stand; SASS and resource usage need cuobjdump
     cubin = tmp_path / "kernel.cubin"

@@ -68,6 +68,19 @@ def test_standin_layer_matches_reference(case, routing):
         assert not bad, f"{spec.label()} {spec.precision} tokens={t} {routing}: {bad}"
 
 
+def _checked_forward(layer, x, w13, w2, tw, ids):
+    """One forward on a poisoned workspace into a NaN-filled output, every stage checked against
+    what the kernels consumed (blockscaled.check_forward); returns the output."""
+    t = x.shape[0]
+    ws = layer.workspace(t)
+    bsref.poison(ws)
+    out = torch.full((t, layer.spec.hidden), float("nan"), device=layer.device, dtype=torch.bfloat16)
+    layer.forward(x, w13, w2, tw, ids, out=out, workspace=ws)
+    r = bsref.check_forward(layer, x, w13, w2, tw, ids, out, ws)
+    assert r["ok"], r
+    return out
+
+
 def test_block_scaled_forward_replays_from_a_cuda_graph(case):
     layer, w13, w2, tokens = case
     if layer.spec.precision not in BLOCKSCALED:
@@ -87,12 +100,7 @@ def test_nvfp4_takes_a_calibrated_x_amax_and_saturates_like_the_reference(case):
     x = torch.randn(t, spec.hidden, device=layer.device, dtype=torch.bfloat16)
     tw, ids = random_routing(t, spec, layer.device)
     for a, b in ((with_input_amax(w13, 2.0), w2), (w13, with_input_amax(w2, w2.input_amax * 0.5))):
-        ws = layer.workspace(t)
-        bsref.poison(ws)
-        out = torch.full((t, spec.hidden), float("nan"), device=layer.device, dtype=torch.bfloat16)
-        layer.forward(x, a, b, tw, ids, out=out, workspace=ws)
-        r = bsref.check_forward(layer, x, a, b, tw, ids, out, ws)
-        assert r["ok"], r
+        _checked_forward(layer, x, a, b, tw, ids)
 
 
 def test_w4a8_mx_runs_gpt_oss_checkpoint_bytes(case, store):
@@ -108,12 +116,7 @@ def test_w4a8_mx_runs_gpt_oss_checkpoint_bytes(case, store):
     for t in (tokens[0], tokens[-1]):
         x = torch.randn(t, spec.hidden, device=layer.device, dtype=torch.bfloat16)
         tw, ids = random_routing(t, spec, layer.device, skew=True)
-        ws = layer.workspace(t)
-        bsref.poison(ws)
-        out = torch.full((t, spec.hidden), float("nan"), device=layer.device, dtype=torch.bfloat16)
-        layer.forward(x, a, b, tw, ids, out=out, workspace=ws)
-        r = bsref.check_forward(layer, x, a, b, tw, ids, out, ws)
-        assert r["ok"], r
+        out = _checked_forward(layer, x, a, b, tw, ids)
         assert torch.equal(out, layer.forward(x, w13, w2, tw, ids))
         if not spec.model:
             assert torch.equal(moe_forward(x, a, b, tw, ids, store=store, target=STANDIN), out)
