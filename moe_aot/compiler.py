@@ -64,6 +64,8 @@ TEMPLATES = {
     ("combine", None): ("routing", "MoeCombine"),
     ("quant", None): ("quant", "QuantizeFp8"),
     ("glu_bwd", None): ("glu_backward", "GluBackward"),
+    ("dh", None): ("hopper_bwd", "HopperDhGemm"),
+    ("dx", None): ("hopper_bwd", "HopperDxGemm"),
     ("bsquant", None): ("blockscale_quant", "BlockScaleQuant"),
     ("glu", "grouped"): ("grouped_gemm", "GroupedGluGemm"),
     ("down", "grouped"): ("grouped_gemm", "GroupedDownGemm"),

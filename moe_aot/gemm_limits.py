@@ -267,6 +267,21 @@ def check_save_preact(mma, precision) -> tuple[bool, str]:
     return True, ""
 
 
+# The backward's data GEMMs (templates/hopper_bwd.py: dH with the GLU's backward in its epilogue,
+# dX) read the weights N-major: one 128-byte swizzle atom of B is 64 bf16 columns of N.
+BWD_MN_ATOM = 64
+
+
+def check_backward_gemm(n, k, tile_m, tile_n, tile_k, stages, mma, arch=None) -> tuple[bool, str]:
+    """(ok, reason) of a backward data GEMM (dH: N = I, K = H; dX: N = H, K = 2I): the persistent
+    cores with the weights read N-major, bf16, no clusters, and the cores' own tile rules."""
+    if mma not in PERSISTENT:
+        return False, f"the backward GEMMs are built for mma in {', '.join(PERSISTENT)}, not {mma}"
+    if tile_n % BWD_MN_ATOM:
+        return False, f"tile_n {tile_n} must be a multiple of {BWD_MN_ATOM} (N-major weight tiles)"
+    return check_gemm(n, k, tile_m, tile_n, tile_k, stages, mma, arch=arch)
+
+
 def cluster_applies(mma, tile_m) -> bool:
     """Whether a GEMM of this MMA and tile height may run in 2-CTA clusters along M."""
     return mma in CLUSTER_MMAS and tile_m == 128

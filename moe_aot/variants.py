@@ -207,15 +207,69 @@ class LayerVariant:
         return _build(cls, LAYER_NAME, iter(m.groups()))
 
 
+# The backward's data GEMMs (templates/hopper_bwd.py, sm_90a): dH writes da in the padded row order
+# of a routing with BWD_TILE_M-row tiles, which dX then reads by TMA, so both share it; the routing
+# runs in a cluster of BWD_ROUTE_CLUSTER CTAs (training batches have thousands of tokens).
+BWD_TILE_M = 128
+BWD_ROUTE_CLUSTER = 16
+BWD_TILE_N = (128, 64)  # widest first: tile_n must divide N and be a multiple of the N-major atom (64)
+
+
+def backward_gemm_tiles(spec: LayerSpec) -> tuple[GemmTiles, GemmTiles] | None:
+    """(dH, dX) tiles of the backward's data GEMMs: the persistent cooperative core with 128-row
+    tiles, the widest of BWD_TILE_N that divides N (dH: I, dX: H), 4 stages; None where the
+    target has no such core (the backward then multiplies with torch's grouped GEMMs) or the
+    layer is not bf16."""
+    if spec.precision != "bf16" or "hopws" not in TARGET_LIMITS[spec.target]["mma"]:
+        return None
+    out = []
+    for n, k in ((spec.intermediate, spec.hidden), (spec.hidden, 2 * spec.intermediate)):
+        fits = [GemmTiles(t, 64, 4, "hopws") for t in BWD_TILE_N
+                if limits.check_backward_gemm(n, k, BWD_TILE_M, t, 64, 4, "hopws", limits.gpu_arch(spec.target))[0]]
+        if not fits:
+            return None
+        out.append(fits[0])
+    return out[0], out[1]
+
+
+def backward_gemm_kernels(spec: LayerSpec, dh: GemmTiles, dx: GemmTiles,
+                          route_cluster: int = BWD_ROUTE_CLUSTER) -> list[KernelVariant]:
+    """The backward's fused data path in launch order: the routing of BWD_TILE_M-row tiles, dH
+    with the GLU's backward in its epilogue, dX, and the forward's combine (summing each token's
+    dX rows)."""
+    a, p, s = arch_tag(spec.target), spec.precision_tag, spec.shape_tag
+    e, k, h, i, m = spec.experts, spec.top_k, spec.hidden, spec.intermediate, BWD_TILE_M
+    shape = (("num_experts", e), ("hidden", h), ("intermediate", i), ("top_k", k))
+    return [
+        KernelVariant("routing", f"moe_route_{a}_e{e}k{k}_m{m}_c{route_cluster}",
+                      (("num_experts", e), ("top_k", k), ("tile_m", m), ("cluster_size", route_cluster))),
+        KernelVariant("dh", f"moe_dh_{a}_{p}_{s}_{spec.activation}_t{m}x{dh.tile_n}x{dh.tile_k}_s{dh.stages}_"
+                            f"{dh.mma}_g{INTERLEAVE}",
+                      shape + (("activation", spec.activation), ("interleave", INTERLEAVE), ("tile_m", m),
+                               ("tile_n", dh.tile_n), ("tile_k", dh.tile_k), ("stages", dh.stages),
+                               ("mma", dh.mma))),
+        KernelVariant("dx", f"moe_dx_{a}_{p}_{s}_t{m}x{dx.tile_n}x{dx.tile_k}_s{dx.stages}_{dx.mma}",
+                      shape + (("tile_m", m), ("tile_n", dx.tile_n), ("tile_k", dx.tile_k), ("stages", dx.stages),
+                               ("mma", dx.mma))),
+        KernelVariant("combine", f"moe_combine_{a}_{p}_e{e}k{k}h{h}",
+                      (("num_experts", e), ("hidden", h), ("top_k", k))),
+    ]
+
+
 def backward_kernels(spec: LayerSpec) -> list[KernelVariant]:
-    """The kernels of the fused op's backward beyond torch's grouped GEMMs
-    (moe_aot/integrations/autograd.py), named like the forward's: the GLU backward (bf16 layers).
-    They depend on the layer's shape only, not on a variant's tiles."""
+    """The kernels of the fused op's backward (moe_aot/integrations/autograd.py), named like the
+    forward's: the GLU backward (bf16 layers; the path that multiplies with torch's grouped GEMMs),
+    and where the target has the persistent Hopper core, the fused data path
+    (backward_gemm_kernels). They depend on the layer's shape only, not on a variant's tiles."""
     if spec.precision != "bf16":
         return []
     a, i = arch_tag(spec.target), spec.intermediate
-    return [KernelVariant("glu_bwd", f"moe_glubwd_{a}_{spec.precision_tag}_i{i}_{spec.activation}_g{INTERLEAVE}",
-                          (("intermediate", i), ("activation", spec.activation), ("interleave", INTERLEAVE)))]
+    out = [KernelVariant("glu_bwd", f"moe_glubwd_{a}_{spec.precision_tag}_i{i}_{spec.activation}_g{INTERLEAVE}",
+                         (("intermediate", i), ("activation", spec.activation), ("interleave", INTERLEAVE)))]
+    tiles = backward_gemm_tiles(spec)
+    if tiles is not None:
+        out += backward_gemm_kernels(spec, *tiles)
+    return out
 
 
 def training_kernels(spec: LayerSpec, variant: LayerVariant) -> list[KernelVariant]:

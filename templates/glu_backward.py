@@ -120,25 +120,31 @@ class GluBackward:
 
     @cute.jit
     def _dglu(self, g, u, dh):
-        """(h, dL/dg, dL/du) at one element for the output gradient dh of h = glu(g, u)."""
-        if const_expr(self.activation == "swiglu"):
-            s = cute.math.rcp(1.0 + cute.math.exp(-g, fastmath=True), fastmath=True)
-            act = g * s
-            return act * u, dh * u * s * (1.0 + g * (1.0 - s)), dh * act
-        elif const_expr(self.activation == "geglu"):
-            t = cute.math.tanh(_K0 * (g + _K1 * g * g * g), fastmath=True)
-            act = 0.5 * g * (1.0 + t)
-            dact = 0.5 * (1.0 + t) + 0.5 * g * (1.0 - t * t) * _K0 * (1.0 + 3.0 * _K1 * g * g)
-            return act * u, dh * u * dact, dh * act
-        else:  # swigluoai: (uc + 1) * gc * sigmoid(alpha gc), gc = min(g, L), uc = clamp(u, -L, L)
-            lim, alpha = limits.SWIGLUOAI_LIMIT, limits.SWIGLUOAI_ALPHA
-            gc = cute.arch.fmin(g, Float32(lim))
-            uc = cute.arch.fmax(cute.arch.fmin(u, Float32(lim)), Float32(-lim))
-            s = cute.math.rcp(1.0 + cute.math.exp(-alpha * gc, fastmath=True), fastmath=True)
-            act = gc * s
-            pass_g, pass_u = Float32(1.0), Float32(1.0)  # 0 where a clamp binds
-            if g > lim:
-                pass_g = Float32(0.0)
-            if u > lim or u < -lim:
-                pass_u = Float32(0.0)
-            return (uc + 1.0) * act, dh * (uc + 1.0) * (s + alpha * act * (1.0 - s)) * pass_g, dh * act * pass_u
+        return dglu(g, u, dh, self.activation)
+
+
+@cute.jit
+def dglu(g, u, dh, activation: cutlass.Constexpr):
+    """(h, dL/dg, dL/du) at one element for the output gradient dh of h = glu(g, u) (fp32; also
+    the dH GEMM's epilogue, templates/hopper_bwd.py)."""
+    if const_expr(activation == "swiglu"):
+        s = cute.math.rcp(1.0 + cute.math.exp(-g, fastmath=True), fastmath=True)
+        act = g * s
+        return act * u, dh * u * s * (1.0 + g * (1.0 - s)), dh * act
+    elif const_expr(activation == "geglu"):
+        t = cute.math.tanh(_K0 * (g + _K1 * g * g * g), fastmath=True)
+        act = 0.5 * g * (1.0 + t)
+        dact = 0.5 * (1.0 + t) + 0.5 * g * (1.0 - t * t) * _K0 * (1.0 + 3.0 * _K1 * g * g)
+        return act * u, dh * u * dact, dh * act
+    else:  # swigluoai: (uc + 1) * gc * sigmoid(alpha gc), gc = min(g, L), uc = clamp(u, -L, L)
+        lim, alpha = limits.SWIGLUOAI_LIMIT, limits.SWIGLUOAI_ALPHA
+        gc = cute.arch.fmin(g, Float32(lim))
+        uc = cute.arch.fmax(cute.arch.fmin(u, Float32(lim)), Float32(-lim))
+        s = cute.math.rcp(1.0 + cute.math.exp(-alpha * gc, fastmath=True), fastmath=True)
+        act = gc * s
+        pass_g, pass_u = Float32(1.0), Float32(1.0)  # 0 where a clamp binds
+        if g > lim:
+            pass_g = Float32(0.0)
+        if u > lim or u < -lim:
+            pass_u = Float32(0.0)
+        return (uc + 1.0) * act, dh * (uc + 1.0) * (s + alpha * act * (1.0 - s)) * pass_g, dh * act * pass_u

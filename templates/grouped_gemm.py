@@ -92,6 +92,9 @@ class _GroupedGemmBase:
     """Shared mainloops and staging of the two grouped GEMMs (see the subclasses)."""
 
     glu = False
+    # B (the weights) in N-major order: expert e's [K, N] row-major matrix, read as the MMA's B
+    # (the backward's dH = dO W2_e and dX = da W13_e; hopws / hoppp only: templates/hopper_bwd.py)
+    b_mn = False
 
     def __init__(self, n: int, k: int, tile_m: int, tile_n: int, tile_k: int,
                  stages: int, mma: str, warps_m, warps_n, pdl: bool = False,
@@ -160,14 +163,18 @@ class _GroupedGemmBase:
         layout = cute.tile_to_shape(atom, (rows, self.tile_k, self.stages), (0, 1, 2))
         return layout, swizzle
 
+    def _b_layout(self) -> LayoutEnum:
+        """B's order in memory and shared memory: K-major rows, or N-major with ``b_mn``."""
+        return LayoutEnum.COL_MAJOR if self.b_mn else LayoutEnum.ROW_MAJOR
+
     def _make_tiled_mma(self, tile_n: Optional[int] = None):
         """The tile's MMA; wgmma cores: ``tile_n`` columns wide where given (hopper_fp8's column
         parts), else the tile's."""
         if const_expr(self.mma in _WGMMA):
             k_major = LayoutEnum.ROW_MAJOR.sm90_mma_major_mode()
             return sm90_utils.make_trivial_tiled_mma(
-                self.ab_dtype, self.ab_dtype, k_major, k_major, Float32, (self.tile_m // 64 // self.acc_m_blocks, 1, 1),
-                tiler_mn=(64, tile_n or self.tile_n))
+                self.ab_dtype, self.ab_dtype, k_major, self._b_layout().sm90_mma_major_mode(), Float32,
+                (self.tile_m // 64 // self.acc_m_blocks, 1, 1), tiler_mn=(64, tile_n or self.tile_n))
         if const_expr(self.fp8):  # e4m3 mma.sync (sm_89+): k32, the fragments of bf16's k16 in bytes
             op = cute.nvgpu.warp.MmaFP8Op(self.ab_dtype, Float32, _MMA_SHAPE_FP8)
         else:
@@ -201,7 +208,7 @@ class _GroupedGemmBase:
             tile = (self.tile_m, self.tile_n, self.tile_k)
             dt = self.ab_dtype
             sA_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, tile, dt, self.stages)
-            sB_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, tile, dt, self.stages)
+            sB_layout = sm90_utils.make_smem_layout_b(self._b_layout(), tile, dt, self.stages)
             sA = cute.make_tensor(cute.recast_ptr(base, sA_layout.inner, dt), sA_layout.outer)
             sB = cute.make_tensor(cute.recast_ptr(base + a_bytes, sB_layout.inner, dt),
                                   sB_layout.outer)
@@ -377,9 +384,15 @@ class _GroupedGemmBase:
     @cute.jit
     def _make_tma_b(self, mW):
         """TMA atom over all experts' weights seen as one [E*N, K] matrix: expert e's N-tile j
-        is row tile e*(N/tile_n)+j. The host launcher encodes the descriptor."""
-        flat = cute.make_tensor(mW.iterator, cute.make_layout(
-            (self.num_experts * self.n, self.k), stride=(self.k, 1)))
+        is row tile e*(N/tile_n)+j. With ``b_mn`` the weights are [E, K, N] row-major, seen as
+        (N, K, E) with N contiguous (``_b_tiles`` indexes both). The host launcher encodes the
+        descriptor."""
+        if const_expr(self.b_mn):
+            flat = cute.make_tensor(mW.iterator, cute.make_layout(
+                (self.n, self.k, self.num_experts), stride=(1, self.n, self.n * self.k)))
+        else:
+            flat = cute.make_tensor(mW.iterator, cute.make_layout(
+                (self.num_experts * self.n, self.k), stride=(self.k, 1)))
         return self._tma_atom(flat, "b")
 
     @cute.jit
@@ -392,7 +405,7 @@ class _GroupedGemmBase:
             layout, rows = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, tile, self.ab_dtype,
                                                          self.stages), self.tile_m
         else:
-            layout, rows = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, tile, self.ab_dtype,
+            layout, rows = sm90_utils.make_smem_layout_b(self._b_layout(), tile, self.ab_dtype,
                                                          self.stages), self.tile_n
         if const_expr(multicast > 1):
             return cute.nvgpu.cpasync.make_tiled_tma_atom(

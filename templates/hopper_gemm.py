@@ -59,6 +59,12 @@ class _HopperWs:
 
     warp_specialized = True
 
+    @property
+    def row_weights(self) -> bool:
+        """Whether the schedule carries each row's routing weight (epi[1], [M, top_k]): GEMM2's
+        epilogue scales by it (and the backward's dH, templates/hopper_bwd.py)."""
+        return not self.glu
+
     def __init__(self, *args, mma: str = MMAS[0], cluster_m: int = 1, **kwargs):
         if mma not in MMAS:
             raise ValueError(f"{type(self).__name__} implements mma in {MMAS}, not {mma!r}")
@@ -152,6 +158,16 @@ class _HopperWs:
             self._consume_ws(tidx - _LOAD_THREADS, pipe, sched, tiled_mma, sA, sB, epi, num_m_tiles)
 
     @cute.jit
+    def _b_tiles(self, mWt, expert, bn):
+        """The k-tiles (tile_n, tile_k, K / tile_k) of N tile ``bn`` of ``expert``'s weights in the
+        TMA view of _make_tma_b."""
+        if const_expr(self.b_mn):
+            gB = cute.local_tile(mWt, (self.tile_n, self.tile_k), (bn, None, expert))
+        else:
+            gB = cute.local_tile(mWt, (self.tile_n, self.tile_k), (expert * (self.n // self.tile_n) + bn, None))
+        return gB
+
+    @cute.jit
     def _publish(self, sched, sstate, t, row0, mIds, epi):
         """Producer warp 0: hand tile ``t`` (or -1) and its rows' pairs and routing weights to
         the consumers through the schedule slot of ``sstate`` (the caller advances it)."""
@@ -163,7 +179,7 @@ class _HopperWs:
                 r = i * 32 + lane
                 p = mIds[row0 + r]
                 pairs[r, sstate.index] = p
-                if const_expr(not self.glu):
+                if const_expr(self.row_weights):
                     mTopkW = epi[1]
                     w = Float32(0.0)
                     if p >= 0:
@@ -196,8 +212,7 @@ class _HopperWs:
                 if warp == 0:
                     self._publish(sched, sstate, t, bt * self.tile_m, mIds, epi)
                     sstate.advance()
-                gB = cute.local_tile(mWt, (self.tile_n, self.tile_k),
-                                     (expert * (self.n // self.tile_n) + bn, None))
+                gB = self._b_tiles(mWt, expert, bn)
                 tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
                     tma_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2))
                 if const_expr(self.glu):

@@ -14,3 +14,14 @@ def cuobjdump():
     except ImportError:
         pass
     return shutil.which("cuobjdump")
+
+
+def sass_of(cubin: bytes, path: Path):
+    """The SASS of a cubin (written to ``path`` first), or None where no cuobjdump is installed."""
+    import subprocess
+
+    tool = cuobjdump()
+    if not tool:
+        return None
+    Path(path).write_bytes(cubin)
+    return subprocess.run([tool, "-sass", str(path)], capture_output=True, text=True, check=True).stdout

@@ -179,6 +179,85 @@ def preact_torch(x, w13, topk_ids, b13=None):
     return out
 
 
+def _fused_gemms(x, topk_ids, w13, w2, activation, block, bias):
+    """The layer's compiled backward data GEMMs (runtime.layer.backward_gemms) where they apply:
+    CUDA bf16 operands, the kernels' interleave, all of them in the database; else None."""
+    from ..variants import INTERLEAVE
+
+    if not (x.is_cuda and x.dtype == w13.dtype == w2.dtype == torch.bfloat16 and block == INTERLEAVE):
+        return None
+    from ..runtime.layer import backward_gemms
+
+    E, I2, H = w13.shape
+    return backward_gemms(E, topk_ids.shape[1], H, I2 // 2, activation, bias, x.device)
+
+
+def moe_backward_fused(kern, grad_out, x, w13, w2, topk_weights, topk_ids, activation, b13=None, b2=None,
+                       preact=None):
+    """moe_backward on the compiled data path (``kern``: runtime.layer.BackwardGemms):
+
+    - the routing kernel sorts the pairs by expert, padded to tile_m rows per expert (as the
+      forward's);
+    - dH (templates/hopper_bwd.py) gathers dO's token rows, multiplies by W2_e read N-major and
+      runs the GLU's backward in its epilogue on the forward's pre-activations: da, w h and the
+      routing weight's partial gradients, in padded row order (padding rows zero);
+    - dX multiplies da by W13_e read N-major into one row per pair, and the combine kernel sums
+      each token's rows (every sum a fixed order: bitwise repeatable);
+    - the weight gradients stay torch's grouped GEMMs over the padded segments (padding rows of
+      da and w h are zeros, those of the gathered x and dO rows too).
+    Without ``preact`` the pre-activations are computed first (preact_torch)."""
+    M, K = topk_ids.shape
+    E, I2, H = w13.shape
+    P = M * K
+    dev = x.device
+    m = kern.tile_m
+    from ..layout import max_tiles
+
+    T = max_tiles(M, K, E, m)
+    R = T * m
+    i32 = dict(dtype=torch.int32, device=dev)
+    ids = topk_ids.to(torch.int32).contiguous()
+    counts, offsets = torch.empty(E, **i32), torch.empty(E + 1, **i32)
+    sorted_ids, tile_expert = torch.empty(R, **i32), torch.empty(T, **i32)
+    kern.routing(ids, counts, offsets, sorted_ids, tile_expert)
+    if preact is None:
+        preact = preact_torch(x, w13, topk_ids, b13)
+    wdt = w13.dtype  # bf16 for the kernels (tests emulate them in float64)
+    dout = grad_out.to(wdt).contiguous()
+    tw = topk_weights.to(torch.float32).contiguous()
+    da = torch.empty(R, I2, dtype=wdt, device=dev)
+    hw = torch.empty(R, I2 // 2, dtype=wdt, device=dev)
+    dwp = torch.empty(R, I2 // 2 // kern.dh_tile_n, dtype=torch.float32, device=dev)
+    kern.dh(dout, w2.contiguous(), sorted_ids, tile_expert, tw, preact.contiguous(), da, hw, dwp)
+    y = torch.empty(P, H, dtype=wdt, device=dev)
+    kern.dx(da, w13.contiguous(), sorted_ids, tile_expert, torch.ones_like(tw), y)
+    dx = torch.empty(M, H, dtype=wdt, device=dev)
+    kern.combine(y, ids, dx)
+    # per padded row: its pair (P: padding, or rows past the last tile) and token (M: a zero row)
+    valid = sorted_ids >= 0
+    pair = torch.where(valid, sorted_ids, P).long()
+    tok = torch.where(valid, sorted_ids // K, M).long()
+    zero = x.new_zeros(1, H)
+    xs = torch.cat((x, zero)).index_select(0, tok)
+    ds = torch.cat((dout, zero)).index_select(0, tok)
+    ends = offsets[1:]
+    dw13 = gmm_k(da.t(), xs, ends)
+    dw2 = gmm_k(ds.t(), hw, ends)
+    dwr = dwp.sum(1)
+    if b2 is not None:  # <dO_m, b2_e> of the bias term of y_p
+        rows_expert = tile_expert.clamp(min=0).repeat_interleave(m)
+        dwr = dwr + (ds * b2.index_select(0, rows_expert)).sum(1, dtype=torch.float32)
+    dtw = torch.zeros(P + 1, dtype=torch.float32, device=dev)
+    dtw.index_copy_(0, pair, dwr)  # padding rows all land on slot P, dropped
+    dtw = dtw[:P].view(M, K).to(topk_weights.dtype)
+    db13 = None if b13 is None else _sums(da, ends).to(b13.dtype)
+    db2 = None
+    if b2 is not None:
+        w = torch.cat((tw.view(-1), tw.new_zeros(1))).index_select(0, pair).to(ds.dtype)
+        db2 = _sums(ds * w.view(R, 1), ends).to(b2.dtype)
+    return dx.to(x.dtype), dw13, dw2, dtw, db13, db2
+
+
 def moe_backward(grad_out, x, w13, w2, topk_weights, topk_ids, activation="swiglu", block=16, b13=None, b2=None,
                  preact=None):
     """(dx, dw13, dw2, dtopk_weights, db13, db2) of moe_forward_torch / the fused op (see the module
@@ -186,6 +265,9 @@ def moe_backward(grad_out, x, w13, w2, topk_weights, topk_ids, activation="swigl
     The GLU part runs in the compiled kernel of templates/glu_backward.py where the database has
     it (CUDA, bf16), else in torch ops. ``preact``: the forward's pre-activations as
     fused_moe_train returns them (preact_torch's layout), read instead of recomputing GEMM1."""
+    kern = _fused_gemms(x, topk_ids, w13, w2, activation, block, b13 is not None)
+    if kern is not None:
+        return moe_backward_fused(kern, grad_out, x, w13, w2, topk_weights, topk_ids, activation, b13, b2, preact)
     M, K = topk_ids.shape
     E, I2, H = w13.shape
     wdt = w13.dtype

@@ -758,6 +758,12 @@ def moe_forward_train(x, w13, w2, topk_weights, topk_ids, activation: str = "swi
 _BACKWARD: dict[tuple, object] = {}
 
 
+def _backward_store(spec: LayerSpec, key: tuple, device: torch.device, store: KernelStore | None) -> KernelStore:
+    """The store the forward's layer of this shape loaded from (else a default one)."""
+    layer = _LAYERS.get((*key[:5], "bf16", spec.bias, device.index, None))
+    return store or (layer.store if layer is not None else KernelStore())
+
+
 def glu_backward_kernel(experts: int, top_k: int, hidden: int, intermediate: int, activation: str, bias: bool,
                         device: torch.device, store: KernelStore | None = None):
     """The compiled GLU backward of this layer shape for `device` (`moe-aot build --backward`), or
@@ -767,13 +773,50 @@ def glu_backward_kernel(experts: int, top_k: int, hidden: int, intermediate: int
     if key not in _BACKWARD:
         spec = make_spec(experts=experts, top_k=top_k, hidden=hidden, intermediate=intermediate,
                          activation=activation, bias=bias, target=device_target(device))
-        layer = _LAYERS.get((*key[:5], "bf16", bias, device.index, None))  # the forward's, with its store
-        store = store or (layer.store if layer is not None else KernelStore())
+        store = _backward_store(spec, key, device, store)
         try:
-            (kv,) = backward_kernels(spec)
+            kv = next(kv for kv in backward_kernels(spec) if kv.role == "glu_bwd")
             _BACKWARD[key] = store.load(kv.name, spec.target, device.index)
         except KernelMissingError:
             _BACKWARD[key] = None
+    return _BACKWARD[key]
+
+
+@dataclasses.dataclass(frozen=True)
+class BackwardGemms:
+    """The backward's fused data path of one layer shape (variants.backward_gemm_kernels): the
+    routing of tile_m-row tiles, dH with the GLU's backward, dX and the combine, loaded."""
+    tile_m: int
+    dh_tile_n: int
+    routing: KernelLibrary
+    dh: KernelLibrary
+    dx: KernelLibrary
+    combine: KernelLibrary
+
+
+def backward_gemms(experts: int, top_k: int, hidden: int, intermediate: int, activation: str, bias: bool,
+                   device: torch.device, store: KernelStore | None = None, tiles=None) -> BackwardGemms | None:
+    """The backward's fused data GEMMs of this layer shape for `device` (`moe-aot build --backward`
+    on sm_90a), or None when the target has none or the database lacks any of them (the backward
+    then multiplies with torch's grouped GEMMs); looked up once per shape and device. ``tiles``:
+    (dH, dX) GemmTiles other than the defaults (tools/check_backward.py)."""
+    from ..variants import BWD_TILE_M, backward_gemm_kernels, backward_gemm_tiles
+
+    key = (experts, top_k, hidden, intermediate, activation, bias, device.index, "gemms", tiles)
+    if key not in _BACKWARD:
+        spec = make_spec(experts=experts, top_k=top_k, hidden=hidden, intermediate=intermediate,
+                         activation=activation, bias=bias, target=device_target(device))
+        tiles = tiles or backward_gemm_tiles(spec)
+        _BACKWARD[key] = None
+        if tiles is not None:
+            kvs = backward_gemm_kernels(spec, *tiles)
+            try:
+                libs = _backward_store(spec, key, device, store).load_many([kv.name for kv in kvs], spec.target,
+                                                                           device.index)
+            except KernelMissingError:
+                libs = None
+            if libs is not None:
+                _BACKWARD[key] = BackwardGemms(BWD_TILE_M, tiles[0].tile_n, *(libs[kv.name] for kv in kvs))
     return _BACKWARD[key]
 
 
