@@ -3,7 +3,8 @@
 
     python3 tools/gpu_run.py --out $OUT [--db cache/moe_aot.sqlite] [--tests]
         [--coldstart [--coldstart-compare DIR [--coldstart-compare-db FILE]] [--coldstart-diag]]
-        [--bench ARGS] [--bench-fp8 ARGS] [--gemm-peers ARGS] [--profile-layer MODEL:TOKENS,...]
+        [--bench ARGS] [--bench-fp8 ARGS] [--check-backward ARGS] [--bench-backward ARGS]
+        [--gemm-peers ARGS] [--profile-layer MODEL:TOKENS,...]
         [--gemm-check DIR [--profile TAGS@TOKENS]] [--measure] [--sanitize MODELS] [--spark-standin DIR]
 
 1. installs the wheels brought along in .whl/ (sqlalchemy, ...) into /tmp/site;
@@ -241,6 +242,10 @@ def main():
     ap.add_argument("--profile-layer", default=None, metavar="POINTS",
                     help="ncu over one forward of the served layer per point, e.g. 'qwen3-30b-a3b:1,mixtral-8x7b:256'")
     ap.add_argument("--bench-fp8", default=None, help="arguments for tools/bench_fp8.py ('' for defaults)")
+    ap.add_argument("--check-backward", default=None, metavar="ARGS",
+                    help="arguments for tools/check_backward.py (its --db and --out are given)")
+    ap.add_argument("--bench-backward", default=None, metavar="ARGS",
+                    help="arguments for tools/bench_backward.py (its --out is given)")
     ap.add_argument("--gemm-check", default=None, metavar="DIR",
                     help="run tools/check_gemm_kernels.py on the kernels compiled into DIR "
                          "(check_gemm_kernels.py --compile DIR on the CPU machine)")
@@ -367,6 +372,15 @@ def main():
         summary["bench"] = {"rc": rc, "seconds": round(secs, 1)}
         print(log[-8000:], flush=True)
 
+    if ns.check_backward is not None:
+        cmd = [sys.executable, "tools/check_backward.py", "--db", f"sqlite:///{Path(ns.db).resolve()}", "--out",
+               str(out), *ns.check_backward.split()]
+        rc, log, secs = sh(cmd, log=out / "check_backward.log", env=env, timeout=560)
+        summary["check_backward"] = {"rc": rc, "seconds": round(secs, 1)}
+    if ns.bench_backward is not None:
+        cmd = [sys.executable, "tools/bench_backward.py", "--out", str(out), *ns.bench_backward.split()]
+        rc, log, secs = sh(cmd, log=out / "bench_backward.log", env=env, timeout=560)
+        summary["bench_backward"] = {"rc": rc, "seconds": round(secs, 1)}
     if ns.bench_fp8 is not None:
         cmd = [sys.executable, "tools/bench_fp8.py", "--out", str(out), *ns.bench_fp8.split()]
         rc, log, secs = sh(cmd, log=out / "bench_fp8.log", env=env, timeout=560)
