@@ -64,6 +64,7 @@ TEMPLATES = {
     ("combine", None): ("routing", "MoeCombine"),
     ("quant", None): ("quant", "QuantizeFp8"),
     ("glu_bwd", None): ("glu_backward", "GluBackward"),
+    ("wgrad", None): ("hopper_wgrad", "HopperWgrad"),
     ("bsquant", None): ("blockscale_quant", "BlockScaleQuant"),
     ("glu", "grouped"): ("grouped_gemm", "GroupedGluGemm"),
     ("down", "grouped"): ("grouped_gemm", "GroupedDownGemm"),
