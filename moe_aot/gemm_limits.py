@@ -271,8 +271,9 @@ WGRAD_TARGETS = ("sm_90a",)
 
 def wgrad_smem_bytes(tile_m, tile_n, tile_k, stages) -> int:
     """Dynamic shared memory of one weight-gradient CTA: the A/B stages, a full and an empty
-    mbarrier per stage, and the allocator's alignment slack."""
-    return stages * (tile_m + tile_n) * tile_k * 2 + 16 * stages + 1024
+    mbarrier per stage, the gathered rows' tokens of each stage (int32 per k row), and the
+    allocator's alignment slack."""
+    return stages * (tile_m + tile_n) * tile_k * 2 + 16 * stages + 4 * tile_k * stages + 1024
 
 
 def check_wgrad(rows, cols, gather, tile_m, tile_n, tile_k=WGRAD_TILE_K, stages=4, arch="sm_90a") -> tuple[bool, str]:

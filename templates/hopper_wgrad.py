@@ -25,7 +25,8 @@ Persistent, warp-specialized CTAs (one per SM) walk the E x (out_rows / tile_m) 
 - warpgroup 0 produces into a ``cutlass.pipeline.PipelineTmaAsync`` of ``stages`` A/B buffers:
   the contiguous operand by TMA (warp 0 alone, an MN-major box of the [cols, R] view), the
   gathered one by cp.async of 16-byte chunks from all 128 threads into the MN-major
-  128-byte-swizzled layout, predicated off (zero-filled) for padding rows; each thread hands its
+  128-byte-swizzled layout, predicated off (zero-filled) for padding rows, each k-tile's source
+  rows loaded one k-tile ahead and shared through shared memory; each thread hands its
   copies to the stage's full barrier with ``cp.async.mbarrier.arrive.noinc``, so no producer
   thread waits for its own loads;
 - one consumer warpgroup per 64 rows of the tile (tile_m 128: two) multiplies (wgmma, one batch
@@ -57,7 +58,7 @@ from moe_aot import gemm_limits as limits
 _LOAD_THREADS = limits.LOAD_THREADS  # the producer warpgroup
 _CHUNK = limits.COPY_ELEMS  # bf16 elements of one 16-byte cp.async / store
 _REGS_LOAD, _REGS_MMA = 40, 232  # setmaxnreg: 40 * 128 + 232 * 256 <= 64K
-_BATCH = 4  # gathered chunks whose row ids one producer thread loads together
+_TOK_BARRIER = 1  # named barrier of the producer warpgroup (0 is the CTA's)
 RASTER_GROUP = 8  # M tiles walked per N tile by consecutive tiles of an expert
 PERSISTENT_CTAS = 132  # one CTA per SM of an H100 SXM / H200
 
@@ -80,7 +81,9 @@ class HopperWgrad:
         self.g_cols = out_cols if gather == "b" else out_rows
         self.g_tile = tile_n if gather == "b" else tile_m
         self.c_tile = tile_m if gather == "b" else tile_n
-        self.g_chunks = self.g_tile * tile_k // _CHUNK // _LOAD_THREADS  # cp.async per thread per k-tile
+        rows = _LOAD_THREADS // (self.g_tile // _CHUNK)  # gathered rows per pass of the producers
+        self.g_passes = -(-tile_k // rows)  # cp.async per thread per k-tile
+        self.g_exact = rows * (self.g_tile // _CHUNK) == _LOAD_THREADS and tile_k % rows == 0
         self.mma_threads = 2 * tile_m  # one consumer warpgroup per 64 rows of the tile
 
     def fake_arguments(self):
@@ -135,13 +138,13 @@ class HopperWgrad:
     def kernel(self, tma: cute.CopyAtom, mTt: cute.Tensor, mG: cute.Tensor, mIds: cute.Tensor,
                mOffs: cute.Tensor, mOut: cute.Tensor):
         tidx, _, _ = cute.arch.thread_idx()
-        sA, sB = self._smem_tensors()
+        sA, sB, sTok = self._smem_tensors()
         pipe = self._make_pipeline()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp < _LOAD_THREADS // 32:
             if const_expr(self.tile_m == 128):  # 384 threads: the consumers take the registers
                 cute.arch.setmaxregister_decrease(_REGS_LOAD)
-            self._produce(tidx, warp, pipe, tma, mTt, mG, mIds, mOffs, sA, sB)
+            self._produce(tidx, warp, pipe, tma, mTt, mG, mIds, mOffs, sA, sB, sTok)
         else:
             if const_expr(self.tile_m == 128):
                 cute.arch.setmaxregister_increase(_REGS_MMA)
@@ -155,7 +158,8 @@ class HopperWgrad:
         base = smem.allocate(a_bytes + self.stages * self.tile_n * self.tile_k * 2, byte_alignment=1024)
         sA = cute.make_tensor(cute.recast_ptr(base, sa.inner, BFloat16), sa.outer)
         sB = cute.make_tensor(cute.recast_ptr(base + a_bytes, sb.inner, BFloat16), sb.outer)
-        return sA, sB
+        toks = smem.allocate_array(Int32, self.tile_k * self.stages, byte_alignment=16)
+        return sA, sB, cute.make_tensor(toks, cute.make_layout((self.tile_k, self.stages)))
 
     @cute.jit
     def _make_pipeline(self):
@@ -190,7 +194,11 @@ class HopperWgrad:
         return k0 // self.tile_k, (mOffs[e + 1] - k0) // self.tile_k
 
     @cute.jit
-    def _produce(self, tidx, warp, pipe, tma, mTt, mG, mIds, mOffs, sA, sB):
+    def _produce(self, tidx, warp, pipe, tma, mTt, mG, mIds, mOffs, sA, sB, sTok):
+        """Warp 0 issues the contiguous operand's TMA; all 128 threads gather the other one. The
+        k-tile's 64 source rows go through shared memory (``sTok``, one slot per stage): thread
+        t < 64 loads row t's pair one k-tile ahead and publishes its token (-1: padding) after a
+        barrier of the producer warpgroup, so no thread waits on a global load per chunk."""
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
         if warp == 0:
             cute.nvgpu.cpasync.prefetch_descriptor(tma)
@@ -203,7 +211,12 @@ class HopperWgrad:
             num_bits_per_copy=128)
         bid, _, _ = cute.arch.block_idx()
         nctas, _, _ = cute.arch.grid_dim()
-        pred = cute.make_rmem_tensor(cute.make_layout((1,)), cutlass.Boolean)
+        # thread t copies chunk t % cpr of rows t // cpr, + rows, + 2 rows, ... (rows: the
+        # gathered rows one pass of the warpgroup covers; 192-wide tiles leave 8 threads idle)
+        cpr = self.g_tile // _CHUNK
+        rows = _LOAD_THREADS // cpr
+        col_chunk = tidx % cpr
+        r0 = tidx // cpr
         for t in range(bid, self.tiles, nctas):
             e, mt, nt = self._tile_of(t)
             kt0, k_tiles = self._k_range(mOffs, e)
@@ -213,33 +226,47 @@ class HopperWgrad:
             gC = cute.local_tile(mTt, (self.c_tile, self.tile_k), (ct, None))
             tCsC, tCgC = cute.nvgpu.cpasync.tma_partition(
                 tma, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2), cute.group_modes(gC, 0, 2))
+            pid = Int32(-1)  # thread t < 64: the pair of row t of the next k-tile
+            if tidx < self.tile_k and k_tiles > 0:
+                pid = mIds[kt0 * self.tile_k + tidx]
             for kt in range(k_tiles):
+                cur = pid
+                if tidx < self.tile_k and kt + 1 < k_tiles:
+                    pid = mIds[(kt0 + kt + 1) * self.tile_k + tidx]  # consumed next k-tile
                 pipe.sync_object_empty.wait(state.index, state.phase)
                 if warp == 0:
                     pipe.sync_object_full.arrive(state.index, None)  # elected: expect the TMA bytes
                     cute.copy(tma, tCgC[None, kt0 + kt], tCsC[None, state.index],
                               tma_bar_ptr=pipe.producer_get_barrier(state))
-                row0 = (kt0 + kt) * self.tile_k
-                # in batches of _BATCH chunks: their row ids loaded together, within the
-                # producer's 40 registers
-                for i0 in range(self.g_chunks // _BATCH):
-                    for i1 in cutlass.range_constexpr(_BATCH):
-                        c = tidx + (i0 * _BATCH + i1) * _LOAD_THREADS
-                        col_chunk = c % (self.g_tile // _CHUNK)
-                        k = c // (self.g_tile // _CHUNK)
-                        p = mIds[row0 + k]
-                        pred[0] = p >= 0
-                        tok = Int32(0)
-                        if p >= 0:
-                            tok = p // self.top_k
-                        src = self._chunk(mG, tok, gt * (self.g_tile // _CHUNK) + col_chunk)
-                        dst = cute.tiled_divide(
-                            cute.local_tile(sG[None, None, state.index], (_CHUNK, 1), (col_chunk, k)), (_CHUNK, 1))
-                        cute.copy(atom, src, dst[None, 0, 0], pred=pred)
+                if tidx < self.tile_k:
+                    tok = Int32(-1)
+                    if cur >= 0:
+                        tok = cur // self.top_k
+                    sTok[tidx, state.index] = tok
+                # the slot is rewritten `stages` k-tiles later, after every producer thread has
+                # passed this barrier's successors, hence finished reading it
+                cute.arch.barrier(barrier_id=_TOK_BARRIER, number_of_threads=_LOAD_THREADS)
+                for i in cutlass.range_constexpr(self.g_passes):
+                    k = r0 + i * rows
+                    if const_expr(self.g_exact):
+                        self._gather_chunk(atom, mG, sG, sTok, state.index, gt * cpr + col_chunk, col_chunk, k)
+                    elif tidx < rows * cpr and k < self.tile_k:
+                        self._gather_chunk(atom, mG, sG, sTok, state.index, gt * cpr + col_chunk, col_chunk, k)
                 cute.arch.cp_async_mbarrier_arrive_noinc(pipe.producer_get_barrier(state))
                 state.advance()
         if warp == 0:
             pipe.producer_tail(state)
+
+    @cute.jit
+    def _gather_chunk(self, atom, mG, sG, sTok, stage, src_chunk, col_chunk, k):
+        """cp.async of chunk ``src_chunk`` of k row ``k``'s token row into chunk ``col_chunk`` of
+        that row in stage ``stage``; zero-filled (source size 0) for a padding row."""
+        tok = sTok[k, stage]
+        pred = cute.make_rmem_tensor(cute.make_layout((1,)), cutlass.Boolean)
+        pred[0] = tok >= 0
+        src = self._chunk(mG, cutlass.max(tok, 0), src_chunk)
+        dst = cute.tiled_divide(cute.local_tile(sG[None, None, stage], (_CHUNK, 1), (col_chunk, k)), (_CHUNK, 1))
+        cute.copy(atom, src, dst[None, 0, 0], pred=pred)
 
     @cute.jit
     def _chunk(self, mG, row, chunk):
