@@ -13,9 +13,10 @@ says which: "b" for dW13 = da^T x (A = da [R, 2I], B = x [M, H]), "a" for dW2 = 
 (A = dO [M, H], B = hw [R, I]). The reduction dimension K is the row dimension of both, so both
 operands are MN-major in shared memory (bf16 wgmma reads either major order).
 
-``__call__(a, b, sorted_ids, expert_offsets, out, stream)``. K of expert e is
-offsets[e+1] - offsets[e], read on the device: no host sync; an expert without rows gets a tile
-of zeros. Every element of ``out`` is written by one CTA, in one fixed order of k-tiles: no
+``__call__(a, b, sorted_ids, expert_offsets, expert_counts, out, stream)``. Expert e's K is its
+rows counts[e] rounded up to whole 64-row k-tiles from offsets[e] (the routing's padding beyond
+them is never read), read on the device: no host sync; an expert without rows gets a tile of
+zeros. Every element of ``out`` is written by one CTA, in one fixed order of k-tiles: no
 atomics, no split K, bitwise repeatable.
 
 Persistent, warp-specialized CTAs (one per SM) walk the E x (out_rows / tile_m) x
@@ -99,6 +100,7 @@ class HopperWgrad:
             ("b", make_fake_tensor(BFloat16, (rows_b, n), (n, 1), assumed_align=16)),
             ("sorted_ids", make_fake_tensor(Int32, (r,), (1,), assumed_align=4)),
             ("expert_offsets", make_fake_tensor(Int32, (e + 1,), (1,), assumed_align=4)),
+            ("expert_counts", make_fake_tensor(Int32, (e,), (1,), assumed_align=4)),
             ("out", make_fake_tensor(BFloat16, (e, m, n), (m * n, n, 1), assumed_align=16)),
             ("stream", make_fake_stream()),
         ]
@@ -117,7 +119,7 @@ class HopperWgrad:
 
     @cute.jit
     def __call__(self, a: cute.Tensor, b: cute.Tensor, sorted_ids: cute.Tensor, expert_offsets: cute.Tensor,
-                 out: cute.Tensor, stream: cuda.CUstream):
+                 expert_counts: cute.Tensor, out: cute.Tensor, stream: cuda.CUstream):
         sa, sb = self._smem_layouts()
         if const_expr(self.gather == "b"):
             cont, layout, gathered = a, sa, b
@@ -130,13 +132,13 @@ class HopperWgrad:
             cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), mT, cute.slice_(layout, (None, None, 0)),
             (self.c_tile, self.tile_k))
         grid = min(self.tiles, self.ctas)
-        self.kernel(tma, mTt, gathered, sorted_ids, expert_offsets, out).launch(
+        self.kernel(tma, mTt, gathered, sorted_ids, expert_offsets, expert_counts, out).launch(
             grid=[grid, 1, 1], block=[_LOAD_THREADS + self.mma_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
     # ------------------------------------------------------------------ device side
     @cute.kernel
     def kernel(self, tma: cute.CopyAtom, mTt: cute.Tensor, mG: cute.Tensor, mIds: cute.Tensor,
-               mOffs: cute.Tensor, mOut: cute.Tensor):
+               mOffs: cute.Tensor, mCounts: cute.Tensor, mOut: cute.Tensor):
         tidx, _, _ = cute.arch.thread_idx()
         sA, sB, sTok = self._smem_tensors()
         pipe = self._make_pipeline()
@@ -144,11 +146,11 @@ class HopperWgrad:
         if warp < _LOAD_THREADS // 32:
             if const_expr(self.tile_m == 128):  # 384 threads: the consumers take the registers
                 cute.arch.setmaxregister_decrease(_REGS_LOAD)
-            self._produce(tidx, warp, pipe, tma, mTt, mG, mIds, mOffs, sA, sB, sTok)
+            self._produce(tidx, warp, pipe, tma, mTt, mG, mIds, (mOffs, mCounts), sA, sB, sTok)
         else:
             if const_expr(self.tile_m == 128):
                 cute.arch.setmaxregister_increase(_REGS_MMA)
-            self._consume(tidx - _LOAD_THREADS, pipe, sA, sB, mOffs, mOut)
+            self._consume(tidx - _LOAD_THREADS, pipe, sA, sB, (mOffs, mCounts), mOut)
 
     @cute.jit
     def _smem_tensors(self):
@@ -188,13 +190,14 @@ class HopperWgrad:
         return e, first_m + idx % size, idx // size
 
     @cute.jit
-    def _k_range(self, mOffs, e):
-        """(first k-tile, k-tiles) of expert e's segment."""
-        k0 = mOffs[e]
-        return k0 // self.tile_k, (mOffs[e + 1] - k0) // self.tile_k
+    def _k_range(self, routing, e):
+        """(first k-tile, k-tiles) of expert e: its rows from offsets[e] in whole k-tiles (a
+        routing tile_m of 128 pads up to 127 rows, of which whole k-tiles are skipped)."""
+        mOffs, mCounts = routing
+        return mOffs[e] // self.tile_k, (mCounts[e] + self.tile_k - 1) // self.tile_k
 
     @cute.jit
-    def _produce(self, tidx, warp, pipe, tma, mTt, mG, mIds, mOffs, sA, sB, sTok):
+    def _produce(self, tidx, warp, pipe, tma, mTt, mG, mIds, routing, sA, sB, sTok):
         """Warp 0 issues the contiguous operand's TMA; all 128 threads gather the other one. The
         k-tile's 64 source rows go through shared memory (``sTok``, one slot per stage): thread
         t < 64 loads row t's pair one k-tile ahead and publishes its token (-1: padding) after a
@@ -219,7 +222,7 @@ class HopperWgrad:
         r0 = tidx // cpr
         for t in range(bid, self.tiles, nctas):
             e, mt, nt = self._tile_of(t)
-            kt0, k_tiles = self._k_range(mOffs, e)
+            kt0, k_tiles = self._k_range(routing, e)
             ct, gt = mt, nt
             if const_expr(self.gather == "a"):
                 ct, gt = nt, mt
@@ -277,7 +280,7 @@ class HopperWgrad:
         return cute.make_tensor(base, cute.make_layout(((_CHUNK, 1),), stride=((1, 0),)))
 
     @cute.jit
-    def _consume(self, ctid, pipe, sA, sB, mOffs, mOut):
+    def _consume(self, ctid, pipe, sA, sB, routing, mOut):
         tiled_mma = self._make_tiled_mma()
         warp_group = cute.arch.make_warp_uniform(ctid // 128)
         thr_mma = tiled_mma.get_slice(warp_group * 128)
@@ -292,7 +295,7 @@ class HopperWgrad:
         nctas, _, _ = cute.arch.grid_dim()
         for t in range(bid, self.tiles, nctas):
             e, mt, nt = self._tile_of(t)
-            _, k_tiles = self._k_range(mOffs, e)
+            _, k_tiles = self._k_range(routing, e)
             acc.fill(0.0)
             tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
             cute.nvgpu.warpgroup.fence()

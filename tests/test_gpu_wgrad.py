@@ -53,7 +53,7 @@ def test_weight_gradients_match_fp32_every_expert(store, model, tokens, tile_m, 
     d_out = torch.randn(tokens, H, device=DEV, generator=gen).bfloat16()
     dw13 = torch.full((E, 2 * I, H), float("nan"), dtype=torch.bfloat16, device=DEV)
     dw2 = torch.full((E, H, I), float("nan"), dtype=torch.bfloat16, device=DEV)
-    weight_gradients(da, x, d_out, hw, sorted_ids, offsets, K, tile_m, kernels, dw13, dw2)
+    weight_gradients(da, x, d_out, hw, sorted_ids, offsets, counts, K, tile_m, kernels, dw13, dw2)
     torch.cuda.synchronize()
     if kind == "even" or tokens == 1:  # experts without rows: a tile of zeros each
         assert (counts == 0).any()
@@ -74,7 +74,7 @@ def test_weight_gradients_match_fp32_every_expert(store, model, tokens, tile_m, 
             worst = max(worst, err)
             assert err <= TOL, (name, e, err)
     again13, again2 = torch.full_like(dw13, float("nan")), torch.full_like(dw2, float("nan"))
-    weight_gradients(da, x, d_out, hw, sorted_ids, offsets, K, tile_m, kernels, again13, again2)
+    weight_gradients(da, x, d_out, hw, sorted_ids, offsets, counts, K, tile_m, kernels, again13, again2)
     assert torch.equal(again13, dw13) and torch.equal(again2, dw2)  # bitwise repeatable
     print(f"{model} {tokens} tokens tile_m {tile_m} {kind}: worst expert rel err {worst:.2e}")
 
@@ -91,13 +91,14 @@ def test_weight_gradients_in_a_cuda_graph(store):
 
     def fresh():
         ids = _routing(tokens, spec, "random", gen)
-        _, offsets, sorted_ids, _ = routing_reference(ids, E, tile_m)
+        counts, offsets, sorted_ids, _ = routing_reference(ids, E, tile_m)
         live = (sorted_ids >= 0).unsqueeze(1)
         R = sorted_ids.numel()
         return (torch.where(live, torch.randn(R, 2 * I, device=DEV, generator=gen), 0.0).bfloat16(),
                 torch.randn(tokens, H, device=DEV, generator=gen).bfloat16(),
                 torch.randn(tokens, H, device=DEV, generator=gen).bfloat16(),
-                torch.where(live, torch.randn(R, I, device=DEV, generator=gen), 0.0).bfloat16(), sorted_ids, offsets)
+                torch.where(live, torch.randn(R, I, device=DEV, generator=gen), 0.0).bfloat16(), sorted_ids, offsets,
+                counts)
 
     bufs = fresh()
     out = (torch.empty(E, 2 * I, H, dtype=torch.bfloat16, device=DEV),

@@ -121,14 +121,14 @@ def _operands(M, K, E, H, I, tile_m, gen, only_even=False):
     if only_even:
         scores[:, 1::2] = -1.0
     ids = torch.topk(scores, K, dim=1).indices.to(torch.int32)
-    _, offsets, sorted_ids, _ = routing_reference(ids, E, tile_m)
+    counts, offsets, sorted_ids, _ = routing_reference(ids, E, tile_m)
     R = sorted_ids.numel()
     live = (sorted_ids >= 0).unsqueeze(1)
     da = torch.where(live, torch.randn(R, 2 * I, generator=gen), 0.0).bfloat16()
     hw = torch.where(live, torch.randn(R, I, generator=gen), 0.0).bfloat16()
     x = torch.randn(M, H, generator=gen).bfloat16()
     d_out = torch.randn(M, H, generator=gen).bfloat16()
-    return ids, offsets, sorted_ids, da, x, d_out, hw
+    return ids, counts, offsets, sorted_ids, da, x, d_out, hw
 
 
 @pytest.mark.parametrize("tile_m, only_even", [(64, False), (128, True)])
@@ -139,7 +139,7 @@ def test_reference_is_the_backwards_grouped_gemms(tile_m, only_even):
 
     M, K, E, H, I = 37, 2, 8, 32, 16
     gen = torch.Generator().manual_seed(11)
-    ids, offsets, sorted_ids, da, x, d_out, hw = _operands(M, K, E, H, I, tile_m, gen, only_even)
+    ids, _, offsets, sorted_ids, da, x, d_out, hw = _operands(M, K, E, H, I, tile_m, gen, only_even)
     dw13, dw2 = weight_gradients_reference(da, x, d_out, hw, sorted_ids, offsets, K)
     order, offs, _, _ = route(ids, E)
     rows = (sorted_ids >= 0).nonzero().squeeze(1)  # the padded rows of the sorted pairs, in order
@@ -156,10 +156,12 @@ def test_reference_is_the_backwards_grouped_gemms(tile_m, only_even):
 def test_launcher_refuses_what_the_kernels_cannot_read():
     M, K, E, H, I = 9, 2, 4, 16, 8
     gen = torch.Generator().manual_seed(3)
-    _, offsets, sorted_ids, da, x, d_out, hw = _operands(M, K, E, H, I, 64, gen)
+    _, counts, offsets, sorted_ids, da, x, d_out, hw = _operands(M, K, E, H, I, 64, gen)
     with pytest.raises(KernelArgumentError, match="tile_m 32"):
-        weight_gradients(da, x, d_out, hw, sorted_ids, offsets, K, 32, kernels=None)
+        weight_gradients(da, x, d_out, hw, sorted_ids, offsets, counts, K, 32, kernels=None)
     with pytest.raises(KernelArgumentError, match="da must be"):
-        weight_gradients(da[:-1], x, d_out, hw, sorted_ids, offsets, K, 64, kernels=None)
+        weight_gradients(da[:-1], x, d_out, hw, sorted_ids, offsets, counts, K, 64, kernels=None)
+    with pytest.raises(KernelArgumentError, match="expert_counts"):
+        weight_gradients(da, x, d_out, hw, sorted_ids, offsets, counts[:-1], K, 64, kernels=None)
     with pytest.raises(KernelArgumentError, match="disagree"):
-        weight_gradients(da, x, d_out[:, :-8], hw, sorted_ids, offsets, K, 64, kernels=None)
+        weight_gradients(da, x, d_out[:, :-8], hw, sorted_ids, offsets, counts, K, 64, kernels=None)

@@ -83,7 +83,7 @@ def run_one(spec, tokens, gen, timed, kernels):
     d_out = torch.randn(tokens, H, device=dev, generator=gen).bfloat16()
     dw13 = torch.full((E, 2 * I, H), float("nan"), dtype=torch.bfloat16, device=dev)
     dw2 = torch.full((E, H, I), float("nan"), dtype=torch.bfloat16, device=dev)
-    weight_gradients(da, x, d_out, hw, sorted_ids, offsets, K, TILE_M, kernels, dw13, dw2)
+    weight_gradients(da, x, d_out, hw, sorted_ids, offsets, counts, K, TILE_M, kernels, dw13, dw2)
 
     # torch, as moe_backward calls it: the pairs unpadded in the same order, offsets of their ends
     rows = (sorted_ids >= 0).nonzero().squeeze(1)
@@ -125,14 +125,14 @@ def run_one(spec, tokens, gen, timed, kernels):
             err[key][2] += r2
     del t13, t2
     again13, again2 = torch.empty_like(dw13), torch.empty_like(dw2)
-    weight_gradients(da, x, d_out, hw, sorted_ids, offsets, K, TILE_M, kernels, again13, again2)
+    weight_gradients(da, x, d_out, hw, sorted_ids, offsets, counts, K, TILE_M, kernels, again13, again2)
     repeatable = bool(torch.equal(again13, dw13) and torch.equal(again2, dw2))
     del again13, again2
 
     k13, k2 = kernels
     us = {
-        "ours_dw13": timed(lambda: k13(da, x, sorted_ids, offsets, dw13)),
-        "ours_dw2": timed(lambda: k2(d_out, hw, sorted_ids, offsets, dw2)),
+        "ours_dw13": timed(lambda: k13(da, x, sorted_ids, offsets, counts, dw13)),
+        "ours_dw2": timed(lambda: k2(d_out, hw, sorted_ids, offsets, counts, dw2)),
         "torch_dw13_gather": timed(torch13),
         "torch_dw2_gather": timed(torch2),
         "torch_dw13": timed(lambda: torch._grouped_mm(da_u.t(), xs, offs=offs)),

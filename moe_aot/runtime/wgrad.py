@@ -3,8 +3,8 @@
 
 Both GEMMs read the forward's routing layout (templates/routing.py, harness.reference's
 routing_reference): rows sorted by expert, each expert's segment padded to the routing's tile_m,
-`expert_offsets` [E + 1] its bounds, `sorted_ids` [R] each row's routed pair p = m * top_k + k or
--1. Per expert e, over its rows r:
+`expert_offsets` [E + 1] its bounds, `expert_counts` [E] its routed rows, `sorted_ids` [R] each
+row's routed pair p = m * top_k + k or -1. Per expert e, over its rows r:
 
     dW13[e] (2I x H) = sum_r da[r]^T x[p_r // top_k]      (da [R, 2I] in row order, x gathered)
     dW2[e]  (H x I)  = sum_r dO[p_r // top_k]^T hw[r]     (dO gathered, hw [R, I] in row order)
@@ -44,7 +44,7 @@ def wgrad_kernels_for(experts: int, top_k: int, hidden: int, intermediate: int, 
     return _KERNELS[key]
 
 
-def _check(da, x, d_out, hw, sorted_ids, expert_offsets, top_k, routing_tile_m):
+def _check(da, x, d_out, hw, sorted_ids, expert_offsets, expert_counts, top_k, routing_tile_m):
     if routing_tile_m % WGRAD_TILE_K:
         raise KernelArgumentError(f"the routing's tile_m {routing_tile_m} must be a multiple of {WGRAD_TILE_K}: "
                                   "the weight-gradient GEMMs read each expert's rows in whole 64-row k-tiles")
@@ -56,24 +56,24 @@ def _check(da, x, d_out, hw, sorted_ids, expert_offsets, top_k, routing_tile_m):
     if d_out.shape[1] != x.shape[1] or da.shape[1] % 2 or hw.shape[1] * 2 != da.shape[1]:
         raise KernelArgumentError(f"da [R, 2I], x [M, H], d_out [M, H], hw [R, I] disagree: {tuple(da.shape)}, "
                                   f"{tuple(x.shape)}, {tuple(d_out.shape)}, {tuple(hw.shape)}")
-    if expert_offsets.dim() != 1 or top_k < 1:
-        raise KernelArgumentError(f"expert_offsets must be [E + 1] and top_k >= 1, got {tuple(expert_offsets.shape)} "
-                                  f"and {top_k}")
+    if expert_offsets.dim() != 1 or expert_counts.shape != (expert_offsets.shape[0] - 1,) or top_k < 1:
+        raise KernelArgumentError(f"expert_offsets must be [E + 1], expert_counts [E] and top_k >= 1, got "
+                                  f"{tuple(expert_offsets.shape)}, {tuple(expert_counts.shape)} and {top_k}")
 
 
-def weight_gradients(da, x, d_out, hw, sorted_ids, expert_offsets, top_k: int, routing_tile_m: int, kernels,
-                     dw13: torch.Tensor | None = None, dw2: torch.Tensor | None = None):
+def weight_gradients(da, x, d_out, hw, sorted_ids, expert_offsets, expert_counts, top_k: int, routing_tile_m: int,
+                     kernels, dw13: torch.Tensor | None = None, dw2: torch.Tensor | None = None):
     """(dW13 [E, 2I, H], dW2 [E, H, I]) bf16 by the compiled kernels (`wgrad_kernels_for`) on the
     current stream; `dw13` / `dw2`: buffers to write (every element is written), else new ones."""
-    _check(da, x, d_out, hw, sorted_ids, expert_offsets, top_k, routing_tile_m)
+    _check(da, x, d_out, hw, sorted_ids, expert_offsets, expert_counts, top_k, routing_tile_m)
     E, H, I = expert_offsets.shape[0] - 1, x.shape[1], hw.shape[1]
     if dw13 is None:
         dw13 = torch.empty(E, 2 * I, H, dtype=torch.bfloat16, device=x.device)
     if dw2 is None:
         dw2 = torch.empty(E, H, I, dtype=torch.bfloat16, device=x.device)
     k13, k2 = kernels
-    k13(da, x, sorted_ids, expert_offsets, dw13)
-    k2(d_out, hw, sorted_ids, expert_offsets, dw2)
+    k13(da, x, sorted_ids, expert_offsets, expert_counts, dw13)
+    k2(d_out, hw, sorted_ids, expert_offsets, expert_counts, dw2)
     return dw13, dw2
 
 
