@@ -570,8 +570,9 @@ def export_cmd(gpu, export_dir, db_url):
                    "(for `tools/bench.py --pdl`, which measures both side by side).")
 @click.option("--backward", is_flag=True,
               help="Also compile the kernels of training: the backward's (torch.ops.moe_aot.fused_moe under "
-                   "autograd), and each variant's GEMM1 that keeps its pre-activations for the backward "
-                   "(fused_moe_train); without them those parts run in torch ops.")
+                   "autograd: the GLU backward; the weight-gradient GEMMs, not yet called by it), and each "
+                   "variant's GEMM1 that keeps its pre-activations for the backward (fused_moe_train); "
+                   "without them those parts run in torch ops.")
 @click.option("--db", "db_url", default=None, help=DB_HELP)
 def build_cmd(models, spec_file, target, experts, top_k, hidden, intermediate, activation, precision, tokens, gpu,
               tuned_dir, jobs, pdl_twins, backward, db_url):
@@ -580,7 +581,7 @@ def build_cmd(models, spec_file, target, experts, top_k, hidden, intermediate, a
     Idempotent: what is already in the database is not compiled again."""
     from .compiler import HostToolchainError, compile_into, toolchain_key
     from .picks import build_plan
-    from .variants import backward_kernels, training_kernels
+    from .variants import backward_kernels, training_kernels, wgrad_kernels
 
     specs = _specs(models, spec_file, target, experts, top_k, hidden, intermediate, activation, precision)
     db = _open(db_url)
@@ -602,7 +603,7 @@ def build_cmd(models, spec_file, target, experts, top_k, hidden, intermediate, a
 
         extra = []
         if backward:
-            extra = [(s, kv) for s in specs for kv in backward_kernels(s)]
+            extra = [(s, kv) for s in specs for kv in backward_kernels(s) + wgrad_kernels(s)]
             extra += list(dict.fromkeys((s, kv) for s, v in pairs for kv in training_kernels(s, v)))
         results = compile_into(db, pairs, jobs=jobs, progress=progress, extra=extra)
         failed = [r for r in results if r.artifact is None]

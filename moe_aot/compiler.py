@@ -66,6 +66,7 @@ TEMPLATES = {
     ("glu_bwd", None): ("glu_backward", "GluBackward"),
     ("dh", None): ("hopper_bwd", "HopperDhGemm"),
     ("dx", None): ("hopper_bwd", "HopperDxGemm"),
+    ("wgrad", None): ("hopper_wgrad", "HopperWgrad"),
     ("bsquant", None): ("blockscale_quant", "BlockScaleQuant"),
     ("glu", "grouped"): ("grouped_gemm", "GroupedGluGemm"),
     ("down", "grouped"): ("grouped_gemm", "GroupedDownGemm"),

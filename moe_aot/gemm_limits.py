@@ -258,6 +258,61 @@ def check_tiles(n, k, tile_m, tile_n, tile_k, stages, mma, warps_m, warps_n,
     return True, ""
 
 
+# The backward's weight gradients (templates/hopper_wgrad.py, sm_90a): dW[e] = A_e^T B_e over each
+# expert's rows of the routing layout, both operands MN-major (K is their row dimension), one of
+# them gathered by token (gather "a": dW2 = dO^T (w h); "b": dW13 = da^T x), 128 producer threads,
+# one consumer warpgroup per 64 rows of the tile. k-tiles of 64 rows: the routing's segments
+# (tile_m 64 or 128) are whole k-tiles.
+WGRAD_GATHER = ("a", "b")
+WGRAD_TILE_M = (64, 128)
+WGRAD_TILE_K = 64
+WGRAD_TARGETS = ("sm_90a",)
+
+
+def wgrad_smem_bytes(tile_m, tile_n, tile_k, stages) -> int:
+    """Dynamic shared memory of one weight-gradient CTA: the A/B stages, a full and an empty
+    mbarrier per stage, the gathered rows' tokens of each stage (int32 per k row), and the
+    allocator's alignment slack."""
+    return stages * (tile_m + tile_n) * tile_k * 2 + 16 * stages + 4 * tile_k * stages + 1024
+
+
+def check_wgrad(rows, cols, gather, tile_m, tile_n, tile_k=WGRAD_TILE_K, stages=4, arch="sm_90a") -> tuple[bool, str]:
+    """(ok, reason) of a weight-gradient GEMM writing [rows, cols] per expert (dW13: 2I x H,
+    gather "b"; dW2: H x I, gather "a") with these tiles on `arch`."""
+    if arch not in WGRAD_TARGETS:
+        return False, f"the weight-gradient GEMM is built on wgmma for {', '.join(WGRAD_TARGETS)} only, not {arch}"
+    if gather not in WGRAD_GATHER:
+        return False, f"gather {gather!r} must be 'a' (dW2: dO gathered by token) or 'b' (dW13: x gathered by token)"
+    if tile_m not in WGRAD_TILE_M:
+        return False, f"tile_m {tile_m} must be 64 or 128 (one consumer warpgroup per 64 rows)"
+    if tile_n % 64 or not 64 <= tile_n <= 256:
+        return False, f"tile_n {tile_n} must be a multiple of 64 in 64..256 (whole 128-byte swizzle atoms)"
+    if tile_k != WGRAD_TILE_K:
+        return False, f"tile_k {tile_k} must be {WGRAD_TILE_K} (the routing's segments are whole 64-row k-tiles)"
+    if rows % tile_m:
+        return False, f"the gradient's {rows} rows are not divisible by tile_m {tile_m}"
+    if cols % tile_n:
+        return False, f"the gradient's {cols} columns are not divisible by tile_n {tile_n}"
+    if not 2 <= stages <= 8:
+        return False, f"stages {stages} must be in 2..8"
+    need, cap = wgrad_smem_bytes(tile_m, tile_n, tile_k, stages), SMEM_CAPACITY[arch]
+    if need > cap:
+        return False, (f"{stages} stages of {tile_m}x{tile_n}x{tile_k} tiles need {need} B of shared memory, "
+                       f"{arch} allows {cap}")
+    return True, ""
+
+
+def wgrad_default_tiles(rows, cols, arch="sm_90a") -> tuple[int, int, int] | None:
+    """(tile_m, tile_n, stages) of a weight-gradient GEMM of this size: the tallest, then widest
+    tile that divides it, with the deepest pipeline that fits; None where none does."""
+    for tile_m in (128, 64):
+        for tile_n in (256, 192, 128, 64):
+            for stages in range(8, 1, -1):
+                if check_wgrad(rows, cols, "b", tile_m, tile_n, WGRAD_TILE_K, stages, arch)[0]:
+                    return tile_m, tile_n, stages
+    return None
+
+
 def check_save_preact(mma, precision) -> tuple[bool, str]:
     """(ok, reason) of a GEMM1 that also writes its pre-activations (the GLU's input, kept for
     the backward): built into the persistent cores' register epilogue, bf16 only."""

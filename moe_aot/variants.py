@@ -272,6 +272,28 @@ def backward_kernels(spec: LayerSpec) -> list[KernelVariant]:
     return out
 
 
+def wgrad_kernels(spec: LayerSpec) -> list[KernelVariant]:
+    """The backward's weight-gradient GEMMs (templates/hopper_wgrad.py, role "wgrad"): dW13 =
+    da^T x (x gathered by token) and dW2 = dO^T (w h) (dO gathered), in that order, each at the
+    tallest, widest tile that divides it with the deepest pipeline that fits
+    (gemm_limits.wgrad_default_tiles); bf16 layers on the targets with wgmma, else []."""
+    if spec.precision != "bf16" or spec.target not in limits.WGRAD_TARGETS:
+        return []
+    a, e, k, h, i = arch_tag(spec.target), spec.experts, spec.top_k, spec.hidden, spec.intermediate
+    out = []
+    for rows, cols, gather in ((2 * i, h, "b"), (h, i, "a")):
+        tiles = limits.wgrad_default_tiles(rows, cols, spec.target)
+        if tiles is None:
+            return []
+        tm, tn, st = tiles
+        tk = limits.WGRAD_TILE_K
+        out.append(KernelVariant(
+            "wgrad", f"moe_wgrad_{a}_{spec.precision_tag}_e{e}k{k}_r{rows}c{cols}_g{gather}_t{tm}x{tn}x{tk}_s{st}",
+            (("num_experts", e), ("out_rows", rows), ("out_cols", cols), ("top_k", k), ("gather", gather),
+             ("tile_m", tm), ("tile_n", tn), ("tile_k", tk), ("stages", st))))
+    return out
+
+
 def training_kernels(spec: LayerSpec, variant: LayerVariant) -> list[KernelVariant]:
     """The kernels a training forward uses beside the variant's own (moe_aot.integrations.autograd,
     fused_moe_train): the variant's GEMM1 built to also write its pre-activations (role

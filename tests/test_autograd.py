@@ -162,7 +162,7 @@ def test_build_backward_puts_the_glu_backward_into_the_database(tmp_path):
     from moe_aot.compiler import toolchain_key
     from moe_aot.database import Database
     from moe_aot.spec import make_spec
-    from moe_aot.variants import backward_kernels, default_variant, training_kernels
+    from moe_aot.variants import backward_kernels, default_variant, training_kernels, wgrad_kernels
 
     spec_file = tmp_path / "tiny.toml"
     spec_file.write_text("[[layer]]\nexperts = 8\ntop_k = 2\nhidden = 512\nintermediate = 256\n")
@@ -171,17 +171,20 @@ def test_build_backward_puts_the_glu_backward_into_the_database(tmp_path):
     res = CliRunner().invoke(main, args)
     assert res.exit_code == 0, res.output
     res = CliRunner().invoke(main, args + ["--backward"])
-    # the GLU backward, dH, dX, and the 1024-token variant's GEMM1 (hopws) with its pre-activation
-    # output (the 16-token one, mma.sync, has none); the backward's routing and combine are the
-    # 1024-token forward's
-    assert res.exit_code == 0 and "4 compiled" in res.output, res.output
+    # the GLU backward, dH, dX, the two weight-gradient GEMMs, and the 1024-token variant's GEMM1
+    # (hopws) with its pre-activation output (the 16-token one, mma.sync, has none); the backward's
+    # routing and combine are the 1024-token forward's
+    assert res.exit_code == 0 and "6 compiled" in res.output, res.output
     spec = make_spec(experts=8, top_k=2, hidden=512, intermediate=256, target="sm_90a")
     kv = backward_kernels(spec)[0]
+    wgrad = wgrad_kernels(spec)
+    assert len(wgrad) == 2
     (train,) = training_kernels(spec, default_variant(spec, 1024))
     assert training_kernels(spec, default_variant(spec, 16)) == []
     with Database(db, readonly=True) as d:
         assert d.has_artifact(kv.name, toolchain_key("sm_90a"))
         assert d.has_artifact(train.name, toolchain_key("sm_90a"))
+        assert all(d.has_artifact(w.name, toolchain_key("sm_90a")) for w in wgrad)
 
 
 def test_trainable_experts_hold_parameters_with_gradients():

@@ -192,6 +192,16 @@ def _fused_gemms(x, topk_ids, w13, w2, activation, block, bias):
     return backward_gemms(E, topk_ids.shape[1], H, I2 // 2, activation, bias, x.device)
 
 
+def _wgrad_kernels(x, topk_ids, w13):
+    """The compiled weight-gradient GEMMs of this layer shape (runtime.wgrad), or None (torch's)."""
+    if not x.is_cuda:
+        return None
+    from ..runtime.wgrad import wgrad_kernels_for
+
+    E, I2, H = w13.shape
+    return wgrad_kernels_for(E, topk_ids.shape[1], H, I2 // 2, x.device)
+
+
 def moe_backward_fused(kern, grad_out, x, w13, w2, topk_weights, topk_ids, activation, b13=None, b2=None,
                        preact=None):
     """moe_backward on the compiled data path (``kern``: runtime.layer.BackwardGemms):
@@ -203,8 +213,10 @@ def moe_backward_fused(kern, grad_out, x, w13, w2, topk_weights, topk_ids, activ
       routing weight's partial gradients, in padded row order (padding rows zero);
     - dX multiplies da by W13_e read N-major into one row per pair, and the combine kernel sums
       each token's rows (every sum a fixed order: bitwise repeatable);
-    - the weight gradients stay torch's grouped GEMMs over the padded segments (padding rows of
-      da and w h are zeros, those of the gathered x and dO rows too).
+    - the weight gradients: the compiled variable-K GEMMs (templates/hopper_wgrad.py, x and dO
+      gathered by token in their producers) where the database has them, else torch's grouped
+      GEMMs over the padded segments on gathered copies (padding rows of da and w h are zeros,
+      those of the gathered x and dO rows too).
     Without ``preact`` the pre-activations are computed first (preact_torch)."""
     M, K = topk_ids.shape
     E, I2, H = w13.shape
@@ -238,11 +250,20 @@ def moe_backward_fused(kern, grad_out, x, w13, w2, topk_weights, topk_ids, activ
     pair = torch.where(valid, sorted_ids, P).long()
     tok = torch.where(valid, sorted_ids // K, M).long()
     zero = x.new_zeros(1, H)
-    xs = torch.cat((x, zero)).index_select(0, tok)
-    ds = torch.cat((dout, zero)).index_select(0, tok)
+    ds = None
     ends = offsets[1:]
-    dw13 = gmm_k(da.t(), xs, ends)
-    dw2 = gmm_k(ds.t(), hw, ends)
+    wk = _wgrad_kernels(x, topk_ids, w13)
+    if wk is not None:
+        from ..runtime.wgrad import weight_gradients
+
+        dw13, dw2 = weight_gradients(da, x.contiguous(), dout, hw, sorted_ids, offsets, counts, K, m, wk)
+    else:
+        xs = torch.cat((x, zero)).index_select(0, tok)
+        ds = torch.cat((dout, zero)).index_select(0, tok)
+        dw13 = gmm_k(da.t(), xs, ends)
+        dw2 = gmm_k(ds.t(), hw, ends)
+    if b2 is not None and ds is None:
+        ds = torch.cat((dout, zero)).index_select(0, tok)
     dwr = dwp.sum(1)
     if b2 is not None:  # <dO_m, b2_e> of the bias term of y_p
         rows_expert = tile_expert.clamp(min=0).repeat_interleave(m)
