@@ -225,15 +225,27 @@ def test_training_step_under_torch_compile_matches_eager(store):
         assert rel_err(g, w.float()) <= 1e-3
 
 
+def _chunked_rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    """rel_err over the leading dimension's slices (DeepSeek-V3's weight gradients are 15 GB in
+    bf16: no fp32 copy of them whole)."""
+    num = den = 0.0
+    for g, r in zip(got.reshape(got.shape[0], -1), ref.reshape(ref.shape[0], -1)):
+        num += (g.float() - r.float()).square().sum().item()
+        den += r.float().square().sum().item()
+    return (num / max(den, 1e-30)) ** 0.5
+
+
 @pytest.mark.parametrize("model", MODELS)
 @pytest.mark.parametrize("tokens", [1, 37, 1000, 4096])
 def test_fused_backward_gemms_match_the_torch_gemm_backward(store, model, tokens, monkeypatch):
-    """The compiled data path (routing, dH with the GLU's backward in its epilogue, dX, combine:
-    `moe-aot build --backward`, templates/hopper_bwd.py) against the same backward multiplying
-    with torch's grouped GEMMs, on the same inputs and kept pre-activations, with the caching
-    allocator's free memory filled with NaN first (so a row a kernel leaves unwritten, or a
-    padding row read where it must not be, shows): every gradient within 1e-2, dx and dtopk_weights
-    per row; bitwise repeatable."""
+    """The compiled data path (routing, dH with the GLU's backward in its epilogue, dX, combine, the
+    weight-gradient GEMMs: `moe-aot build --backward`) against the same backward multiplying with
+    torch's grouped GEMMs, on the same inputs and kept pre-activations, with the caching
+    allocator's free memory filled with NaN first (so a row a kernel leaves unwritten, or a padding
+    row read where it must not be, shows): every gradient within 1e-2, dx per row, the gradient of
+    an id outside [0, E) zero; bitwise repeatable. (Both are bf16 paths: dtopk_weights, a dot product
+    over I terms with cancellation, is compared as a whole; its per-element accuracy against fp32
+    is test_gradients_match_fp32_autograd_of_the_reference's.)"""
     from moe_aot.harness.reference import row_rel_err
     from moe_aot.integrations import autograd as ag
 
@@ -251,21 +263,28 @@ def test_fused_backward_gemms_match_the_torch_gemm_backward(store, model, tokens
 
     def fused():
         free, _ = torch.cuda.mem_get_info()
-        poison = torch.empty(int(free * 0.5) // 4, device=DEV)
+        poison = torch.empty(int(free * 0.3) // 4, device=DEV)
         poison.fill_(float("nan"))
         del poison
         return ag.moe_backward(grad, x, w13, w2, tw, ids, spec.activation, 16, b13, b2, preact)
 
-    got = fused()
-    assert all(torch.equal(a, b) for a, b in zip(got, fused()) if a is not None)
-    with monkeypatch.context() as mp:
-        mp.setattr(ag, "_fused_gemms", lambda *a: None)
-        ref = ag.moe_backward(grad, x, w13, w2, tw, ids, spec.activation, 16, b13, b2, preact)
-    for name, g, r in zip(("dx", "dw13", "dw2", "dtopk_weights", "db13", "db2"), got, ref):
-        if r is None:
-            assert g is None, name
-            continue
-        assert g.shape == r.shape and g.dtype == r.dtype, name
-        assert rel_err(g, r.float()) <= GRAD_TOL, (name, rel_err(g, r.float()))
-    assert row_rel_err(got[0], ref[0]) <= GRAD_TOL
-    assert got[3][0, 0] == 0 and row_rel_err(got[3][:, 1:].reshape(-1, 1), ref[3][:, 1:].reshape(-1, 1)) <= GRAD_TOL
+    try:
+        got = fused()
+        again = fused()
+        assert all(torch.equal(a, b) for a, b in zip(got, again) if a is not None)
+        del again
+        with monkeypatch.context() as mp:
+            mp.setattr(ag, "_fused_gemms", lambda *a: None)
+            ref = ag.moe_backward(grad, x, w13, w2, tw, ids, spec.activation, 16, b13, b2, preact)
+        for name, g, r in zip(("dx", "dw13", "dw2", "dtopk_weights", "db13", "db2"), got, ref):
+            if r is None:
+                assert g is None, name
+                continue
+            assert g.shape == r.shape and g.dtype == r.dtype, name
+            err = _chunked_rel_err(g, r)
+            assert err <= GRAD_TOL, (name, err)
+        assert row_rel_err(got[0], ref[0]) <= GRAD_TOL
+        assert got[3][0, 0] == 0
+    finally:  # a failing case's frames must not keep DeepSeek-V3's gradients alive for the next
+        got = ref = None
+        torch.cuda.empty_cache()

@@ -12,7 +12,8 @@ Per model, token count and tile choice (``--tiles``: dH/dX tiles as NxSTAGES+MMA
 - dH: da, w h and dw of every routed row within 1e-2 (per row) of the GLU's backward in fp32 on
   G = dO_m W2_e in fp32, padding rows exactly zero;
 - dX: every routed row within 1e-2 of da_r W13_e in fp32 on the kernel's own da;
-- the time of each kernel alone (CUDA-graph replays, medians) as useful TFLOP/s (2 P H I each),
+- the time of each kernel alone (CUDA-graph replays, medians) as useful TFLOP/s (2 P H I for dH,
+  4 P H I for dX),
   beside torch._grouped_mm doing the same product on rows sorted by expert (no GLU, no gather).
 Writes DIR/check_backward.{json,md}.
 """
@@ -124,7 +125,7 @@ def run(ns) -> None:
             t_torch_dh = graph_time_us([lambda a=ds: torch._grouped_mm(a, w2, offs=offs)], ns.replays)
             t_torch_dx = graph_time_us([lambda a=a_sorted: torch._grouped_mm(a, w13, offs=offs)], ns.replays)
             del a_sorted
-            flops = 2 * P * H * I
+            flops = 2 * P * H * I  # dH; dX's product is twice that (K = 2I)
             for dh_t, dx_t in choices(spec, ns.tiles):
                 kern = backward_gemms(E, K, H, I, spec.activation, spec.bias, dev, store, tiles=(dh_t, dx_t))
                 row = {"model": model, "tokens": M, "dh": dh_t.tag, "dx": dx_t.tag}
@@ -188,9 +189,9 @@ def run(ns) -> None:
                 t_dx = graph_time_us([lambda a=dx_args: kern.dx(*a)], ns.replays)
                 row.update({"dh_us": round(t_dh, 1), "dx_us": round(t_dx, 1), "torch_dh_us": round(t_torch_dh, 1),
                             "torch_dx_us": round(t_torch_dx, 1), "dh_tflops": round(flops / t_dh / 1e6, 1),
-                            "dx_tflops": round(flops / t_dx / 1e6, 1),
+                            "dx_tflops": round(2 * flops / t_dx / 1e6, 1),
                             "torch_dh_tflops": round(flops / t_torch_dh / 1e6, 1),
-                            "torch_dx_tflops": round(flops / t_torch_dx / 1e6, 1)})
+                            "torch_dx_tflops": round(2 * flops / t_torch_dx / 1e6, 1)})
                 rows.append(row)
                 print(json.dumps(row), flush=True)
                 del da, hw, dwp, y, dh_args, dx_args
