@@ -121,15 +121,20 @@ class HopperDhGemm(_HopperWs, _GroupedGemmBase):
 
     @cute.jit
     def _epilogue_regs(self, ctid, tiled_mma, acc, pairs, scales, epi, row0, bn):
-        """The GLU's backward per accumulator pair: this lane's two neighbouring h columns c, c + 1
-        of a row read their gate and up pre-activations (w13's interleaved columns, 4 bytes
-        each), and write d gate, d up and w h as bf16 pairs; G h is summed over the row's
-        columns in this lane, then over the quad (whose four lanes hold the row's columns)."""
+        """The GLU's backward from the accumulators, 8 consecutive h columns per lane: the four
+        lanes of a quad hold a row's n8 blocks as fp32 pairs (lane q: columns 8j + 2q, 2q + 1);
+        per group of four blocks they exchange pairs by shuffles (as _quad_transpose does for
+        bf16 pairs) so that lane q holds all of block 4G + q. It then reads that block's gate and
+        up pre-activations (16 bytes each: an interleave block holds whole 8-column blocks) and
+        writes d gate, d up and w h as one 16-byte store each; G h is summed over the lane's
+        columns, then over the quad."""
         mP, mDA, mHW, mDW = epi[0], epi[2], epi[3], epi[4]
         g = self.interleave
         i = self.intermediate
         tCcC = self._acc_coords(ctid, tiled_mma)
         lane = cute.arch.lane_idx()
+        q = lane % 4
+        quad0 = lane - q
         for hrow in cutlass.range_constexpr(self.acc_rows):
             r = tCcC[self._acc_index(hrow, 0)][0]
             p = pairs[hrow]
@@ -137,36 +142,66 @@ class HopperDhGemm(_HopperWs, _GroupedGemmBase):
             src = self._row(mP, cutlass.max(p, Int32(0)), 2 * i)
             da_row = self._row(mDA, row0 + r, 2 * i)
             hw_row = self._row(mHW, row0 + r, i)
+            # the h column of block 4G + q's first element: this lane's column in block 0 is 2q
+            col0 = bn * self.tile_n + tCcC[self._acc_index(hrow, 0)][1] - 2 * q + 8 * q
             dot = Float32(0.0)
-            for j in cutlass.range_constexpr(self.tile_n // 8):
-                ai = self._acc_index(hrow, j)
-                c = bn * self.tile_n + tCcC[ai][1]  # the pair's first h column (even)
+            for grp in cutlass.range_constexpr(self.tile_n // 32):
+                grad = self._quad_transpose_f32(acc, hrow, grp, q, quad0)  # every lane shuffles
+                c = col0 + 32 * grp
                 gc = (c // g) * 2 * g + c % g  # its gate column in w13's interleaved order
-                gate = cute.make_rmem_tensor(cute.make_layout(2), Float32)
-                up = cute.make_rmem_tensor(cute.make_layout(2), Float32)
-                grad = cute.make_rmem_tensor(cute.make_layout(2), Float32)
+                gate = cute.make_rmem_tensor(cute.make_layout(8), Float32)
+                up = cute.make_rmem_tensor(cute.make_layout(8), Float32)
                 gate.fill(0.0)
                 up.fill(0.0)
-                grad.fill(0.0)
                 if p >= 0:
-                    gate.store(cute.local_tile(src, (2,), (gc // 2,)).load().to(Float32))
-                    up.store(cute.local_tile(src, (2,), ((gc + g) // 2,)).load().to(Float32))
-                    grad[0] = acc[ai]
-                    grad[1] = acc[ai + 1]
-                dg = cute.make_rmem_tensor(cute.make_layout(2), Float32)
-                du = cute.make_rmem_tensor(cute.make_layout(2), Float32)
-                hws = cute.make_rmem_tensor(cute.make_layout(2), Float32)
-                for e in cutlass.range_constexpr(2):
+                    gate.store(cute.local_tile(src, (8,), (gc // 8,)).load().to(Float32))
+                    up.store(cute.local_tile(src, (8,), ((gc + g) // 8,)).load().to(Float32))
+                else:  # a padding row: its A rows were never loaded
+                    grad.fill(0.0)
+                dg = cute.make_rmem_tensor(cute.make_layout(8), Float32)
+                du = cute.make_rmem_tensor(cute.make_layout(8), Float32)
+                hws = cute.make_rmem_tensor(cute.make_layout(8), Float32)
+                for e in cutlass.range_constexpr(8):
                     h, dge, due = dglu(gate[e], up[e], w * grad[e], self.activation)
                     dot = dot + grad[e] * h
                     dg[e], du[e], hws[e] = dge, due, w * h
-                cute.local_tile(da_row, (2,), (gc // 2,)).store(dg.load().to(BFloat16))
-                cute.local_tile(da_row, (2,), ((gc + g) // 2,)).store(du.load().to(BFloat16))
-                cute.local_tile(hw_row, (2,), (c // 2,)).store(hws.load().to(BFloat16))
+                cute.local_tile(da_row, (8,), (gc // 8,)).store(dg.load().to(BFloat16))
+                cute.local_tile(da_row, (8,), ((gc + g) // 8,)).store(du.load().to(BFloat16))
+                cute.local_tile(hw_row, (8,), (c // 8,)).store(hws.load().to(BFloat16))
             dot = dot + cute.arch.shuffle_sync_bfly(dot, 1)
             dot = dot + cute.arch.shuffle_sync_bfly(dot, 2)
-            if lane % 4 == 0:
+            if q == 0:
                 mDW[row0 + r, bn] = dot
+
+    @cute.jit
+    def _quad_transpose_f32(self, acc, hrow: cutlass.Constexpr, grp: cutlass.Constexpr, q, quad0):
+        """The 8 fp32 accumulators of block 4 grp + q of accumulator row ``hrow``, in column order:
+        round r, lane q sends its pair of block 4 grp + (q ^ r) to lane q ^ r and receives that
+        lane's pair of block 4 grp + q (columns 2 (q ^ r), +1 of the block)."""
+        cand = cute.make_rmem_tensor(cute.make_layout(8), Float32)  # this lane's pairs of the 4 blocks
+        for b in cutlass.range_constexpr(4):
+            ai = self._acc_index(hrow, 4 * grp + b)
+            cand[2 * b] = acc[ai]
+            cand[2 * b + 1] = acc[ai + 1]
+        got = cute.make_rmem_tensor(cute.make_layout(8), Float32)  # round r's pair at 2r, 2r + 1
+        for rnd in cutlass.range_constexpr(4):
+            for v in cutlass.range_constexpr(2):
+                send = self._pick4_f32(cand, v, q ^ rnd)
+                got[2 * rnd + v] = cute.arch.shuffle_sync(send, quad0 + (q ^ rnd))
+        out = cute.make_rmem_tensor(cute.make_layout(8), Float32)
+        for src in cutlass.range_constexpr(4):  # lane src's pair came in round q ^ src
+            for v in cutlass.range_constexpr(2):
+                out[2 * src + v] = self._pick4_f32(got, v, q ^ src)
+        return out
+
+    @cute.jit
+    def _pick4_f32(self, t, v: cutlass.Constexpr, k):
+        """t[2 k + v] for a run-time k in 0..3, by selects (no dynamic register indexing)."""
+        x = t[v]
+        for i in cutlass.range_constexpr(1, 4):
+            if k == i:
+                x = t[2 * i + v]
+        return x
 
 
 class HopperDxGemm(HopperDownGemm):
