@@ -80,7 +80,7 @@ BIAS_PRECISIONS = ("bf16", "mxfp4-w")
 #   "fp8-block128"  weights: fp32 scales per 128x128 block (DeepSeek-V3's weight_scale_inv);
 #                   x: fp32 scales per 1x128 block along K
 # Both write GEMM1's output (the GLU intermediate) as e4m3 with one fp32 scale per row and
-# H_SCALE_BLOCK columns, which GEMM2 applies by promoting its partial sums per such block.
+# h_block columns, which GEMM2 applies by promoting its partial sums per such block (check_h_block).
 # "mxfp4-w" (weight-only MXFP4, gpt-oss's checkpoints): the weights are e2m1 codes, two per byte,
 # with one ue8m0 scale byte per 32 along K (moe_aot/blockscale.py), dequantized to bf16 in shared
 # memory; x, h, y and the MMA are bf16 as in "bf16" (templates/grouped_w4.py). Its entry here is
@@ -89,7 +89,13 @@ ELEM_BYTES = {"bf16": 2, "fp8": 1, "fp8-block128": 1, "mxfp4-w": 2}
 FP8 = ("fp8", "fp8-block128")
 FP8_TILE_K = 128
 SCALE_BLOCK = 128  # fp8-block128: weight blocks (128x128) and x blocks (1x128)
-H_SCALE_BLOCK = 64  # GEMM1's fp8 output: one scale per row per 64 columns
+# GEMM1's fp8 output h: one fp32 scale per row and h_block columns. Both GEMMs of a layer and its
+# hs buffer [R, I / h_block] must agree on it, so it is one field of the layer variant
+# (variants.LayerVariant.h_block), not of either GEMM's tiles: H_SCALE_BLOCK (the default, every
+# GEMM1 tile holds whole 64-column blocks of h) or 128, for GEMM1 tiles that hold whole 128-column
+# blocks (tile_n 256): GEMM2 then promotes once per 128-deep k-tile instead of twice.
+H_SCALE_BLOCK = 64
+H_SCALE_BLOCKS = (64, 128)
 FP8_MAX = 448.0  # largest finite e4m3 value
 # promoting consumers keep two more accumulators, the partial sums of two K blocks in flight
 MAX_PROMOTE_ACC = 64
@@ -401,6 +407,22 @@ def promotes(role, precision) -> bool:
     this, "fp8" GEMM1 (no scales along K) measured 3-4x the error of the promoted kernels against
     the same reference on the H200 (tools/results/NOTES.md, 2026-12-01)."""
     return precision in FP8
+
+
+def check_h_block(precision, h_block, glu_tile_n=None) -> tuple[bool, str]:
+    """(ok, reason) of a layer's h scale block, with the tile_n of the GEMM1 that writes it
+    (None: the rules GEMM2, which reads it, shares)."""
+    if h_block == H_SCALE_BLOCK:
+        return True, ""
+    if precision not in FP8:
+        return False, (f"h_block {h_block}: only fp8 layers quantize h (with scales per h_block columns); "
+                       f"{precision} takes the default {H_SCALE_BLOCK}")
+    if h_block not in H_SCALE_BLOCKS:
+        return False, f"h_block {h_block} must be one of {H_SCALE_BLOCKS}"
+    if glu_tile_n is not None and (glu_tile_n // 2) % h_block:
+        return False, (f"h_block {h_block}: GEMM1's tile_n {glu_tile_n} holds {glu_tile_n // 2} h columns, "
+                       f"not whole {h_block}-column scale blocks (tile_n {2 * h_block} writes them)")
+    return True, ""
 
 
 def check_fp8(role, precision, n, k, tile_m, tile_n, mma, cluster_m=1) -> tuple[bool, str]:

@@ -618,8 +618,9 @@ def seed_variants(tuned_dir: Path | None, gpu: str, specs, buckets,
     """Per (workload, bucket), in this order: the committed pick for `gpu` in `tuned_dir`, the
     `extra` variants (`tune --try`), the 64-row ping-pong twins (LayerVariant.pingpong_twin) of
     the pick and of the default, the pick's and the default's twins with programmatic dependent
-    launch flipped, then the 2-CTA-cluster twins (LayerVariant.cluster_twins) of the pick, or of
-    the default where there is none. After a template change these are what a new default must
+    launch flipped, their twins with h scaled per 128 columns (fp8, LayerVariant.h_block_twin), then
+    the 2-CTA-cluster twins (LayerVariant.cluster_twins) of the pick, or of the default where there
+    is none. After a template change these are what a new default must
     be measured against first (the newest family first: a small --trials measures the pick and its
     ping-pong twins). Without `tuned_dir`, only the `extra` variants."""
     from .variants import default_variant
@@ -636,7 +637,8 @@ def seed_variants(tuned_dir: Path | None, gpu: str, specs, buckets,
                 name = picks.get((spec.workload_key, tokens))
                 pick = LayerVariant.parse(name) if name else None
                 seeds = [pick, *extra] + [v.pingpong_twin(spec) for v in (pick or base, base)]
-                seeds += [pick and pick.pdl_twin(), base.pdl_twin()] + (pick or base).cluster_twins()
+                seeds += [pick and pick.pdl_twin(), base.pdl_twin()]
+                seeds += [pick and pick.h_block_twin(spec), base.h_block_twin(spec)] + (pick or base).cluster_twins()
             out[(spec.workload_key, tokens)] = [v for v in dict.fromkeys(seeds)
                                                if v is not None and v != base and can_implement(spec, v)[0]]
     return out

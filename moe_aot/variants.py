@@ -112,10 +112,14 @@ class LayerVariant:
     # still runs and wait on the chip (griddepcontrol); GEMM2 fetches its first weight k-tiles
     # before that wait. Off in the defaults until measured on the GPU.
     pdl: bool = False
+    # fp8: columns of h per scale, written by GEMM1 and read by GEMM2 (gemm_limits.check_h_block):
+    # a property of the pair, as tile_m is of the routing and both GEMMs. Named only when not 64,
+    # so every older name (and database key) is unchanged.
+    h_block: int = limits.H_SCALE_BLOCK
 
     def __init__(self, tile_m: int = 64, glu: GemmTiles = _DEFAULT_TILES, down: GemmTiles = _DEFAULT_TILES,
-                 route_cluster: int = 1, pdl: bool = False):
-        vars(self).update(tile_m=tile_m, glu=glu, down=down, route_cluster=route_cluster, pdl=pdl)
+                 route_cluster: int = 1, pdl: bool = False, h_block: int = limits.H_SCALE_BLOCK):
+        vars(self).update(tile_m=tile_m, glu=glu, down=down, route_cluster=route_cluster, pdl=pdl, h_block=h_block)
 
     def name(self, spec: LayerSpec) -> str:
         return (f"moe_layer_{arch_tag(spec.target)}_{spec.precision_tag}_{spec.shape_tag}_{spec.activation}"
@@ -128,6 +132,14 @@ class LayerVariant:
     def pdl_twin(self) -> "LayerVariant":
         """The same kernels with programmatic dependent launch flipped (measured side by side)."""
         return dataclasses.replace(self, pdl=not self.pdl)
+
+    def h_block_twin(self, spec: LayerSpec) -> "LayerVariant | None":
+        """The same kernels with h scaled per 128 columns (GEMM2 promoting once per k-tile) where
+        GEMM1's tiles write whole 128-column blocks; None otherwise (or if it already is)."""
+        if self.h_block == 128:
+            return None
+        twin = dataclasses.replace(self, h_block=128)
+        return twin if can_implement(spec, twin)[0] else None
 
     def cluster_twins(self) -> list["LayerVariant"]:
         """hopws GEMMs at cluster 1 -> the same with GEMM2, then both GEMMs, in 2-CTA clusters
@@ -167,6 +179,9 @@ class LayerVariant:
         e, k, h, i = spec.experts, spec.top_k, spec.hidden, spec.intermediate
         g, d, m, x = self.glu, self.down, self.tile_m, self._pdl_tag
         pdl = (("pdl", True),) if self.pdl else ()
+        # both fp8 GEMMs take the layer's h scale block (named and passed only when not the default)
+        hb, hbp = ((f"_h{self.h_block}", (("h_block", self.h_block),)) if self.h_block != limits.H_SCALE_BLOCK
+                   else ("", ()))
         bias = (("bias", True),) if spec.bias else ()  # the GEMMs take b13 / b2 (shape_tag ends in "b")
         # a stand-in target's block-scaled GEMMs emulate the MMA its arch lacks (its name is in a)
         standin = (("standin", True),) if spec.target in limits.STANDINS and spec.precision in limits.BLOCKSCALED \
@@ -177,14 +192,14 @@ class LayerVariant:
                           + pdl),
             KernelVariant(
                 "glu", f"moe_glu_{a}_{p}_{s}_{spec.activation}_t{m}x{g.tile_n}x{g.tile_k}_s{g.stages}_{g.mma}"
-                       f"{_c(g)}_g{INTERLEAVE}{x}",
+                       f"{_c(g)}_g{INTERLEAVE}{hb}{x}",
                 (("num_experts", e), ("top_k", k), ("hidden", h), ("intermediate", i),
                  ("activation", spec.activation), ("tile_m", m)) + g.params(spec.precision)
-                + (("interleave", INTERLEAVE),) + pdl + bias + standin),
+                + (("interleave", INTERLEAVE),) + pdl + bias + standin + hbp),
             KernelVariant(
-                "down", f"moe_down_{a}_{p}_{s}_t{m}x{d.tile_n}x{d.tile_k}_s{d.stages}_{d.mma}{_c(d)}{x}",
+                "down", f"moe_down_{a}_{p}_{s}_t{m}x{d.tile_n}x{d.tile_k}_s{d.stages}_{d.mma}{_c(d)}{hb}{x}",
                 (("num_experts", e), ("top_k", k), ("hidden", h), ("intermediate", i), ("tile_m", m))
-                + d.params(spec.precision) + pdl + bias + standin),
+                + d.params(spec.precision) + pdl + bias + standin + hbp),
             KernelVariant("combine", f"moe_combine_{a}_{p}_e{e}k{k}h{h}{x}",
                           (("num_experts", e), ("hidden", h), ("top_k", k)) + pdl),
         ]
@@ -346,8 +361,9 @@ def blockscale_kernel(shape: BlockScaleShape) -> KernelVariant:
 # every older name (and database key). name() and parse() both read these tables, and a test
 # checks that they name every field.
 GEMM_NAME = (("tile_n", "n"), ("tile_k", "k"), ("stages", "s"), ("mma", ""), ("cluster", "c"))
-LAYER_NAME = (("tile_m", "_m"), ("route_cluster", "r"), ("glu", "_glu"), ("down", "_down"), ("pdl", "_pdl"))
-OMIT_AT_DEFAULT = {"cluster", "pdl"}
+LAYER_NAME = (("tile_m", "_m"), ("route_cluster", "r"), ("glu", "_glu"), ("down", "_down"), ("h_block", "_h"),
+              ("pdl", "_pdl"))
+OMIT_AT_DEFAULT = {"cluster", "pdl", "h_block"}
 _LAYOUTS = {"GemmTiles": GEMM_NAME, "LayerVariant": LAYER_NAME}
 
 
@@ -448,7 +464,8 @@ def can_implement(spec: LayerSpec, variant: LayerVariant) -> tuple[bool, str]:
         ok, why = gemm_can_implement(n_dim, k_dim, variant.tile_m, t, spec.target, spec.precision, role)
         if not ok:
             return False, f"{role}: {why}"
-    return True, "ok"
+    ok, why = limits.check_h_block(spec.precision, variant.h_block, variant.glu.tile_n)
+    return (True, "ok") if ok else (False, why)
 
 
 TILE_M = (16, 32, 64, 128)
@@ -481,6 +498,9 @@ def candidate_space(spec: LayerSpec) -> list[LayerVariant]:
                                                                          INTERLEAVE, spec.activation)[0])]
         for g, d, c, pdl in itertools.product(tiles["glu"], tiles["down"], clusters, (False, True)):
             out.append(LayerVariant(m, g, d, c, pdl))
+            for hb in limits.H_SCALE_BLOCKS[1:]:  # fp8 GEMM1 tiles that write whole blocks of more columns
+                if limits.check_h_block(spec.precision, hb, g.tile_n)[0]:
+                    out.append(LayerVariant(m, g, d, c, pdl, hb))
     return out
 
 

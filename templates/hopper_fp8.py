@@ -11,11 +11,13 @@ Precisions (moe_aot/gemm_limits.py):
   * "fp8-block128": w13 [E, 2I/128, H/128] (row 2b: gate rows [128b, 128b+128), row 2b+1: the
     matching up rows, i.e. DeepSeek-V3's gate and up ``weight_scale_inv`` interleaved by
     block), w2 [E, H/128, I/128] (down_proj's ``weight_scale_inv``); x [M, H/128].
-  * GEMM1's output, in both: h as e4m3 [R, I] with hs [R, I/64], one fp32 scale per row and 64
-    columns (amax / 448 of the block's GLU outputs, computed from the fp32 accumulators).
+  * GEMM1's output, in both: h as e4m3 [R, I] with hs [R, I/h_block], one fp32 scale per row and
+    h_block columns (amax / 448 of the block's GLU outputs, computed from the fp32 accumulators).
+    h_block is the layer's (gemm_limits.check_h_block): 64, or 128 where GEMM1's tiles hold
+    whole 128-column blocks of h (tile_n 256); both GEMMs of a layer are built with the same.
 
 Where the scales go: every fp8 GEMM computes the partial sums of each K block (128 for GEMM1,
-64 for GEMM2, whose A has a scale per 64 columns) on the tensor cores and adds them into an
+h_block for GEMM2, whose A has a scale per h_block columns) on the tensor cores and adds them into an
 fp32 accumulator times the block's scales (``_mainloop_promote``), software-pipelined over two
 partial-sum accumulators so the next block's wgmmas run during the promotion. Hopper's fp8
 wgmma accumulates with fewer bits than fp32, so "fp8" promotes too (its scales are the same for
@@ -25,7 +27,7 @@ Each consumer thread loads the scales its accumulator rows need straight from gl
 (L2), at the top of each k-tile, before it waits on the stage.
 
 Constraints beyond hopper_gemm's: H and I multiples of 128 (2I and H for GEMM1); GEMM1
-tile_n a multiple of 128 (whole 64-column output blocks); promoting GEMMs at most 64
+tile_n a multiple of 128 (whole 64-column output blocks; of 2 * h_block); promoting GEMMs at most 64
 accumulators per thread (tile_n <= 128 at 64 rows per warpgroup), or cooperative 128-row tiles
 of 256 columns promoted in two 128-column parts (``_mainloop_parts``); fp8-block128 GEMM2 tile_n
 (or part) dividing 128; no 2-CTA clusters. ``gemm_limits.check_fp8`` holds the rules.
@@ -69,7 +71,7 @@ def glu_fp8_arguments(gemm):
         ("sorted_ids", make_fake_tensor(Int32, (r,), (1,), assumed_align=16)),
         ("tile_expert", make_fake_tensor(Int32, (t,), (1,), assumed_align=16)),
         ("h", make_fake_tensor(Float8E4M3FN, (r, i), (i, 1), assumed_align=16)),
-        ("hs", make_fake_tensor(Float32, (r, i // HB), (i // HB, 1), assumed_align=4)),
+        ("hs", make_fake_tensor(Float32, (r, i // gemm.h_block), (i // gemm.h_block, 1), assumed_align=4)),
         ("stream", make_fake_stream()),
     ]
 
@@ -90,7 +92,7 @@ def down_fp8_arguments(gemm):
         ws = make_fake_tensor(Float32, (e,), (1,), assumed_align=4)
     return [
         ("h", make_fake_tensor(Float8E4M3FN, (r, i), (i, 1), assumed_align=16)),
-        ("hs", make_fake_tensor(Float32, (r, i // HB), (i // HB, 1), assumed_align=4)),
+        ("hs", make_fake_tensor(Float32, (r, i // gemm.h_block), (i // gemm.h_block, 1), assumed_align=4)),
         ("w2", make_fake_tensor(Float8E4M3FN, (e, hd, i), (hd * i, i, 1), assumed_align=16)),
         ("w2s", ws),
         ("sorted_ids", make_fake_tensor(Int32, (r,), (1,), assumed_align=16)),
@@ -105,12 +107,16 @@ def down_fp8_arguments(gemm):
 class _Fp8Consumer:
     """The fp8 consumer loop of both GEMMs (see the module docstring)."""
 
-    def _fp8_init(self):
+    def _fp8_init(self, h_block):
         if not self.fp8:
             raise ValueError(f"{type(self).__name__} is the fp8 GEMM; precision {self.precision!r} is not fp8")
+        ok, why = limits.check_h_block(self.precision, h_block, self.tile_n if self.glu else None)
+        if not ok:
+            raise ValueError(why)
+        self.h_block = h_block
         self.block = self.precision == "fp8-block128"
         # K elements per promotion: a weight/x block (GEMM1) or an h scale block (GEMM2)
-        self.kblock = SB if self.glu else HB
+        self.kblock = SB if self.glu else h_block
         self.kblocks = self.tile_k // self.kblock  # promotions per k-tile
         self.ka_per_block = self.kblock // 32  # wgmma k32 instructions per promotion
         # column parts of the tile multiplied and promoted one at a time (1: the whole tile, two
@@ -253,8 +259,11 @@ class _Fp8Consumer:
                 self._load_kscales(sa, sb, tCcC, pairs, epi, expert, row0, bn, kt, sub)
                 for j in cutlass.range_constexpr(self.parts):
                     if const_expr(j > 0 and self.block and not self.glu):
-                        # fp8-block128 GEMM2: each 128-column part is its own weight block
-                        self._load_kscales(sa, sb, tCcC, pairs, epi, expert, row0, bn, kt, sub, j)
+                        # fp8-block128 GEMM2: each 128-column part is its own weight block (the
+                        # rows' h scales are the same for every part of a K block; loaded again
+                        # only where a k-tile has several)
+                        self._load_kscales(sa, sb, tCcC, pairs, epi, expert, row0, bn, kt, sub, j,
+                                           self.kblocks > 1)
                     cute.nvgpu.warpgroup.fence()
                     for kb in cutlass.range_constexpr(self.ka_per_block):
                         k = sub * self.ka_per_block + kb
@@ -321,13 +330,13 @@ class HopperGluGemmFp8(_Fp8Consumer, HopperGluGemm):
     ``__call__(x, xs, w13, w13s, sorted_ids, tile_expert, h, hs, stream)``: x [M, H] e4m3 and its
     scales xs ([M]; fp8-block128 [M, H/128]); w13 [E, 2I, H] e4m3 (gate/up interleaved as for
     bf16) and w13s ([E, 2]; fp8-block128 [E, 2I/128, H/128]); sorted_ids, tile_expert as
-    ``GroupedGluGemm``; h [R, I] e4m3 and hs [R, I/64] fp32 written for every row of every
+    ``GroupedGluGemm``; h [R, I] e4m3 and hs [R, I/h_block] fp32 written for every row of every
     used tile (padding rows: zeros and scale 0).
     """
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, h_block: int = HB, **kwargs):
         super().__init__(*args, **kwargs)
-        self._fp8_init()
+        self._fp8_init(h_block)
 
     def fake_arguments(self):
         return glu_fp8_arguments(self)
@@ -376,14 +385,16 @@ class HopperGluGemmFp8(_Fp8Consumer, HopperGluGemm):
 
     @cute.jit
     def _epilogue_fp8(self, ctid, tiled_mma, acc, tCcC, pairs, scales, epi, expert, row0, bn):
-        """Per row and 64 h columns (the accumulators already scaled by the promotion): the GLU,
-        the block's amax over the quad (shuffles), its scale amax / 448, and the e4m3 values: the
-        quad transposes its 16-bit pairs of two 8-column h blocks (one 32-bit word per pair of
-        blocks) and lane q stores h columns 16q..16q+15 of the block as one 16-byte vector;
-        lane 0 stores the block's scale."""
+        """Per row and h_block h columns (the accumulators already scaled by the promotion): the
+        GLU, the block's amax over the quad (shuffles: a warpgroup's row lies in one quad, all
+        its columns, so a 128-column block needs no more than a 64-column one), its scale amax /
+        448, and the e4m3 values, stored per 64 columns: the quad transposes its 16-bit pairs of
+        two 8-column h blocks (one 32-bit word per pair of blocks) and lane q stores h columns
+        16q..16q+15 of the 64 as one 16-byte vector; lane 0 stores the block's scale."""
         mH, mHs, _, _, _ = epi
         nb = self.interleave // 8
         half = self.tile_n // 2
+        subs = self.h_block // HB  # 64-column stores per scale block
         lane = cute.arch.lane_idx()
         q = lane % 4
         quad0 = lane - q
@@ -391,53 +402,59 @@ class HopperGluGemmFp8(_Fp8Consumer, HopperGluGemm):
             r = tCcC[self._acc_index(hrow, 0)][0]
             valid = pairs[hrow] >= 0
             dst_row = self._row(mH, row0 + r, self.intermediate)
-            for blk in cutlass.range_constexpr(half // HB):
-                vals = cute.make_rmem_tensor(cute.make_layout(16), Float32)
-                vals.fill(0.0)
+            for sblk in cutlass.range_constexpr(half // self.h_block):
+                vals = [cute.make_rmem_tensor(cute.make_layout(16), Float32) for _ in range(subs)]
+                for j in cutlass.range_constexpr(subs):
+                    vals[j].fill(0.0)
                 amax = Float32(0.0)
                 if valid:
-                    for i in cutlass.range_constexpr(8):
-                        gi = self._acc_index(hrow, glu_gate_block(8 * blk + i, self.interleave))
-                        ui = gi + 4 * nb
-                        v = self._h_pair(acc, gi, ui, None, 0)
-                        vals[2 * i] = v[0]
-                        vals[2 * i + 1] = v[1]
-                    for i in cutlass.range_constexpr(16):
-                        amax = cute.arch.fmax(amax, cute.math.absf(vals[i]))
+                    for j in cutlass.range_constexpr(subs):
+                        blk = sblk * subs + j
+                        for i in cutlass.range_constexpr(8):
+                            gi = self._acc_index(hrow, glu_gate_block(8 * blk + i, self.interleave))
+                            ui = gi + 4 * nb
+                            v = self._h_pair(acc, gi, ui, None, 0)
+                            vals[j][2 * i] = v[0]
+                            vals[j][2 * i + 1] = v[1]
+                    for j in cutlass.range_constexpr(subs):
+                        for i in cutlass.range_constexpr(16):
+                            amax = cute.arch.fmax(amax, cute.math.absf(vals[j][i]))
                 amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, 1))
                 amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, 2))
                 amax = cute.arch.fmax(amax, Float32(1e-12))
                 inv = limits.FP8_MAX * cute.math.rcp(amax)
-                qv = cute.make_rmem_tensor(cute.make_layout(16), Float8E4M3FN)
-                qv.store((vals.load() * inv).to(Float8E4M3FN))
-                packed = cute.recast_tensor(qv, Int32)  # word u: h blocks 2u, 2u+1 of this lane
-                c = self._quad_transpose(packed, 0, q, quad0)  # c[s]: lane s's blocks 2q, 2q+1
-                words = cute.make_rmem_tensor(cute.make_layout(4), Int32)
-                words[0] = (c[0] & 0xFFFF) | (c[1] << 16)
-                words[1] = (c[2] & 0xFFFF) | (c[3] << 16)
-                words[2] = ((c[0] >> 16) & 0xFFFF) | ((c[1] >> 16) << 16)
-                words[3] = ((c[2] >> 16) & 0xFFFF) | ((c[3] >> 16) << 16)
-                col = bn * half + blk * HB
-                dst = cute.local_tile(dst_row, (16,), (col // 16 + q,))
-                dst.store(cute.recast_tensor(words, Float8E4M3FN).load())
+                col0 = bn * half + sblk * self.h_block  # the block's first h column
+                for j in cutlass.range_constexpr(subs):
+                    qv = cute.make_rmem_tensor(cute.make_layout(16), Float8E4M3FN)
+                    qv.store((vals[j].load() * inv).to(Float8E4M3FN))
+                    packed = cute.recast_tensor(qv, Int32)  # word u: h blocks 2u, 2u+1 of this lane
+                    c = self._quad_transpose(packed, 0, q, quad0)  # c[s]: lane s's blocks 2q, 2q+1
+                    words = cute.make_rmem_tensor(cute.make_layout(4), Int32)
+                    words[0] = (c[0] & 0xFFFF) | (c[1] << 16)
+                    words[1] = (c[2] & 0xFFFF) | (c[3] << 16)
+                    words[2] = ((c[0] >> 16) & 0xFFFF) | ((c[1] >> 16) << 16)
+                    words[3] = ((c[2] >> 16) & 0xFFFF) | ((c[3] >> 16) << 16)
+                    col = col0 + j * HB if j else col0
+                    dst = cute.local_tile(dst_row, (16,), (col // 16 + q,))
+                    dst.store(cute.recast_tensor(words, Float8E4M3FN).load())
                 if q == 0:
                     sc = Float32(0.0)
                     if valid:
                         sc = amax * (1.0 / limits.FP8_MAX)
-                    mHs[row0 + r, col // HB] = sc
+                    mHs[row0 + r, col0 // self.h_block] = sc
 
 
 class HopperDownGemmFp8(_Fp8Consumer, HopperDownGemm):
     """GEMM2 in fp8: ``y[p] = topk_weights.flat[p] * (h[r] . w2_e^T)`` with h and w2 in e4m3.
 
     ``__call__(h, hs, w2, w2s, sorted_ids, tile_expert, topk_weights, y, stream)``: h [R, I] e4m3
-    and hs [R, I/64] (GEMM1's fp8 output); w2 [E, H, I] e4m3 and w2s ([E]; fp8-block128
+    and hs [R, I/h_block] (GEMM1's fp8 output); w2 [E, H, I] e4m3 and w2s ([E]; fp8-block128
     [E, H/128, I/128]); the rest as ``GroupedDownGemm`` (y bf16).
     """
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, h_block: int = HB, **kwargs):
         super().__init__(*args, **kwargs)
-        self._fp8_init()
+        self._fp8_init(h_block)
 
     def fake_arguments(self):
         return down_fp8_arguments(self)
@@ -462,12 +479,12 @@ class HopperDownGemmFp8(_Fp8Consumer, HopperDownGemm):
 
     @cute.jit
     def _load_kscales(self, sa, sb, tCcC, pairs, epi, expert, row0, bn, kt, sub: cutlass.Constexpr,
-                      part: cutlass.Constexpr = 0):
-        """K block ``sub`` (64 columns) of k-tile ``kt``: h's scale of each accumulator row and
-        the weight scale of column part ``part`` of the tile (fp8-block128: of its 128x128
-        block; "fp8": the expert's)."""
+                      part: cutlass.Constexpr = 0, rows: cutlass.Constexpr = True):
+        """K block ``sub`` (h_block columns) of k-tile ``kt``: h's scale of each accumulator row
+        (unless ``rows`` is False) and the weight scale of column part ``part`` of the tile
+        (fp8-block128: of its 128x128 block; "fp8": the expert's)."""
         _, _, _, mHs, mWs, _ = epi
-        for hrow in cutlass.range_constexpr(self.acc_rows):
+        for hrow in cutlass.range_constexpr(self.acc_rows if rows else 0):
             r = tCcC[self._acc_index(hrow, 0)][0]
             sa[hrow] = mHs[row0 + r, kt * self.kblocks + sub]
         if const_expr(self.block):

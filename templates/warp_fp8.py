@@ -8,22 +8,24 @@ bf16's m16n8k16 in bytes, so the same swizzled 128-byte rows and ldmatrix.x4 fee
 
 The formats, scales and outputs are hopper_fp8.py's (same arguments, same results up to the
 order of fp32 additions): "fp8" and "fp8-block128", x and w13 / h and w2 in e4m3, GEMM1's output
-h in e4m3 with one fp32 scale per row and 64 columns, GEMM2's y in bf16.
+h in e4m3 with one fp32 scale per row and h_block (64, or 128 from GEMM1 tile_n 256) columns,
+GEMM2's y in bf16.
 
-Scales: every MMA k-block of a K scale block (128 along K for GEMM1, 64 for GEMM2, whose A has a
-scale per 64 columns) multiplies into a partial-sum fragment, which is added into the fp32
+Scales: every MMA k-block of a K scale block (128 along K for GEMM1, h_block for GEMM2, whose A
+has a scale per h_block columns) multiplies into a partial-sum fragment, which is added into the fp32
 accumulator times the block's row and column scales when the block ends (``_gemm_promote``).
 Each thread loads the scales of the block after the current one from global memory (L2) when a
 block starts, so the loads are in flight during the block's MMAs.
 
 GEMM1's epilogue (``_epilogue``): the fp32 gate/up tile is staged de-interleaved in shared
-memory (grouped_gemm's ``_stage_acc``); four consecutive lanes take 16 h columns each of one
-row's 64-column block, apply the GLU, reduce the block's amax with two shuffles, and store the
-e4m3 values (16 bytes a lane) and the scale amax / 448; padding rows get zeros and scale 0.
+memory (grouped_gemm's ``_stage_acc``); h_block / 16 consecutive lanes (4 or 8) take 16 h
+columns each of one row's h_block-column block, apply the GLU, reduce the block's amax with
+shuffles, and store the e4m3 values (16 bytes a lane) and the scale amax / 448; padding rows get
+zeros and scale 0.
 GEMM2's epilogue is GroupedDownGemm's (the routing weight, bf16 rows to y).
 
 Constraints (``gemm_limits.check_tiles`` / ``check_fp8``): tile_k 128; H and I multiples of
-128; GEMM1 tile_n 128 or 256 (whole 64-column output blocks, gate rows in one weight block);
+128; GEMM1 tile_n 128 or 256 (whole h_block-column output blocks, gate rows in one weight block);
 fp8-block128 GEMM2 tile_n dividing 128; the accumulators and the partial sums within
 ``MAX_ACC_REGS`` per thread; no expert biases.
 """
@@ -40,19 +42,24 @@ from .hopper_fp8 import down_fp8_arguments, glu_fp8_arguments
 
 HB = limits.H_SCALE_BLOCK
 SB = limits.SCALE_BLOCK
-_LANES_PER_BLOCK = 4  # lanes sharing one row's 64-column h block in GEMM1's epilogue
-_COLS_PER_LANE = HB // _LANES_PER_BLOCK
+_COLS_PER_LANE = 16  # h columns per lane in GEMM1's epilogue (one 16-byte e4m3 store)
 
 
 class _WarpFp8:
     """The per-K-block scaling of both GEMMs (see the module docstring)."""
 
-    def _warp_fp8_init(self):
+    def _warp_fp8_init(self, h_block):
         if not self.fp8 or self.mma != "warp":
             raise ValueError(f"{type(self).__name__} is the mma.sync fp8 GEMM; got precision "
                              f"{self.precision!r} with mma {self.mma!r}")
+        ok, why = limits.check_h_block(self.precision, h_block, self.tile_n if self.glu else None)
+        if not ok:
+            raise ValueError(why)
+        self.h_block = h_block
         self.block = self.precision == "fp8-block128"
-        self.kblock = SB if self.glu else HB  # K elements per scale block
+        self.kblock = SB if self.glu else h_block  # K elements per scale block
+        # GEMM1's epilogue: butterfly shuffles over the h_block / 16 lanes of one row's h block
+        self.h_shuffles = (h_block // _COLS_PER_LANE).bit_length() - 1
         self.kblocks = self.tile_k // self.kblock  # scale blocks per k-tile
         # scales that change along K: GEMM1's only with fp8-block128, GEMM2's h scales always
         self.k_scales = self.block or not self.glu
@@ -129,13 +136,13 @@ class WarpGluGemmFp8(_WarpFp8, GroupedGluGemm):
 
     ``__call__(x, xs, w13, w13s, sorted_ids, tile_expert, h, hs, stream)``: as
     ``hopper_fp8.HopperGluGemmFp8`` (x [M, H] e4m3 and xs [M] or [M, H/128]; w13 [E, 2I, H] e4m3
-    interleaved and w13s [E, 2] or [E, 2I/128, H/128]; h [R, I] e4m3 and hs [R, I/64] fp32, every
-    row of every used tile written, padding rows as zeros with scale 0). Grid (2I / tile_n, T).
+    interleaved and w13s [E, 2] or [E, 2I/128, H/128]; h [R, I] e4m3 and hs [R, I/h_block] fp32,
+    every row of every used tile written, padding rows as zeros with scale 0). Grid (2I / tile_n, T).
     """
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, h_block: int = HB, **kwargs):
         super().__init__(*args, **kwargs)
-        self._warp_fp8_init()
+        self._warp_fp8_init(h_block)
 
     def fake_arguments(self):
         return glu_fp8_arguments(self)
@@ -174,19 +181,21 @@ class WarpGluGemmFp8(_WarpFp8, GroupedGluGemm):
 
     @cute.jit
     def _epilogue(self, etid, sC, epi, row0, bn, expert):
-        """h in e4m3 with one scale per row and 64 columns, from the staged fp32 gate/up tile
-        (gate columns [0, tile_n/2), up columns after them); see the module docstring."""
+        """h in e4m3 with one scale per row and h_block columns, from the staged fp32 gate/up
+        tile (gate columns [0, tile_n/2), up columns after them); see the module docstring."""
         mH, mHs, _, _, mIds = epi
+        hb = self.h_block
+        per_block = hb // _COLS_PER_LANE  # lanes sharing one row's h block: 4 or 8 (of a warp)
         half = self.tile_n // 2
-        blocks = half // HB
-        lanes = self.tile_m * blocks * _LANES_PER_BLOCK  # a multiple of 32: whole warps idle
+        blocks = half // hb
+        lanes = self.tile_m * blocks * per_block  # a multiple of 32: whole warps idle
         for it in cutlass.range_constexpr((lanes + self.mma_threads - 1) // self.mma_threads):
             g = it * self.mma_threads + etid
             if g < lanes:
-                item = g // _LANES_PER_BLOCK
-                sub = g % _LANES_PER_BLOCK
+                item = g // per_block
+                sub = g % per_block
                 row = item // blocks
-                c0 = (item % blocks) * HB + sub * _COLS_PER_LANE
+                c0 = (item % blocks) * hb + sub * _COLS_PER_LANE
                 gate = cute.local_tile(sC, (1, _COLS_PER_LANE), (row, c0 // _COLS_PER_LANE)).load()
                 upv = cute.local_tile(sC, (1, _COLS_PER_LANE), (row, (half + c0) // _COLS_PER_LANE)).load()
                 vals = cute.make_rmem_tensor(cute.make_layout(_COLS_PER_LANE), Float32)
@@ -194,8 +203,8 @@ class WarpGluGemmFp8(_WarpFp8, GroupedGluGemm):
                 amax = Float32(0.0)
                 for i in cutlass.range_constexpr(_COLS_PER_LANE):
                     amax = cute.arch.fmax(amax, cute.math.absf(vals[i]))
-                amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, 1))
-                amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, 2))
+                for bit in cutlass.range_constexpr(self.h_shuffles):  # over the block's lanes
+                    amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, 1 << bit))
                 amax = cute.arch.fmax(amax, Float32(1e-12))
                 inv = limits.FP8_MAX * cute.math.rcp(amax)
                 col = bn * half + c0
@@ -206,20 +215,20 @@ class WarpGluGemmFp8(_WarpFp8, GroupedGluGemm):
                     sc = Float32(0.0)
                     if mIds[row0 + row] >= 0:
                         sc = amax * (1.0 / limits.FP8_MAX)
-                    mHs[row0 + row, col // HB] = sc
+                    mHs[row0 + row, col // hb] = sc
 
 
 class WarpDownGemmFp8(_WarpFp8, GroupedDownGemm):
     """GEMM2 in fp8 on mma.sync: ``y[p] = topk_weights.flat[p] * (h[r] . w2_e^T)``.
 
     ``__call__(h, hs, w2, w2s, sorted_ids, tile_expert, topk_weights, y, stream)``: as
-    ``hopper_fp8.HopperDownGemmFp8`` (h [R, I] e4m3 and hs [R, I/64]; w2 [E, H, I] e4m3 and w2s
-    [E] or [E, H/128, I/128]; y bf16). Grid (H / tile_n, T).
+    ``hopper_fp8.HopperDownGemmFp8`` (h [R, I] e4m3 and hs [R, I/h_block]; w2 [E, H, I] e4m3 and
+    w2s [E] or [E, H/128, I/128]; y bf16). Grid (H / tile_n, T).
     """
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, h_block: int = HB, **kwargs):
         super().__init__(*args, **kwargs)
-        self._warp_fp8_init()
+        self._warp_fp8_init(h_block)
 
     def fake_arguments(self):
         return down_fp8_arguments(self)
@@ -240,13 +249,13 @@ class WarpDownGemmFp8(_WarpFp8, GroupedDownGemm):
 
     @cute.jit
     def _load_scales(self, sa, sb, rows, expert, bn, epi, blk):
-        """h's scale of each accumulator row for 64-column block ``blk`` and the tile's weight
+        """h's scale of each accumulator row for h_block-column block ``blk`` and the tile's weight
         scale (fp8-block128: of its 128x128 block; fp8: the expert's)."""
         _, _, _, mHs, mWs = epi
         for s in cutlass.range_constexpr(cute.size(rows)):
             sa[s] = mHs[rows[s], blk]
         if const_expr(self.block):
-            sb[0] = mWs[expert, (bn * self.tile_n) // SB, blk // (SB // HB)]
+            sb[0] = mWs[expert, (bn * self.tile_n) // SB, blk // (SB // self.h_block)]
         else:
             sb[0] = mWs[expert]
         sb[1] = sb[0]

@@ -3,6 +3,7 @@ import), the spec and variant rules, and real compiles of the fp8 kernels (their
 checked on the GPU: tests/test_gpu_fp8.py, tools/check_fp8_kernels.py)."""
 from __future__ import annotations
 
+import dataclasses
 import re
 import subprocess
 
@@ -15,7 +16,7 @@ torch = pytest.importorskip("torch")
 from moe_aot import gemm_limits as limits  # noqa: E402
 from moe_aot import variants as V  # noqa: E402
 from moe_aot.harness import fp8 as fp8_ref  # noqa: E402
-from moe_aot.harness.reference import moe_reference, rel_err  # noqa: E402
+from moe_aot.harness.reference import moe_reference, rel_err, routing_reference  # noqa: E402
 from moe_aot.layout import interleave_gate_up, split_gate_up  # noqa: E402
 from moe_aot.runtime import fp8  # noqa: E402
 from moe_aot.runtime.layer import prepare_fp8_weights  # noqa: E402
@@ -144,11 +145,12 @@ def test_fp8_variants_and_their_refusals(precision):
         assert not ok and "must divide 128" in reason, reason
 
 
-@pytest.mark.parametrize("mma", ["hopws", "hopws256", "warp"])
+@pytest.mark.parametrize("mma", ["hopws", "hopws256", "hopws256h128", "warp", "warp256h128"])
 def test_fp8_kernels_compile(tmp_path, mma):
     """The quantization kernel and both fp8 GEMMs compile on this CPU machine into libraries whose
     cubins hold fp8 wgmma (QGMMA) on the Hopper core, e4m3 mma.sync on the mma.sync one; both
-    take the same arguments."""
+    take the same arguments. With h scaled per 128 columns (h_block 128), GEMM2 waits for its
+    wgmmas and promotes once per k-tile and part, half as often as with 64."""
     pytest.importorskip("cutlass")
     from moe_aot.compiler import build_template
     from moe_aot.kernel_build import compile_kernel
@@ -161,6 +163,12 @@ def test_fp8_kernels_compile(tmp_path, mma):
         spec = make_spec(experts=8, top_k=2, hidden=256, intermediate=256, precision="fp8")
         v = V.LayerVariant(128, V.GemmTiles(256, 128, 3, "hopws"), V.GemmTiles(256, 128, 3, "hopws"))
         want_mma = r"wgmma\.mma_async\.sync\.aligned\.m64n128k32\.f32\.e4m3\.e4m3"
+    elif mma == "hopws256h128":  # block128's GEMM2 too: a part's k-tile is one weight block and one h block
+        v = V.LayerVariant(128, V.GemmTiles(256, 128, 3, "hopws"), V.GemmTiles(256, 128, 3, "hopws"), h_block=128)
+        want_mma = r"wgmma\.mma_async\.sync\.aligned\.m64n128k32\.f32\.e4m3\.e4m3"
+    elif mma == "warp256h128":  # 8 lanes share a row's 128-column h block in GEMM1's epilogue
+        v = V.LayerVariant(16, V.GemmTiles(256, 128, 2, "warp"), V.GemmTiles(32, 128, 2, "warp"), h_block=128)
+        want_mma = r"mma\.sync\.aligned\.m16n8k32\.row\.col\.f32\.e4m3\.e4m3\.f32"
     else:
         v = V.LayerVariant(16, V.GemmTiles(128, 128, 2, "warp"), V.GemmTiles(32, 128, 2, "warp"))
         want_mma = r"mma\.sync\.aligned\.m16n8k32\.row\.col\.f32\.e4m3\.e4m3\.f32"
@@ -172,18 +180,36 @@ def test_fp8_kernels_compile(tmp_path, mma):
         assert art.library[:4] == b"\x7fELF"
         if kv.role != "quant":
             assert re.search(want_mma, art.ptx), kv.name
-        if mma == "hopws256" and kv.role != "quant":
+        tool = cuobjdump()
+        if mma.startswith("hopws256") and kv.role != "quant":
             # both parts of every K block: GEMM1 one block of 4 k32 wgmmas per k-tile, GEMM2 two
-            # of 2 (its h scales per 64 columns); B's second part 16 KB into the stage
+            # of 2 (its h scales per 64 columns) or, with h_block 128, one of 4; B's second part
+            # 16 KB into the stage
             assert len(re.findall(want_mma, art.ptx)) == 8, kv.name
-            tool = cuobjdump()
             if tool:  # one partial sum of a part beside the 64x256 accumulators: ptxas spills nothing
                 cubin = tmp_path / f"{kv.role}.cubin"
                 cubin.write_bytes(art.cubin)
                 usage = subprocess.run([tool, "--dump-resource-usage", str(cubin)], capture_output=True,
                                        text=True, check=True).stdout
                 assert "STACK:0" in usage and "LOCAL:0" in usage, usage
+                sass = subprocess.run([tool, "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+                assert not re.search(r"\b(STL|LDL)\b", sass), kv.name
+                # the mainloop's k-tile: its waits for the wgmmas (one per promotion), its
+                # promotions (64 FFMA each: a part's 64x128 partial sums over 128 threads)
+                waits, ffma = len(re.findall(r"WARPGROUP\.DEPBAR", sass)), len(re.findall(r"\bFFMA\b", sass))
+                promotions = 2 if kv.role == "glu" or v.h_block == 128 else 4
+                assert waits == promotions, (kv.name, waits)
+                if kv.role == "down":  # (GEMM1's epilogue has FFMAs of its own)
+                    assert ffma == 64 * promotions, (kv.name, ffma)
+        if mma == "warp256h128" and kv.role == "glu" and tool:  # lanes of a 128-column h block: 3 butterflies
+            cubin = tmp_path / f"{kv.role}.cubin"
+            cubin.write_bytes(art.cubin)
+            sass = subprocess.run([tool, "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+            assert len(re.findall(r"SHFL\.BFLY", sass)) == 3, kv.name
         names = [a["name"] for a in art.meta["args"]]
+        if kv.role in ("glu", "down"):  # hs [R, I / h_block], R dynamic
+            hs = next(a for a in art.meta["args"] if a["name"] == "hs")
+            assert hs["static_shape"] == [None, spec.intermediate // v.h_block], hs
         want = {"quant": ["x", "xq", "xs"], "glu": ["x", "xs", "w13", "w13s", "sorted_ids", "tile_expert", "h", "hs"],
                 "down": ["h", "hs", "w2", "w2s", "sorted_ids", "tile_expert", "topk_weights", "y"]}[kv.role]
         assert names[:len(want)] == want, names
@@ -210,3 +236,103 @@ def test_fp8_gemms_build_for_dgx_spark():
         assert int.from_bytes(art.library[18:20], "little") == 183  # EM_AARCH64
         assert (int.from_bytes(art.cubin[48:52], "little") >> 8) & 0xFF == 121
         assert "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32" in art.ptx, kv.name
+
+
+def test_h_block_is_the_layers_both_gemms_take_it_and_names_say_it():
+    """h's scale block is one field of the layer variant: 128 only where GEMM1's tiles hold whole
+    128-column blocks of h (tile_n 256), only for fp8; both GEMMs' names and arguments carry it;
+    the defaults (what the shipped picks were measured against) keep 64."""
+    G = V.GemmTiles
+    spec = make_spec("mixtral-8x7b", precision="fp8")
+    base = V.default_variant(spec, 4096)
+    assert base.h_block == limits.H_SCALE_BLOCK and base.glu.tile_n == 256
+    twin = base.h_block_twin(spec)
+    assert twin is not None and twin.h_block == 128 and (twin.glu, twin.down) == (base.glu, base.down)
+    assert twin.h_block_twin(spec) is None
+    assert V.can_implement(spec, twin) == (True, "ok")
+    old = {kv.role: kv for kv in base.kernels(spec)}
+    new = {kv.role: kv for kv in twin.kernels(spec)}
+    for role in ("glu", "down"):
+        assert new[role].name != old[role].name and "_h128" in new[role].name, new[role].name
+        assert new[role].kwargs()["h_block"] == 128 and "h_block" not in old[role].kwargs()
+        assert not re.search(r"_h\d", old[role].name)  # 64: named and built as before
+    for role in ("routing", "quant", "combine"):
+        assert new[role] == old[role] and new[role].params == old[role].params
+    assert twin.name(spec).endswith("_h128") and V.LayerVariant.parse(twin.name(spec)) == twin
+    pdl = twin.pdl_twin()
+    assert pdl.name(spec).endswith("_h128_pdl") and V.LayerVariant.parse(pdl.name(spec)) == pdl
+    # refusals, each in one sentence naming the h block
+    narrow = V.LayerVariant(128, G(128, 128, 6, "hopws"), G(256, 128, 4, "hopws"), h_block=128)
+    ok, why = V.can_implement(spec, narrow)
+    assert not ok and "h_block 128" in why and "tile_n 128 holds 64 h columns" in why, why
+    assert narrow.h_block_twin(spec) is None and dataclasses.replace(narrow, h_block=64).h_block_twin(spec) is None
+    ok, why = V.can_implement(spec, dataclasses.replace(twin, h_block=96))
+    assert not ok and "must be one of (64, 128)" in why, why
+    bf = make_spec("mixtral-8x7b")
+    ok, why = V.can_implement(bf, dataclasses.replace(V.default_variant(bf, 4096), h_block=128))
+    assert not ok and "only fp8 layers" in why, why
+    # the decode tiles (mma.sync 16x256 GEMM1 too) may write 128-column blocks, 128-wide ones not
+    warp = V.LayerVariant(16, G(256, 128, 4, "warp"), G(64, 128, 6, "warp"), h_block=128)
+    assert V.can_implement(spec, warp)[0]
+    assert not V.can_implement(spec, dataclasses.replace(warp, glu=G(128, 128, 6, "warp")))[0]
+    # the tuner's space holds both blocks, 128 only beside 256-wide GEMM1 tiles
+    space = V.candidate_space(make_spec(experts=8, top_k=2, hidden=1024, intermediate=1024, precision="fp8"))
+    assert {v.h_block for v in space} == {64, 128}
+    assert {v.glu.tile_n for v in space if v.h_block == 128} == {256}
+    assert {v.h_block for v in V.candidate_space(make_spec(experts=8, top_k=2, hidden=1024, intermediate=1024))} \
+        == {64}
+    for model in ("qwen3-30b-a3b", "deepseek-v3", "mixtral-8x7b"):
+        for precision in fp8.FP8:
+            s = make_spec(model, precision=precision)
+            assert all(V.default_variant(s, t).h_block == 64 for t in V.token_buckets())
+
+
+def test_template_refuses_an_h_block_its_tiles_cannot_write():
+    pytest.importorskip("cutlass")
+    from moe_aot_templates.hopper_fp8 import HopperDownGemmFp8, HopperGluGemmFp8
+
+    kw = dict(tile_m=128, tile_k=128, stages=3, mma="hopws", precision="fp8")
+    with pytest.raises(ValueError, match="tile_n 128 holds 64 h columns"):
+        HopperGluGemmFp8(8, 256, 256, 2, tile_n=128, h_block=128, **kw)
+    assert HopperGluGemmFp8(8, 256, 256, 2, tile_n=256, h_block=128, **kw).h_block == 128
+    down = HopperDownGemmFp8(8, 256, 256, 2, tile_n=128, h_block=128, **kw)
+    assert (down.kblock, down.kblocks) == (128, 1)  # one promotion per k-tile
+    assert (HopperDownGemmFp8(8, 256, 256, 2, tile_n=128, **kw).kblocks) == 2
+    args = dict(down.fake_arguments())
+    assert tuple(args["hs"].shape)[1] == 256 // 128
+
+
+@pytest.mark.parametrize("precision", fp8.FP8)
+def test_fp8_reference_follows_the_h_block(precision):
+    """The reference quantizes h per the variant's block: a 128-column scale is the larger of
+    its two 64-column ones, GEMM2's reference reads the block off hs's shape, and the layer's
+    reference at 128 is what dequantizing per 128 gives (and not what 64 gives)."""
+    torch.manual_seed(3)
+    h = torch.randn(5, 512) * torch.logspace(-2, 1, 512)
+    q64, s64 = fp8_ref.quantize_rows(h, 64)
+    q128, s128 = fp8_ref.quantize_rows(h, 128)
+    assert torch.equal(s128, torch.maximum(s64[:, 0::2], s64[:, 1::2]))
+    e, k, hd, i, m, tm = 4, 2, 256, 512, 9, 16
+    w2 = torch.randn(e, hd, i) / i ** 0.5
+    w2q, w2s = fp8.prepare_w2(w2, precision)
+    ids = torch.stack([torch.randperm(e)[:k] for _ in range(m)]).int()
+    tw = torch.softmax(torch.randn(m, k), -1)
+    _, _, sorted_ids, tile_expert = routing_reference(ids, e, tm)
+    hr = torch.randn(sorted_ids.numel(), i)
+    for block in (64, 128):
+        hq, hs = fp8_ref.quantize_rows(hr, block)
+        y = fp8_ref.down_fp8_reference(hq, hs, w2q, w2s, sorted_ids, tile_expert, tm, tw, precision)
+        valid = sorted_ids >= 0
+        p = sorted_ids[valid].long()
+        experts = torch.repeat_interleave(tile_expert.long(), tm)[valid]
+        rows = fp8_ref.dequantize_rows(hq, hs, block)[valid]
+        wd = fp8_ref.dequantize_w2(w2q, w2s, precision)
+        want = tw.reshape(-1)[p].unsqueeze(1) * torch.stack([wd[x] @ r for r, x in zip(rows, experts.tolist())])
+        assert torch.allclose(y[p], want, rtol=1e-5, atol=1e-5)
+    gate, up = torch.randn(e, i, hd) / hd ** 0.5, torch.randn(e, i, hd) / hd ** 0.5
+    w13 = fp8.prepare_w13(gate, up, precision)
+    x = torch.randn(m, hd).bfloat16()
+    r64 = fp8_ref.moe_fp8_reference(x, w13, (w2q, w2s), tw, ids, precision)
+    r128 = fp8_ref.moe_fp8_reference(x, w13, (w2q, w2s), tw, ids, precision, h_block=128)
+    assert torch.equal(r64, fp8_ref.moe_fp8_reference(x, w13, (w2q, w2s), tw, ids, precision, h_block=64))
+    assert 0 < rel_err(r128, r64) < 0.05  # another rounding of h, within what e4m3 costs

@@ -1,4 +1,5 @@
 """The runtime on a CPU machine: import isolation, argument checks, fail-closed lookups."""
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +16,7 @@ from moe_aot.runtime.layer import MoeLayer, prepare_weights
 from moe_aot.runtime.library import KernelArgumentError, check_tensor
 from moe_aot.runtime.store import KernelMissingError, KernelStore, usable
 from moe_aot.spec import make_spec
-from moe_aot.variants import default_variant
+from moe_aot.variants import GemmTiles, LayerVariant, default_variant
 
 
 @pytest.mark.parametrize("harness", [False, True], ids=["runtime", "with_harness"])
@@ -456,9 +457,10 @@ void {run}(void **a) {{
 """
 
 
-def _recording_layer(url, spec, tmp_path, monkeypatch):
+def _recording_layer(url, spec, tmp_path, monkeypatch, variant=None):
     """A layer on CPU tensors whose kernels are libraries of the same ABI that record the
-    pointers they were launched with (gcc), with torch.cuda's answers stubbed."""
+    pointers they were launched with (gcc), with torch.cuda's answers stubbed; its variant at 16
+    tokens is ``variant`` (default: the default's)."""
     import json
     import shutil
     import sqlite3 as _sqlite3
@@ -471,7 +473,7 @@ def _recording_layer(url, spec, tmp_path, monkeypatch):
     path = tmp_path / "rec.sqlite"
     path.write_bytes(Path(url[len("sqlite:///"):]).read_bytes())
     con = _sqlite3.connect(path)
-    for kv in default_variant(spec, 16).kernels(spec):
+    for kv in (variant or default_variant(spec, 16)).kernels(spec):
         [(tc, meta)] = con.execute("SELECT toolchain, meta FROM moe_aot_artifacts WHERE name = ?",
                                    (kv.name,)).fetchall()
         meta = json.loads(meta)
@@ -492,7 +494,7 @@ def _recording_layer(url, spec, tmp_path, monkeypatch):
     monkeypatch.setattr(launch, "_native_fn", None)
     monkeypatch.setattr(launch, "_building", None)
     return MoeLayer(spec, KernelStore(f"sqlite:///{path}", unpack_dir=tmp_path / "libs"), device=torch.device("cpu"),
-                    variants={})
+                    variants={16: variant} if variant else {})
 
 
 @pytest.fixture
@@ -694,6 +696,50 @@ def test_repeated_fp8_forward_launches_with_the_new_pointers(small_fp8_db, tmp_p
     with pytest.raises(KernelArgumentError, match="w13 scales must have shape"):
         layer.forward(x, (w13, w13s[:, :1]), (w2, w2s), tw, ids, out=out2)
     assert ctypes.c_long.in_dll(libs["glu"]._lib, "calls").value == calls  # refused before any launch
+
+
+H128 = LayerVariant(128, GemmTiles(256, 128, 3, "hopws"), GemmTiles(256, 128, 3, "hopws"), h_block=128)
+
+
+@pytest.fixture(scope="module")
+def small_fp8_h128_db(tmp_path_factory):
+    url = f"sqlite:///{tmp_path_factory.mktemp('rt8h') / 'k.sqlite'}"
+    spec = make_spec(experts=8, top_k=2, hidden=256, intermediate=256, precision="fp8-block128")
+    with Database(url) as db:
+        compile_into(db, [(spec, H128)], jobs=1)
+    return url, spec
+
+
+def test_fp8_forward_hands_both_gemms_the_variants_h_scale_block(small_fp8_h128_db, tmp_path, monkeypatch):
+    """A variant with h scaled per 128 columns: GEMM1 and GEMM2 get the same hs, viewed as
+    [R, I/128] at the start of the workspace's buffer (their libraries' own checks refuse the
+    [R, I/64] view); a variant whose GEMM1 cannot write that block is refused in one sentence
+    before anything is loaded or launched."""
+    url, spec = small_fp8_h128_db
+    layer = _recording_layer(url, spec, tmp_path, monkeypatch, H128)
+    M, e, h, i = 16, 8, 256, 256
+    f8 = torch.float8_e4m3fn
+    args = [torch.zeros(M, h, dtype=torch.bfloat16), (torch.zeros(e, 2 * i, h, dtype=f8), torch.ones(e, 4, 2)),
+            (torch.zeros(e, h, i, dtype=f8), torch.ones(e, 2, 2)), torch.zeros(M, 2),
+            torch.zeros(M, 2, dtype=torch.int32)]
+    layer.forward(*args, out=torch.zeros(M, h, dtype=torch.bfloat16))
+    v, libs = layer.role_kernels(M)
+    assert v == H128 and all(kv.name.endswith("_h128") for kv in layer.kernel_variants(v) if kv.role in ("glu", "down"))
+    ws = layer._workspace
+    R = max_tiles(M, 2, e, 128) * 128
+    assert tuple(ws.hs.shape) == (ws.hq.shape[0], i // 64)  # sized for the smallest block
+    hs = ws.h_scales(R, 128)
+    assert tuple(hs.shape) == (R, i // 128) and hs.is_contiguous() and hs.data_ptr() == ws.hs.data_ptr()
+    assert _seen(libs["glu"]._lib, 8)[7] == _seen(libs["down"]._lib, 2)[1] == hs.data_ptr()
+    glu_args = (ws.xq[:M], ws.xs[:M], *args[1], ws.sorted_ids[:R], ws.tile_expert[:R // 128], ws.hq[:R])
+    libs["glu"](*glu_args, hs)  # the kernel's contract: hs [R, I/128]
+    with pytest.raises(KernelArgumentError, match="hs"):
+        libs["glu"](*glu_args, ws.hs[:R])
+    narrow = dataclasses.replace(H128, glu=GemmTiles(128, 128, 3, "hopws"))
+    layer.variants = {16: narrow}
+    layer._fast.clear()
+    with pytest.raises(KernelArgumentError, match=r"cannot run: h_block 128: GEMM1's tile_n 128 holds 64 h columns"):
+        layer.forward(*args)
 
 
 def test_last_plan_is_used_only_for_its_own_size_workspace_and_picks(recording_layer):

@@ -585,6 +585,26 @@ def test_seed_variants_measure_the_pick_its_twins_and_its_cluster_twins(tmp_path
     assert seeds[(SPEC.workload_key, 16)] == [base16.pingpong_twin(SPEC), base16.pdl_twin()]
 
 
+def test_fp8_seeds_measure_h_scaled_per_128_columns_beside_64(tmp_path):
+    """fp8 above the decode buckets (GEMM1 tiles of 128 h columns): the pick's and the default's
+    twins with h_block 128 are seeded, so a tuning session measures them beside the 64-block
+    variants; the decode buckets' 128-wide GEMM1 tiles have none."""
+    spec = make_spec("mixtral-8x7b", precision="fp8")
+    base = default_variant(spec, 4096)
+    pick = base.pdl_twin()
+    picks.write_tuned(tmp_path, GPU, [{"workload": spec.workload_key, "target": spec.target, "tokens": 4096,
+                                       "gpu": GPU, "variant": pick.name(spec), "default": base.name(spec),
+                                       "median_us": 1.0, "default_us": 1.1}])
+    seeds = tuner.seed_variants(tmp_path, GPU, [spec], [16, 4096])
+    got = seeds[(spec.workload_key, 4096)]
+    twins = [v for v in got if v.h_block == 128]
+    assert twins == [pick.h_block_twin(spec), base.h_block_twin(spec)]
+    assert [dataclasses.replace(v, h_block=64) for v in twins] == [pick, base]
+    assert all(can_implement(spec, v)[0] for v in got)
+    assert all(v.h_block == 64 for v in seeds[(spec.workload_key, 16)])
+    assert default_variant(spec, 16).h_block_twin(spec) is None
+
+
 def test_tried_tiles_come_right_after_the_pick_where_they_can_serve(tmp_path):
     """`tune --try`: the given tiles are seeded after the committed pick (or alone without
     --seed-picks), only in buckets they can serve, never the default again."""

@@ -30,6 +30,12 @@ def test_every_compile_time_field_changes_the_names():
     v = dataclasses.replace(base, pdl=True)  # every kernel's launch and body change
     changed = _kernel_names(SPEC, v)
     assert all(changed[r] != names[r] for r in names) and v.name(SPEC) != base.name(SPEC)
+    # h's scale block (fp8): GEMM1 writes it and GEMM2 reads it, so exactly their names change
+    f8 = make_spec("qwen3-30b-a3b", precision="fp8")
+    b8 = LayerVariant(128, GemmTiles(256, 128, 4, "hopws"), GemmTiles(256, 128, 4, "hopws"))
+    n8, c8 = _kernel_names(f8, b8), _kernel_names(f8, dataclasses.replace(b8, h_block=128))
+    assert {r for r in n8 if n8[r] != c8[r]} == {"glu", "down"}
+    assert dataclasses.replace(b8, h_block=128).name(f8) != b8.name(f8)
     # Spec fields baked into kernels: each changes every kernel that takes it.
     for field, value in (("experts", 64), ("top_k", 4), ("hidden", 1024), ("intermediate", 512),
                          ("activation", "geglu"), ("target", "sm_121a")):
@@ -49,11 +55,12 @@ def _name_tokens(kv) -> dict:
     """Each constructor argument as it must appear in the kernel's name, with its neighbours,
     so that a value showing up elsewhere in the name (tile_k=64 for tile_m=64) does not count."""
     p = kv.kwargs()
-    tokens = {"num_experts": f"_e{p['num_experts']}k", "top_k": f"k{p['top_k']}",
+    tokens = {"num_experts": f"_e{p.get('num_experts')}k", "top_k": f"k{p.get('top_k')}",
               "cluster_size": f"_c{p.get('cluster_size')}", "pdl": "_pdl" if p.get("pdl") else None,
               "interleave": f"_g{p.get('interleave')}", "stages": f"_s{p.get('stages')}_",
               "mma": f"_{p.get('mma')}", "activation": f"_{p.get('activation')}_",
-              "cluster_m": f"_{p.get('mma')}_c{p.get('cluster_m')}"}
+              "cluster_m": f"_{p.get('mma')}_c{p.get('cluster_m')}", "h_block": f"_h{p.get('h_block')}",
+              "precision": f"_{str(p.get('precision')).replace('-', '')}_"}
     if "hidden" in p:
         tokens["hidden"] = f"h{p['hidden']}"
     if "intermediate" in p:
@@ -70,7 +77,9 @@ def test_name_covers_every_constructor_argument():
     # equal kernels). Distinct values, so no token can be matched by another argument's value.
     v = LayerVariant(16, GemmTiles(128, 64, 3), GemmTiles(256, 32, 5), route_cluster=8, pdl=True)
     clustered = LayerVariant(128, GemmTiles(192, 64, 4, "hopws", 2), GemmTiles(256, 64, 3, "hopws", 2))
-    for kv in v.kernels(SPEC) + clustered.kernels(SPEC):
+    f8 = make_spec("qwen3-30b-a3b", precision="fp8-block128")
+    h128 = LayerVariant(128, GemmTiles(256, 128, 4, "hopws"), GemmTiles(256, 128, 3, "hopws"), h_block=128)
+    for kv in v.kernels(SPEC) + clustered.kernels(SPEC) + h128.kernels(f8):
         for key, token in _name_tokens(kv).items():
             assert token is None or token in kv.name, (kv.name, key, token)
     # The check can fail: a name that lost its tile_m is caught, though "64" (the old token for

@@ -141,7 +141,7 @@ def bench_model(name: str, tokens_list, replays: int, rate: float, store, pdl: b
         x, tw, ids, out = sets[0]
         out.fill_(float("nan"))
         layer.forward(x, w13, w2, tw, ids, out=out)
-        ref = layer_reference(spec, x, w13, w2, tw, ids)
+        ref = layer_reference(spec, x, w13, w2, tw, ids, layer.variant_for(M).h_block)
         err = rel_err(out, ref)
         t_err = rel_err(torch_unfused(x, w_gu_t, w2_t, tw, ids, spec.experts, **unfused_kw), ref)
         del ref

@@ -106,7 +106,7 @@ def bench_model(name, tokens_list, replays, rate8, store) -> list[dict]:
         for p, (layer, a, b) in layers.items():
             out.fill_(float("nan"))
             layer.forward(x, a, b, tw, ids, out=out)
-            err = rel_err(out, layer_reference(layer.spec, x, a, b, tw, ids))
+            err = rel_err(out, layer_reference(layer.spec, x, a, b, tw, ids, layer.variant_for(M).h_block))
             err_bf16 = rel_err(out, ref_bf16)
             t = time_layer(layer, a, b, sets, M, replays)
             times[p] = t

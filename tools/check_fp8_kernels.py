@@ -11,14 +11,16 @@ references of exactly what they consume, and time them beside the bf16 GEMMs of 
 Checks (each over the whole output and its worst row):
   quant  dequant(xq, xs) against torch's quantize_x of the same x (and the scales themselves)
   glu    dequant(h, hs) against the fp32 GEMM1 + GLU of dequant(xq, xs) and the dequantized w13,
-         quantized per 64 columns the same way: <= 1e-2 (whole), <= 5e-2 (worst row; a value on
-         the other side of a rounding midpoint is one e4m3 step, 6-12%, off); the scales within
-         1% of the reference's amax / 448; padding rows zero; the error against the unquantized
-         fp32 h is reported (what quantizing h costs)
+         quantized per h_block columns (the config's: 64, or 128) the same way: <= 1e-2 (whole),
+         <= 5e-2 (worst row; a value on the other side of a rounding midpoint is one e4m3 step,
+         6-12%, off); the scales within 1% of the reference's amax / 448; padding rows zero;
+         the error against the unquantized fp32 h is reported (what quantizing h costs)
   down   y against dequant(h, hs) (the kernel's own GEMM1 output) @ dequant(w2)^T * routing weight
   layer  the fp8 layer's sum over top-k against the bf16 layer's fp32 reference (reported: what
          fp8 costs)
 Routing comes from moe_aot.harness.reference.routing_reference (the routing kernel's semantics).
+A config with a base (VERSUS) is printed beside it at the end: useful TFLOP/s of both GEMMs, base
+-> config, per model, precision and token count (the h scale block's before / after, one process).
 """
 from __future__ import annotations
 
@@ -44,8 +46,9 @@ ALL = [m[0] for m in MODELS]
 TOKENS = [1, 16, 256, 1024, 4096]
 INTERLEAVE = 16
 PRECISIONS = ("fp8", "fp8-block128")
-# (tag, mma, precisions, tile_m, glu (tile_n, stages), down (tile_n, stages)); bf16 rows are the
-# bf16 GEMMs timed beside them (tile_k 64)
+# (tag, mma, precisions, tile_m, glu (tile_n, stages), down (tile_n, stages)[, h_block]); h_block
+# (GEMM1's output scale block, which GEMM2 reads) 64 unless given; bf16 rows are the bf16 GEMMs
+# timed beside them (tile_k 64)
 CONFIGS = [
     ("f8c", "hopws", PRECISIONS, 128, (128, 6), (128, 6)),
     ("f8c4", "hopws", PRECISIONS, 128, (128, 4), (128, 4)),
@@ -55,6 +58,12 @@ CONFIGS = [
     ("f8n256b", "hopws", ("fp8-block128",), 128, (256, 4), (128, 6)),
     # fp8-block128's GEMM2 at 128x256 too: each 128-column part is one weight block
     ("f8n256bb", "hopws", ("fp8-block128",), 128, (256, 4), (256, 4)),
+    # the same with h scaled per 128 columns (gemm_limits.check_h_block): GEMM1's epilogue reduces
+    # one amax per 128 h columns, GEMM2 promotes once per k-tile and part instead of twice
+    ("f8n256h", "hopws", ("fp8",), 128, (256, 4), (256, 4), 128),
+    ("f8n256bbh", "hopws", ("fp8-block128",), 128, (256, 4), (256, 4), 128),
+    # 128-wide GEMM2s reading 128-column h blocks (one promotion per k-tile, two partial sums)
+    ("f8n256ch", "hopws", PRECISIONS, 128, (256, 4), (128, 6), 128),
     # the ping-pong core, refused by gemm_limits.FP8_MMAS (its GEMM2 crashed under timing at 1
     # token, 2026-12-01): compiled here only with --experimental, to find out why
     ("f8p", "hoppp", PRECISIONS, 64, (128, 8), (128, 6)),
@@ -63,6 +72,8 @@ CONFIGS = [
     ("f8w16", "warp", PRECISIONS, 16, (128, 6), (32, 6)),
     ("f8w16b", "warp", PRECISIONS, 16, (128, 4), (64, 6)),
     ("f8w64", "warp", PRECISIONS, 64, (128, 4), (64, 4)),
+    ("f8w16n256", "warp", PRECISIONS, 16, (256, 4), (64, 6)),
+    ("f8w16n256h", "warp", PRECISIONS, 16, (256, 4), (64, 6), 128),  # 8 lanes per h block
     ("bf_w16", "warp", ("bf16",), 16, (32, 8), (32, 8)),
     ("bf_hw128", "hopws", ("bf16",), 128, (256, 4), (256, 4)),
     ("bf_pp64", "hoppp", ("bf16",), 64, (256, 5), (256, 5)),
@@ -70,17 +81,19 @@ CONFIGS = [
 
 
 EXPERIMENTAL = ("f8p",)
+# config -> the config it is measured against (same tiles, h scaled per 64 columns)
+VERSUS = {"f8n256h": "f8n256", "f8n256bbh": "f8n256bb", "f8w16n256h": "f8w16n256"}
 
 
 def kernels(only=None):
-    for tag, mma, precs, tm, g, d in CONFIGS:
+    for tag, mma, precs, tm, g, d, *hb in CONFIGS:
         if (only and tag not in only) or (not only and tag in EXPERIMENTAL):
             continue
         for model, e, k, h, i in MODELS:
             for prec in precs:
                 p = prec.replace("-", "_")
                 yield {"tag": tag, "mma": mma, "precision": prec, "model": model, "E": e, "k": k,
-                       "H": h, "I": i, "tile_m": tm, "glu": g, "down": d,
+                       "H": h, "I": i, "tile_m": tm, "glu": g, "down": d, "h_block": hb[0] if hb else 64,
                        "glu_name": f"glu_{tag}_{p}_{model}", "down_name": f"down_{tag}_{p}_{model}",
                        "quant_name": f"quant_{p}_h{h}" if prec != "bf16" else None}
 
@@ -107,12 +120,13 @@ def compile_all(out_dir: Path, arch: str, only=None) -> None:
             glu_cls, down_cls = (WarpGluGemmFp8, WarpDownGemmFp8) if fp8 else (GroupedGluGemm, GroupedDownGemm)
         else:
             glu_cls, down_cls = (HopperGluGemmFp8, HopperDownGemmFp8) if fp8 else (HopperGluGemm, HopperDownGemm)
+        hb = {"h_block": v["h_block"]} if v["h_block"] != 64 else {}  # the 64-block kernels as built before
         objs = [
             (glu_cls(v["E"], v["H"], v["I"], v["k"], interleave=INTERLEAVE, tile_m=v["tile_m"],
                      tile_n=v["glu"][0], tile_k=tk, stages=v["glu"][1], mma=v["mma"],
-                     precision=v["precision"]), v["glu_name"]),
+                     precision=v["precision"], **hb), v["glu_name"]),
             (down_cls(v["E"], v["H"], v["I"], v["k"], tile_m=v["tile_m"], tile_n=v["down"][0],
-                      tile_k=tk, stages=v["down"][1], mma=v["mma"], precision=v["precision"]),
+                      tile_k=tk, stages=v["down"][1], mma=v["mma"], precision=v["precision"], **hb),
              v["down_name"]),
         ]
         if fp8 and v["quant_name"] not in done:
@@ -169,6 +183,7 @@ def run_all(kdir: Path, out_dir: Path, iters: int, tokens=None, only=None, model
     weights, wq = {}, {}
     for v in manifest:
         e, k, hd, inter, tm, prec = v["E"], v["k"], v["H"], v["I"], v["tile_m"], v["precision"]
+        hb = v.get("h_block", 64)  # manifests written before h_block: 64
         if v["model"] not in weights:
             weights.clear()
             wq.clear()
@@ -204,7 +219,7 @@ def run_all(kdir: Path, out_dir: Path, iters: int, tokens=None, only=None, model
             pad_rows = (row_expert >= 0) & ~valid
             y = torch.full((m * k, hd), float("nan"), dtype=torch.bfloat16, device=dev)
             res = {"variant": v["tag"], "mma": v["mma"], "precision": prec, "model": v["model"],
-                   "tokens": m, "tile_m": tm, "glu_tiles": v["glu"], "down_tiles": v["down"],
+                   "tokens": m, "tile_m": tm, "glu_tiles": v["glu"], "down_tiles": v["down"], "h_block": hb,
                    "experts_used": int(torch.unique(topk_ids).numel())}
             n_exp = res["experts_used"]
             eb = 2 if prec == "bf16" else 1
@@ -223,7 +238,7 @@ def run_all(kdir: Path, out_dir: Path, iters: int, tokens=None, only=None, model
                 xs = torch.full((m,) if blk is None else (m, hd // blk), float("nan"), device=dev)
                 quant(x, xq, xs)
                 h = torch.full((r, inter), 0x7F, dtype=torch.uint8, device=dev).view(F8.E4M3)
-                hs = torch.full((r, inter // 64), float("nan"), device=dev)
+                hs = torch.full((r, inter // hb), float("nan"), device=dev)
                 glu_args = (xq, xs, w13, w13s, sorted_ids, tile_expert, h, hs)
                 down_args = (h, hs, w2x, w2s, sorted_ids, tile_expert, topk_w, y)
                 glu(*glu_args)
@@ -238,9 +253,9 @@ def run_all(kdir: Path, out_dir: Path, iters: int, tokens=None, only=None, model
                 # glu: against the reference on the kernel's own xq / xs, quantized the same way
                 h_ref = F8R.glu_fp8_reference(xq, xs, w13, w13s, sorted_ids, tile_expert, tm, k, prec,
                                              "swiglu", INTERLEAVE)
-                hq_ref, hs_ref = F8R.quantize_rows(h_ref, 64)
-                hd_k = F8R.dequantize_rows(h, hs, 64)
-                hd_ref = F8R.dequantize_rows(hq_ref, hs_ref, 64)
+                hq_ref, hs_ref = F8R.quantize_rows(h_ref, hb)
+                hd_k = F8R.dequantize_rows(h, hs, hb)
+                hd_ref = F8R.dequantize_rows(hq_ref, hs_ref, hb)
                 err_h = rel_err(hd_k[valid], hd_ref[valid])
                 row_h = row_rel_err(hd_k[valid], hd_ref[valid])
                 err_h_unq = rel_err(hd_k[valid], h_ref[valid])
@@ -284,7 +299,25 @@ def run_all(kdir: Path, out_dir: Path, iters: int, tokens=None, only=None, model
             print(line, flush=True)
             (out_dir / "results.json").write_text(json.dumps(results, indent=1))
     print(f"{len(results) - failures}/{len(results)} passed", flush=True)
+    versus_table(results)
     return 1 if failures else 0
+
+
+def versus_table(results) -> None:
+    """Each VERSUS config beside its base, same model, precision and token count: useful TFLOP/s
+    of GEMM1 and GEMM2, base -> config (and the ratio)."""
+    got = {(r["variant"], r["model"], r["precision"], r["tokens"]): r for r in results}
+    lines = []
+    for (tag, model, prec, m), r in got.items():
+        base = got.get((VERSUS.get(tag), model, prec, m))
+        if base is None:
+            continue
+        cells = [f"{base[g]['TFLOPs']:6.1f} -> {r[g]['TFLOPs']:6.1f} ({r[g]['TFLOPs'] / base[g]['TFLOPs']:.3f}x)"
+                 for g in ("glu", "down")]
+        lines.append(f"{VERSUS[tag]:>9s} -> {tag:10s} {prec:12s} {model:14s} M={m:5d} | glu {cells[0]} | "
+                     f"down {cells[1]} | {'ok' if r['ok'] and base['ok'] else 'FAILED CHECK'}")
+    if lines:
+        print("useful TFLOP/s, base -> config (h scale block 64 -> 128):", *lines, sep="\n", flush=True)
 
 
 def main():

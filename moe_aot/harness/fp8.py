@@ -1,5 +1,6 @@
 """References of the fp8 layer's kernels in fp32 torch: the activations' quantization as the
-kernels do it (x per token or per 1x128 block, GEMM1's output per 64 columns), dequantization of
+kernels do it (x per token or per 1x128 block, GEMM1's output per h_block columns: the layer
+variant's, 64 or 128), dequantization of
 every format, GEMM1 and GEMM2 on exactly what they consume, and the whole fp8 layer. The formats
 and the weights' preparation are the runtime's (moe_aot/runtime/fp8.py)."""
 from __future__ import annotations
@@ -98,12 +99,15 @@ def glu_fp8_reference(xq, xs, w13, w13s, sorted_ids, tile_expert, tile_m, top_k,
 
 def down_fp8_reference(hq, hs, w2, w2s, sorted_ids, tile_expert, tile_m, topk_weights, precision):
     """GEMM2 on exactly what it consumes: fp32 y [M*top_k, H], y[p] = w_p * dequant(h[r]) @ w2_e^T
-    for p = sorted_ids[r] (rows no pair maps to: zeros)."""
+    for p = sorted_ids[r] (rows no pair maps to: zeros). h's scale block is read off the shapes
+    (hs [R, I / h_block]), as GEMM2's build fixes it."""
+    if hq.shape[1] % hs.shape[1]:
+        raise ValueError(f"hs {tuple(hs.shape)} holds no whole scale blocks of h {tuple(hq.shape)}")
     ids = sorted_ids.long()
     row_expert = torch.repeat_interleave(tile_expert.long(), tile_m)
     mk = topk_weights.numel()
     y = torch.zeros(mk, w2.shape[1], dtype=torch.float32, device=hq.device)
-    hd = dequantize_rows(hq, hs, H_SCALE_BLOCK)
+    hd = dequantize_rows(hq, hs, hq.shape[1] // hs.shape[1])
     for e in torch.unique(row_expert[ids >= 0]).tolist():
         rows = torch.nonzero((ids >= 0) & (row_expert == e)).squeeze(1)
         p = ids[rows]
@@ -112,10 +116,11 @@ def down_fp8_reference(hq, hs, w2, w2s, sorted_ids, tile_expert, tile_m, topk_we
 
 
 def moe_fp8_reference(x, w13, w2, topk_weights, topk_ids, precision: str, activation="swiglu",
-                      interleave: int = 16):
+                      interleave: int = 16, h_block: int = H_SCALE_BLOCK):
     """The fp8 layer in fp32 on what its kernels consume: x quantized as the quantization kernel
-    does, the dequantized weights, GEMM1's output quantized per 64 columns as its epilogue does,
-    then GEMM2, the routing weights and the top-k sum. ``w13``, ``w2``: (e4m3, scales) pairs."""
+    does, the dequantized weights, GEMM1's output quantized per ``h_block`` columns (the layer
+    variant's) as its epilogue does, then GEMM2, the routing weights and the top-k sum. ``w13``,
+    ``w2``: (e4m3, scales) pairs."""
     (w13q, w13s), (w2q, w2s) = w13, w2
     m, k = topk_ids.shape
     xq, xs = quantize_x(x, precision)
@@ -131,7 +136,7 @@ def moe_fp8_reference(x, w13, w2, topk_weights, topk_ids, precision: str, activa
         a = xd[rows // k]
         w = dequantize_w13(w13q, w13s, precision, e, interleave).view(i2 // (2 * interleave), 2, interleave, -1)
         h = act(a @ w[:, 0].reshape(i2 // 2, -1).t()) * (a @ w[:, 1].reshape(i2 // 2, -1).t())
-        hq, hs = quantize_rows(h, H_SCALE_BLOCK)
-        y[rows] = dequantize_rows(hq, hs, H_SCALE_BLOCK) @ dequantize_w2(w2q, w2s, precision, e).t()
+        hq, hs = quantize_rows(h, h_block)
+        y[rows] = dequantize_rows(hq, hs, h_block) @ dequantize_w2(w2q, w2s, precision, e).t()
     y = y * topk_weights.reshape(-1, 1).float()
     return y.reshape(m, k, w2q.shape[1]).sum(1)  # sizes, not -1: m may be 0

@@ -86,7 +86,7 @@ def measure_variant(layer: MoeLayer, variant: LayerVariant | None, tokens: int, 
         err, ok = r["rel_err"], r["ok"]
     else:
         layer.forward(x, w13, w2, tw, ids, out=out)
-        err = rel_err(out, layer_reference(layer.spec, x, w13, w2, tw, ids))
+        err = rel_err(out, layer_reference(layer.spec, x, w13, w2, tw, ids, layer.variant_for(tokens).h_block))
         ok = err <= TOLERANCE
     if not ok:
         return {"ok": False, "rel_err": err}

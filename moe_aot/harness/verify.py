@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..gemm_limits import BLOCKSCALED, FP8, W4
+from ..gemm_limits import BLOCKSCALED, FP8, H_SCALE_BLOCK, W4
 from ..layout import max_tiles
 from ..runtime import fp8 as fp8_format
 from ..runtime.layer import MoeLayer, split_biases
@@ -68,11 +68,12 @@ def random_weights(spec: LayerSpec, device, scale: float = 1.0):
     return w13, w2
 
 
-def layer_reference(spec: LayerSpec, x, w13, w2, topk_weights, topk_ids):
-    """The fp32 reference of the layer in its precision (fp8: on what its kernels consume)."""
+def layer_reference(spec: LayerSpec, x, w13, w2, topk_weights, topk_ids, h_block: int = H_SCALE_BLOCK):
+    """The fp32 reference of the layer in its precision (fp8: on what its kernels consume, h
+    quantized per ``h_block`` columns as the variant that ran does)."""
     if spec.precision in FP8:
         return fp8.moe_fp8_reference(x, w13, w2, topk_weights, topk_ids, spec.precision, spec.activation,
-                                     INTERLEAVE)
+                                     INTERLEAVE, h_block)
     if spec.precision in W4:
         return w4.moe_w4_reference(x, w13, w2, topk_weights, topk_ids, spec.activation, INTERLEAVE)
     if spec.precision in BLOCKSCALED:
@@ -106,7 +107,7 @@ def check_stages(layer: MoeLayer, x, w13, w2, topk_weights, topk_ids) -> list[di
         rows.append(_check_glu(layer, x, w13, topk_ids, sorted_ids, tile_expert, offsets, v, glu))
     out = torch.full((M, spec.hidden), float("nan"), device=x.device, dtype=torch.bfloat16)
     layer.forward(x, w13, w2, topk_weights, topk_ids, out=out)
-    ref = layer_reference(spec, x, w13, w2, topk_weights, topk_ids)
+    ref = layer_reference(spec, x, w13, w2, topk_weights, topk_ids, v.h_block)
     e, er = rel_err(out, ref), row_rel_err(out, ref)
     rows.append({"stage": "layer", "rel_err": e, "row_rel_err": er, "ok": e <= TOLERANCE and er <= ROW_TOLERANCE,
                  "variant": v.name(spec)})
@@ -175,13 +176,14 @@ def _check_glu_fp8(layer, x, w13, sorted_ids, tile_expert, offsets, v) -> dict:
     q_ref, s_ref = fp8.quantize_x(x, spec.precision)
     e_q = rel_err(fp8.dequantize_rows(xq, xs, blk), fp8.dequantize_rows(q_ref, s_ref, blk))
     h = torch.full((R, spec.intermediate), 0x7F, dtype=torch.uint8, device=x.device).view(fp8_format.E4M3)
-    hs = torch.full((R, spec.intermediate // 64), float("nan"), device=x.device)
+    hb = v.h_block  # h's scale block, the variant's (both GEMMs are built with it)
+    hs = torch.full((R, spec.intermediate // hb), float("nan"), device=x.device)
     libs["glu"](xq, xs, w13[0], w13[1], sorted_ids, tile_expert, h, hs)
     href = fp8.glu_fp8_reference(xq, xs, w13[0], w13[1], sorted_ids, tile_expert, v.tile_m, spec.top_k,
                                  spec.precision, spec.activation, INTERLEAVE)
-    hq_ref, hs_ref = fp8.quantize_rows(href, 64)
+    hq_ref, hs_ref = fp8.quantize_rows(href, hb)
     valid = sorted_ids >= 0
-    got, want = fp8.dequantize_rows(h, hs, 64)[valid], fp8.dequantize_rows(hq_ref, hs_ref, 64)[valid]
+    got, want = fp8.dequantize_rows(h, hs, hb)[valid], fp8.dequantize_rows(hq_ref, hs_ref, hb)[valid]
     used = torch.arange(R, device=x.device) < offsets[-1]
     pad = used & ~valid
     pad_ok = bool((h[pad].float() == 0).all()) if pad.any() else True

@@ -7,7 +7,8 @@ Formats (the kernels' ABI, moe_aot/gemm_limits.py and templates/hopper_fp8.py):
                   x [M, H] e4m3, xs [M]
   "fp8-block128"  w13s [E, 2I/128, H/128] (row 2b: gate block b, row 2b + 1: up block b);
                   w2s [E, H/128, I/128]; xs [M, H/128]
-  both            h [R, I] e4m3 with hs [R, I/64] (GEMM1's output, GEMM2's input)
+  both            h [R, I] e4m3 with hs [R, I/h_block] (GEMM1's output, GEMM2's input; h_block
+                  64 or 128, the layer variant's: gemm_limits.check_h_block)
 A scale multiplies its values back: value = e4m3 * scale (DeepSeek's ``weight_scale_inv``).
 w13's rows are gate/up interleaved in blocks of ``interleave`` rows as in bf16.
 """

@@ -17,12 +17,13 @@ from ..gemm_limits import (
     BS_ELEM_BITS,
     BS_FORMATS,
     FP8,
-    H_SCALE_BLOCK,
+    H_SCALE_BLOCKS,
     SCALE_BLOCK,
     STANDINS,
     W4,
     W4_BLOCK,
     W4_CHUNK,
+    check_h_block,
 )
 from ..layout import interleave_gate_up, max_tiles
 from ..spec import LayerSpec, make_spec, value_class
@@ -69,8 +70,9 @@ class Workspace:
     h: torch.Tensor
     y: torch.Tensor
     max_tokens: int
-    # fp8 layers: x quantized with its scales, and GEMM1's e4m3 output with its scales; block-scaled
-    # layers (mxfp8, nvfp4, w4a8-mx): the same as uint8 value and scale bytes (blockscale.quantize's layout)
+    # fp8 layers: x quantized with its scales, and GEMM1's e4m3 output with its scales (hs sized for
+    # the smallest h scale block; h_scales views it for a variant's); block-scaled layers (mxfp8,
+    # nvfp4, w4a8-mx): the same as uint8 value and scale bytes (blockscale.quantize's layout)
     xq: torch.Tensor | None = None
     xs: torch.Tensor | None = None
     hq: torch.Tensor | None = None
@@ -85,6 +87,12 @@ class Workspace:
         self.counts, self.offsets, self.sorted_ids, self.tile_expert = counts, offsets, sorted_ids, tile_expert
         self.h, self.y, self.max_tokens = h, y, max_tokens
         self.xq, self.xs, self.hq, self.hs, self.xg = xq, xs, hq, hs, xg
+
+    def h_scales(self, rows: int, h_block: int) -> torch.Tensor:
+        """An fp8 layer's h scales of ``rows`` rows as the variant's GEMMs take them: [rows,
+        I / h_block], contiguous, at the start of ``hs`` (which holds [R, I / 64])."""
+        cols = self.hq.shape[1] // h_block
+        return self.hs.view(-1)[: rows * cols].view(rows, cols)
 
     @classmethod
     def allocate(cls, spec: LayerSpec, max_tokens: int, device) -> "Workspace":
@@ -110,7 +118,7 @@ class Workspace:
             xs_shape = (max_tokens,) if spec.precision == "fp8" else (max_tokens, spec.hidden // SCALE_BLOCK)
             extra = dict(xq=torch.empty(max_tokens, spec.hidden, **f8), xs=torch.empty(xs_shape, **f32),
                          hq=torch.empty(R, spec.intermediate, **f8),
-                         hs=torch.empty(R, spec.intermediate // H_SCALE_BLOCK, **f32))
+                         hs=torch.empty(R, spec.intermediate // min(H_SCALE_BLOCKS), **f32))
         return cls(torch.empty(spec.experts, **i32), torch.empty(spec.experts + 1, **i32),
                    torch.empty(R, **i32), torch.empty(T, **i32),
                    torch.empty(0 if fp8 or bs else R, spec.intermediate, **bf),
@@ -192,6 +200,11 @@ class MoeLayer:
         after the load did)."""
         kvs = self._kvs.get(v)
         if kvs is None:
+            # GEMM1 writes h's scales per h_block columns and GEMM2 reads them so: a variant whose
+            # GEMM1 tiles cannot write its blocks has no kernels (its GEMM1 never compiles)
+            ok, why = check_h_block(self.spec.precision, v.h_block, v.glu.tile_n)
+            if not ok:
+                raise KernelArgumentError(f"variant {v.name(self.spec)} cannot run: {why}")
             kvs = self._kvs[v] = v.kernels(self.spec)
         return kvs
 
@@ -473,7 +486,7 @@ class MoeLayer:
             raise KernelArgumentError(f"workspace must be allocated for this fp8 layer and hold {M} tokens "
                                       f"(Workspace.allocate(spec, max_tokens, device))")
         v, libs, sorted_ids, tile_expert, R = self._first_call_views(M, ws, ws.hq)
-        xq, xs, hq, hs, y = ws.xq[:M], ws.xs[:M], ws.hq[:R], ws.hs[:R], ws.y[: M * K]
+        xq, xs, hq, hs, y = ws.xq[:M], ws.xs[:M], ws.hq[:R], ws.h_scales(R, v.h_block), ws.y[: M * K]
         args = {"routing": (topk_ids, ws.counts, ws.offsets, sorted_ids, tile_expert),
                 "quant": (x, xq, xs),
                 "glu": (xq, xs, w13[0], w13[1], sorted_ids, tile_expert, hq, hs),
