@@ -546,6 +546,17 @@ BS_UMMA_TARGETS = ("sm_100a",)
 BS_UMMA_TILE_N = (128, 256)
 BS_UMMA_ROW_BYTES = 128  # value bytes of a k-tile row
 SF_ATOM_ROWS, SF_ATOM_BLOCKS = 128, 4  # the scale atom: 128 rows x 4 K blocks, 512 bytes
+# How a target's block-scaled kernels read the weights' scale bytes (and GEMM1 writes h's):
+# "rows" row-major [rows, K/vec] as blockscale.quantize gives them (mma.sync takes its scales from
+# registers), "tcgen05" the MMA's 128x4 atoms (blockscale.to_tcgen05_scales). x's scales stay
+# row-major everywhere (GEMM1 gathers its rows).
+BS_SCALE_LAYOUTS = ("rows", "tcgen05")
+BS_SCALE_LAYOUT = {"sm_100a": "tcgen05"}
+
+
+def bs_scale_layout(target) -> str:
+    """The scale layout `target`'s block-scaled weights (and h) are in."""
+    return BS_SCALE_LAYOUT.get(target, "rows")
 
 
 def bs_umma_tile_k(precision) -> int:
