@@ -91,6 +91,14 @@ _SF_PIECE = 4  # scale bytes per cp.async: one row's 4 K blocks of a scale atom
 _BAR_TMEM_ALLOC, _BAR_EPI = 1, 2
 
 
+def sf_atom_offset(row_tile, blocks: int, row, blk):
+    """Byte offset of row ``row`` (< 128) of 128-row tile ``row_tile`` and K block ``blk`` in the
+    tcgen05 scale layout of a matrix with ``blocks`` scale blocks per row: the 512-byte atom of
+    (row tile, K block group), then 16 (row % 32) + 4 (row // 32) + blk % 4 inside it. Plain
+    arithmetic: the same expression on Python ints (tests) and on the kernel's values."""
+    return (row_tile * (blocks // 4) + blk // 4) * 512 + (row % 32) * 16 + (row // 32) * 4 + blk % 4
+
+
 class _UmmaBlockScaled:
     """The persistent tcgen05 block-scaled loop of both GEMMs (see the module docstring)."""
 
@@ -562,10 +570,8 @@ class BlackwellBlockScaledGluGemm(_UmmaBlockScaled, BlockScaledGluGemm):
             out.store(q)
         i_bytes = self.intermediate * self.bits // 8
         cute.local_tile(self._row(mHq, hrow, i_bytes), (qn,), (blk,)).store(out.load())
-        # h's scales in the tcgen05 atom layout GEMM2's TMA reads: row tile bt, K block group
-        # blk // 4, then the row's place in the 512-byte atom
-        groups = self.intermediate // self.vec // 4
-        off = (cutlass.Int64(bt) * groups + blk // 4) * 512 + (row % 32) * 16 + (row // 32) * 4 + blk % 4
+        # h's scales in the tcgen05 atom layout GEMM2's TMA reads
+        off = sf_atom_offset(cutlass.Int64(bt), self.intermediate // self.vec, row, blk)
         dst = cute.make_tensor(mHs.iterator + off, cute.make_layout(1))
         dst[0] = byte.to(Uint8)
 
