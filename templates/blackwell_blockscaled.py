@@ -16,11 +16,12 @@ scale factors from tensor memory, and accumulates in fp32 in tensor memory. NVFP
 scales (1 / S_enc of x or h and of the expert's weight) multiply the sums in the epilogues.
 
 Scale factor layouts (the tcgen05 block-scaled MMA's, PTX ISA "tcgen05 Matrix Descriptors ...
-scale factor A/B layout"): per 128 rows and 4 scale columns (K blocks) one 512-byte atom, row r
-and block j at (r % 32) * 16 + (r // 128 ... % 4 of r // 32) * 4 + j % 4 (``BlockScaledBasicChunk``);
-atoms are ordered K-block group fastest, then 128-row group (``blockscaled_layout.tile_atom_to_shape_SF``).
-``moe_aot/blockscale.py``'s row-major [rows, K/vec] scale bytes (the sm_121a kernels' layout) are
-a permutation away: ``moe_aot/blockscale.py``'s ``to_tcgen05_scales`` / ``from_tcgen05_scales``.
+scale factor A/B layout"): per 128 rows and 4 scale columns (K blocks) one 512-byte atom, row
+32 r1 + r0 of the atom (r0 < 32) and block j < 4 at byte 16 r0 + 4 r1 + j (``BlockScaledBasicChunk``);
+atoms are ordered K-block group fastest, then 128-row group (``blockscaled_layout.tile_atom_to_shape_SF``;
+``sf_atom_offset`` below). The row-major [rows, K/vec] scale bytes of ``moe_aot/blockscale.py``
+(the sm_121a kernels' layout) are a permutation away: ``blockscale.to_tcgen05_scales`` /
+``from_tcgen05_scales``.
 
   w13s, w2s  the weights' scales in the tcgen05 layout (each expert's N rows are whole 128-row
              groups), prepared on the host (``runtime/blockscaled.prepare_w13(..., target="sm_100a")``)
