@@ -218,3 +218,55 @@ def dequantize(q: Quantized, fmt: str) -> torch.Tensor:
     else:
         s = e4m3_values(scales) * (1.0 / nvfp4_encode_scale(gamax))
     return (elems.reshape(rows, -1, BLOCK[fmt]) * s.unsqueeze(-1)).reshape(rows, k)
+
+
+# -- the tcgen05 scale layout ------------------------------------------------------------------------
+# sm_100a's block-scaled tcgen05.mma reads scale factors in atoms of 128 rows x 4 K blocks (512
+# bytes, PTX ISA "tcgen05 ... scale factor layout"): row r = 32 r1 + r0 (r0 < 32, r1 < 4) and
+# block j < 4 of an atom at byte 16 r0 + 4 r1 + j; atoms ordered K-block group fastest, then
+# 128-row group (the DSL's blockscaled_layout.tile_atom_to_shape_SF). A permutation of the
+# row-major [rows, K/vec] bytes above; rows a multiple of 128 and K/vec of 4.
+SF_ATOM_ROWS, SF_ATOM_BLOCKS = limits.SF_ATOM_ROWS, limits.SF_ATOM_BLOCKS
+
+
+def _check_sf_shape(s: torch.Tensor) -> None:
+    if not isinstance(s, torch.Tensor) or s.dim() < 2 or s.shape[-2] % SF_ATOM_ROWS or s.shape[-1] % SF_ATOM_BLOCKS:
+        shape = tuple(s.shape) if isinstance(s, torch.Tensor) else type(s).__name__
+        raise ValueError(f"scales {shape} must be [..., rows, blocks] with rows a multiple of {SF_ATOM_ROWS} and "
+                         f"blocks of {SF_ATOM_BLOCKS} (the tcgen05 scale atom)")
+
+
+def to_tcgen05_scales(s: torch.Tensor) -> torch.Tensor:
+    """Row-major scale bytes [..., rows, blocks] -> the same bytes in the tcgen05 atom layout (the
+    same shape, contiguous; each leading index, e.g. an expert, permuted on its own)."""
+    _check_sf_shape(s)
+    *lead, rows, blocks = s.shape
+    # (rt, r1, r0, kt, j) -> (rt, kt, r0, r1, j)
+    v = s.reshape(*lead, rows // 128, 4, 32, blocks // 4, 4)
+    n = len(lead)
+    perm = list(range(n)) + [n, n + 3, n + 2, n + 1, n + 4]
+    return v.permute(perm).reshape(*lead, rows, blocks).contiguous()
+
+
+def from_tcgen05_scales(s: torch.Tensor) -> torch.Tensor:
+    """The inverse of to_tcgen05_scales."""
+    _check_sf_shape(s)
+    *lead, rows, blocks = s.shape
+    v = s.reshape(*lead, rows // 128, blocks // 4, 32, 4, 4)  # (rt, kt, r0, r1, j)
+    n = len(lead)
+    perm = list(range(n)) + [n, n + 3, n + 2, n + 1, n + 4]
+    return v.permute(perm).reshape(*lead, rows, blocks).contiguous()
+
+
+def to_scale_layout(s: torch.Tensor, layout: str) -> torch.Tensor:
+    """Row-major scale bytes in `layout` (gemm_limits.BS_SCALE_LAYOUTS)."""
+    if layout not in limits.BS_SCALE_LAYOUTS:
+        raise ValueError(f"scale layout {layout!r} must be one of {', '.join(limits.BS_SCALE_LAYOUTS)}")
+    return to_tcgen05_scales(s) if layout == "tcgen05" else s
+
+
+def from_scale_layout(s: torch.Tensor, layout: str) -> torch.Tensor:
+    """Scale bytes in `layout` back to row-major."""
+    if layout not in limits.BS_SCALE_LAYOUTS:
+        raise ValueError(f"scale layout {layout!r} must be one of {', '.join(limits.BS_SCALE_LAYOUTS)}")
+    return from_tcgen05_scales(s) if layout == "tcgen05" else s

@@ -57,7 +57,8 @@ def toolchain_key(target: str) -> str:
 # The template registry: (role, family) -> (module under moe_aot_templates, class). A GEMM's
 # family is its precision's where that has templates of its own (fp8: "fp8" on the Hopper core,
 # "fp8_warp" on mma.sync; mxfp4-w: "w4"; mxfp8 / nvfp4: "blockscaled"), else its MMA's mainloop
-# family ("grouped": mma.sync / wgmma, "hopper": hopws / hoppp, "umma": tcgen05 on sm_100a): one
+# family ("grouped": mma.sync / wgmma, "hopper": hopws / hoppp, "umma": tcgen05 on sm_100a; the
+# block-scaled ones on tcgen05: "blockscaled_umma"): one
 # template module per family, all taking the same constructor arguments per role.
 TEMPLATES = {
     ("routing", None): ("routing", "MoeRouting"),
@@ -84,6 +85,8 @@ TEMPLATES = {
     ("down", "blockscaled"): ("blockscaled_warp", "BlockScaledDownGemm"),
     ("glu", "umma"): ("blackwell_gemm", "BlackwellGluGemm"),
     ("down", "umma"): ("blackwell_gemm", "BlackwellDownGemm"),
+    ("glu", "blockscaled_umma"): ("blackwell_blockscaled", "BlackwellBlockScaledGluGemm"),
+    ("down", "blockscaled_umma"): ("blackwell_blockscaled", "BlackwellBlockScaledDownGemm"),
 }
 
 
@@ -95,7 +98,7 @@ def template_family(kv: KernelVariant) -> str | None:
     if precision in W4:
         return "w4"
     if precision in BLOCKSCALED:
-        return "blockscaled"
+        return "blockscaled_umma" if kw.get("mma") in UMMA else "blockscaled"
     if precision != "bf16":
         return "fp8" if kw.get("mma") in WARP_SPECIALIZED else "fp8_warp"
     if kw.get("mma") in UMMA:

@@ -550,7 +550,7 @@ def check_w4(precision, n, k, tile_m, tile_n, tile_k, stages, mma, threads=None)
 BLOCKSCALED = ("mxfp8", "nvfp4", "w4a8-mx")
 BS_FORMATS = {"mxfp8": ("mxfp8", "mxfp8"), "nvfp4": ("nvfp4", "nvfp4"),  # (activations, weights)
               "w4a8-mx": ("mxfp8", "mxfp4")}
-BS_MMAS = ("warp",)
+BS_MMAS = ("warp", "umma")  # mma.sync on the sm_120 family; tcgen05 on sm_100a (check_bs_umma)
 BS_TARGETS = with_standins(("sm_121a",))  # the stand-in emulates the MMA (standin=True)
 BS_ELEM_BITS = {"mxfp8": 8, "nvfp4": 4, "mxfp4": 4}  # per format (a precision's activations: BS_FORMATS[p][0])
 BS_MMA_K = {"mxfp8": 32, "nvfp4": 64, "w4a8-mx": 32}  # K of one m16n8kK block-scaled mma.sync
@@ -580,8 +580,11 @@ def check_blockscaled(role, precision, n, k, tile_m, tile_n, tile_k, stages, mma
     and shared memory (other precisions: ok)."""
     if precision not in BLOCKSCALED:
         return True, ""
+    if mma in UMMA:
+        return check_bs_umma(role, precision, n, k, tile_m, tile_n, tile_k, stages, arch)
     if mma not in BS_MMAS:
-        return False, f"{precision} runs on the block-scaled mma.sync (mma 'warp') only, not {mma!r}"
+        return False, (f"{precision} runs on the block-scaled mma.sync (mma 'warp', sm_121a) or tcgen05 "
+                       f"(mma 'umma', sm_100a), not {mma!r}")
     if arch is not None and arch not in BS_TARGETS:
         return False, (f"{precision}: the block-scaled mma.sync exists on the sm_120 family only "
                        f"({', '.join(BS_TARGETS)} here), not on {arch}")
@@ -619,4 +622,95 @@ def check_blockscaled(role, precision, n, k, tile_m, tile_n, tile_k, stages, mma
         need = bs_smem_bytes(precision, tile_m, tile_n, tile_k, stages)
         if need > cap:
             return False, f"{precision}: needs {need} B of shared memory per block, {arch} allows {cap}"
+    return True, ""
+
+
+# Block-scaled GEMMs on tcgen05 (templates/blackwell_blockscaled.py, mma "umma", sm_100a only;
+# compiled, never run: no Blackwell GPU was available): the bf16 umma kernels' persistent loop with
+# `tcgen05.mma.cta_group::1.kind::mxf8f6f4.block_scale` (mxfp8) / `kind::mxf4nvf4.block_scale
+# .scale_vec::4X` (nvfp4), the scale factors copied per k-tile from shared memory into TMEM
+# (tcgen05.cp) in the MMA's 128x4 atom layout (blockscale.to_tcgen05_scales). A k-tile row is one
+# 128-byte swizzle atom of values (four MMAs of K 32 e4m3 or 64 e2m1); tile_n covers whole 128-row
+# scale atoms of B. TMEM: the accumulators (two where they fit beside the scale factors) and one
+# k-tile's scale factors of A (tile_m / 32 * 4 columns) and B (tile_n / 32 * 4).
+BS_UMMA_PRECISIONS = ("mxfp8", "nvfp4")
+BS_UMMA_TARGETS = ("sm_100a",)
+BS_UMMA_TILE_N = (128, 256)
+BS_UMMA_ROW_BYTES = 128  # value bytes of a k-tile row
+SF_ATOM_ROWS, SF_ATOM_BLOCKS = 128, 4  # the scale atom: 128 rows x 4 K blocks, 512 bytes
+# How a target's block-scaled kernels read the weights' scale bytes (and GEMM1 writes h's):
+# "rows" row-major [rows, K/vec] as blockscale.quantize gives them (mma.sync takes its scales from
+# registers), "tcgen05" the MMA's 128x4 atoms (blockscale.to_tcgen05_scales). x's scales stay
+# row-major everywhere (GEMM1 gathers its rows).
+BS_SCALE_LAYOUTS = ("rows", "tcgen05")
+BS_SCALE_LAYOUT = {"sm_100a": "tcgen05"}
+
+
+def bs_scale_layout(target) -> str:
+    """The scale layout `target`'s block-scaled weights (and h) are in."""
+    return BS_SCALE_LAYOUT.get(target, "rows")
+
+
+def bs_umma_tile_k(precision) -> int:
+    """tile_k of a block-scaled umma GEMM: one 128-byte row of values (128 e4m3, 256 e2m1)."""
+    return BS_UMMA_ROW_BYTES * 8 // BS_ELEM_BITS[BS_FORMATS[precision][0]]
+
+
+def bs_umma_sf_columns(tile_m, tile_n) -> tuple[int, int]:
+    """TMEM columns of one k-tile's scale factors of A and of B (4 per 32 rows)."""
+    return tile_m // 32 * SF_ATOM_BLOCKS, -(-tile_n // SF_ATOM_ROWS) * SF_ATOM_ROWS // 32 * SF_ATOM_BLOCKS
+
+
+def bs_umma_acc_stages(tile_n, tile_m=128) -> int:
+    """fp32 accumulators in TMEM: two (a tile's epilogue beside the next tile's MMAs) where they fit
+    beside the scale factors, else one."""
+    return 2 if 2 * tile_n + sum(bs_umma_sf_columns(tile_m, tile_n)) <= TMEM_COLUMNS else 1
+
+
+def bs_umma_tmem_columns(tile_n, tile_m=128) -> int:
+    """TMEM columns a block-scaled umma CTA allocates (a power of two of at least 32)."""
+    need = bs_umma_acc_stages(tile_n, tile_m) * tile_n + sum(bs_umma_sf_columns(tile_m, tile_n))
+    cols = 32
+    while cols < need:
+        cols *= 2
+    return cols
+
+
+def bs_umma_stage_bytes(precision, tile_m, tile_n) -> tuple[int, int, int, int]:
+    """Shared memory of one stage: (A values, B values, A scale atoms, B scale atoms)."""
+    blocks = bs_umma_tile_k(precision) // BLOCKSCALE_BLOCK[BS_FORMATS[precision][0]]
+    atoms = blocks // SF_ATOM_BLOCKS * 512
+    return (tile_m * BS_UMMA_ROW_BYTES, tile_n * BS_UMMA_ROW_BYTES, tile_m // SF_ATOM_ROWS * atoms,
+            -(-tile_n // SF_ATOM_ROWS) * atoms)
+
+
+def bs_umma_smem_bytes(precision, tile_m, tile_n, stages) -> int:
+    """Dynamic shared memory of a block-scaled umma CTA: the stages after the first KB (mbarriers
+    and the TMEM address slot). Exactly what the kernel's launcher asks for."""
+    return stages * sum(bs_umma_stage_bytes(precision, tile_m, tile_n)) + 1024
+
+
+def check_bs_umma(role, precision, n, k, tile_m, tile_n, tile_k, stages, arch=None) -> tuple[bool, str]:
+    """(ok, reason) of a block-scaled tcgen05 GEMM over [N, K] weights (both roles: GEMM1's
+    interleave, 16, divides every scale block) and, if `arch` is given, that target."""
+    if arch is not None and arch not in BS_UMMA_TARGETS:
+        return False, f"{precision} on tcgen05 (mma 'umma') is built for {', '.join(BS_UMMA_TARGETS)} only, not {arch}"
+    if precision not in BS_UMMA_PRECISIONS:
+        return False, f"umma: block-scaled GEMMs are built for {', '.join(BS_UMMA_PRECISIONS)}, not {precision}"
+    if tile_m not in UMMA_TILE_M:
+        return False, f"{precision} umma: tile_m {tile_m} must be one of {UMMA_TILE_M} (one 1-CTA tcgen05.mma M)"
+    if tile_n not in BS_UMMA_TILE_N:
+        return False, (f"{precision} umma: tile_n {tile_n} must be one of {BS_UMMA_TILE_N} "
+                       f"(whole {SF_ATOM_ROWS}-row scale atoms)")
+    want_k = bs_umma_tile_k(precision)
+    if tile_k != want_k:
+        return False, f"{precision} umma: tile_k {tile_k} must be {want_k} (one 128-byte row of values per k-tile)"
+    if not UMMA_MIN_STAGES <= stages <= 8:
+        return False, f"{precision} umma: stages {stages} must be in {UMMA_MIN_STAGES}..8"
+    if k % tile_k or n % tile_n:
+        return False, f"{precision} umma: K={k} must be a multiple of tile_k {tile_k} and N={n} of tile_n {tile_n}"
+    if arch is not None:
+        need, cap = bs_umma_smem_bytes(precision, tile_m, tile_n, stages), SMEM_CAPACITY[arch]
+        if need > cap:
+            return False, f"{precision} umma: needs {need} B of shared memory per block, {arch} allows {cap}"
     return True, ""

@@ -18,7 +18,9 @@ from .gemm_limits import ACTIVATIONS, BIAS_PRECISIONS, BLOCKSCALED, BS_SIZE_MULT
 # "w4a8-mx": MXFP4 weights (gpt-oss's) times MXFP8 activations, block-scaled on the sm_120 family
 PRECISIONS = ("bf16", "fp8", "fp8-block128", "mxfp4-w", "mxfp8", "nvfp4", "w4a8-mx")
 SUPPORTED_PRECISIONS = {"sm_90a": ("bf16", "fp8", "fp8-block128", "mxfp4-w"),
-                        "sm_100a": ("bf16", "fp8", "fp8-block128"),
+                        # mxfp8 / nvfp4 on sm_100a: tcgen05 block-scaled MMAs (templates/blackwell_blockscaled.py;
+                        # compiled only, no Blackwell GPU was available)
+                        "sm_100a": ("bf16", "fp8", "fp8-block128", "mxfp8", "nvfp4"),
                         # mxfp8 / nvfp4 / w4a8-mx: the block-scaled mma.sync of the sm_120 family
                         # (templates/blockscaled_warp.py)
                         "sm_121a": ("bf16", "fp8", "fp8-block128", "mxfp8", "nvfp4", "w4a8-mx")}

@@ -655,7 +655,20 @@ def _default_blockscaled(spec: LayerSpec, rows_per_expert: float) -> LayerVarian
     available): decode (few rows per expert) streams the weights with 16-row tiles, 64 weight rows
     and 256-wide k-tiles per CTA (256 weight bytes per row per k-tile for mxfp8, 128 for nvfp4) in a
     3-4 deep cp.async pipeline within GB10's 99 KB; more rows per expert take 64-row tiles with
-    128 weight rows, so a weight tile feeds more rows. The first valid of each list."""
+    128 weight rows, so a weight tile feeds more rows. The first valid of each list.
+    sm_100a has no block-scaled mma.sync: its tcgen05 kernels (mma "umma", 128-row tiles) at every
+    token count, 128-wide weight tiles (two TMEM accumulators, so GEMM1's quantizing epilogue runs
+    beside the next tile's MMAs) and the deepest pipeline shared memory holds; a guess, never
+    measured (no Blackwell GPU was available)."""
+    if "umma" in TARGET_LIMITS[spec.target]["mma"] and spec.precision in limits.BS_UMMA_PRECISIONS:
+        k = limits.bs_umma_tile_k(spec.precision)
+        why = ""
+        for n, st in itertools.product((128, 256), (6, 5, 4, 3)):
+            v = LayerVariant(128, GemmTiles(n, k, st, "umma"), GemmTiles(n, k, st, "umma"), 1)
+            ok, why = can_implement(spec, v)
+            if ok:
+                return v
+        raise ValueError(f"no default variant can implement {spec.workload_key} on {spec.target}: {why}")
     if rows_per_expert <= 16:
         prefs = [(16, n, k, st) for n in (64, 32) for k, st in ((256, 4), (256, 3), (128, 6), (128, 4))]
     else:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from .. import blockscale
-from ..gemm_limits import BS_FORMATS
+from ..gemm_limits import BS_FORMATS, bs_scale_layout
 from ..runtime import blockscaled as bw
 from ..variants import INTERLEAVE
 from .reference import glu_reference
@@ -152,17 +152,19 @@ def check_forward(layer, x, w13, w2, topk_weights, topk_ids, out, ws=None) -> di
     h_exact = h_padded(glu_pairs(blockscale.Quantized(ws.xq[:M], ws.xs[:M], gx), w13, topk_ids, spec.activation,
                                  fmt), want_ids)[:rows]
     h_want = quantize_h(h_exact, fmt, gh)
-    h_got = blockscale.Quantized(ws.hq[:rows], ws.hs[:rows], gh)
+    # h's scales as GEMM1 wrote them, row-major (sm_100a's GEMM1 writes the tcgen05 atoms: R is
+    # whole 128-row tiles there)
+    hs = blockscale.from_scale_layout(ws.hs[:R], bs_scale_layout(spec.target))
+    h_got = blockscale.Quantized(ws.hq[:rows], hs[:rows], gh)
     pad = want_ids[:rows] < 0
-    y = down_rows(blockscale.Quantized(ws.hq[:R], ws.hs[:R], gh), w2, want_ids, want_tiles, topk_weights, fmt,
-                  v.tile_m)
+    y = down_rows(blockscale.Quantized(ws.hq[:R], hs, gh), w2, want_ids, want_tiles, topk_weights, fmt, v.tile_m)
     ref = y.view(M, K, -1).sum(1)
     res = {
         "routing_equal": routing_ok, "x_bytes_equal": x_ok,
         "h_err": _rel(blockscale.dequantize(h_got, _act(fmt)), h_exact) if rows else 0.0,
         "h_err_reference": _rel(blockscale.dequantize(h_want, _act(fmt)), h_exact) if rows else 0.0,
-        "h_scale_bytes_equal": (ws.hs[:rows] == h_want.scales).float().mean().item() if rows else 1.0,
-        "h_padding_zero": bool((ws.hq[:rows][pad] == 0).all() and (ws.hs[:rows][pad] == 0).all()),
+        "h_scale_bytes_equal": (hs[:rows] == h_want.scales).float().mean().item() if rows else 1.0,
+        "h_padding_zero": bool((ws.hq[:rows][pad] == 0).all() and (hs[:rows][pad] == 0).all()),
         "rel_err": rel_err(out, ref), "row_rel_err": row_rel_err(out, ref),
         "variant": v.name(spec),
     }

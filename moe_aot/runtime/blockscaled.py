@@ -13,6 +13,13 @@ gate and up: a row's bytes do not depend on the other rows, except through NVFP4
 which is one per expert and matrix (w13: over gate and up together; w2), fp32 [E]. An nvfp4
 weight also carries the calibrated amax of its GEMM's activation input (`input_amax`, fp32 [1]):
 w2's is h's, which GEMM1 needs before h exists (MoeLayer.forward refuses an nvfp4 w2 without it).
+
+Scale layout, keyed by target (gemm_limits.bs_scale_layout): the sm_121a kernels read the scales
+row-major as above ("rows"); the sm_100a tcgen05 kernels (templates/blackwell_blockscaled.py) read
+them in the tcgen05 MMA's 128x4 atoms ("tcgen05", blockscale.to_tcgen05_scales: the same bytes,
+permuted per expert). ``prepare_w13`` / ``prepare_w2`` / ``from_gpt_oss`` take ``target`` and
+``for_target`` converts a prepared weight; ``scale_layout`` says which layout a weight is in, and
+the layer refuses a weight in another target's layout.
 """
 from __future__ import annotations
 
@@ -21,7 +28,7 @@ from typing import NamedTuple
 import torch
 
 from .. import blockscale
-from ..gemm_limits import BLOCKSCALED, BS_FORMATS
+from ..gemm_limits import BLOCKSCALED, BS_FORMATS, bs_scale_layout
 from ..layout import interleave_gate_up, split_gate_up
 
 
@@ -34,12 +41,28 @@ class BlockScaledWeight(NamedTuple):
     # before h exists. w13's may be None: the layer then takes x's amax on the device every call.
     # mxfp8: None (its scales are per block only).
     input_amax: torch.Tensor | None = None
+    # the layout of `scales`: "rows" (row-major, sm_121a) or "tcgen05" (sm_100a's scale atoms)
+    scale_layout: str = "rows"
 
 
 def with_input_amax(w: BlockScaledWeight, amax) -> BlockScaledWeight:
     """`w` with its activation input's calibrated amax (a float or a tensor; fp32 [1] on w's device)."""
     t = torch.as_tensor(amax, dtype=torch.float32, device=w.values.device).reshape(1).clone()
     return w._replace(input_amax=t)
+
+
+def for_target(w: BlockScaledWeight, target: str | None) -> BlockScaledWeight:
+    """`w` with its scales in the layout `target`'s kernels read (None: row-major, as sm_121a's)."""
+    want = bs_scale_layout(target)
+    if w.scale_layout == want:
+        return w
+    rows = blockscale.from_scale_layout(w.scales, w.scale_layout)
+    return w._replace(scales=blockscale.to_scale_layout(rows, want), scale_layout=want)
+
+
+def row_scales(w: BlockScaledWeight) -> BlockScaledWeight:
+    """`w` with row-major scales (blockscale.quantize's layout), whatever its target."""
+    return for_target(w, None)
 
 
 def check_format(fmt: str) -> None:
@@ -60,35 +83,39 @@ def expert_amax(*ws: torch.Tensor) -> torch.Tensor:
     return torch.stack([w.float().abs().amax(dim=(1, 2)) for w in ws]).amax(0)
 
 
-def prepare_w13(w_gate: torch.Tensor, w_up: torch.Tensor, fmt: str, interleave: int = 16) -> BlockScaledWeight:
-    """Gate and up [E, I, H] -> w13 as GEMM1 reads it (see the module docstring)."""
+def prepare_w13(w_gate: torch.Tensor, w_up: torch.Tensor, fmt: str, interleave: int = 16,
+                target: str | None = None) -> BlockScaledWeight:
+    """Gate and up [E, I, H] -> w13 as `target`'s GEMM1 reads it (see the module docstring)."""
     check_format(fmt)
     if w_gate.shape != w_up.shape or w_gate.dim() != 3:
         raise ValueError(f"gate {tuple(w_gate.shape)} and up {tuple(w_up.shape)} must be equal [E, I, H] tensors")
     amax = expert_amax(w_gate, w_up) if fmt == "nvfp4" else None
     qg, sg = _quantize_experts(w_gate, fmt, amax)
     qu, su = _quantize_experts(w_up, fmt, amax)
-    return BlockScaledWeight(interleave_gate_up(qg, qu, interleave), interleave_gate_up(sg, su, interleave), amax)
+    w = BlockScaledWeight(interleave_gate_up(qg, qu, interleave), interleave_gate_up(sg, su, interleave), amax)
+    return for_target(w, target)
 
 
-def prepare_w2(w2: torch.Tensor, fmt: str) -> BlockScaledWeight:
-    """w2 [E, H, I] -> as GEMM2 reads it."""
+def prepare_w2(w2: torch.Tensor, fmt: str, target: str | None = None) -> BlockScaledWeight:
+    """w2 [E, H, I] -> as `target`'s GEMM2 reads it."""
     check_format(fmt)
     amax = expert_amax(w2) if fmt == "nvfp4" else None
     q, s = _quantize_experts(w2, fmt, amax)
-    return BlockScaledWeight(q, s, amax)
+    return for_target(BlockScaledWeight(q, s, amax), target)
 
 
 def dequantize(w: BlockScaledWeight, fmt: str) -> torch.Tensor:
     """The fp32 [E, N, K] a prepared weight stands for (blockscale.dequantize per expert)."""
     check_format(fmt)
+    w = row_scales(w)
     return torch.stack([blockscale.dequantize(blockscale.Quantized(
         w.values[e], w.scales[e], None if w.global_amax is None else w.global_amax[e:e + 1]), BS_FORMATS[fmt][1])
         for e in range(w.values.shape[0])])
 
 
 def split_w13(w13: BlockScaledWeight, interleave: int = 16) -> tuple[BlockScaledWeight, BlockScaledWeight]:
-    """The inverse of prepare_w13's interleave: (gate, up) prepared weights, each [E, I, .]."""
+    """The inverse of prepare_w13's interleave: (gate, up) prepared weights, each [E, I, .] (row-major scales)."""
+    w13 = row_scales(w13)
     (qg, qu), (sg, su) = split_gate_up(w13.values, interleave), split_gate_up(w13.scales, interleave)
     return (BlockScaledWeight(qg, sg, w13.global_amax, w13.input_amax),
             BlockScaledWeight(qu, su, w13.global_amax, w13.input_amax))
@@ -108,7 +135,7 @@ def _gpt_oss_rows(blocks: torch.Tensor, scales: torch.Tensor, name: str):
 
 
 def from_gpt_oss(gate_up_blocks, gate_up_scales, down_blocks, down_scales,
-                 interleave: int = 16) -> tuple[BlockScaledWeight, BlockScaledWeight]:
+                 interleave: int = 16, target: str | None = None) -> tuple[BlockScaledWeight, BlockScaledWeight]:
     """One gpt-oss layer's MXFP4 experts as its checkpoint ships them (gate_up_proj_blocks /
     _scales: rows gate, up, gate, up, ... (even rows gate); down_proj_blocks / _scales) -> (w13,
     w2) "w4a8-mx" BlockScaledWeights: the same code and scale bytes, w13's rows regrouped into
@@ -120,11 +147,12 @@ def from_gpt_oss(gate_up_blocks, gate_up_scales, down_blocks, down_scales,
         raise ValueError(f"gate_up_proj has {q13.shape[1]} rows; gate and up rows alternate, so it must be even")
     w13 = BlockScaledWeight(interleave_gate_up(q13[:, 0::2], q13[:, 1::2], interleave),
                             interleave_gate_up(s13[:, 0::2], s13[:, 1::2], interleave), None)
-    return w13, BlockScaledWeight(q2, s2, None)
+    return for_target(w13, target), for_target(BlockScaledWeight(q2, s2, None), target)
 
 
 def to_gpt_oss(w13: BlockScaledWeight, w2: BlockScaledWeight, interleave: int = 16):
     """The inverse of from_gpt_oss: (gate_up_blocks, gate_up_scales, down_blocks, down_scales)."""
+    w13, w2 = row_scales(w13), row_scales(w2)
     (g, u), (gs, us) = split_gate_up(w13.values, interleave), split_gate_up(w13.scales, interleave)
     e, i, half = g.shape
     blocks = torch.stack((g, u), dim=2).reshape(e, 2 * i, half // 16, 16)

@@ -23,6 +23,7 @@ from ..gemm_limits import (
     W4,
     W4_BLOCK,
     W4_CHUNK,
+    bs_scale_layout,
     check_h_block,
 )
 from ..layout import interleave_gate_up, max_tiles
@@ -139,6 +140,12 @@ class MoeLayer:
         if standin is not None and self.device.type == "cuda" and device_target(self.device) != standin.arch:
             raise KernelArgumentError(f"{spec.target} kernels are {standin.arch} builds of the {standin.model} layer, "
                                       f"for checks on {standin.arch} GPUs; this GPU is {device_target(self.device)}")
+        if standin is None and self.device.type == "cuda" and device_target(self.device) != spec.target:
+            # an `a` arch's cubins load on that compute capability only (sm_100a's tcgen05 kernels
+            # on a B200 / GB200, not on an H200 nor a B300): refused here, not by the driver
+            cc = ".".join(map(str, TARGET_CAPABILITIES[spec.target]))
+            raise KernelArgumentError(f"{spec.target} kernels run only on GPUs of compute capability {cc}; this GPU "
+                                      f"is {device_target(self.device)}")
         self.store = store or KernelStore()
         # Per token bucket: the tuned pick for this GPU if the database has one, else the default.
         if variants is None:
@@ -321,6 +328,10 @@ class MoeLayer:
             if not isinstance(w, BlockScaledWeight):
                 raise KernelArgumentError(f"{name} must be a BlockScaledWeight for precision {s.precision} "
                                           f"(blockscaled.prepare_w13 / prepare_w2), got {type(w).__name__}")
+            if w.scale_layout != bs_scale_layout(s.target):
+                raise KernelArgumentError(f"{name}'s scales are in the {w.scale_layout!r} layout and {s.target}'s "
+                                          f"kernels read {bs_scale_layout(s.target)!r} (blockscaled.for_target(w, "
+                                          f"{s.target!r}), or prepare it with target={s.target!r})")
             if (w.global_amax is None) == nv:
                 want = "an fp32 [experts] tensor" if nv else "None"
                 raise KernelArgumentError(f"{name}'s global_amax must be {want} for precision {s.precision}")
@@ -702,11 +713,10 @@ def moe_forward(x, w13_prepared, w2, topk_weights, topk_ids, out=None, workspace
     precision, bias = "bf16", False
     w13 = w13_prepared
     shape = None  # (E, 2I, H) where w13 is not a plain [E, 2I, H] tensor
-    if isinstance(w13_prepared, tuple) and len(w13_prepared) == 4:
-        from .blockscaled import BlockScaledWeight
+    from .blockscaled import BlockScaledWeight
 
-        if isinstance(w13_prepared, BlockScaledWeight) and isinstance(w13_prepared.scales, torch.Tensor) and \
-                w13_prepared.scales.dim() == 3:
+    if isinstance(w13_prepared, BlockScaledWeight):
+        if isinstance(w13_prepared.scales, torch.Tensor) and w13_prepared.scales.dim() == 3:
             precision = "mxfp8" if w13_prepared.global_amax is None else "nvfp4"
             E, I2, ks = w13_prepared.scales.shape
             shape = (E, I2, ks * BLOCKSCALE_BLOCK[precision])
@@ -844,12 +854,16 @@ def prepare_fp8_weights(w_gate, w_up, w2, precision: str = "fp8-block128"):
     return w13, fp8.prepare_w2(w2, precision)
 
 
+# the compute capability each target's cubins load on (an `a` arch's run on that one only)
+TARGET_CAPABILITIES = {"sm_90a": (9, 0), "sm_100a": (10, 0), "sm_121a": (12, 1)}
+
+
 def device_target(device) -> str:
     """The kernel target for a CUDA device; fails closed on GPUs we build nothing for."""
     if not torch.cuda.is_available():
         raise KernelArgumentError("moe-aot kernels need a CUDA GPU; none is visible")
     major, minor = torch.cuda.get_device_capability(device)
-    targets = {(9, 0): "sm_90a", (10, 0): "sm_100a", (12, 1): "sm_121a"}
+    targets = {cc: t for t, cc in TARGET_CAPABILITIES.items()}
     if (major, minor) not in targets:
         raise KernelArgumentError(f"GPU compute capability {major}.{minor} has no moe-aot target "
                                   f"(built for {', '.join(f'{a}.{b}' for a, b in targets)})")
