@@ -227,20 +227,28 @@ class LayerVariant:
 # runs in a cluster of BWD_ROUTE_CLUSTER CTAs (training batches have thousands of tokens).
 BWD_TILE_M = 128
 BWD_ROUTE_CLUSTER = 16
-BWD_TILE_N = (128, 64)  # widest first: tile_n must divide N and be a multiple of the N-major atom (64)
+# The data GEMMs' default tiles, the first valid of each list (tile_n must divide N and be a multiple
+# of the N-major atom, 64). Measured on the H200 at 4096 tokens (tools/check_backward.py, NOTES,
+# twelfth session): dH fastest on the 128x128 ping-pong core at every preset (its epilogue runs
+# beside the other warpgroup's mainloop; 0.79-0.94x of the 128x128 cooperative time), dX on the
+# 256-wide cooperative tiles (0.81-0.94x of 128-wide, except DeepSeek-V3: 1.08x).
+BWD_DH_TILES = (GemmTiles(128, 64, 5, "hoppp"), GemmTiles(256, 64, 4, "hopws"), GemmTiles(192, 64, 4, "hopws"),
+                GemmTiles(128, 64, 4, "hopws"), GemmTiles(64, 64, 4, "hopws"))
+BWD_DX_TILES = (GemmTiles(256, 64, 4, "hopws"), GemmTiles(192, 64, 4, "hopws"), GemmTiles(128, 64, 4, "hopws"),
+                GemmTiles(64, 64, 4, "hopws"))
 
 
 def backward_gemm_tiles(spec: LayerSpec) -> tuple[GemmTiles, GemmTiles] | None:
-    """(dH, dX) tiles of the backward's data GEMMs: the persistent cooperative core with 128-row
-    tiles, the widest of BWD_TILE_N that divides N (dH: I, dX: H), 4 stages; None where the
-    target has no such core (the backward then multiplies with torch's grouped GEMMs) or the
-    layer is not bf16."""
+    """(dH, dX) tiles of the backward's data GEMMs: the first valid of BWD_DH_TILES for dH (N = I,
+    K = H) and of BWD_DX_TILES for dX (N = H, K = 2I); None where the target has no persistent
+    Hopper core (the backward then multiplies with torch's grouped GEMMs) or the layer is not bf16."""
     if spec.precision != "bf16" or "hopws" not in TARGET_LIMITS[spec.target]["mma"]:
         return None
     out = []
-    for n, k in ((spec.intermediate, spec.hidden), (spec.hidden, 2 * spec.intermediate)):
-        fits = [GemmTiles(t, 64, 4, "hopws") for t in BWD_TILE_N
-                if limits.check_backward_gemm(n, k, BWD_TILE_M, t, 64, 4, "hopws", limits.gpu_arch(spec.target))[0]]
+    for prefs, (n, k) in ((BWD_DH_TILES, (spec.intermediate, spec.hidden)),
+                          (BWD_DX_TILES, (spec.hidden, 2 * spec.intermediate))):
+        fits = [t for t in prefs if limits.check_backward_gemm(n, k, BWD_TILE_M, t.tile_n, t.tile_k, t.stages, t.mma,
+                                                               limits.gpu_arch(spec.target))[0]]
         if not fits:
             return None
         out.append(fits[0])

@@ -115,10 +115,11 @@ def test_backward_kernels_name_every_argument_and_pick_tiles_that_divide():
     assert [kv.role for kv in kvs] == ["glu_bwd", "routing", "dh", "dx", "combine"]
     dh, dx = kvs[2].kwargs(), kvs[3].kwargs()
     assert dh["tile_m"] == dx["tile_m"] == kvs[1].kwargs()["tile_m"]  # dX reads dH's padded rows
-    assert dh["tile_n"] == 128 and dh["mma"] == dx["mma"] == "hopws"
-    # gpt-oss: I = H = 2880, no 128-wide tile divides it; 64 does
+    assert (dh["tile_n"], dh["mma"]) == (128, "hoppp") and (dx["tile_n"], dx["mma"]) == (256, "hopws")
+    # gpt-oss: I = H = 2880, no 128- or 256-wide tile divides it; 192 does (cooperative: a
+    # ping-pong warpgroup holds 128 rows of at most 128 columns)
     dh_t, dx_t = backward_gemm_tiles(make_spec("gpt-oss-120b", target="sm_90a"))
-    assert dh_t.tile_n == dx_t.tile_n == 64
+    assert (dh_t.tile_n, dh_t.mma) == (dx_t.tile_n, dx_t.mma) == (192, "hopws")
     others = [dataclasses.replace(spec, intermediate=1024), dataclasses.replace(spec, activation="geglu"),
               dataclasses.replace(spec, hidden=1024)]
     names = {kv.name for s in [spec, *others] for kv in backward_kernels(s) if kv.role in ("dh", "dx")}
@@ -186,4 +187,4 @@ def test_build_backward_compiles_the_data_path(tmp_path):
     with Database(db, readonly=True) as d:
         for kv in backward_kernels(spec):
             assert d.has_artifact(kv.name, toolchain_key("sm_90a")), kv.name
-    assert GemmTiles(128, 64, 4, "hopws") == backward_gemm_tiles(spec)[0]
+    assert GemmTiles(128, 64, 5, "hoppp") == backward_gemm_tiles(spec)[0]

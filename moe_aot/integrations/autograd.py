@@ -192,9 +192,16 @@ def _fused_gemms(x, topk_ids, w13, w2, activation, block, bias):
     return backward_gemms(E, topk_ids.shape[1], H, I2 // 2, activation, bias, x.device)
 
 
+# The compiled weight-gradient GEMMs (templates/hopper_wgrad.py) measured 1.08-1.26x slower than
+# torch's grouped GEMMs on the same products at 4096 tokens on the H200 (0.98-1.29x counting torch's
+# gathers; tools/check_wgrad.py, NOTES, twelfth session): the backward keeps torch's until they win.
+USE_WGRAD_KERNELS = False
+
+
 def _wgrad_kernels(x, topk_ids, w13):
-    """The compiled weight-gradient GEMMs of this layer shape (runtime.wgrad), or None (torch's)."""
-    if not x.is_cuda:
+    """The compiled weight-gradient GEMMs of this layer shape (runtime.wgrad) where they are used
+    (USE_WGRAD_KERNELS) and the database has them, else None (torch's grouped GEMMs)."""
+    if not (USE_WGRAD_KERNELS and x.is_cuda):
         return None
     from ..runtime.wgrad import wgrad_kernels_for
 
@@ -213,10 +220,10 @@ def moe_backward_fused(kern, grad_out, x, w13, w2, topk_weights, topk_ids, activ
       routing weight's partial gradients, in padded row order (padding rows zero);
     - dX multiplies da by W13_e read N-major into one row per pair, and the combine kernel sums
       each token's rows (every sum a fixed order: bitwise repeatable);
-    - the weight gradients: the compiled variable-K GEMMs (templates/hopper_wgrad.py, x and dO
-      gathered by token in their producers) where the database has them, else torch's grouped
-      GEMMs over the padded segments on gathered copies (padding rows of da and w h are zeros,
-      those of the gathered x and dO rows too).
+    - the weight gradients: torch's grouped GEMMs over the padded segments on gathered copies
+      (padding rows of da and w h are zeros, those of the gathered x and dO rows too), or the
+      compiled variable-K GEMMs (templates/hopper_wgrad.py, x and dO gathered in their producers)
+      with USE_WGRAD_KERNELS (measured slower so far).
     Without ``preact`` the pre-activations are computed first (preact_torch)."""
     M, K = topk_ids.shape
     E, I2, H = w13.shape
