@@ -9,7 +9,8 @@ swizzled wgmma layout (``b_mn``; one swizzle atom is 64 columns of N by 8 of K).
 - ``HopperDhGemm`` (dH): G = dO_m W2_e for each routed row, A the rows of dO [M, H] gathered by
   token as GEMM1 gathers x (cp.async by the producer warpgroup), B = W2_e [H, I] (N = I, K = H).
   Its epilogue is the GLU's backward from the accumulators: with the forward's pre-activations
-  (gate g, up u of the routed pair, ``fused_moe_train``'s preact [P + 1, 2I], row p) and the
+  (gate g, up u of the routed pair, ``fused_moe_train``'s preact [P + 1, 2I], row p; its last row
+  zeros, which padding rows read) and the
   row's routing weight w (from the tile schedule, as GEMM2's),
 
       h = glu(g, u)      dh = w G      (dg, du) = glu's vector-Jacobian product at (g, u) with dh
@@ -139,24 +140,35 @@ class HopperDhGemm(_HopperWs, _GroupedGemmBase):
             r = tCcC[self._acc_index(hrow, 0)][0]
             p = pairs[hrow]
             w = scales[hrow]  # 0 for padding rows
-            src = self._row(mP, cutlass.max(p, Int32(0)), 2 * i)
+            # a padding row reads the pre-activations' last row (zeros): the loads need no branch,
+            # so that they can be issued ahead of the math of earlier blocks
+            src = self._row(mP, p if p >= 0 else cute.size(mP, mode=[0]) - 1, 2 * i)
             da_row = self._row(mDA, row0 + r, 2 * i)
             hw_row = self._row(mHW, row0 + r, i)
             # the h column of block 4G + q's first element: this lane's column in block 0 is 2q
             col0 = bn * self.tile_n + tCcC[self._acc_index(hrow, 0)][1] - 2 * q + 8 * q
             dot = Float32(0.0)
-            for grp in cutlass.range_constexpr(self.tile_n // 32):
-                grad = self._quad_transpose_f32(acc, hrow, grp, q, quad0)  # every lane shuffles
+            groups = self.tile_n // 32
+            # gate and up blocks loaded a batch of groups at a time, before that batch's stores: the
+            # stores may alias them as far as the compiler knows, so a load issued after a store
+            # waits for it. A whole row per batch where the accumulators leave the registers
+            # (64 per thread), else two groups (no spills at 128 accumulators).
+            batch = groups if cute.size(acc) <= 64 else 2
+            gates = cute.make_rmem_tensor(cute.make_layout((8, groups)), BFloat16)
+            ups = cute.make_rmem_tensor(cute.make_layout((8, groups)), BFloat16)
+            for grp in cutlass.range_constexpr(groups):
                 c = col0 + 32 * grp
                 gc = (c // g) * 2 * g + c % g  # its gate column in w13's interleaved order
-                gate = cute.make_rmem_tensor(cute.make_layout(8), Float32)
-                up = cute.make_rmem_tensor(cute.make_layout(8), Float32)
-                gate.fill(0.0)
-                up.fill(0.0)
-                if p >= 0:
-                    gate.store(cute.local_tile(src, (8,), (gc // 8,)).load().to(Float32))
-                    up.store(cute.local_tile(src, (8,), ((gc + g) // 8,)).load().to(Float32))
-                else:  # a padding row: its A rows were never loaded
+                if grp % batch == 0:
+                    for b in cutlass.range_constexpr(grp, min(grp + batch, groups)):
+                        cb = col0 + 32 * b
+                        gcb = (cb // g) * 2 * g + cb % g
+                        gates[None, b].store(cute.local_tile(src, (8,), (gcb // 8,)).load())
+                        ups[None, b].store(cute.local_tile(src, (8,), ((gcb + g) // 8,)).load())
+                grad = self._quad_transpose_f32(acc, hrow, grp, q, quad0)  # every lane shuffles
+                gate = gates[None, grp].load().to(Float32)
+                up = ups[None, grp].load().to(Float32)
+                if p < 0:  # a padding row: its A rows were never loaded
                     grad.fill(0.0)
                 dg = cute.make_rmem_tensor(cute.make_layout(8), Float32)
                 du = cute.make_rmem_tensor(cute.make_layout(8), Float32)
