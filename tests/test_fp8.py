@@ -241,11 +241,13 @@ def test_fp8_gemms_build_for_dgx_spark():
 def test_h_block_is_the_layers_both_gemms_take_it_and_names_say_it():
     """h's scale block is one field of the layer variant: 128 only where GEMM1's tiles hold whole
     128-column blocks of h (tile_n 256), only for fp8; both GEMMs' names and arguments carry it;
-    the defaults (what the shipped picks were measured against) keep 64."""
+    the 128x256 defaults take 128 (re-tuned: tuning_2026-12-02x), the decode defaults keep 64."""
     G = V.GemmTiles
     spec = make_spec("mixtral-8x7b", precision="fp8")
-    base = V.default_variant(spec, 4096)
-    assert base.h_block == limits.H_SCALE_BLOCK and base.glu.tile_n == 256
+    assert V.default_variant(spec, 4096).h_block == 128
+    assert V.default_variant(make_spec("qwen3-30b-a3b", precision="fp8"), 16).h_block == limits.H_SCALE_BLOCK
+    base = dataclasses.replace(V.default_variant(spec, 4096), h_block=limits.H_SCALE_BLOCK)
+    assert base.glu.tile_n == 256
     twin = base.h_block_twin(spec)
     assert twin is not None and twin.h_block == 128 and (twin.glu, twin.down) == (base.glu, base.down)
     assert twin.h_block_twin(spec) is None
@@ -284,7 +286,9 @@ def test_h_block_is_the_layers_both_gemms_take_it_and_names_say_it():
     for model in ("qwen3-30b-a3b", "deepseek-v3", "mixtral-8x7b"):
         for precision in fp8.FP8:
             s = make_spec(model, precision=precision)
-            assert all(V.default_variant(s, t).h_block == 64 for t in V.token_buckets())
+            for t in V.token_buckets():  # 128 exactly where the default's GEMM1 tiles are 256 wide
+                v = V.default_variant(s, t)
+                assert v.h_block == (128 if v.glu.tile_n == 256 and v.glu.mma == "hopws" else 64), (model, t)
 
 
 def test_template_refuses_an_h_block_its_tiles_cannot_write():

@@ -40,10 +40,13 @@ TUNED = ROOT / "cache" / "tuned" / "NVIDIA_H200.jsonl"
 # default there became 128x256 tiles promoted in column parts (4 trials per study: the default, the
 # committed pick and both PDL twins; a confirmation round each). 2026-12-02w: fp8-block128 at the
 # same buckets once its GEMM2 default became 128x256 too (the same 4 trials, a round each).
+# 2026-12-02x: fp8 and fp8-block128 at 256, 1024, 4096 and 16384 tokens once the default above 16
+# rows per expert wrote h's scales per 128 columns (h_block 128; 4 trials per study: the default,
+# the committed pick and their PDL / h128 twins; a confirmation round each).
 SESSIONS = ("tuning_2026-12-01", "tuning_2026-12-01b", "tuning_2026-12-01c", "tuning_2026-12-01e",
             "tuning_2026-12-01f", "tuning_2026-12-01g", "tuning_2026-12-01h", "tuning_2026-12-01i",
             "tuning_2026-12-01j", "tuning_2026-12-01l", "tuning_2026-12-02t", "tuning_2026-12-02u",
-            "tuning_2026-12-02v", "tuning_2026-12-02w")
+            "tuning_2026-12-02v", "tuning_2026-12-02w", "tuning_2026-12-02x")
 FP8_BUCKETS = (1, 16, 64, 256, 1024, 4096, 16384)
 RECORD_FILES = [ROOT / "tools" / "results" / d / "all_records.json" for d in SESSIONS]
 

@@ -140,7 +140,8 @@ class MoeLayer:
         if standin is not None and self.device.type == "cuda" and device_target(self.device) != standin.arch:
             raise KernelArgumentError(f"{spec.target} kernels are {standin.arch} builds of the {standin.model} layer, "
                                       f"for checks on {standin.arch} GPUs; this GPU is {device_target(self.device)}")
-        if standin is None and self.device.type == "cuda" and device_target(self.device) != spec.target:
+        if (standin is None and self.device.type == "cuda" and torch.cuda.is_available()
+                and device_target(self.device) != spec.target):
             # an `a` arch's cubins load on that compute capability only (sm_100a's tcgen05 kernels
             # on a B200 / GB200, not on an H200 nor a B300): refused here, not by the driver
             cc = ".".join(map(str, TARGET_CAPABILITIES[spec.target]))
