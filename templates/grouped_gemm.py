@@ -568,12 +568,12 @@ class _GroupedGemmBase:
         return chunk
 
     @cute.jit
-    def _pick4(self, t, base: cutlass.Constexpr, k):
-        """t[base + k] for a run-time k in 0..3, by selects (no dynamic register indexing)."""
+    def _pick4(self, t, base: cutlass.Constexpr, k, stride: cutlass.Constexpr = 1):
+        """t[base + stride * k] for a run-time k in 0..3, by selects (no dynamic register indexing)."""
         v = t[base]
         for i in cutlass.range_constexpr(1, 4):
             if k == i:
-                v = t[base + i]
+                v = t[base + stride * i]
         return v
 
     def _launch_common(self, grid_n, mTileExpert):

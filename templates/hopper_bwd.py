@@ -198,22 +198,13 @@ class HopperDhGemm(_HopperWs, _GroupedGemmBase):
         got = cute.make_rmem_tensor(cute.make_layout(8), Float32)  # round r's pair at 2r, 2r + 1
         for rnd in cutlass.range_constexpr(4):
             for v in cutlass.range_constexpr(2):
-                send = self._pick4_f32(cand, v, q ^ rnd)
+                send = self._pick4(cand, v, q ^ rnd, 2)
                 got[2 * rnd + v] = cute.arch.shuffle_sync(send, quad0 + (q ^ rnd))
         out = cute.make_rmem_tensor(cute.make_layout(8), Float32)
         for src in cutlass.range_constexpr(4):  # lane src's pair came in round q ^ src
             for v in cutlass.range_constexpr(2):
-                out[2 * src + v] = self._pick4_f32(got, v, q ^ src)
+                out[2 * src + v] = self._pick4(got, v, q ^ src, 2)
         return out
-
-    @cute.jit
-    def _pick4_f32(self, t, v: cutlass.Constexpr, k):
-        """t[2 k + v] for a run-time k in 0..3, by selects (no dynamic register indexing)."""
-        x = t[v]
-        for i in cutlass.range_constexpr(1, 4):
-            if k == i:
-                x = t[2 * i + v]
-        return x
 
 
 class HopperDxGemm(HopperDownGemm):
