@@ -282,9 +282,14 @@ def wgrad_smem_bytes(tile_m, tile_n, tile_k, stages) -> int:
     return stages * (tile_m + tile_n) * tile_k * 2 + 16 * stages + 4 * tile_k * stages + 1024
 
 
-def check_wgrad(rows, cols, gather, tile_m, tile_n, tile_k=WGRAD_TILE_K, stages=4, arch="sm_90a") -> tuple[bool, str]:
+WGRAD_PP_ACC = 64 * 256  # ping-pong: one warpgroup's tile (128 fp32 accumulators per thread) at most
+
+
+def check_wgrad(rows, cols, gather, tile_m, tile_n, tile_k=WGRAD_TILE_K, stages=4, arch="sm_90a",
+                pingpong=False) -> tuple[bool, str]:
     """(ok, reason) of a weight-gradient GEMM writing [rows, cols] per expert (dW13: 2I x H,
-    gather "b"; dW2: H x I, gather "a") with these tiles on `arch`."""
+    gather "b"; dW2: H x I, gather "a") with these tiles on `arch`; ``pingpong``: each of the two
+    consumer warpgroups multiplies and stores a whole tile of its own."""
     if arch not in WGRAD_TARGETS:
         return False, f"the weight-gradient GEMM is built on wgmma for {', '.join(WGRAD_TARGETS)} only, not {arch}"
     if gather not in WGRAD_GATHER:
@@ -301,6 +306,9 @@ def check_wgrad(rows, cols, gather, tile_m, tile_n, tile_k=WGRAD_TILE_K, stages=
         return False, f"the gradient's {cols} columns are not divisible by tile_n {tile_n}"
     if not 2 <= stages <= 8:
         return False, f"stages {stages} must be in 2..8"
+    if pingpong and tile_m * tile_n > WGRAD_PP_ACC:
+        return False, (f"a ping-pong tile of {tile_m}x{tile_n} is one warpgroup's: at most {WGRAD_PP_ACC} "
+                       "elements (64x256 or 128x128), 128 fp32 accumulators per thread")
     need, cap = wgrad_smem_bytes(tile_m, tile_n, tile_k, stages), SMEM_CAPACITY[arch]
     if need > cap:
         return False, (f"{stages} stages of {tile_m}x{tile_n}x{tile_k} tiles need {need} B of shared memory, "
@@ -308,14 +316,15 @@ def check_wgrad(rows, cols, gather, tile_m, tile_n, tile_k=WGRAD_TILE_K, stages=
     return True, ""
 
 
-def wgrad_default_tiles(rows, cols, arch="sm_90a") -> tuple[int, int, int] | None:
-    """(tile_m, tile_n, stages) of a weight-gradient GEMM of this size: the tallest, then widest
-    tile that divides it, with the deepest pipeline that fits; None where none does."""
+def wgrad_default_tiles(rows, cols, arch="sm_90a") -> tuple[int, int, int, bool] | None:
+    """(tile_m, tile_n, stages, pingpong) of a weight-gradient GEMM of this size: the tallest, then
+    widest cooperative tile that divides it, with the deepest pipeline that fits; None where none
+    does."""
     for tile_m in (128, 64):
         for tile_n in (256, 192, 128, 64):
             for stages in range(8, 1, -1):
                 if check_wgrad(rows, cols, "b", tile_m, tile_n, WGRAD_TILE_K, stages, arch)[0]:
-                    return tile_m, tile_n, stages
+                    return tile_m, tile_n, stages, False
     return None
 
 

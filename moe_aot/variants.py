@@ -295,25 +295,34 @@ def backward_kernels(spec: LayerSpec) -> list[KernelVariant]:
     return out
 
 
-def wgrad_kernels(spec: LayerSpec) -> list[KernelVariant]:
+def wgrad_kernels(spec: LayerSpec, tiles: dict | None = None) -> list[KernelVariant]:
     """The backward's weight-gradient GEMMs (templates/hopper_wgrad.py, role "wgrad"): dW13 =
     da^T x (x gathered by token) and dW2 = dO^T (w h) (dO gathered), in that order, each at the
     tallest, widest tile that divides it with the deepest pipeline that fits
-    (gemm_limits.wgrad_default_tiles); bf16 layers on the targets with wgmma, else []."""
+    (gemm_limits.wgrad_default_tiles), or at ``tiles[gather]`` = (tile_m, tile_n, stages, pingpong)
+    where given (tools/check_wgrad.py's alternatives); bf16 layers on the targets with wgmma, else []."""
     if spec.precision != "bf16" or spec.target not in limits.WGRAD_TARGETS:
         return []
     a, e, k, h, i = arch_tag(spec.target), spec.experts, spec.top_k, spec.hidden, spec.intermediate
     out = []
     for rows, cols, gather in ((2 * i, h, "b"), (h, i, "a")):
-        tiles = limits.wgrad_default_tiles(rows, cols, spec.target)
-        if tiles is None:
-            return []
-        tm, tn, st = tiles
+        if tiles and gather in tiles:
+            tm, tn, st, pp = tiles[gather]
+            ok, why = limits.check_wgrad(rows, cols, gather, tm, tn, limits.WGRAD_TILE_K, st, spec.target, pp)
+            if not ok:
+                raise ValueError(f"{spec.label()}: weight-gradient tiles {tm}x{tn} s{st}: {why}")
+        else:
+            found = limits.wgrad_default_tiles(rows, cols, spec.target)
+            if found is None:
+                return []
+            tm, tn, st, pp = found
         tk = limits.WGRAD_TILE_K
+        params = (("num_experts", e), ("out_rows", rows), ("out_cols", cols), ("top_k", k), ("gather", gather),
+                  ("tile_m", tm), ("tile_n", tn), ("tile_k", tk), ("stages", st))
         out.append(KernelVariant(
-            "wgrad", f"moe_wgrad_{a}_{spec.precision_tag}_e{e}k{k}_r{rows}c{cols}_g{gather}_t{tm}x{tn}x{tk}_s{st}",
-            (("num_experts", e), ("out_rows", rows), ("out_cols", cols), ("top_k", k), ("gather", gather),
-             ("tile_m", tm), ("tile_n", tn), ("tile_k", tk), ("stages", st))))
+            "wgrad", f"moe_wgrad_{a}_{spec.precision_tag}_e{e}k{k}_r{rows}c{cols}_g{gather}_t{tm}x{tn}x{tk}_s{st}"
+                     + ("pp" if pp else ""),
+            params + ((("pingpong", True),) if pp else ())))
     return out
 
 

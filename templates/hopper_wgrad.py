@@ -30,14 +30,22 @@ Persistent, warp-specialized CTAs (one per SM) walk the E x (out_rows / tile_m) 
   rows loaded one k-tile ahead and shared through shared memory; each thread hands its
   copies to the stage's full barrier with ``cp.async.mbarrier.arrive.noinc``, so no producer
   thread waits for its own loads;
-- one consumer warpgroup per 64 rows of the tile (tile_m 128: two) multiplies (wgmma, one batch
-  in flight, a stage released the batch after it was read) and stores the tile from its
-  accumulators, 16 bytes per lane after a quad transpose, while the producer already fills the
-  next tile's stages.
+- the consumers multiply (wgmma, one batch in flight, a stage released the batch after it was
+  read) and store the tile from their accumulators, 16 bytes per lane after a quad transpose,
+  while the producer already fills the next tile's stages. Cooperative (default): one consumer
+  warpgroup per 64 rows of the tile (tile_m 128: two), so the tensor cores idle while the tile is
+  stored. ``pingpong=True``: two consumer warpgroups, each on every other tile of the CTA's
+  schedule (64x256 or 128x128 at most: 128 accumulators per thread). The producer fills the ring
+  in schedule order, so one warpgroup's k-tiles follow the other's, and its mainloop runs while
+  the other stores; each skips the other's k-tiles (that tile's expert's K, read from the
+  routing) in its stage/phase state. What it is for: the short-K experts of many-expert models
+  (DeepSeek-V3 at 4096 tokens: ~128 rows, two k-tiles per tile), where storing a tile takes as
+  long as computing it.
 
 Constraints (moe_aot/gemm_limits.py ``check_wgrad``, one sentence per refusal):
   * sm_90a; bf16 operands, fp32 accumulation, bf16 out; all tensors row-major, 16-byte aligned.
-  * tile_m 64 or 128, tile_n a multiple of 64 up to 256, tile_k 64; out_rows % tile_m == 0,
+  * tile_m 64 or 128, tile_n a multiple of 64 up to 256 (ping-pong: tile_m * tile_n <= 64 * 256),
+    tile_k 64; out_rows % tile_m == 0,
     out_cols % tile_n == 0; 2 <= stages <= 8, shared memory stages * (tile_m + tile_n) * 128 B
     + 1 KB + barriers.
   * the routing's segments are whole k-tiles: every expert_offsets[e] is a multiple of 64
@@ -67,8 +75,9 @@ PERSISTENT_CTAS = 132  # one CTA per SM of an H100 SXM / H200
 class HopperWgrad:
     def __init__(self, num_experts: int, out_rows: int, out_cols: int, top_k: int, gather: str = "b",
                  tile_m: int = 128, tile_n: int = 128, tile_k: int = limits.WGRAD_TILE_K, stages: int = 4,
-                 ctas: int = PERSISTENT_CTAS):
-        ok, reason = limits.check_wgrad(out_rows, out_cols, gather, tile_m, tile_n, tile_k, stages, "sm_90a")
+                 ctas: int = PERSISTENT_CTAS, pingpong: bool = False):
+        ok, reason = limits.check_wgrad(out_rows, out_cols, gather, tile_m, tile_n, tile_k, stages, "sm_90a",
+                                        pingpong)
         if ok and (num_experts < 1 or top_k < 1 or ctas < 1):
             ok, reason = False, f"num_experts {num_experts}, top_k {top_k} and ctas {ctas} must be >= 1"
         if not ok:
@@ -85,7 +94,10 @@ class HopperWgrad:
         rows = _LOAD_THREADS // (self.g_tile // _CHUNK)  # gathered rows per pass of the producers
         self.g_passes = -(-tile_k // rows)  # cp.async per thread per k-tile
         self.g_exact = rows * (self.g_tile // _CHUNK) == _LOAD_THREADS and tile_k % rows == 0
-        self.mma_threads = 2 * tile_m  # one consumer warpgroup per 64 rows of the tile
+        self.pingpong = pingpong
+        # cooperative: one consumer warpgroup per 64 rows of the tile; ping-pong: two, one per tile
+        self.mma_threads = 256 if pingpong else 2 * tile_m
+        self.stage_threads = 128 if pingpong else self.mma_threads  # consumer threads reading one stage
 
     def fake_arguments(self):
         from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
@@ -114,7 +126,8 @@ class HopperWgrad:
 
     def _make_tiled_mma(self):
         mn = LayoutEnum.COL_MAJOR.sm90_mma_major_mode()
-        return sm90_utils.make_trivial_tiled_mma(BFloat16, BFloat16, mn, mn, Float32, (self.tile_m // 64, 1, 1),
+        warpgroups = 1 if self.pingpong else self.tile_m // 64  # ping-pong: one warpgroup, 128-row tiles as 2 blocks
+        return sm90_utils.make_trivial_tiled_mma(BFloat16, BFloat16, mn, mn, Float32, (warpgroups, 1, 1),
                                                  tiler_mn=(64, self.tile_n))
 
     @cute.jit
@@ -144,11 +157,11 @@ class HopperWgrad:
         pipe = self._make_pipeline()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp < _LOAD_THREADS // 32:
-            if const_expr(self.tile_m == 128):  # 384 threads: the consumers take the registers
+            if const_expr(self.mma_threads == 256):  # 384 threads: the consumers take the registers
                 cute.arch.setmaxregister_decrease(_REGS_LOAD)
             self._produce(tidx, warp, pipe, tma, mTt, mG, mIds, (mOffs, mCounts), sA, sB, sTok)
         else:
-            if const_expr(self.tile_m == 128):
+            if const_expr(self.mma_threads == 256):
                 cute.arch.setmaxregister_increase(_REGS_MMA)
             self._consume(tidx - _LOAD_THREADS, pipe, sA, sB, (mOffs, mCounts), mOut)
 
@@ -166,12 +179,13 @@ class HopperWgrad:
     @cute.jit
     def _make_pipeline(self):
         """Full barriers: the TMA bytes of a stage (warp 0's elected arrival) plus one cp.async
-        arrival per producer thread; empty barriers: one arrival per consumer warp."""
+        arrival per producer thread; empty barriers: one arrival per warp of the consumers that read
+        the stage (ping-pong: one warpgroup)."""
         bars = cutlass.memory.SmemAllocator().allocate_array(Int64, 2 * self.stages, byte_alignment=8)
         return pipeline.PipelineTmaAsync.create(
             barrier_storage=bars, num_stages=self.stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1 + _LOAD_THREADS),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.mma_threads // 32),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.stage_threads // 32),
             tx_count=self.c_tile * self.tile_k * 2, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)))
 
     @cute.jit
@@ -283,7 +297,12 @@ class HopperWgrad:
     def _consume(self, ctid, pipe, sA, sB, routing, mOut):
         tiled_mma = self._make_tiled_mma()
         warp_group = cute.arch.make_warp_uniform(ctid // 128)
-        thr_mma = tiled_mma.get_slice(warp_group * 128)
+        if const_expr(self.pingpong):
+            # each warpgroup multiplies a whole tile: thread ctid % 128 of the tile's MMA
+            ctid = ctid % 128
+            thr_mma = tiled_mma.get_slice(0)
+        else:
+            thr_mma = tiled_mma.get_slice(warp_group * 128)
         tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
         tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
         num_kb = cute.size(tCrA, mode=[2])
@@ -293,7 +312,14 @@ class HopperWgrad:
         release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         bid, _, _ = cute.arch.block_idx()
         nctas, _, _ = cute.arch.grid_dim()
-        for t in range(bid, self.tiles, nctas):
+        first, step = bid, nctas
+        if const_expr(self.pingpong):
+            # warpgroup 1 takes the schedule's odd tiles: it starts past the first tile's k-tiles
+            first, step = bid + warp_group * nctas, 2 * nctas
+            skip = self._k_tiles_of(routing, bid) * warp_group
+            read.advance(skip)
+            release.advance(skip)
+        for t in range(first, self.tiles, step):
             e, mt, nt = self._tile_of(t)
             _, k_tiles = self._k_range(routing, e)
             acc.fill(0.0)
@@ -317,19 +343,35 @@ class HopperWgrad:
             if k_tiles > 0:
                 pipe.consumer_release(release)
                 release.advance()
+            if const_expr(self.pingpong):
+                # the other warpgroup's tile comes next in the ring
+                skip = self._k_tiles_of(routing, t + nctas)
+                read.advance(skip)
+                release.advance(skip)
             self._store(acc, coords, mOut, e, mt, nt)
 
     @cute.jit
+    def _k_tiles_of(self, routing, t):
+        """Ping-pong: the k-tiles of tile t (the other warpgroup's), 0 past the schedule's end;
+        branch-free, so that the states advance by it outside any branch."""
+        e, _, _ = self._tile_of(cutlass.min(t, self.tiles - 1))
+        _, k_tiles = self._k_range(routing, e)
+        return k_tiles * Int32(t < self.tiles)
+
+    @cute.jit
     def _store(self, acc, coords, mOut, e, mt, nt):
-        """The tile from the accumulators: element v + 2h + 4j of a warpgroup's fragment
-        ((2, 2, tile_n / 8), 1, 1) is row r0 + 8h, column c0 + 8j + v; per row and group of
+        """The tile from the accumulators: element v + 2h + 4j + b * tile_n / 2 of a warpgroup's
+        fragment ((2, 2, tile_n / 8), blocks, 1) is row r0 + 8h + 64b, column c0 + 8j + v (blocks:
+        the 64-row blocks a warpgroup holds, 2 for a 128-row ping-pong tile); per row and group of
         four n8 blocks the quad exchanges its bf16 pairs (_quad_transpose) and lane q stores
         block 4G + q as one 16-byte vector."""
         lane = cute.arch.lane_idx()
         q = lane % 4
         quad0 = lane - q
-        for h in cutlass.range_constexpr(2):
-            r, c = coords[2 * h]
+        per_block = cute.size(acc, mode=[0])
+        for hb in cutlass.range_constexpr(2 * cute.size(acc, mode=[1])):
+            h, base = hb % 2, (hb // 2) * per_block
+            r, c = coords[base + 2 * h]
             row = (Int64(e) * self.m + mt * self.tile_m + r) * self.n
             col0 = nt * self.tile_n + c - 2 * q + 8 * q  # column of block q of this lane's group
             for grp in cutlass.range_constexpr(self.tile_n // 32):
@@ -337,8 +379,8 @@ class HopperWgrad:
                 for i in cutlass.range_constexpr(4):
                     j = 4 * grp + i
                     frag = cute.make_rmem_tensor(cute.make_layout(2), Float32)
-                    frag[0] = acc[2 * h + 4 * j]
-                    frag[1] = acc[2 * h + 4 * j + 1]
+                    frag[0] = acc[base + 2 * h + 4 * j]
+                    frag[1] = acc[base + 2 * h + 4 * j + 1]
                     pair = cute.make_rmem_tensor(cute.make_layout(2), BFloat16)
                     pair.store(frag.load().to(BFloat16))
                     packed[i] = cute.recast_tensor(pair, Int32)[0]

@@ -20,7 +20,7 @@ from moe_aot.runtime.wgrad import weight_gradients, weight_gradients_reference  
 from moe_aot.spec import PRESETS, make_spec  # noqa: E402
 from moe_aot.variants import wgrad_kernels  # noqa: E402
 
-_NAME = re.compile(r"moe_wgrad_sm90a_bf16_e(\d+)k(\d+)_r(\d+)c(\d+)_g([ab])_t(\d+)x(\d+)x(\d+)_s(\d+)$")
+_NAME = re.compile(r"moe_wgrad_sm90a_bf16_e(\d+)k(\d+)_r(\d+)c(\d+)_g([ab])_t(\d+)x(\d+)x(\d+)_s(\d+)(pp)?$")
 
 
 def test_wgrad_names_spell_every_constructor_argument():
@@ -33,17 +33,23 @@ def test_wgrad_names_spell_every_constructor_argument():
         assert [kv.role for kv in kvs] == ["wgrad", "wgrad"], model
         for kv, rows, cols, gather in zip(kvs, (2 * spec.intermediate, spec.hidden),
                                           (spec.hidden, spec.intermediate), "ba"):
-            e, k, r, c, g, tm, tn, tk, st = _NAME.fullmatch(kv.name).groups()
+            e, k, r, c, g, tm, tn, tk, st, pp = _NAME.fullmatch(kv.name).groups()
             assert kv.kwargs() == {"num_experts": int(e), "out_rows": int(r), "out_cols": int(c), "top_k": int(k),
                                    "gather": g, "tile_m": int(tm), "tile_n": int(tn), "tile_k": int(tk),
-                                   "stages": int(st)}
+                                   "stages": int(st), **({"pingpong": True} if pp else {})}
             assert (int(r), int(c), g, int(e), int(k)) == (rows, cols, gather, spec.experts, spec.top_k)
-            assert limits.check_wgrad(int(r), int(c), g, int(tm), int(tn), int(tk), int(st))[0]
+            assert limits.check_wgrad(int(r), int(c), g, int(tm), int(tn), int(tk), int(st), "sm_90a", bool(pp))[0]
             names.add(kv.name)
     assert len(names) == 2 * len(PRESETS)
     # gpt-oss's H = I = 2880: no 128-row tile divides dW2's 2880 rows, so its dW2 runs on 64-row tiles
     assert [kv.kwargs()["tile_m"] for kv in wgrad_kernels(make_spec("gpt-oss-120b", target="sm_90a"))] == [128, 64]
     assert wgrad_kernels(make_spec("qwen3-30b-a3b", target="sm_100a")) == []
+    # given tiles (tools/check_wgrad.py --configs): ping-pong spelled "pp", refused tiles in one sentence
+    pp = wgrad_kernels(make_spec("deepseek-v3", target="sm_90a"), {"b": (64, 256, 5, True), "a": (128, 128, 6, True)})
+    assert [kv.name.split("_t")[-1] for kv in pp] == ["64x256x64_s5pp", "128x128x64_s6pp"]
+    assert [kv.kwargs()["pingpong"] for kv in pp] == [True, True]
+    with pytest.raises(ValueError, match="ping-pong tile of 128x256"):
+        wgrad_kernels(make_spec("deepseek-v3", target="sm_90a"), {"b": (128, 256, 4, True)})
     assert wgrad_kernels(make_spec("qwen3-30b-a3b", target="sm_90a", precision="fp8")) == []
 
 
@@ -57,6 +63,7 @@ def test_wgrad_names_spell_every_constructor_argument():
     ((1024, 960, "a", 128, 256, 64, 4), "960 columns"),
     ((1024, 512, "a", 128, 128, 64, 1), "stages 1"),
     ((1024, 512, "b", 128, 256, 64, 5), "shared memory"),
+    ((1024, 512, "b", 128, 256, 64, 4, "sm_90a", True), "ping-pong tile of 128x256"),
 ])
 def test_wgrad_limits_refuse_in_one_sentence(args, words):
     ok, why = limits.check_wgrad(*args)
@@ -114,6 +121,24 @@ def test_wgrad_compiles_to_wgmma_without_local_memory(model, which, tmp_path):
     assert "STG.E.128" in sass
     assert not re.search(r"\b(STL|LDL)\b", sass)
     assert "LOCAL:0" in res and "STACK:0" in res
+
+
+@pytest.mark.parametrize("tiles", [(64, 256, 5, True), (128, 128, 6, True)])
+def test_pingpong_wgrad_compiles_to_one_warpgroups_wgmma(tiles, tmp_path):
+    """Ping-pong dW13 (each consumer warpgroup on a tile of its own): 384 threads (one producer,
+    two consumer warpgroups), the tile's wgmma issued by one warpgroup (a 128-row tile as two
+    64-row blocks), no local memory."""
+    pytest.importorskip("cutlass")
+    from moe_aot.compiler import build_template
+
+    kv = wgrad_kernels(make_spec("deepseek-v3", target="sm_90a"), {"b": tiles, "a": tiles})[0]
+    obj = build_template(kv)
+    assert obj.mma_threads == 256 and obj.stage_threads == 128
+    ptx, sass, res = _sass(obj, tmp_path)
+    hgmma = re.findall(r"HGMMA\.64x(\d+)x16\.F32\.BF16 R\d+, gdesc\[UR\d+\]\.tnspA\.tnspB", sass)
+    assert hgmma and {int(n) for n in hgmma} == {tiles[1]}, hgmma
+    assert len(hgmma) % (4 * tiles[0] // 64) == 0  # 4 k-blocks per k-tile per 64-row block (ptxas may unroll)
+    assert "STG.E.128" in sass and "LOCAL:0" in res and "STACK:0" in res
 
 
 def _operands(M, K, E, H, I, tile_m, gen, only_even=False):
