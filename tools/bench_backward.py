@@ -8,6 +8,7 @@ the backward before templates/hopper_bwd.py) against autograd through the unfuse
 all captured in CUDA graphs and replayed.
 
     python3 tools/bench_backward.py --out DIR [--models a,b] [--tokens 4096,16384] [--replays 20] [--profile]
+                                    [--wgrad]
 
 Per point: the forward alone and forward + backward for both (backward = the difference), their
 ratio, the floor of forward + backward (3x the forward's FLOPs over the bf16 matmul rate measured
@@ -15,7 +16,8 @@ in the run, or 3x the selected experts' weight bytes over 4.8 TB/s), the activat
 saves for the backward (saved_tensors_hooks, the weights not counted) for both, and the relative
 difference between ours and torch's gradients (both bf16). Build the database with
 `moe-aot build --backward` so that the backward finds its compiled GLU kernel and the forward its
-GEMM1s with the pre-activation output.
+GEMM1s with the pre-activation output. --wgrad: also ours with the compiled weight-gradient GEMMs
+(templates/hopper_wgrad.py; autograd.USE_WGRAD_KERNELS on for that path), in the same run.
 Writes DIR/bench_backward_h200.{json,md}.
 """
 from __future__ import annotations
@@ -84,7 +86,7 @@ def _path(name, spec, M, fwd, leaves, grad, replays, weights, profile):
     return {"fwd": t_fwd, "step": t_step, "saved": saved_bytes(fwd, weights)}, sample
 
 
-def point(spec, M, replays, rate, gen, profile=False):
+def point(spec, M, replays, rate, gen, profile=False, wgrad=False):
     """Both paths on the same inputs, one after the other (so that DeepSeek-V3's weights and
     gradients fit beside only one path's)."""
     H, I, E, K = spec.hidden, spec.intermediate, spec.experts, spec.top_k
@@ -115,6 +117,16 @@ def point(spec, M, replays, rate, gen, profile=False):
     finally:
         autograd._fused_gemms = saved_fn
     ours, ours_g = _path("ours", spec, M, ours_fwd, leaves, grad, replays, (w13, w2), profile)
+    wg = wg_g = None
+    if wgrad:
+        saved_flag = autograd.USE_WGRAD_KERNELS
+        autograd.USE_WGRAD_KERNELS = True
+        try:
+            wg_used = autograd._wgrad_kernels(x, ids, w13) is not None
+            wg, wg_g = _path("ours + weight-gradient kernels", spec, M, ours_fwd, leaves, grad, replays, (w13, w2),
+                             profile)
+        finally:
+            autograd.USE_WGRAD_KERNELS = saved_flag
     w13 = b13 = None
     torch.cuda.empty_cache()
     w1.requires_grad_()
@@ -139,6 +151,10 @@ def point(spec, M, replays, rate, gen, profile=False):
            "grad_rel_diff": diffs, "fused_gemms": fused}
     row["step_speedup"] = row["torch_step"] / row["ours_step"]
     row["bwd_speedup"] = row["torch_bwd"] / row["ours_bwd"]
+    if wg is not None:
+        row.update({"wgrad_used": wg_used, "wgrad_step": wg["step"], "wgrad_bwd": wg["step"] - wg["fwd"],
+                    "wgrad_grad_rel_diff": {n: rel_err(a, b.float()) for n, a, b in
+                                            zip(("x", "topk_weights", "w13", "w2"), wg_g, ref_g)}})
     return row
 
 
@@ -149,6 +165,7 @@ def main():
     ap.add_argument("--tokens", default="4096,16384")
     ap.add_argument("--replays", type=int, default=20)
     ap.add_argument("--profile", action="store_true", help="print the kernel table of one step of each path")
+    ap.add_argument("--wgrad", action="store_true", help="also ours with the compiled weight-gradient GEMMs")
     ns = ap.parse_args()
     ns.out.mkdir(parents=True, exist_ok=True)
     rate = matmul_rate()
@@ -157,7 +174,7 @@ def main():
         spec = make_spec(model, target="sm_90a")
         for M in [int(t) for t in ns.tokens.split(",")]:
             t0 = time.perf_counter()
-            r = point(spec, M, ns.replays, rate, gen, ns.profile)
+            r = point(spec, M, ns.replays, rate, gen, ns.profile, ns.wgrad)
             r["model"] = model
             rows.append(r)
             print(f"{model:16s} {M:6d} step ours {r['ours_step']:9.1f} torch-GEMMs {r['recompute_step']:9.1f} "
@@ -168,6 +185,10 @@ def main():
                   f"saved {r['saved_bytes_ours'] / 2**20:.0f} / {r['saved_bytes_torch'] / 2**20:.0f} MiB  "
                   f"diff {max(r['grad_rel_diff'].values()):.1e} "
                   f"[{time.perf_counter() - t0:.0f}s]", flush=True)
+            if "wgrad_step" in r:
+                print(f"{'':16s} {'':6s} with weight-gradient kernels ({r['wgrad_used']}): step {r['wgrad_step']:9.1f} "
+                      f"bwd {r['wgrad_bwd']:9.1f} ({r['torch_bwd'] / r['wgrad_bwd']:.2f}x) "
+                      f"diff {max(r['wgrad_grad_rel_diff'].values()):.1e}", flush=True)
             torch.cuda.empty_cache()
             (ns.out / "bench_backward_h200.json").write_text(json.dumps(
                 {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "device": torch.cuda.get_device_name(),
@@ -193,8 +214,19 @@ def main():
     rc = lambda k: math.exp(sum(math.log(r[f"torch_{k}"] / r[f"recompute_{k}"]) for r in rows) / len(rows))  # noqa: E731
     lines += ["", f"Geometric means: fwd+bwd torch/ours {geo('step_speedup'):.2f}, backward torch/ours "
               f"{geo('bwd_speedup'):.2f}; with the backward's GEMMs all torch's {rc('step'):.2f} and {rc('bwd'):.2f}."]
+    wrows = [r for r in rows if "wgrad_step" in r]
+    if wrows:
+        lines += ["", "With the compiled weight-gradient GEMMs too (same run; µs, torch/ours):", "",
+                  "| model | tokens | kernels found | fwd+bwd | torch/ours | bwd | torch/ours | grad diff |",
+                  "|" + "---|" * 8]
+        for r in wrows:
+            lines.append(f"| {r['model']} | {r['tokens']} | {r['wgrad_used']} | {r['wgrad_step']:.0f} | "
+                         f"{r['torch_step'] / r['wgrad_step']:.2f} | {r['wgrad_bwd']:.0f} | "
+                         f"{r['torch_bwd'] / r['wgrad_bwd']:.2f} | {max(r['wgrad_grad_rel_diff'].values()):.1e} |")
+        g = lambda k: math.exp(sum(math.log(r[f"torch_{k}"] / r[f"wgrad_{k}"]) for r in wrows) / len(wrows))  # noqa: E731
+        lines += ["", f"Geometric means with them: fwd+bwd torch/ours {g('step'):.2f}, backward {g('bwd'):.2f}."]
     (ns.out / "bench_backward_h200.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines[-1:]))
+    print("\n".join(line for line in lines if line.startswith("Geometric")))
 
 
 if __name__ == "__main__":

@@ -17,7 +17,8 @@ beside torch._grouped_mm on the same operands as moe_backward's gmm_k calls it.
 
   --configs: the tile configurations compared side by side on the same operands, ';'-separated:
   "default" (what the build builds) or "b=TMxTNsS[pp],a=TMxTNsS[pp]" (dW13's tiles, dW2's; pp:
-  ping-pong), e.g. "default;b=64x256s6pp,a=64x256s6pp". Default: "default".
+  ping-pong), e.g. "default;b=64x256s5pp,a=64x256s5pp". Default: "default". A configuration
+  a model's sizes do not divide is skipped for that model.
 """
 from __future__ import annotations
 
@@ -59,10 +60,17 @@ def parse_configs(text: str) -> dict:
 
 
 def config_kernels(spec, configs: dict) -> dict:
-    """{config name: [dW13 variant, dW2 variant]} of one model."""
+    """{config name: [dW13 variant, dW2 variant]} of one model; a configuration whose tiles this
+    model's sizes refuse is left out (and said so)."""
     from moe_aot.variants import wgrad_kernels
 
-    return {name: wgrad_kernels(spec, tiles) for name, tiles in configs.items()}
+    out = {}
+    for name, tiles in configs.items():
+        try:
+            out[name] = wgrad_kernels(spec, tiles)
+        except ValueError as exc:
+            print(f"skipped: {exc}", flush=True)
+    return out
 
 
 def compile_db(folder: Path, jobs: int, models, configs: dict) -> int:
