@@ -38,7 +38,10 @@ Persistent, warp-specialized CTAs (one per SM) walk the E x (out_rows / tile_m) 
   schedule (64x256 or 128x128 at most: 128 accumulators per thread). The producer fills the ring
   in schedule order, so one warpgroup's k-tiles follow the other's, and its mainloop runs while
   the other stores; each skips the other's k-tiles (that tile's expert's K, read from the
-  routing) in its stage/phase state. What it is for: the short-K experts of many-expert models
+  routing) in its stage/phase state. The mainloops take turns in schedule order (two named
+  barriers): a warpgroup starts waiting on its tile's stages only after the other has passed
+  all of the previous tile's, since a parity wait more than one phase ahead of the producer
+  passes at once, on a stage not yet filled. What it is for: the short-K experts of many-expert models
   (DeepSeek-V3 at 4096 tokens: ~128 rows, two k-tiles per tile), where storing a tile takes as
   long as computing it.
 
@@ -68,6 +71,7 @@ _LOAD_THREADS = limits.LOAD_THREADS  # the producer warpgroup
 _CHUNK = limits.COPY_ELEMS  # bf16 elements of one 16-byte cp.async / store
 _REGS_LOAD, _REGS_MMA = 40, 232  # setmaxnreg: 40 * 128 + 232 * 256 <= 64K
 _TOK_BARRIER = 1  # named barrier of the producer warpgroup (0 is the CTA's)
+_ORDER_BARRIER = 2  # ping-pong: warpgroup w waits on barrier 2 + w for its turn to run a mainloop
 RASTER_GROUP = 8  # M tiles walked per N tile by consecutive tiles of an expert
 PERSISTENT_CTAS = 132  # one CTA per SM of an H100 SXM / H200
 
@@ -322,6 +326,12 @@ class HopperWgrad:
         for t in range(first, self.tiles, step):
             e, mt, nt = self._tile_of(t)
             _, k_tiles = self._k_range(routing, e)
+            if const_expr(self.pingpong):
+                # mainloops in schedule order: wait until the previous tile's (the other
+                # warpgroup's) has passed all its full barriers, so that this one never waits on a
+                # barrier more than one phase ahead of the producer (parity waits alias there)
+                if t > bid:
+                    cute.arch.barrier(barrier_id=_ORDER_BARRIER + warp_group, number_of_threads=256)
             acc.fill(0.0)
             tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
             cute.nvgpu.warpgroup.fence()
@@ -339,6 +349,9 @@ class HopperWgrad:
                     pipe.consumer_release(release)
                     release.advance()
                 read.advance()
+            if const_expr(self.pingpong):
+                if t + nctas < self.tiles:  # the next tile's mainloop may start
+                    cute.arch.barrier_arrive(barrier_id=_ORDER_BARRIER + 1 - warp_group, number_of_threads=256)
             cute.nvgpu.warpgroup.wait_group(0)
             if k_tiles > 0:
                 pipe.consumer_release(release)

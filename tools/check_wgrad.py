@@ -194,7 +194,10 @@ def run_one(spec, tokens, gen, timed, configs: dict):
     for name, kernels in configs.items():
         dw13.fill_(float("nan"))
         dw2.fill_(float("nan"))
+        t0 = time.time()
         weight_gradients(da, x, d_out, hw, sorted_ids, offsets, counts, K, TILE_M, kernels, dw13, dw2)
+        torch.cuda.synchronize()  # a kernel that never ends shows here, by name
+        print(f"  {name}: first launch done in {time.time() - t0:.2f} s", flush=True)
         err, empty_ok, nan = errors([("dw", (dw13, dw2))])
         again13, again2 = torch.empty_like(dw13), torch.empty_like(dw2)
         weight_gradients(da, x, d_out, hw, sorted_ids, offsets, counts, K, TILE_M, kernels, again13, again2)
