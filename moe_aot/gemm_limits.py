@@ -270,7 +270,7 @@ def check_tiles(n, k, tile_m, tile_n, tile_k, stages, mma, warps_m, warps_n,
 # one consumer warpgroup per 64 rows of the tile. k-tiles of 64 rows: the routing's segments
 # (tile_m 64 or 128) are whole k-tiles.
 WGRAD_GATHER = ("a", "b")
-WGRAD_TILE_M = (64, 128)
+WGRAD_TILE_M = (64, 128, 256)
 WGRAD_TILE_K = 64
 WGRAD_TARGETS = ("sm_90a",)
 
@@ -295,7 +295,7 @@ def check_wgrad(rows, cols, gather, tile_m, tile_n, tile_k=WGRAD_TILE_K, stages=
     if gather not in WGRAD_GATHER:
         return False, f"gather {gather!r} must be 'a' (dW2: dO gathered by token) or 'b' (dW13: x gathered by token)"
     if tile_m not in WGRAD_TILE_M:
-        return False, f"tile_m {tile_m} must be 64 or 128 (one consumer warpgroup per 64 rows)"
+        return False, f"tile_m {tile_m} must be 64, 128 or 256 (one or two consumer warpgroups of 64-row blocks)"
     if tile_n % 64 or not 64 <= tile_n <= 256:
         return False, f"tile_n {tile_n} must be a multiple of 64 in 64..256 (whole 128-byte swizzle atoms)"
     if tile_k != WGRAD_TILE_K:
@@ -306,6 +306,9 @@ def check_wgrad(rows, cols, gather, tile_m, tile_n, tile_k=WGRAD_TILE_K, stages=
         return False, f"the gradient's {cols} columns are not divisible by tile_n {tile_n}"
     if not 2 <= stages <= 8:
         return False, f"stages {stages} must be in 2..8"
+    if tile_m == 256 and (pingpong or tile_n > 128):
+        return False, (f"a 256-row tile is two warpgroups' of 128 rows each: cooperative and at most 128 wide, "
+                       f"not {tile_n}{' ping-pong' if pingpong else ''}")
     if pingpong and tile_m * tile_n > WGRAD_PP_ACC:
         return False, (f"a ping-pong tile of {tile_m}x{tile_n} is one warpgroup's: at most {WGRAD_PP_ACC} "
                        "elements (64x256 or 128x128), 128 fp32 accumulators per thread")
@@ -316,15 +319,19 @@ def check_wgrad(rows, cols, gather, tile_m, tile_n, tile_k=WGRAD_TILE_K, stages=
     return True, ""
 
 
-def wgrad_default_tiles(rows, cols, arch="sm_90a") -> tuple[int, int, int, bool] | None:
-    """(tile_m, tile_n, stages, pingpong) of a weight-gradient GEMM of this size: the tallest, then
-    widest cooperative tile that divides it, with the deepest pipeline that fits; None where none
-    does."""
-    for tile_m in (128, 64):
-        for tile_n in (256, 192, 128, 64):
-            for stages in range(8, 1, -1):
-                if check_wgrad(rows, cols, "b", tile_m, tile_n, WGRAD_TILE_K, stages, arch)[0]:
-                    return tile_m, tile_n, stages, False
+def wgrad_default_tiles(rows, cols, gather="b", arch="sm_90a") -> tuple[int, int, int, bool] | None:
+    """(tile_m, tile_n, stages, pingpong) of a weight-gradient GEMM of this size: cooperative, with
+    the gathered operand on the tile's narrow side where the sizes allow (gathered bytes cost the
+    producer more than TMA'd ones: dW13, x gathered on the N side, in 256x128 tiles; dW2, dO
+    gathered on the M side, in 128x256), else the tallest, widest tile that divides it; the deepest
+    pipeline that fits; None where none does."""
+    shapes = [(tm, tn) for tm in (128, 64) for tn in (256, 192, 128, 64)]
+    if gather == "b":
+        shapes.insert(0, (256, 128))
+    for tile_m, tile_n in shapes:
+        for stages in range(8, 1, -1):
+            if check_wgrad(rows, cols, gather, tile_m, tile_n, WGRAD_TILE_K, stages, arch)[0]:
+                return tile_m, tile_n, stages, False
     return None
 
 

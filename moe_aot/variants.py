@@ -297,9 +297,8 @@ def backward_kernels(spec: LayerSpec) -> list[KernelVariant]:
 
 def wgrad_kernels(spec: LayerSpec, tiles: dict | None = None) -> list[KernelVariant]:
     """The backward's weight-gradient GEMMs (templates/hopper_wgrad.py, role "wgrad"): dW13 =
-    da^T x (x gathered by token) and dW2 = dO^T (w h) (dO gathered), in that order, each at the
-    tallest, widest tile that divides it with the deepest pipeline that fits
-    (gemm_limits.wgrad_default_tiles), or at ``tiles[gather]`` = (tile_m, tile_n, stages, pingpong)
+    da^T x (x gathered by token) and dW2 = dO^T (w h) (dO gathered), in that order, each at its
+    default tiles (gemm_limits.wgrad_default_tiles: the gathered operand on the narrow side), or at ``tiles[gather]`` = (tile_m, tile_n, stages, pingpong)
     where given (tools/check_wgrad.py's alternatives); bf16 layers on the targets with wgmma, else []."""
     if spec.precision != "bf16" or spec.target not in limits.WGRAD_TARGETS:
         return []
@@ -312,7 +311,7 @@ def wgrad_kernels(spec: LayerSpec, tiles: dict | None = None) -> list[KernelVari
             if not ok:
                 raise ValueError(f"{spec.label()}: weight-gradient tiles {tm}x{tn} s{st}: {why}")
         else:
-            found = limits.wgrad_default_tiles(rows, cols, spec.target)
+            found = limits.wgrad_default_tiles(rows, cols, gather, spec.target)
             if found is None:
                 return []
             tm, tn, st, pp = found

@@ -33,8 +33,10 @@ Persistent, warp-specialized CTAs (one per SM) walk the E x (out_rows / tile_m) 
 - the consumers multiply (wgmma, one batch in flight, a stage released the batch after it was
   read) and store the tile from their accumulators, 16 bytes per lane after a quad transpose,
   while the producer already fills the next tile's stages. Cooperative (default): one consumer
-  warpgroup per 64 rows of the tile (tile_m 128: two), so the tensor cores idle while the tile is
-  stored. ``pingpong=True``: two consumer warpgroups, each on every other tile of the CTA's
+  warpgroup per 64 rows of the tile (tile_m 128: two; 256: two, each with two 64-row blocks), so
+  the tensor cores idle while the tile is stored. Gathered bytes cost the producer more than
+  TMA'd ones (NOTES, thirteenth session), so the gathered operand goes on the narrow side: dW13
+  (x gathered) in 256x128 tiles, dW2 (dO gathered) in 128x256. ``pingpong=True``: two consumer warpgroups, each on every other tile of the CTA's
   schedule (64x256 or 128x128 at most: 128 accumulators per thread). The producer fills the ring
   in schedule order, so one warpgroup's k-tiles follow the other's, and its mainloop runs while
   the other stores; each skips the other's k-tiles (that tile's expert's K, read from the
@@ -47,7 +49,8 @@ Persistent, warp-specialized CTAs (one per SM) walk the E x (out_rows / tile_m) 
 
 Constraints (moe_aot/gemm_limits.py ``check_wgrad``, one sentence per refusal):
   * sm_90a; bf16 operands, fp32 accumulation, bf16 out; all tensors row-major, 16-byte aligned.
-  * tile_m 64 or 128, tile_n a multiple of 64 up to 256 (ping-pong: tile_m * tile_n <= 64 * 256),
+  * tile_m 64, 128 or 256, tile_n a multiple of 64 up to 256 (tile_m 256: up to 128, cooperative;
+    ping-pong: tile_m * tile_n <= 64 * 256),
     tile_k 64; out_rows % tile_m == 0,
     out_cols % tile_n == 0; 2 <= stages <= 8, shared memory stages * (tile_m + tile_n) * 128 B
     + 1 KB + barriers.
@@ -99,8 +102,9 @@ class HopperWgrad:
         self.g_passes = -(-tile_k // rows)  # cp.async per thread per k-tile
         self.g_exact = rows * (self.g_tile // _CHUNK) == _LOAD_THREADS and tile_k % rows == 0
         self.pingpong = pingpong
-        # cooperative: one consumer warpgroup per 64 rows of the tile; ping-pong: two, one per tile
-        self.mma_threads = 256 if pingpong else 2 * tile_m
+        # cooperative: one consumer warpgroup per 64 rows of the tile (256 rows: two of 2 x 64 rows);
+        # ping-pong: two, one per tile
+        self.mma_threads = 256 if pingpong else min(2 * tile_m, 256)
         self.stage_threads = 128 if pingpong else self.mma_threads  # consumer threads reading one stage
 
     def fake_arguments(self):
@@ -130,7 +134,8 @@ class HopperWgrad:
 
     def _make_tiled_mma(self):
         mn = LayoutEnum.COL_MAJOR.sm90_mma_major_mode()
-        warpgroups = 1 if self.pingpong else self.tile_m // 64  # ping-pong: one warpgroup, 128-row tiles as 2 blocks
+        # ping-pong: one warpgroup per tile (128 rows as 2 blocks); cooperative: 1-2 (256 rows: 2 blocks each)
+        warpgroups = 1 if self.pingpong else min(self.tile_m // 64, 2)
         return sm90_utils.make_trivial_tiled_mma(BFloat16, BFloat16, mn, mn, Float32, (warpgroups, 1, 1),
                                                  tiler_mn=(64, self.tile_n))
 
