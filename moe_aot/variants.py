@@ -298,8 +298,9 @@ def backward_kernels(spec: LayerSpec) -> list[KernelVariant]:
 def wgrad_kernels(spec: LayerSpec, tiles: dict | None = None) -> list[KernelVariant]:
     """The backward's weight-gradient GEMMs (templates/hopper_wgrad.py, role "wgrad"): dW13 =
     da^T x (x gathered by token) and dW2 = dO^T (w h) (dO gathered), in that order, each at its
-    default tiles (gemm_limits.wgrad_default_tiles: the gathered operand on the narrow side), or at ``tiles[gather]`` = (tile_m, tile_n, stages, pingpong)
-    where given (tools/check_wgrad.py's alternatives); bf16 layers on the targets with wgmma, else []."""
+    default tiles (gemm_limits.wgrad_default_tiles: the gathered operand on the narrow side), or
+    at ``tiles[gather]`` = (tile_m, tile_n, stages, pingpong) where given (tools/check_wgrad.py's
+    alternatives); bf16 layers on the targets with wgmma, else []."""
     if spec.precision != "bf16" or spec.target not in limits.WGRAD_TARGETS:
         return []
     a, e, k, h, i = arch_tag(spec.target), spec.experts, spec.top_k, spec.hidden, spec.intermediate
@@ -323,6 +324,24 @@ def wgrad_kernels(spec: LayerSpec, tiles: dict | None = None) -> list[KernelVari
                      + ("pp" if pp else ""),
             params + ((("pingpong", True),) if pp else ())))
     return out
+
+
+# The compiled weight gradients against torch's grouped GEMMs plus their gathers, in the training
+# step's backward on the H200 (NOTES, thirteenth session, call 4): faster by 5-15% where dW13 runs in
+# the 256-row tiles and experts get few rows (Qwen3-30B, Qwen3-235B and DeepSeek-V3 at 4096 tokens:
+# 128-256 rows each); slower by 6-7% at gpt-oss (dW13 in 128x192 tiles) and Mixtral (1024 rows per
+# expert), and at the kernel level slower at DeepSeek-V3 16384 tokens (512 rows per expert).
+WGRAD_MAX_ROWS_PER_EXPERT = 256
+
+
+def wgrad_preferred(spec: LayerSpec, tokens: int) -> bool:
+    """Whether the backward should use the compiled weight-gradient GEMMs (wgrad_kernels) rather
+    than torch's at this many tokens: dW13 in 256-row tiles and at most WGRAD_MAX_ROWS_PER_EXPERT
+    routed rows per expert on average."""
+    kvs = wgrad_kernels(spec)
+    if not kvs or kvs[0].kwargs()["tile_m"] != 256:
+        return False
+    return tokens * spec.top_k <= WGRAD_MAX_ROWS_PER_EXPERT * spec.experts
 
 
 def training_kernels(spec: LayerSpec, variant: LayerVariant) -> list[KernelVariant]:

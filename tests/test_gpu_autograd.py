@@ -239,7 +239,8 @@ def _chunked_rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
 @pytest.mark.parametrize("tokens", [1, 37, 1000, 4096])
 def test_fused_backward_gemms_match_the_torch_gemm_backward(store, model, tokens, monkeypatch):
     """The compiled data path (routing, dH with the GLU's backward in its epilogue, dX, combine, the
-    weight-gradient GEMMs: `moe-aot build --backward`) against the same backward multiplying with
+    weight-gradient GEMMs, used here wherever built: `moe-aot build --backward`) against the same
+    backward multiplying with
     torch's grouped GEMMs, on the same inputs and kept pre-activations, with the caching
     allocator's free memory filled with NaN first (so a row a kernel leaves unwritten, or a padding
     row read where it must not be, shows): every gradient within 1e-2, dx per row, the gradient of
@@ -257,6 +258,7 @@ def test_fused_backward_gemms_match_the_torch_gemm_backward(store, model, tokens
     grad = torch.randn(tokens, spec.hidden, device=DEV, generator=gen).bfloat16()
     tw, ids = random_routing(tokens, spec, DEV, skew=tokens > 1, generator=gen)
     ids[0, 0] = -1
+    monkeypatch.setattr(ag, "USE_WGRAD_KERNELS", True)  # not only where variants.wgrad_preferred says
     if ag._fused_gemms(x, ids, w13, w2, spec.activation, 16, spec.bias) is None:
         pytest.fail(f"no compiled backward data path for {model} on this GPU (moe-aot build --backward)")
     preact = ag.preact_torch(x, w13, ids, b13)

@@ -64,6 +64,8 @@ def test_wgrad_names_spell_every_constructor_argument():
     ((1024, 512, "a", 128, 128, 64, 1), "stages 1"),
     ((1024, 512, "b", 128, 256, 64, 5), "shared memory"),
     ((1024, 512, "b", 128, 256, 64, 4, "sm_90a", True), "ping-pong tile of 128x256"),
+    ((1024, 512, "b", 256, 256, 64, 2), "256-row tile"),
+    ((1024, 512, "b", 256, 128, 64, 4, "sm_90a", True), "256-row tile"),
 ])
 def test_wgrad_limits_refuse_in_one_sentence(args, words):
     ok, why = limits.check_wgrad(*args)
@@ -73,6 +75,24 @@ def test_wgrad_limits_refuse_in_one_sentence(args, words):
     assert limits.check_wgrad(1024, 512, "b", 128, 256, 64, 4)[0]
     assert limits.wgrad_smem_bytes(128, 256, 64, 4) <= limits.SMEM_CAPACITY["sm_90a"]
     assert limits.wgrad_default_tiles(1000, 512) is None
+
+
+def test_default_tiles_put_the_gathered_operand_on_the_narrow_side():
+    """dW13 (x gathered: the N side) in 256x128 tiles where 2I divides by 256, dW2 (dO gathered:
+    the M side) in 128x256; the compiled weight gradients are preferred only with dW13's 256-row
+    tiles and at most WGRAD_MAX_ROWS_PER_EXPERT rows per expert (what the H200 measured)."""
+    from moe_aot.variants import WGRAD_MAX_ROWS_PER_EXPERT, wgrad_preferred
+
+    tiles = {m: [(kv.kwargs()["tile_m"], kv.kwargs()["tile_n"]) for kv in wgrad_kernels(make_spec(m, target="sm_90a"))]
+             for m in PRESETS}
+    assert tiles["qwen3-30b-a3b"] == tiles["deepseek-v3"] == tiles["mixtral-8x7b"] == [(256, 128), (128, 256)]
+    assert tiles["gpt-oss-120b"] == [(128, 192), (64, 192)]  # 2I = 5760, H = I = 2880
+    assert limits.wgrad_default_tiles(5760, 2880, "b") == (128, 192, 5, False)
+    ds = make_spec("deepseek-v3", target="sm_90a")
+    limit = WGRAD_MAX_ROWS_PER_EXPERT * ds.experts // ds.top_k
+    assert wgrad_preferred(ds, limit) and not wgrad_preferred(ds, limit + 1)
+    assert not wgrad_preferred(make_spec("gpt-oss-120b", target="sm_90a"), 1)
+    assert not wgrad_preferred(make_spec("qwen3-30b-a3b", target="sm_100a"), 1)
 
 
 def test_wgrad_template_refuses_what_the_limits_refuse():

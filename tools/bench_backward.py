@@ -16,8 +16,9 @@ in the run, or 3x the selected experts' weight bytes over 4.8 TB/s), the activat
 saves for the backward (saved_tensors_hooks, the weights not counted) for both, and the relative
 difference between ours and torch's gradients (both bf16). Build the database with
 `moe-aot build --backward` so that the backward finds its compiled GLU kernel and the forward its
-GEMM1s with the pre-activation output. --wgrad: also ours with the compiled weight-gradient GEMMs
-(templates/hopper_wgrad.py; autograd.USE_WGRAD_KERNELS on for that path), in the same run.
+GEMM1s with the pre-activation output. Ours uses the compiled weight-gradient GEMMs
+(templates/hopper_wgrad.py) where variants.wgrad_preferred says; --wgrad: also ours with them
+always and never (autograd.USE_WGRAD_KERNELS True / False), in the same run.
 Writes DIR/bench_backward_h200.{json,md}.
 """
 from __future__ import annotations
@@ -117,14 +118,17 @@ def point(spec, M, replays, rate, gen, profile=False, wgrad=False):
     finally:
         autograd._fused_gemms = saved_fn
     ours, ours_g = _path("ours", spec, M, ours_fwd, leaves, grad, replays, (w13, w2), profile)
-    wg = wg_g = None
+    forced = {}  # ours with the compiled weight gradients always (True) / never (False)
+    auto_used = autograd._wgrad_kernels(x, ids, w13) is not None
     if wgrad:
         saved_flag = autograd.USE_WGRAD_KERNELS
-        autograd.USE_WGRAD_KERNELS = True
         try:
-            wg_used = autograd._wgrad_kernels(x, ids, w13) is not None
-            wg, wg_g = _path("ours + weight-gradient kernels", spec, M, ours_fwd, leaves, grad, replays, (w13, w2),
-                             profile)
+            for flag in (True, False):
+                autograd.USE_WGRAD_KERNELS = flag
+                used = autograd._wgrad_kernels(x, ids, w13) is not None
+                res, g = _path(f"ours, weight-gradient kernels {flag}", spec, M, ours_fwd, leaves, grad, replays,
+                               (w13, w2), profile)
+                forced[flag] = (used, res, g)
         finally:
             autograd.USE_WGRAD_KERNELS = saved_flag
     w13 = b13 = None
@@ -151,10 +155,12 @@ def point(spec, M, replays, rate, gen, profile=False, wgrad=False):
            "grad_rel_diff": diffs, "fused_gemms": fused}
     row["step_speedup"] = row["torch_step"] / row["ours_step"]
     row["bwd_speedup"] = row["torch_bwd"] / row["ours_bwd"]
-    if wg is not None:
-        row.update({"wgrad_used": wg_used, "wgrad_step": wg["step"], "wgrad_bwd": wg["step"] - wg["fwd"],
-                    "wgrad_grad_rel_diff": {n: rel_err(a, b.float()) for n, a, b in
-                                            zip(("x", "topk_weights", "w13", "w2"), wg_g, ref_g)}})
+    row["wgrad_auto"] = auto_used
+    for flag, (used, res, g) in forced.items():
+        key = "wgrad" if flag else "nowgrad"
+        row.update({f"{key}_used": used, f"{key}_step": res["step"], f"{key}_bwd": res["step"] - res["fwd"],
+                    f"{key}_grad_rel_diff": {n: rel_err(a, b.float()) for n, a, b in
+                                             zip(("x", "topk_weights", "w13", "w2"), g, ref_g)}})
     return row
 
 
@@ -186,8 +192,10 @@ def main():
                   f"diff {max(r['grad_rel_diff'].values()):.1e} "
                   f"[{time.perf_counter() - t0:.0f}s]", flush=True)
             if "wgrad_step" in r:
-                print(f"{'':16s} {'':6s} with weight-gradient kernels ({r['wgrad_used']}): step {r['wgrad_step']:9.1f} "
-                      f"bwd {r['wgrad_bwd']:9.1f} ({r['torch_bwd'] / r['wgrad_bwd']:.2f}x) "
+                print(f"{'':16s} {'':6s} weight-gradient kernels used by ours: {r['wgrad_auto']}; always "
+                      f"({r['wgrad_used']}): step {r['wgrad_step']:9.1f} bwd {r['wgrad_bwd']:9.1f} "
+                      f"({r['torch_bwd'] / r['wgrad_bwd']:.2f}x); never: step {r['nowgrad_step']:9.1f} bwd "
+                      f"{r['nowgrad_bwd']:9.1f} ({r['torch_bwd'] / r['nowgrad_bwd']:.2f}x) "
                       f"diff {max(r['wgrad_grad_rel_diff'].values()):.1e}", flush=True)
             torch.cuda.empty_cache()
             (ns.out / "bench_backward_h200.json").write_text(json.dumps(
@@ -216,15 +224,20 @@ def main():
               f"{geo('bwd_speedup'):.2f}; with the backward's GEMMs all torch's {rc('step'):.2f} and {rc('bwd'):.2f}."]
     wrows = [r for r in rows if "wgrad_step" in r]
     if wrows:
-        lines += ["", "With the compiled weight-gradient GEMMs too (same run; µs, torch/ours):", "",
-                  "| model | tokens | kernels found | fwd+bwd | torch/ours | bwd | torch/ours | grad diff |",
-                  "|" + "---|" * 8]
+        lines += ["", "Ours with the compiled weight-gradient GEMMs always and never (same run; µs, torch/ours; "
+                  "'ours uses': what variants.wgrad_preferred chose for the columns above):", "",
+                  "| model | tokens | ours uses | always: fwd+bwd | torch/ours | bwd | torch/ours | never: fwd+bwd "
+                  "| torch/ours | bwd | torch/ours | grad diff |",
+                  "|" + "---|" * 12]
         for r in wrows:
-            lines.append(f"| {r['model']} | {r['tokens']} | {r['wgrad_used']} | {r['wgrad_step']:.0f} | "
+            lines.append(f"| {r['model']} | {r['tokens']} | {r['wgrad_auto']} | {r['wgrad_step']:.0f} | "
                          f"{r['torch_step'] / r['wgrad_step']:.2f} | {r['wgrad_bwd']:.0f} | "
-                         f"{r['torch_bwd'] / r['wgrad_bwd']:.2f} | {max(r['wgrad_grad_rel_diff'].values()):.1e} |")
-        g = lambda k: math.exp(sum(math.log(r[f"torch_{k}"] / r[f"wgrad_{k}"]) for r in wrows) / len(wrows))  # noqa: E731
-        lines += ["", f"Geometric means with them: fwd+bwd torch/ours {g('step'):.2f}, backward {g('bwd'):.2f}."]
+                         f"{r['torch_bwd'] / r['wgrad_bwd']:.2f} | {r['nowgrad_step']:.0f} | "
+                         f"{r['torch_step'] / r['nowgrad_step']:.2f} | {r['nowgrad_bwd']:.0f} | "
+                         f"{r['torch_bwd'] / r['nowgrad_bwd']:.2f} | {max(r['wgrad_grad_rel_diff'].values()):.1e} |")
+        g = lambda k, p: math.exp(sum(math.log(r[f"torch_{k}"] / r[f"{p}_{k}"]) for r in wrows) / len(wrows))  # noqa: E731
+        lines += ["", f"Geometric means: always fwd+bwd {g('step', 'wgrad'):.2f}, backward {g('bwd', 'wgrad'):.2f}; "
+                  f"never {g('step', 'nowgrad'):.2f}, {g('bwd', 'nowgrad'):.2f}."]
     (ns.out / "bench_backward_h200.md").write_text("\n".join(lines) + "\n")
     print("\n".join(line for line in lines if line.startswith("Geometric")))
 

@@ -26,6 +26,7 @@ For a routed pair p = (m, k) with expert e, a = x_m W13_e^T (+ b13_e) holds gate
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -192,21 +193,36 @@ def _fused_gemms(x, topk_ids, w13, w2, activation, block, bias):
     return backward_gemms(E, topk_ids.shape[1], H, I2 // 2, activation, bias, x.device)
 
 
-# The compiled weight-gradient GEMMs (templates/hopper_wgrad.py) measured 1.08-1.26x slower than
-# torch's grouped GEMMs on the same products at 4096 tokens on the H200 (0.98-1.29x counting torch's
-# gathers; tools/check_wgrad.py, NOTES, twelfth session): the backward keeps torch's until they win.
-USE_WGRAD_KERNELS = False
+# The compiled weight-gradient GEMMs (templates/hopper_wgrad.py): None (default) uses them where
+# variants.wgrad_preferred says they measured faster than torch's grouped GEMMs; True always, False
+# never (tools/bench_backward.py --wgrad measures both).
+USE_WGRAD_KERNELS: bool | None = None
 
 
 def _wgrad_kernels(x, topk_ids, w13):
     """The compiled weight-gradient GEMMs of this layer shape (runtime.wgrad) where they are used
     (USE_WGRAD_KERNELS) and the database has them, else None (torch's grouped GEMMs)."""
-    if not (USE_WGRAD_KERNELS and x.is_cuda):
+    if USE_WGRAD_KERNELS is False or not x.is_cuda:
         return None
     from ..runtime.wgrad import wgrad_kernels_for
 
     E, I2, H = w13.shape
-    return wgrad_kernels_for(E, topk_ids.shape[1], H, I2 // 2, x.device)
+    M, K = topk_ids.shape
+    if USE_WGRAD_KERNELS is None:
+        from ..runtime.layer import device_target
+
+        if not _wgrad_preferred(E, K, H, I2 // 2, device_target(x.device), M):
+            return None
+    return wgrad_kernels_for(E, K, H, I2 // 2, x.device)
+
+
+@functools.lru_cache(maxsize=256)
+def _wgrad_preferred(experts, top_k, hidden, intermediate, target, tokens) -> bool:
+    from ..spec import make_spec
+    from ..variants import wgrad_preferred
+
+    spec = make_spec(experts=experts, top_k=top_k, hidden=hidden, intermediate=intermediate, target=target)
+    return wgrad_preferred(spec, tokens)
 
 
 def moe_backward_fused(kern, grad_out, x, w13, w2, topk_weights, topk_ids, activation, b13=None, b2=None,
@@ -223,7 +239,7 @@ def moe_backward_fused(kern, grad_out, x, w13, w2, topk_weights, topk_ids, activ
     - the weight gradients: torch's grouped GEMMs over the padded segments on gathered copies
       (padding rows of da and w h are zeros, those of the gathered x and dO rows too), or the
       compiled variable-K GEMMs (templates/hopper_wgrad.py, x and dO gathered in their producers)
-      with USE_WGRAD_KERNELS (measured slower so far).
+      where they measured faster (USE_WGRAD_KERNELS, variants.wgrad_preferred).
     Without ``preact`` the pre-activations are computed first (preact_torch)."""
     M, K = topk_ids.shape
     E, I2, H = w13.shape
