@@ -241,6 +241,9 @@ def main():
                     help="arguments for tools/gemm_peers.py ('' for defaults): our GEMMs beside torch's grouped GEMMs")
     ap.add_argument("--profile-layer", default=None, metavar="POINTS",
                     help="ncu over one forward of the served layer per point, e.g. 'qwen3-30b-a3b:1,mixtral-8x7b:256'")
+    ap.add_argument("--profile-train", metavar="POINTS",
+                    help="ncu over one training step (fused_moe_train and its backward) per point, e.g. "
+                         "'qwen3-30b-a3b:4096'")
     ap.add_argument("--bench-fp8", default=None, help="arguments for tools/bench_fp8.py ('' for defaults)")
     ap.add_argument("--check-backward", default=None, metavar="ARGS",
                     help="arguments for tools/check_backward.py (its --db and --out are given)")
@@ -393,17 +396,19 @@ def main():
         summary["gemm_peers"] = {"rc": rc, "seconds": round(secs, 1)}
         print(log[-6000:], flush=True)
 
-    if ns.profile_layer:
+    for tag, points, flags in (("layer", ns.profile_layer, []), ("train", ns.profile_train, ["--train"])):
+        if not points:
+            continue
         cmd = ["ncu", "--clock-control", "none", "--nvtx", "--nvtx-include", "regex:prof_.*/", "--csv",
                "--page", "details", *[a for sec in NCU_SECTIONS for a in ("--section", sec)],
-               "--metrics", ",".join(NCU_METRICS), "--log-file", str(out / "ncu_layer.csv"),
-               sys.executable, "tools/profile_layer.py", *ns.profile_layer.split(",")]
-        rc, log, secs = sh(cmd, log=out / "ncu_layer.log", env=env, timeout=400)
-        summary["profile_layer"] = {"rc": rc, "seconds": round(secs, 1)}
-        print("ncu layer", rc, log[-1500:], flush=True)
+               "--metrics", ",".join(NCU_METRICS), "--log-file", str(out / f"ncu_{tag}.csv"),
+               sys.executable, "tools/profile_layer.py", *flags, *points.split(",")]
+        rc, log, secs = sh(cmd, log=out / f"ncu_{tag}.log", env=env, timeout=400)
+        summary[f"profile_{tag}"] = {"rc": rc, "seconds": round(secs, 1)}
+        print(f"ncu {tag}", rc, log[-1500:], flush=True)
         if rc == 0:
-            rc, log, _ = sh([sys.executable, "tools/ncu_summary.py", str(out / "ncu_layer.csv")], env=env)
-            (out / "ncu_layer_summary.txt").write_text(log)
+            rc, log, _ = sh([sys.executable, "tools/ncu_summary.py", str(out / f"ncu_{tag}.csv")], env=env)
+            (out / f"ncu_{tag}_summary.txt").write_text(log)
             print(log[-6000:], flush=True)
 
     if ns.gemm_check is not None and not ns.skip_check:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import csv
 import io
+import re
 import sys
 
 WANT = ["Duration", "SM Frequency", "Compute (SM) Throughput", "L2 Cache Throughput", "DRAM Throughput",
@@ -26,7 +27,7 @@ def load(path: str) -> dict:
     kernels = collections.OrderedDict()
     for r in rows:
         k = kernels.setdefault(r["ID"], {"nvtx": r[nvtx], "grid": r["Grid Size"], "block": r["Block Size"],
-                                         "metrics": {}})
+                                         "name": r.get("Kernel Name", ""), "metrics": {}})
         k["metrics"][r["Metric Name"]] = (r["Metric Value"], r["Metric Unit"])
     return kernels
 
@@ -36,7 +37,10 @@ def main(paths) -> None:
         for kid, k in load(path).items():
             m = k["metrics"]
             rng = k["nvtx"][k["nvtx"].find("prof_"):].split(":")[0] if "prof_" in k["nvtx"] else k["nvtx"][:48]
-            print(kid, rng, k["grid"], k["block"])
+            name = k["name"]  # the template's class, from the DSL's mangled kernel name
+            found = re.search(r"(Hopper[A-Za-z0-9]+|Moe[A-Z][A-Za-z0-9]+)", name)
+            short = found.group(1) if found else name[:40]
+            print(kid, rng, k["grid"], k["block"], short)
             print("   ", "; ".join(f"{name}={m[name][0]}{m[name][1]}" for name in WANT if name in m))
             stalls = {n[len(STALL):].replace("_per_issue_active.ratio", ""): float(v[0])
                       for n, v in m.items() if n.startswith(STALL)}

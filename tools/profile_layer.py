@@ -3,10 +3,12 @@
 Nsight Compute to read the counters of exactly those kernels (not a test, not a timing).
 
     ncu --clock-control none --nvtx --nvtx-include 'regex:prof_.*/' --csv --page details \\
-        --section SpeedOfLight ... python3 tools/profile_layer.py qwen3-30b-a3b:1 mixtral-8x7b:256
+        --section SpeedOfLight ... python3 tools/profile_layer.py [--train] qwen3-30b-a3b:1 mixtral-8x7b:256
 
 Each point runs two untimed forwards first (library loads, workspace), then the profiled one.
-`python3 tools/ncu_summary.py FILE.csv` reads the result. tools/gpu_run.py --profile-layer runs it.
+--train: a training step instead (fused_moe_train forward and its backward: the backward's dH, dX
+and weight-gradient kernels, `moe-aot build --backward`). `python3 tools/ncu_summary.py FILE.csv`
+reads the result. tools/gpu_run.py --profile-layer / --profile-train runs it.
 """
 from __future__ import annotations
 
@@ -23,7 +25,47 @@ from moe_aot.runtime.store import KernelStore  # noqa: E402
 from moe_aot.spec import make_spec  # noqa: E402
 
 
+def train_steps(points: list[str]) -> None:
+    """Per point: two untimed training steps, then one inside the NVTX range."""
+    from moe_aot.harness.verify import random_routing
+    from moe_aot.integrations import op  # noqa: F401  (registers torch.ops.moe_aot)
+    from moe_aot.integrations.functional import prepare_fused_gate_up
+
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(0)
+    for p in points:
+        model, _, tokens = p.partition(":")
+        spec, M = make_spec(model, target="sm_90a"), int(tokens)
+        H, I, E = spec.hidden, spec.intermediate, spec.experts
+        w13 = prepare_fused_gate_up((torch.randn(E, 2 * I, H, device=dev, generator=gen) * H ** -0.5).bfloat16())
+        w2 = (torch.randn(E, H, I, device=dev, generator=gen) * I ** -0.5).bfloat16()
+        x = torch.randn(M, H, device=dev, generator=gen).bfloat16()
+        tw, ids = random_routing(M, spec, dev, generator=gen)
+        grad = torch.randn(M, H, device=dev, generator=gen).bfloat16()
+        leaves = [t.requires_grad_() for t in (x, w13, w2, tw)]
+        extra = ()
+        if spec.bias:
+            extra = tuple(torch.zeros(E, n, device=dev, dtype=torch.bfloat16, requires_grad=True)
+                          for n in (2 * I, H))
+
+        def step():
+            y = torch.ops.moe_aot.fused_moe_train(x, w13, w2, tw, ids, spec.activation, *extra)[0]
+            return torch.autograd.grad(y, leaves, grad)
+
+        for _ in range(2):
+            step()
+        torch.cuda.synchronize()
+        torch.cuda.nvtx.range_push(f"prof_{model}_{M}_train")
+        step()
+        torch.cuda.nvtx.range_pop()
+        torch.cuda.synchronize()
+        print(model, M, "training step", flush=True)
+        torch.cuda.empty_cache()
+
+
 def main(points: list[str]) -> None:
+    if points and points[0] == "--train":
+        return train_steps(points[1:])
     store = KernelStore()
     by_model: dict[str, list[int]] = {}
     for p in points:
