@@ -275,18 +275,23 @@ WGRAD_TILE_K = 64
 WGRAD_TARGETS = ("sm_90a",)
 
 
-def wgrad_smem_bytes(tile_m, tile_n, tile_k, stages) -> int:
+WGRAD_EPI_TILE = (128, 32)  # tma_store: the epilogue's subtile (rows, columns) in shared memory
+WGRAD_EPI_STAGES = 2  # tma_store: subtile buffers in flight
+
+
+def wgrad_smem_bytes(tile_m, tile_n, tile_k, stages, tma_store=False) -> int:
     """Dynamic shared memory of one weight-gradient CTA: the A/B stages, a full and an empty
-    mbarrier per stage, the gathered rows' tokens of each stage (int32 per k row), and the
-    allocator's alignment slack."""
-    return stages * (tile_m + tile_n) * tile_k * 2 + 16 * stages + 4 * tile_k * stages + 1024
+    mbarrier per stage, the gathered rows' tokens of each stage (int32 per k row), the epilogue's
+    subtile buffers (tma_store), and the allocator's alignment slack."""
+    epi = WGRAD_EPI_STAGES * WGRAD_EPI_TILE[0] * WGRAD_EPI_TILE[1] * 2 + 1024 if tma_store else 0
+    return stages * (tile_m + tile_n) * tile_k * 2 + 16 * stages + 4 * tile_k * stages + 1024 + epi
 
 
 WGRAD_PP_ACC = 64 * 256  # ping-pong: one warpgroup's tile (128 fp32 accumulators per thread) at most
 
 
 def check_wgrad(rows, cols, gather, tile_m, tile_n, tile_k=WGRAD_TILE_K, stages=4, arch="sm_90a",
-                pingpong=False) -> tuple[bool, str]:
+                pingpong=False, tma_store=False) -> tuple[bool, str]:
     """(ok, reason) of a weight-gradient GEMM writing [rows, cols] per expert (dW13: 2I x H,
     gather "b"; dW2: H x I, gather "a") with these tiles on `arch`; ``pingpong``: each of the two
     consumer warpgroups multiplies and stores a whole tile of its own."""
@@ -309,18 +314,22 @@ def check_wgrad(rows, cols, gather, tile_m, tile_n, tile_k=WGRAD_TILE_K, stages=
     if tile_m == 256 and (pingpong or tile_n > 128):
         return False, (f"a 256-row tile is two warpgroups' of 128 rows each: cooperative and at most 128 wide, "
                        f"not {tile_n}{' ping-pong' if pingpong else ''}")
+    if tma_store and (pingpong or tile_m < WGRAD_EPI_TILE[0] or tile_n % WGRAD_EPI_TILE[1]):
+        return False, (f"the TMA-store epilogue needs cooperative tiles of >= {WGRAD_EPI_TILE[0]} rows and a "
+                       f"multiple of {WGRAD_EPI_TILE[1]} columns, not {tile_m}x{tile_n}"
+                       f"{' ping-pong' if pingpong else ''}")
     if pingpong and tile_m * tile_n > WGRAD_PP_ACC:
         return False, (f"a ping-pong tile of {tile_m}x{tile_n} is one warpgroup's: at most {WGRAD_PP_ACC} "
                        "elements (64x256 or 128x128), 128 fp32 accumulators per thread")
-    need, cap = wgrad_smem_bytes(tile_m, tile_n, tile_k, stages), SMEM_CAPACITY[arch]
+    need, cap = wgrad_smem_bytes(tile_m, tile_n, tile_k, stages, tma_store), SMEM_CAPACITY[arch]
     if need > cap:
         return False, (f"{stages} stages of {tile_m}x{tile_n}x{tile_k} tiles need {need} B of shared memory, "
                        f"{arch} allows {cap}")
     return True, ""
 
 
-def wgrad_default_tiles(rows, cols, gather="b", arch="sm_90a") -> tuple[int, int, int, bool] | None:
-    """(tile_m, tile_n, stages, pingpong) of a weight-gradient GEMM of this size: cooperative, with
+def wgrad_default_tiles(rows, cols, gather="b", arch="sm_90a") -> tuple[int, int, int, bool, bool] | None:
+    """(tile_m, tile_n, stages, pingpong, tma_store) of a weight-gradient GEMM of this size: cooperative, with
     the gathered operand on the tile's narrow side where the sizes allow (gathered bytes cost the
     producer more than TMA'd ones: dW13, x gathered on the N side, in 256x128 tiles; dW2, dO
     gathered on the M side, in 128x256), else the tallest, widest tile that divides it; the deepest
@@ -331,7 +340,7 @@ def wgrad_default_tiles(rows, cols, gather="b", arch="sm_90a") -> tuple[int, int
     for tile_m, tile_n in shapes:
         for stages in range(8, 1, -1):
             if check_wgrad(rows, cols, gather, tile_m, tile_n, WGRAD_TILE_K, stages, arch)[0]:
-                return tile_m, tile_n, stages, False
+                return tile_m, tile_n, stages, False, False
     return None
 
 

@@ -299,7 +299,7 @@ def wgrad_kernels(spec: LayerSpec, tiles: dict | None = None) -> list[KernelVari
     """The backward's weight-gradient GEMMs (templates/hopper_wgrad.py, role "wgrad"): dW13 =
     da^T x (x gathered by token) and dW2 = dO^T (w h) (dO gathered), in that order, each at its
     default tiles (gemm_limits.wgrad_default_tiles: the gathered operand on the narrow side), or
-    at ``tiles[gather]`` = (tile_m, tile_n, stages, pingpong) where given (tools/check_wgrad.py's
+    at ``tiles[gather]`` = (tile_m, tile_n, stages, pingpong[, tma_store]) where given (tools/check_wgrad.py's
     alternatives); bf16 layers on the targets with wgmma, else []."""
     if spec.precision != "bf16" or spec.target not in limits.WGRAD_TARGETS:
         return []
@@ -307,22 +307,22 @@ def wgrad_kernels(spec: LayerSpec, tiles: dict | None = None) -> list[KernelVari
     out = []
     for rows, cols, gather in ((2 * i, h, "b"), (h, i, "a")):
         if tiles and gather in tiles:
-            tm, tn, st, pp = tiles[gather]
-            ok, why = limits.check_wgrad(rows, cols, gather, tm, tn, limits.WGRAD_TILE_K, st, spec.target, pp)
+            tm, tn, st, pp, ts = (tuple(tiles[gather]) + (False,))[:5]
+            ok, why = limits.check_wgrad(rows, cols, gather, tm, tn, limits.WGRAD_TILE_K, st, spec.target, pp, ts)
             if not ok:
                 raise ValueError(f"{spec.label()}: weight-gradient tiles {tm}x{tn} s{st}: {why}")
         else:
             found = limits.wgrad_default_tiles(rows, cols, gather, spec.target)
             if found is None:
                 return []
-            tm, tn, st, pp = found
+            tm, tn, st, pp, ts = found
         tk = limits.WGRAD_TILE_K
         params = (("num_experts", e), ("out_rows", rows), ("out_cols", cols), ("top_k", k), ("gather", gather),
                   ("tile_m", tm), ("tile_n", tn), ("tile_k", tk), ("stages", st))
         out.append(KernelVariant(
             "wgrad", f"moe_wgrad_{a}_{spec.precision_tag}_e{e}k{k}_r{rows}c{cols}_g{gather}_t{tm}x{tn}x{tk}_s{st}"
-                     + ("pp" if pp else ""),
-            params + ((("pingpong", True),) if pp else ())))
+                     + ("pp" if pp else "") + ("ts" if ts else ""),
+            params + ((("pingpong", True),) if pp else ()) + ((("tma_store", True),) if ts else ())))
     return out
 
 

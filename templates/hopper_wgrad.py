@@ -36,7 +36,11 @@ Persistent, warp-specialized CTAs (one per SM) walk the E x (out_rows / tile_m) 
   warpgroup per 64 rows of the tile (tile_m 128: two; 256: two, each with two 64-row blocks), so
   the tensor cores idle while the tile is stored. Gathered bytes cost the producer more than
   TMA'd ones (NOTES, thirteenth session), so the gathered operand goes on the narrow side: dW13
-  (x gathered) in 256x128 tiles, dW2 (dO gathered) in 128x256. ``pingpong=True``: two consumer warpgroups, each on every other tile of the CTA's
+  (x gathered) in 256x128 tiles, dW2 (dO gathered) in 128x256. ``tma_store=True`` (cooperative,
+  >= 128 rows): the tile leaves through shared memory instead, in (128, 32) subtiles written by
+  stmatrix and stored by TMA, two buffers in flight (the register epilogue's quad shuffles and
+  16-byte stores are most of the consumers' instructions when K is short).
+  ``pingpong=True``: two consumer warpgroups, each on every other tile of the CTA's
   schedule (64x256 or 128x128 at most: 128 accumulators per thread). The producer fills the ring
   in schedule order, so one warpgroup's k-tiles follow the other's, and its mainloop runs while
   the other stores; each skips the other's k-tiles (that tile's expert's K, read from the
@@ -75,6 +79,7 @@ _CHUNK = limits.COPY_ELEMS  # bf16 elements of one 16-byte cp.async / store
 _REGS_LOAD, _REGS_MMA = 40, 232  # setmaxnreg: 40 * 128 + 232 * 256 <= 64K
 _TOK_BARRIER = 1  # named barrier of the producer warpgroup (0 is the CTA's)
 _ORDER_BARRIER = 2  # ping-pong: warpgroup w waits on barrier 2 + w for its turn to run a mainloop
+_EPI_BARRIER = 4  # tma_store: the consumers' barrier around each epilogue subtile
 RASTER_GROUP = 8  # M tiles walked per N tile by consecutive tiles of an expert
 PERSISTENT_CTAS = 132  # one CTA per SM of an H100 SXM / H200
 
@@ -82,9 +87,9 @@ PERSISTENT_CTAS = 132  # one CTA per SM of an H100 SXM / H200
 class HopperWgrad:
     def __init__(self, num_experts: int, out_rows: int, out_cols: int, top_k: int, gather: str = "b",
                  tile_m: int = 128, tile_n: int = 128, tile_k: int = limits.WGRAD_TILE_K, stages: int = 4,
-                 ctas: int = PERSISTENT_CTAS, pingpong: bool = False):
+                 ctas: int = PERSISTENT_CTAS, pingpong: bool = False, tma_store: bool = False):
         ok, reason = limits.check_wgrad(out_rows, out_cols, gather, tile_m, tile_n, tile_k, stages, "sm_90a",
-                                        pingpong)
+                                        pingpong, tma_store)
         if ok and (num_experts < 1 or top_k < 1 or ctas < 1):
             ok, reason = False, f"num_experts {num_experts}, top_k {top_k} and ctas {ctas} must be >= 1"
         if not ok:
@@ -101,7 +106,7 @@ class HopperWgrad:
         rows = _LOAD_THREADS // (self.g_tile // _CHUNK)  # gathered rows per pass of the producers
         self.g_passes = -(-tile_k // rows)  # cp.async per thread per k-tile
         self.g_exact = rows * (self.g_tile // _CHUNK) == _LOAD_THREADS and tile_k % rows == 0
-        self.pingpong = pingpong
+        self.pingpong, self.tma_store = pingpong, tma_store
         # cooperative: one consumer warpgroup per 64 rows of the tile (256 rows: two of 2 x 64 rows);
         # ping-pong: two, one per tile
         self.mma_threads = 256 if pingpong else min(2 * tile_m, 256)
@@ -154,15 +159,46 @@ class HopperWgrad:
             cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), mT, cute.slice_(layout, (None, None, 0)),
             (self.c_tile, self.tile_k))
         grid = min(self.tiles, self.ctas)
-        self.kernel(tma, mTt, gathered, sorted_ids, expert_offsets, expert_counts, out).launch(
-            grid=[grid, 1, 1], block=[_LOAD_THREADS + self.mma_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
+        launch = dict(grid=[grid, 1, 1], block=[_LOAD_THREADS + self.mma_threads, 1, 1], stream=stream,
+                      min_blocks_per_mp=1)
+        if const_expr(self.tma_store):
+            # out as one [E * rows, cols] matrix, stored by TMA from (128, 32) subtiles
+            out2d = cute.make_tensor(out.iterator, cute.make_layout((self.num_experts * self.m, self.n),
+                                                                    stride=(self.n, 1)))
+            tma_c, mOutT = cute.nvgpu.cpasync.make_tiled_tma_atom(
+                cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(), out2d,
+                cute.slice_(self._epi_layout(), (None, None, 0)), limits.WGRAD_EPI_TILE)
+            self.kernel_ts(tma, mTt, gathered, sorted_ids, expert_offsets, expert_counts, tma_c, mOutT).launch(
+                **launch)
+        else:
+            self.kernel(tma, mTt, gathered, sorted_ids, expert_offsets, expert_counts, out).launch(**launch)
+
+    def _epi_layout(self):
+        """tma_store: the staged shared-memory layout of the epilogue's row-major subtiles."""
+        return sm90_utils.make_smem_layout_epi(BFloat16, LayoutEnum.ROW_MAJOR, limits.WGRAD_EPI_TILE,
+                                               limits.WGRAD_EPI_STAGES)
 
     # ------------------------------------------------------------------ device side
     @cute.kernel
     def kernel(self, tma: cute.CopyAtom, mTt: cute.Tensor, mG: cute.Tensor, mIds: cute.Tensor,
                mOffs: cute.Tensor, mCounts: cute.Tensor, mOut: cute.Tensor):
+        self._body(tma, mTt, mG, mIds, mOffs, mCounts, (mOut,))
+
+    @cute.kernel
+    def kernel_ts(self, tma: cute.CopyAtom, mTt: cute.Tensor, mG: cute.Tensor, mIds: cute.Tensor,
+                  mOffs: cute.Tensor, mCounts: cute.Tensor, tma_c: cute.CopyAtom, mOutT: cute.Tensor):
+        self._body(tma, mTt, mG, mIds, mOffs, mCounts, (tma_c, mOutT))
+
+    @cute.jit
+    def _body(self, tma, mTt, mG, mIds, mOffs, mCounts, epi):
+        """epi: (out,) for the register epilogue, (TMA store atom, out's TMA view) for tma_store."""
         tidx, _, _ = cute.arch.thread_idx()
         sA, sB, sTok = self._smem_tensors()
+        sC = None
+        if const_expr(self.tma_store):
+            el = self._epi_layout()
+            buf = cutlass.memory.SmemAllocator().allocate(cute.cosize(el.outer) * 2, byte_alignment=1024)
+            sC = cute.make_tensor(cute.recast_ptr(buf, el.inner, BFloat16), el.outer)
         pipe = self._make_pipeline()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp < _LOAD_THREADS // 32:
@@ -172,7 +208,7 @@ class HopperWgrad:
         else:
             if const_expr(self.mma_threads == 256):
                 cute.arch.setmaxregister_increase(_REGS_MMA)
-            self._consume(tidx - _LOAD_THREADS, pipe, sA, sB, (mOffs, mCounts), mOut)
+            self._consume(tidx - _LOAD_THREADS, pipe, sA, sB, (mOffs, mCounts), epi, sC)
 
     @cute.jit
     def _smem_tensors(self):
@@ -303,7 +339,7 @@ class HopperWgrad:
         return cute.make_tensor(base, cute.make_layout(((_CHUNK, 1),), stride=((1, 0),)))
 
     @cute.jit
-    def _consume(self, ctid, pipe, sA, sB, routing, mOut):
+    def _consume(self, ctid, pipe, sA, sB, routing, epi, sC):
         tiled_mma = self._make_tiled_mma()
         warp_group = cute.arch.make_warp_uniform(ctid // 128)
         if const_expr(self.pingpong):
@@ -321,6 +357,9 @@ class HopperWgrad:
         release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         bid, _, _ = cute.arch.block_idx()
         nctas, _, _ = cute.arch.grid_dim()
+        ts = None
+        if const_expr(self.tma_store):
+            ts = self._tma_store_setup(ctid, tiled_mma, acc, sC)
         first, step = bid, nctas
         if const_expr(self.pingpong):
             # warpgroup 1 takes the schedule's odd tiles: it starts past the first tile's k-tiles
@@ -366,7 +405,64 @@ class HopperWgrad:
                 skip = self._k_tiles_of(routing, t + nctas)
                 read.advance(skip)
                 release.advance(skip)
-            self._store(acc, coords, mOut, e, mt, nt)
+            if const_expr(self.tma_store):
+                self._store_tma(ctid, acc, ts, sC, epi, e, mt, nt)
+            else:
+                self._store(acc, coords, epi[0], e, mt, nt)
+        if const_expr(self.tma_store):
+            ts[-1].producer_tail()  # the last subtiles' TMA stores have read their buffers
+
+    @cute.jit
+    def _tma_store_setup(self, ctid, tiled_mma, acc, sC):
+        """tma_store: the register -> shared copy (stmatrix) of the accumulators in (128, 32)
+        subtiles, and the pipeline that bounds the TMA stores in flight."""
+        r2s = cute.make_tiled_copy_S(
+            sm90_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, BFloat16, Float32),
+            cute.make_tiled_copy_C_atom(
+                cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), BFloat16), tiled_mma))
+        thr = r2s.get_slice(ctid)
+        tRS_sD = thr.partition_D(sC)
+        tRS_rAcc = r2s.retile(acc)
+        rd_shape = cute.make_layout(cute.shape(thr.partition_S(sC))[:3]).shape
+        store_pipe = pipeline.PipelineTmaStore.create(
+            num_stages=limits.WGRAD_EPI_STAGES,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.mma_threads))
+        return r2s, tRS_sD, tRS_rAcc, rd_shape, store_pipe
+
+    @cute.jit
+    def _store_tma(self, ctid, acc, ts, sC, epi, e, mt, nt):
+        """tma_store: per (128, 32) subtile, the consumers convert their accumulators to bf16 and
+        stmatrix them into one of the subtile buffers; after a barrier, consumer warp 0 stores it
+        by TMA and waits until the older buffer's store has read it (PipelineTmaStore), and a
+        second barrier hands that buffer back."""
+        r2s, tRS_sD, tRS_rAcc, rd_shape, store_pipe = ts
+        tma_c, mOutT = epi
+        epi_m, epi_n = limits.WGRAD_EPI_TILE
+        gC = cute.local_tile(mOutT, (self.tile_m, self.tile_n), (e * self.m_tiles + mt, nt))
+        gSub = cute.zipped_divide(gC, limits.WGRAD_EPI_TILE)
+        bSG_sD, bSG_gD = cute.nvgpu.cpasync.tma_partition(
+            tma_c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2), gSub)
+        n_subs = self.tile_n // epi_n
+        subs = (self.tile_m // epi_m) * n_subs
+        rD = cute.make_rmem_tensor(rd_shape, Float32)
+        rD_out = cute.make_rmem_tensor(rd_shape, BFloat16)
+        n_rd = cute.size(rD)
+        for sub in cutlass.range_constexpr(subs):
+            for v in cutlass.range_constexpr(n_rd):
+                rD[v] = tRS_rAcc[sub * n_rd + v]
+            rD_out.store(rD.load().to(BFloat16))
+            buf = sub % limits.WGRAD_EPI_STAGES
+            cute.copy(r2s, rD_out, tRS_sD[(None, None, None, buf)])
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.barrier(barrier_id=_EPI_BARRIER, number_of_threads=self.mma_threads)
+            if ctid < 32:
+                # the retiled accumulators ((8, tile_n / 16), row blocks, 1) run over a 128-row
+                # block's columns first: subtile `sub` is column block sub % n_subs of row block
+                # sub // n_subs
+                cute.copy(tma_c, bSG_sD[(None, buf)], bSG_gD[(None, (sub // n_subs, sub % n_subs))])
+                store_pipe.producer_commit()
+                store_pipe.producer_acquire()
+            cute.arch.barrier(barrier_id=_EPI_BARRIER, number_of_threads=self.mma_threads)
 
     @cute.jit
     def _k_tiles_of(self, routing, t):

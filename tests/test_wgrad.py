@@ -87,7 +87,7 @@ def test_default_tiles_put_the_gathered_operand_on_the_narrow_side():
              for m in PRESETS}
     assert tiles["qwen3-30b-a3b"] == tiles["deepseek-v3"] == tiles["mixtral-8x7b"] == [(256, 128), (128, 256)]
     assert tiles["gpt-oss-120b"] == [(128, 192), (64, 192)]  # 2I = 5760, H = I = 2880
-    assert limits.wgrad_default_tiles(5760, 2880, "b") == (128, 192, 5, False)
+    assert limits.wgrad_default_tiles(5760, 2880, "b") == (128, 192, 5, False, False)
     ds = make_spec("deepseek-v3", target="sm_90a")
     limit = WGRAD_MAX_ROWS_PER_EXPERT * ds.experts // ds.top_k
     assert wgrad_preferred(ds, limit) and not wgrad_preferred(ds, limit + 1)

@@ -16,9 +16,10 @@ beside torch._grouped_mm on the same operands as moe_backward's gmm_k calls it.
       1 on any failed check.
 
   --configs: the tile configurations compared side by side on the same operands, ';'-separated:
-  "default" (what the build builds) or "b=TMxTNsS[pp],a=TMxTNsS[pp]" (dW13's tiles, dW2's; pp:
-  ping-pong), e.g. "default;b=64x256s5pp,a=64x256s5pp". Default: "default". A configuration
-  a model's sizes do not divide is skipped for that model.
+  "default" (what the build builds) or "b=TMxTNsS[pp][ts],a=..." (dW13's tiles, dW2's; pp:
+  ping-pong; ts: the epilogue stored by TMA from shared memory), e.g.
+  "default;b=64x256s5pp,a=64x256s5pp". Default: "default". A configuration a model's sizes do not
+  divide is skipped for that model.
 """
 from __future__ import annotations
 
@@ -50,11 +51,11 @@ def parse_configs(text: str) -> dict:
             continue
         tiles = {}
         for item in part.split(","):
-            m = re.fullmatch(r"([ab])=(\d+)x(\d+)s(\d+)(pp)?", item.strip())
+            m = re.fullmatch(r"([ab])=(\d+)x(\d+)s(\d+)(pp)?(ts)?", item.strip())
             if not m:
-                raise SystemExit(f"--configs: {item!r} is not GATHER=TMxTNsS[pp] with GATHER a or b "
+                raise SystemExit(f"--configs: {item!r} is not GATHER=TMxTNsS[pp][ts] with GATHER a or b "
                                  "(e.g. b=64x256s6pp)")
-            tiles[m[1]] = (int(m[2]), int(m[3]), int(m[4]), bool(m[5]))
+            tiles[m[1]] = (int(m[2]), int(m[3]), int(m[4]), bool(m[5]), bool(m[6]))
         out[part] = tiles
     return out
 
