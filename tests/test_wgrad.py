@@ -161,6 +161,26 @@ def test_pingpong_wgrad_compiles_to_one_warpgroups_wgmma(tiles, tmp_path):
     assert "STG.E.128" in sass and "LOCAL:0" in res and "STACK:0" in res
 
 
+def test_tma_store_wgrad_compiles_to_stmatrix_and_tma_stores(tmp_path):
+    """The TMA-store epilogue (dW13 256x128 ts): stmatrix into the subtile buffers and TMA stores
+    out, no quad shuffles or 16-byte global stores left, no local memory; refused for ping-pong
+    and for tiles under 128 rows in one sentence."""
+    pytest.importorskip("cutlass")
+    from moe_aot.compiler import build_template
+
+    kv = wgrad_kernels(make_spec("deepseek-v3", target="sm_90a"), {"b": (256, 128, 4, False, True)})[0]
+    assert kv.name.endswith("_t256x128x64_s4ts") and kv.kwargs()["tma_store"] is True
+    ptx, sass, res = _sass(build_template(kv), tmp_path)
+    assert "STSM" in sass and "UTMASTG" in sass
+    assert sass.count("SHFL") <= 1  # a warp-uniform broadcast at most, no quad transpose
+    assert not re.search(r"\bSTG\.E\.128\b", sass)
+    assert "LOCAL:0" in res and "STACK:0" in res
+    for args in ((1024, 512, "b", 64, 128, 64, 4, "sm_90a", False, True),
+                 (1024, 512, "b", 128, 128, 64, 4, "sm_90a", True, True)):
+        ok, why = limits.check_wgrad(*args)
+        assert not ok and "TMA-store epilogue" in why and why.count(". ") == 0
+
+
 def _operands(M, K, E, H, I, tile_m, gen, only_even=False):
     scores = torch.rand(M, E, generator=gen)
     if only_even:
