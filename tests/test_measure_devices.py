@@ -125,7 +125,7 @@ def test_ctrl_c_stops_every_worker_and_keeps_the_measurements(tmp_path, gpu):
     code = ("import functools, signal, sys\nsignal.signal(signal.SIGINT, signal.default_int_handler)\n"
             "sys.path.insert(0, sys.argv[3])\nfrom tuner_fakes import fake_device_measurer\n"
             "from moe_aot.measure_worker import measure_devices\n"
-            "make = functools.partial(fake_device_measurer, sys.argv[2], 0.4, None)\n"
+            "make = functools.partial(fake_device_measurer, sys.argv[2], 1.0, None)\n"
             "try:\n    measure_devices(sys.argv[1], (0, 1), make, confirm=0)\nexcept KeyboardInterrupt:\n"
             "    sys.exit(130)\n")
     proc = subprocess.Popen([sys.executable, "-c", code, url, gpu, str(TESTS)], start_new_session=True,
