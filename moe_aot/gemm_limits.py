@@ -267,7 +267,7 @@ def check_tiles(n, k, tile_m, tile_n, tile_k, stages, mma, warps_m, warps_n,
 # The backward's weight gradients (templates/hopper_wgrad.py, sm_90a): dW[e] = A_e^T B_e over each
 # expert's rows of the routing layout, both operands MN-major (K is their row dimension), one of
 # them gathered by token (gather "a": dW2 = dO^T (w h); "b": dW13 = da^T x), 128 producer threads,
-# one consumer warpgroup per 64 rows of the tile. k-tiles of 64 rows: the routing's segments
+# consumer warpgroups of 64-row blocks (at most two). k-tiles of 64 rows: the routing's segments
 # (tile_m 64 or 128) are whole k-tiles.
 WGRAD_GATHER = ("a", "b")
 WGRAD_TILE_M = (64, 128, 256)
@@ -294,7 +294,8 @@ def check_wgrad(rows, cols, gather, tile_m, tile_n, tile_k=WGRAD_TILE_K, stages=
                 pingpong=False, tma_store=False) -> tuple[bool, str]:
     """(ok, reason) of a weight-gradient GEMM writing [rows, cols] per expert (dW13: 2I x H,
     gather "b"; dW2: H x I, gather "a") with these tiles on `arch`; ``pingpong``: each of the two
-    consumer warpgroups multiplies and stores a whole tile of its own."""
+    consumer warpgroups multiplies and stores a whole tile of its own; ``tma_store``: the tile
+    leaves through shared memory by TMA."""
     if arch not in WGRAD_TARGETS:
         return False, f"the weight-gradient GEMM is built on wgmma for {', '.join(WGRAD_TARGETS)} only, not {arch}"
     if gather not in WGRAD_GATHER:

@@ -327,10 +327,10 @@ def wgrad_kernels(spec: LayerSpec, tiles: dict | None = None) -> list[KernelVari
 
 
 # The compiled weight gradients against torch's grouped GEMMs plus their gathers, in the training
-# step's backward on the H200 (NOTES, thirteenth session, call 4): faster by 5-15% where dW13 runs in
-# the 256-row tiles and experts get few rows (Qwen3-30B, Qwen3-235B and DeepSeek-V3 at 4096 tokens:
-# 128-256 rows each); slower by 6-7% at gpt-oss (dW13 in 128x192 tiles) and Mixtral (1024 rows per
-# expert), and at the kernel level slower at DeepSeek-V3 16384 tokens (512 rows per expert).
+# step's backward on the H200 (NOTES, thirteenth session, calls 4-5): the backward 0-21% faster where
+# dW13 runs in the 256-row tiles and experts get few rows (Qwen3-30B, Qwen3-235B and DeepSeek-V3 at
+# 4096 tokens: 128-256 rows each); 6-9% slower at gpt-oss (dW13 in 128x192 tiles) and Mixtral 4096
+# (1024 rows per expert); level or slower at 16384 tokens except Qwen3-30B (-7%, left out).
 WGRAD_MAX_ROWS_PER_EXPERT = 256
 
 

@@ -38,8 +38,8 @@ Persistent, warp-specialized CTAs (one per SM) walk the E x (out_rows / tile_m) 
   TMA'd ones (NOTES, thirteenth session), so the gathered operand goes on the narrow side: dW13
   (x gathered) in 256x128 tiles, dW2 (dO gathered) in 128x256. ``tma_store=True`` (cooperative,
   >= 128 rows): the tile leaves through shared memory instead, in (128, 32) subtiles written by
-  stmatrix and stored by TMA, two buffers in flight (the register epilogue's quad shuffles and
-  16-byte stores are most of the consumers' instructions when K is short).
+  stmatrix and stored by TMA, two buffers in flight, with no quad shuffles or 16-byte stores
+  (measured 0-5% faster on the H200: the epilogue's instructions are not what limits).
   ``pingpong=True``: two consumer warpgroups, each on every other tile of the CTA's
   schedule (64x256 or 128x128 at most: 128 accumulators per thread). The producer fills the ring
   in schedule order, so one warpgroup's k-tiles follow the other's, and its mainloop runs while
@@ -47,16 +47,15 @@ Persistent, warp-specialized CTAs (one per SM) walk the E x (out_rows / tile_m) 
   routing) in its stage/phase state. The mainloops take turns in schedule order (two named
   barriers): a warpgroup starts waiting on its tile's stages only after the other has passed
   all of the previous tile's, since a parity wait more than one phase ahead of the producer
-  passes at once, on a stage not yet filled. What it is for: the short-K experts of many-expert models
-  (DeepSeek-V3 at 4096 tokens: ~128 rows, two k-tiles per tile), where storing a tile takes as
-  long as computing it.
+  passes at once, on a stage not yet filled. Meant for short K (DeepSeek-V3 at 4096 tokens: two
+  k-tiles per tile), it measured 1.1-1.6x slower than the cooperative tiles on the H200 at every
+  point (NOTES, thirteenth session): the store was not what limits.
 
 Constraints (moe_aot/gemm_limits.py ``check_wgrad``, one sentence per refusal):
   * sm_90a; bf16 operands, fp32 accumulation, bf16 out; all tensors row-major, 16-byte aligned.
   * tile_m 64, 128 or 256, tile_n a multiple of 64 up to 256 (tile_m 256: up to 128, cooperative;
-    ping-pong: tile_m * tile_n <= 64 * 256),
-    tile_k 64; out_rows % tile_m == 0,
-    out_cols % tile_n == 0; 2 <= stages <= 8, shared memory stages * (tile_m + tile_n) * 128 B
+    ping-pong: tile_m * tile_n <= 64 * 256; tma_store: cooperative, tile_m >= 128), tile_k 64;
+    out_rows % tile_m == 0, out_cols % tile_n == 0; 2 <= stages <= 8, shared memory stages * (tile_m + tile_n) * 128 B
     + 1 KB + barriers.
   * the routing's segments are whole k-tiles: every expert_offsets[e] is a multiple of 64
     (routing tile_m 64 or 128); the caller guarantees it, the launcher checks the routing tile_m.
