@@ -59,6 +59,13 @@ PERSISTENT = ("hopws", "hoppp")
 PINGPONG = ("hoppp",)
 CLUSTER_MMAS = ("hopws",)  # may run in 2-CTA clusters along M (128-row tiles)
 CLUSTERS_M = (1, 2)
+# 2-CTA clusters pair M tiles of one expert (templates/hopper_gemm.py, _pair_units): a list of the
+# units (two tiles each) in shared memory for up to PAIR_LIST_TILES tiles, and the place of every
+# other leftover tile (one per expert at most, PAIR_LIST_EXPERTS experts); past that many tiles the
+# kernel pairs tiles 2j and 2j + 1
+PAIR_LIST_TILES = 2048
+PAIR_LIST_EXPERTS = 512
+PAIR_LIST_WORDS = PAIR_LIST_TILES + PAIR_LIST_EXPERTS // 2
 LOAD_THREADS = 128  # the producer warpgroup of the warp-specialized kernels
 COPY_ELEMS = 8  # bf16 elements in one 16-byte cp.async / store
 MAX_ACC_REGS = 128  # fp32 accumulators per thread
@@ -192,12 +199,13 @@ def default_warps(tile_m, tile_n, warps_m=None, warps_n=None, mma="warp") -> tup
     return warps_m, warps_n
 
 
-def smem_bytes(tile_m, tile_n, tile_k, stages, mma="warp", precision="bf16") -> int:
+def smem_bytes(tile_m, tile_n, tile_k, stages, mma="warp", precision="bf16", cluster_m=1) -> int:
     """Dynamic shared memory of one CTA: the A/B pipeline, reused for the fp32 staging of the
     accumulator tile (persistent kernels: no staging, their epilogue stores from registers; a
     full and an empty mbarrier per stage, and the two-slot tile schedule: 4 mbarriers, 2 tile
     indices, and per slot each row's pair and routing weight, 64 + 16 * tile_m bytes with
-    alignment) + the allocator's alignment slack."""
+    alignment; 2-CTA clusters: the list of paired tiles, 4 bytes per entry) + the allocator's
+    alignment slack."""
     if mma in UMMA:
         return umma_smem_bytes(tile_m, tile_n, tile_k, stages)
     ab = stages * (tile_m + tile_n) * tile_k * ELEM_BYTES[precision]
@@ -205,6 +213,8 @@ def smem_bytes(tile_m, tile_n, tile_k, stages, mma="warp", precision="bf16") -> 
         ab = w4_pipeline_bytes(tile_m, tile_n, tile_k, stages)
     c = 0 if mma in PERSISTENT else tile_m * (tile_n + 8) * 4
     bars = 16 * stages + 64 + 16 * tile_m if mma in WARP_SPECIALIZED else 0
+    if cluster_m > 1:
+        bars += 4 * PAIR_LIST_WORDS
     return max(ab, c) + 1024 + bars
 
 
@@ -407,7 +417,7 @@ def check_gemm(n, k, tile_m, tile_n, tile_k, stages, mma, warps_m=None, warps_n=
     cap = SMEM_CAPACITY.get(arch)
     if cap is None:
         return False, f"arch {arch} not supported (one of {sorted(SMEM_CAPACITY)})"
-    need = smem_bytes(tile_m, tile_n, tile_k, stages, mma, precision)
+    need = smem_bytes(tile_m, tile_n, tile_k, stages, mma, precision, cluster_m)
     if need > cap:
         return False, f"needs {need} B of shared memory per block, {arch} allows {cap}"
     return True, ""

@@ -33,7 +33,9 @@ Constraints (beyond those of ``GroupedGluGemm`` / ``GroupedDownGemm`` with mma="
     (hoppp at tile_m 128: up to 128, a warpgroup's accumulators in two 64-row blocks),
     tile_k 64, stages >= 3; shared memory stages * (tile_m + tile_n) * 128 B + 1 KB + barriers.
   * grid min(tiles, ctas) persistent CTAs of 128 + tile_m * 2 threads (hoppp: 384).
-  * cluster_m 2: hopws with 128-row tiles only.
+  * cluster_m 2: hopws with 128-row tiles only. The CTA pair takes two M tiles of one expert
+    wherever the expert has two left (the weight tile multicast, read once for both), else two
+    experts' last tiles (_pair_units; 10 KB of shared memory for the list).
   * pdl=True: every thread waits for the previous grid before its first read.
 """
 
@@ -43,13 +45,14 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-from cutlass import Float32, Int32, Int64, const_expr
+from cutlass import Boolean, Float32, Int32, Int64, const_expr
 
 from moe_aot import gemm_limits as limits
 
 from .grouped_gemm import _LOAD_THREADS, GroupedDownGemm, GroupedGluGemm
 
 MMAS = limits.WARP_SPECIALIZED  # "hopws" cooperative, "hoppp" ping-pong
+EVICT_FIRST = 0x12F0000000000000  # the L2 cache policy word of an evict-first TMA load (PTX createpolicy)
 SCHED_SLOTS = 2  # tiles the producer may publish ahead of the consumers (hoppp: one per warpgroup)
 CLUSTERS_M = limits.CLUSTERS_M  # CTAs per cluster along M; 2: the weight tile is multicast to both
 
@@ -65,7 +68,8 @@ class _HopperWs:
         epilogue scales by it (and the backward's dH, templates/hopper_bwd.py)."""
         return not self.glu
 
-    def __init__(self, *args, mma: str = MMAS[0], cluster_m: int = 1, **kwargs):
+    def __init__(self, *args, mma: str = MMAS[0], cluster_m: int = 1, pair_list: bool = True,
+                 b_evict_first: bool = False, **kwargs):
         if mma not in MMAS:
             raise ValueError(f"{type(self).__name__} implements mma in {MMAS}, not {mma!r}")
         super().__init__(*args, mma=mma, **kwargs)  # the tile rules
@@ -75,11 +79,21 @@ class _HopperWs:
         if not ok:
             raise ValueError(reason)
         self.cluster_m = cluster_m
+        # cluster_m 2: pair the M tiles of one expert (_pair_units); False: tiles 2j and 2j + 1
+        # whatever their experts (the pairing measured until 2026-12-02, kept for comparisons)
+        self.pair_list = pair_list
+        self.b_evict_first = b_evict_first
         self.pingpong = mma in limits.PINGPONG
         # consumer threads that read one stage (and one schedule slot)
         self.stage_threads = 128 if self.pingpong else self.mma_threads
         if self.ctas % cluster_m:
             raise ValueError(f"ctas {self.ctas} must be a multiple of cluster_m {cluster_m}")
+
+    def _b_policy(self):
+        """The L2 cache policy of the weights' TMA loads: evict-first where b_evict_first (each
+        weight k-tile is read by one unit of the schedule, so the gathered activation rows,
+        re-read for every N tile, keep their lines), else the default (None)."""
+        return Int64(EVICT_FIRST) if self.b_evict_first else None
 
     @cute.jit
     def _make_tma_a(self, mA):
@@ -133,6 +147,11 @@ class _HopperWs:
         sA, sB, _ = self._smem_tensors()
         pipe = self._make_pipeline()
         sched = self._make_schedule()
+        s_units = None
+        if const_expr(self.cluster_m > 1):
+            s_units = cute.make_tensor(
+                cutlass.memory.SmemAllocator().allocate_array(Int32, limits.PAIR_LIST_WORDS, byte_alignment=16),
+                cute.make_layout(limits.PAIR_LIST_WORDS))
         num_m_tiles = cute.size(mTileExpert, mode=[0])
         total = num_m_tiles * (self.n // self.tile_n)
         bid, _, _ = cute.arch.block_idx()
@@ -143,10 +162,10 @@ class _HopperWs:
             if const_expr(self.cluster_m > 1):
                 if const_expr(self.glu):
                     self._produce_mc(tidx, warp, pipe, sched, tma_a, mAt, tma_b, tma_bm, mWt, mA, mIds,
-                                     mTileExpert, sA, sB, epi, bid, nctas, num_m_tiles)
+                                     mTileExpert, sA, sB, epi, bid, nctas, num_m_tiles, s_units)
                 elif warp == 0:
                     self._produce_mc(tidx, warp, pipe, sched, tma_a, mAt, tma_b, tma_bm, mWt, mA, mIds,
-                                     mTileExpert, sA, sB, epi, bid, nctas, num_m_tiles)
+                                     mTileExpert, sA, sB, epi, bid, nctas, num_m_tiles, s_units)
             elif const_expr(self.glu):
                 self._produce_ws(tidx, warp, pipe, sched, tma_a, mAt, tma_b, mWt, mA, mIds, mTileExpert,
                                  sA, sB, epi, bid, nctas, total, num_m_tiles)
@@ -222,7 +241,7 @@ class _HopperWs:
                         if warp == 0:
                             pipe.sync_object_full.arrive(state.index, None)  # elected: expect B's bytes
                             cute.copy(tma_b, tBgB[None, kt], tBsB[None, state.index],
-                                      tma_bar_ptr=pipe.producer_get_barrier(state))
+                                      tma_bar_ptr=pipe.producer_get_barrier(state), cache_policy=self._b_policy())
                         self._load_a(kt, state.index, tiled_copy, mA, a_rows, tAsA_cp, tAcA)
                         cute.arch.cp_async_mbarrier_arrive_noinc(pipe.producer_get_barrier(state))
                         state.advance()
@@ -233,7 +252,8 @@ class _HopperWs:
                     for kt in range(k_tiles):
                         pipe.producer_acquire(state)
                         bar = pipe.producer_get_barrier(state)
-                        cute.copy(tma_b, tBgB[None, kt], tBsB[None, state.index], tma_bar_ptr=bar)
+                        cute.copy(tma_b, tBgB[None, kt], tBsB[None, state.index], tma_bar_ptr=bar,
+                                  cache_policy=self._b_policy())
                         cute.copy(tma_a, tAgA[None, kt], tAsA[None, state.index], tma_bar_ptr=bar)
                         state.advance()
         if warp == 0:
@@ -244,23 +264,121 @@ class _HopperWs:
             pipe.producer_tail(state)
 
     @cute.jit
+    def _pair_units(self, mTileExpert, num_m_tiles, s_units):
+        """cluster_m 2: the live M tiles in units of two, written by this warp into ``s_units``
+        (first tiles at [0, U), second tiles at [U, 2 U), U = PAIR_LIST_TILES / 2), in the order
+        of their first tile: an expert's tiles in pairs, and where its count is odd its last
+        tile paired with the next such leftover (of another expert; the last leftover of all
+        has second -1). Returns the unit count, ceil(live tiles / 2). One pass of 32 tiles per
+        step: a tile is its expert's first when its expert differs from the previous tile's
+        (the nearest first at or below a lane comes from a ballot, or from the steps before),
+        at an even offset from it the first of a pair unless it is the expert's last (then a
+        leftover), at an odd offset a pair's second. A unit's place is the count of pair firsts
+        before it plus the leftover units (every other leftover) before it; the place of each
+        leftover unit is kept at [2 U, 2 U + PAIR_LIST_EXPERTS / 2) so that the next leftover
+        can fill in its second. Every entry is written once with its final value (GEMM1's four
+        producer warps each build the same list, and each reads only after its own writes)."""
+        U = limits.PAIR_LIST_TILES // 2
+        lane = cute.arch.lane_idx()
+        lt = cute.arch.lanemask_lt()
+        le = cute.arch.lanemask_le()
+        firsts = Int32(0)  # pair firsts so far
+        left = Int32(0)  # leftovers so far
+        first = Int32(0)  # the first tile of the expert the previous step ended in
+        prev_e = Int32(-1)
+        for c in range(0, num_m_tiles, 32):
+            t = c + lane
+            e = Int32(-1)
+            if t < num_m_tiles:
+                e = mTileExpert[t]
+            en = cute.arch.shuffle_sync_down(e, 1)
+            if lane == 31:
+                en = Int32(-1)
+                if t + 1 < num_m_tiles:
+                    en = mTileExpert[t + 1]
+            ep = cute.arch.shuffle_sync_up(e, 1)
+            if lane == 0:
+                ep = prev_e
+            start = Boolean(False)
+            if e >= 0:
+                if e != ep:
+                    start = Boolean(True)
+            below = cute.arch.vote_ballot_sync(start) & le
+            f = first
+            if below != 0:
+                f = c + 31 - Int32(cute.arch.clz(below))
+            pa = Boolean(False)  # the first of a pair (its second is t + 1)
+            lo = Boolean(False)  # a leftover
+            if e >= 0:
+                if (t - f) % 2 == 0:
+                    if en == e:
+                        pa = Boolean(True)
+                    else:
+                        lo = Boolean(True)
+            pmask = cute.arch.vote_ballot_sync(pa)
+            lmask = cute.arch.vote_ballot_sync(lo)
+            p_before = firsts + Int32(cute.arch.popc(pmask & lt))
+            q = left + Int32(cute.arch.popc(lmask & lt))
+            if pa:
+                u = p_before + (q + 1) // 2
+                s_units[u] = t
+                s_units[U + u] = t + 1
+            if lo:
+                if q % 2 == 0:
+                    u = p_before + q // 2
+                    s_units[u] = t
+                    s_units[2 * U + q // 2] = u
+            cute.arch.sync_warp()
+            if lo:
+                if q % 2 == 1:
+                    s_units[U + s_units[2 * U + q // 2]] = t
+            firsts = firsts + Int32(cute.arch.popc(pmask))
+            left = left + Int32(cute.arch.popc(lmask))
+            first = cute.arch.shuffle_sync(f, 31)
+            prev_e = cute.arch.shuffle_sync(e, 31)
+        cute.arch.sync_warp()
+        if left % 2 == 1:  # the last leftover has no partner
+            s_units[U + s_units[2 * U + left // 2]] = Int32(-1)
+        cute.arch.sync_warp()
+        return firsts + (left + 1) // 2
+
+    @cute.jit
+    def _unit_tiles(self, j, s_units, listed):
+        """(first, second) M tile of unit j: from the unit list (second -1: none), or tiles 2j
+        and 2j + 1 where the tiles did not fit the list."""
+        ta = 2 * j
+        tb = 2 * j + 1
+        if listed:
+            ta = s_units[j]
+            tb = s_units[limits.PAIR_LIST_TILES // 2 + j]
+        return ta, tb
+
+    @cute.jit
     def _produce_mc(self, tidx, warp, pipe, sched, tma_a, mAt, tma_b, tma_bm, mWt, mA, mIds, mTileExpert,
-                    sA, sB, epi, bid, nctas, num_m_tiles):
-        """cluster_m = C > 1: cluster c walks the units (N tile, M tiles C*j .. C*j+C-1) c,
-        c + clusters, ... in the raster order of _tile_of over M-tile groups; CTA r of the
-        cluster takes M tile C*j + r. When every tile of the unit has the same expert (or is
-        past the last tile), each CTA loads 1/C of the weight tile and multicasts it to all of
-        them (``tma_bm``); otherwise each loads its whole own tile (``tma_b``). The stage's
-        byte count is the same either way. A CTA whose M tile is past the last one recomputes
-        tile C*j (so that the cluster stays in step) and is published as a duplicate, whose
-        epilogue writes nothing (code -2 - t, see _consume_ws)."""
+                    sA, sB, epi, bid, nctas, num_m_tiles, s_units):
+        """cluster_m = C = 2: cluster c walks the units (N tile, pair j of M tiles) c,
+        c + clusters, ... in the raster order of _tile_of over units; CTA r of the cluster takes
+        the pair's tile r. The pairs come from _pair_units: two tiles of one expert where the
+        expert has two left, else two experts' last tiles; so an expert's weight tile is read
+        once for up to two of its M tiles, whatever the tile counts of the experts before it.
+        (Past PAIR_LIST_TILES tiles the pairs are tiles 2j and 2j + 1.) When both tiles of the
+        unit have the same expert (or there is no second), each CTA loads 1/C of the weight
+        tile and multicasts it to both (``tma_bm``); otherwise each loads its whole own tile
+        (``tma_b``). The stage's byte count is the same either way. A CTA without a tile
+        recomputes the first (so that the cluster stays in step) and is published as a
+        duplicate, whose epilogue writes nothing (code -2 - t, see _consume_ws)."""
         C = self.cluster_m
         n_tiles = self.n // self.tile_n
         k_tiles = self.k // self.tile_k
         rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
         cta_layout = cute.make_layout((C, 1, 1))
         mask = cute.make_layout_image_mask(cta_layout, cta_layout.get_flat_coord(rank), mode=0)
+        listed = num_m_tiles <= limits.PAIR_LIST_TILES
+        if const_expr(not self.pair_list):
+            listed = Boolean(False)
         groups = (num_m_tiles + C - 1) // C
+        if listed:
+            groups = self._pair_units(mTileExpert, num_m_tiles, s_units)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
         sstate = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, SCHED_SLOTS)
         if warp == 0:
@@ -274,21 +392,21 @@ class _HopperWs:
         tAcA = thr_copy.partition_S(cute.make_identity_tensor((self.tile_m, self.tile_k)))
         for u in range(bid // C, groups * n_tiles, nctas // C):
             bn, bg = self._tile_of(u, groups)
-            bt0 = bg * C
+            bt0, bt1 = self._unit_tiles(bg, s_units, listed)
             e0 = mTileExpert[bt0]
             if e0 >= 0:
-                bt = bt0 + rank
+                bt = bt0
                 expert = e0
                 shared = True
                 dup = False
-                for r in cutlass.range_constexpr(1, C):
-                    er = Int32(-1)
-                    if bt0 + r < num_m_tiles:
-                        er = mTileExpert[bt0 + r]
-                    if er >= 0 and er != e0:
-                        shared = False
-                    if rank == r:
-                        expert = er
+                er = Int32(-1)
+                if bt1 >= 0 and bt1 < num_m_tiles:
+                    er = mTileExpert[bt1]
+                if er >= 0 and er != e0:
+                    shared = False
+                if rank == 1:
+                    bt = bt1
+                    expert = er
                 if expert < 0:
                     bt = bt0
                     expert = e0
@@ -335,9 +453,10 @@ class _HopperWs:
         the cluster when ``shared``, else the whole tile into this CTA alone."""
         bar = pipe.producer_get_barrier(state)
         if shared:
-            cute.copy(tma_bm, tBgBm[None, kt], tBsBm[None, state.index], tma_bar_ptr=bar, mcast_mask=mask)
+            cute.copy(tma_bm, tBgBm[None, kt], tBsBm[None, state.index], tma_bar_ptr=bar, mcast_mask=mask,
+                      cache_policy=self._b_policy())
         else:
-            cute.copy(tma_b, tBgB[None, kt], tBsB[None, state.index], tma_bar_ptr=bar)
+            cute.copy(tma_b, tBgB[None, kt], tBsB[None, state.index], tma_bar_ptr=bar, cache_policy=self._b_policy())
 
     @cute.jit
     def _more(self, t):

@@ -77,6 +77,19 @@ CONFIGS = [
     # weight bytes in flight per SM: the same tiles with 3 stages instead of 4 (memory-bound points)
     ("hw128s3", "hopws", ["gpt_oss_120b", "deepseek_v3"], "swiglu", 128, (256, 64, 3), (256, 64, 3), [4096]),
     ("hc2s3", "hopws:c2", ["gpt_oss_120b", "deepseek_v3"], "swiglu", 128, (256, 64, 3), (256, 64, 3), [4096]),
+    # the same 2-CTA tiles with the fixed pairs (M tiles 2j, 2j + 1 whatever their experts)
+    ("hc2f", "hopws:c2:f", ALL, "swiglu", 128, (256, 64, 4), (256, 64, 4), [1, 16, 256, 1024, 4096]),
+    ("hc2fbig", "hopws:c2:f", ["qwen3_30b_a3b", "mixtral_8x7b"], "swiglu", 128, (256, 64, 4),
+     (256, 64, 4), [16384]),
+    # 1024-16384 tokens: the cooperative tiles alone, with the weights evict-first in L2, in
+    # 2-CTA clusters (one expert's tiles paired, or the fixed pairs), and both
+    ("x128", "hopws", ALL, "swiglu", 128, (256, 64, 4), (256, 64, 4), [1024, 4096, 16384]),
+    ("x128ef", "hopws:ef", ALL, "swiglu", 128, (256, 64, 4), (256, 64, 4), [1024, 4096, 16384]),
+    ("xc2f", "hopws:c2:f", ALL, "swiglu", 128, (256, 64, 4), (256, 64, 4), [1024, 4096, 16384]),
+    ("xc2", "hopws:c2", ALL, "swiglu", 128, (256, 64, 4), (256, 64, 4), [1024, 4096, 16384]),
+    ("xc2ef", "hopws:c2:ef", ALL, "swiglu", 128, (256, 64, 4), (256, 64, 4), [1024, 4096, 16384]),
+    ("xpp64", "hoppp", ALL, "swiglu", 64, (256, 64, 5), (256, 64, 5), [1024, 4096, 16384]),
+    ("xpp64ef", "hoppp:ef", ALL, "swiglu", 64, (256, 64, 5), (256, 64, 5), [1024, 4096, 16384]),
     ("hc2big", "hopws:c2", ["qwen3_30b_a3b", "mixtral_8x7b"], "swiglu", 128, (256, 64, 4),
      (256, 64, 4), [16384]),
     ("hc2geglu", "hopws:c2", ["qwen3_30b_a3b"], "geglu", 128, (128, 64, 6), (192, 64, 4), [256, 4096]),
@@ -138,13 +151,20 @@ def compile_all(out_dir: Path, arch: str, only=None) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     manifest = []
     for v in variants(only):
-        mma, _, opt = v["mma"].partition(":")  # "hopws:c2": cluster_m 2
+        # "hopws:c2": cluster_m 2 (one expert's tiles paired); ":f": the fixed pairs 2j, 2j + 1;
+        # ":ef": the weights' TMA loads evict-first in L2
+        mma, *opts = v["mma"].split(":")
         if mma not in TARGET_LIMITS[arch]["mma"]:
             continue  # e.g. wgmma on sm_100a, umma on sm_90a
         glu_cls, down_cls = ((HopperGluGemm, HopperDownGemm) if mma in WARP_SPECIALIZED
                              else (BlackwellGluGemm, BlackwellDownGemm) if mma in UMMA
                              else (GroupedGluGemm, GroupedDownGemm))
-        extra = {{"c": "cluster_m"}[opt[0]]: int(opt[1:])} if opt else {}
+        extra = {}
+        for opt in opts:
+            if opt.startswith("c"):
+                extra["cluster_m"] = int(opt[1:])
+            else:
+                extra[{"f": "pair_list", "ef": "b_evict_first"}[opt]] = opt == "ef"
         g = glu_cls(v["E"], v["H"], v["I"], v["k"], activation=v["act"],
                     interleave=INTERLEAVE, tile_m=v["tile_m"], tile_n=v["glu"][0],
                     tile_k=v["glu"][1], stages=v["glu"][2], mma=mma, **extra)
