@@ -239,6 +239,40 @@ def test_hoppp_pingpong_gives_each_warpgroup_its_own_tiles(role, tile_m, tile_n,
     assert not ok and "shared memory" in reason
 
 
+@pytest.mark.parametrize("role", ["glu", "down"])
+def test_hopws_clusters_pair_the_tiles_of_one_expert(role, tmp_path):
+    """cluster_m 2: before its first unit the producer lists the live M tiles in units of two
+    (one expert's tiles together, leftovers of two experts together) by warp ballots over
+    tile_expert, into a shared-memory list that the budget counts; pair_list=False builds the
+    fixed pairs 2j, 2j + 1 without that pass (the pairing measured until 2026-12-02); the
+    weights' multicast TMA and the plain TMA (a unit of two experts) are both there either way.
+    Every output row of the paired kernel was checked on the H200 (NOTES, fourteenth session)."""
+    from moe_aot_templates.hopper_gemm import HopperDownGemm, HopperGluGemm
+
+    from moe_aot import gemm_limits as limits
+
+    cls = HopperGluGemm if role == "glu" else HopperDownGemm
+    bodies = {}
+    for pair_list in (True, False):
+        obj = cls(**QWEN3_30B, tile_m=128, tile_n=256, tile_k=64, stages=4, mma="hopws", cluster_m=2,
+                  pair_list=pair_list)
+        ptx = cute.compile(obj, *[f for _, f in obj.fake_arguments()],
+                           options=f"--gpu-arch sm_90a --keep-ptx --dump-dir {tmp_path}").__ptx__
+        bodies[pair_list] = ptx[ptx.index(".entry"):]
+    for body in bodies.values():
+        assert ".multicast::cluster" in body and "ld.local" not in body and "st.local" not in body
+    paired, fixed = bodies[True], bodies[False]
+    for op in ("vote.sync.ballot", "popc.b32", "shfl.sync.up", "shfl.sync.down"):
+        assert op in paired and op not in fixed, op
+    assert ("clz.b32" in paired or "bfind" in paired) and "clz.b32" not in fixed
+    need = limits.smem_bytes(128, 256, 64, 4, "hopws", cluster_m=2)
+    assert need == limits.smem_bytes(128, 256, 64, 4, "hopws") + 4 * limits.PAIR_LIST_WORDS <= 227 * 1024
+    # 128x160 in 6 stages fits alone (224416 B) but not with the list (233632 B > 227 KB)
+    assert limits.check_gemm(1920, 2048, 128, 160, 64, 6, "hopws", arch="sm_90a") == (True, "")
+    ok, why = limits.check_gemm(1920, 2048, 128, 160, 64, 6, "hopws", arch="sm_90a", cluster_m=2)
+    assert not ok and "shared memory" in why
+
+
 @pytest.mark.parametrize("tile_m, tile_n, activation", [(128, 256, "swiglu"), (64, 128, "geglu"),
                                                         (128, 96, "swiglu")])
 def test_hopws_glu_epilogue_stores_16_byte_chunks(tile_m, tile_n, activation, tmp_path):
