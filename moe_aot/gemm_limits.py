@@ -659,7 +659,7 @@ def check_blockscaled(role, precision, n, k, tile_m, tile_n, tile_k, stages, mma
 # 128-byte swizzle atom of values (four MMAs of K 32 e4m3 or 64 e2m1); tile_n covers whole 128-row
 # scale atoms of B. TMEM: the accumulators (two where they fit beside the scale factors) and one
 # k-tile's scale factors of A (tile_m / 32 * 4 columns) and B (tile_n / 32 * 4).
-BS_UMMA_PRECISIONS = ("mxfp8", "nvfp4")
+BS_UMMA_PRECISIONS = ("mxfp8", "nvfp4", "w4a8-mx")
 BS_UMMA_TARGETS = ("sm_100a",)
 BS_UMMA_TILE_N = (128, 256)
 BS_UMMA_ROW_BYTES = 128  # value bytes of a k-tile row
@@ -708,6 +708,13 @@ def bs_umma_stage_bytes(precision, tile_m, tile_n) -> tuple[int, int, int, int]:
     atoms = blocks // SF_ATOM_BLOCKS * 512
     return (tile_m * BS_UMMA_ROW_BYTES, tile_n * BS_UMMA_ROW_BYTES, tile_m // SF_ATOM_ROWS * atoms,
             -(-tile_n // SF_ATOM_ROWS) * atoms)
+
+
+def bs_umma_tx_bytes(precision, rows) -> int:
+    """Bytes a k-tile's TMA load of ``rows`` weight rows counts on its stage's barrier: the packed
+    global bytes (w4a8-mx: half a byte per e2m1, though shared memory holds a byte each), as
+    NVIDIA's sm100 block-scaled collective and CuTe DSL example count their unpacking loads."""
+    return rows * bs_umma_tile_k(precision) * BS_ELEM_BITS[BS_FORMATS[precision][1]] // 8
 
 
 def bs_umma_smem_bytes(precision, tile_m, tile_n, stages) -> int:

@@ -20,7 +20,7 @@ PRECISIONS = ("bf16", "fp8", "fp8-block128", "mxfp4-w", "mxfp8", "nvfp4", "w4a8-
 SUPPORTED_PRECISIONS = {"sm_90a": ("bf16", "fp8", "fp8-block128", "mxfp4-w"),
                         # mxfp8 / nvfp4 on sm_100a: tcgen05 block-scaled MMAs (templates/blackwell_blockscaled.py;
                         # compiled only, no Blackwell GPU was available)
-                        "sm_100a": ("bf16", "fp8", "fp8-block128", "mxfp8", "nvfp4"),
+                        "sm_100a": ("bf16", "fp8", "fp8-block128", "mxfp8", "nvfp4", "w4a8-mx"),
                         # mxfp8 / nvfp4 / w4a8-mx: the block-scaled mma.sync of the sm_120 family
                         # (templates/blockscaled_warp.py)
                         "sm_121a": ("bf16", "fp8", "fp8-block128", "mxfp8", "nvfp4", "w4a8-mx")}

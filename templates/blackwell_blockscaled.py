@@ -108,9 +108,14 @@ class _UmmaBlockScaled:
         self.nvfp4 = precision == "nvfp4"
         self.act_fmt, self.w_fmt = limits.BS_FORMATS[precision]
         self.vec = limits.BLOCKSCALE_BLOCK[self.act_fmt]
-        self.bits = self.w_bits = limits.BS_ELEM_BITS[self.act_fmt]
+        self.bits, self.w_bits = limits.BS_ELEM_BITS[self.act_fmt], limits.BS_ELEM_BITS[self.w_fmt]
         self.val_dtype, self.sf_dtype = VALUE_DTYPES[self.act_fmt], SCALE_DTYPES[self.act_fmt]
-        self.w_dtype = self.val_dtype
+        self.w_dtype = VALUE_DTYPES[self.w_fmt]
+        # w4a8-mx (e4m3 x e2m1 on kind::mxf8f6f4): the MMA reads both operands at a byte per
+        # element, so B's TMA unpacks the packed e2m1 weights into byte containers in shared
+        # memory (a TMA data format of 4-bit elements unpacked to 8-bit); B's stages are bytes
+        self.mixed = self.act_fmt != self.w_fmt
+        self.w_smem_dtype = Uint8 if self.mixed else self.w_dtype
         self.n, self.k = n, k
         self.k_bytes, self.k_scales = k * self.bits // 8, k // self.vec  # per row in global memory
         self.tile_m, self.tile_n, self.tile_k, self.stages = tile_m, tile_n, tile_k, stages
@@ -142,7 +147,7 @@ class _UmmaBlockScaled:
         """Staged shared-memory layouts (A, B, SFA, SFB)."""
         t = self._mma_tiler()
         return (sm100_utils.make_smem_layout_a(tiled_mma, t, self.val_dtype, self.stages),
-                sm100_utils.make_smem_layout_b(tiled_mma, t, self.w_dtype, self.stages),
+                sm100_utils.make_smem_layout_b(tiled_mma, t, self.w_smem_dtype, self.stages),
                 bs_layout.make_smem_layout_sfa(tiled_mma, t, self.vec, self.stages),
                 bs_layout.make_smem_layout_sfb(tiled_mma, t, self.vec, self.stages))
 
@@ -151,9 +156,10 @@ class _UmmaBlockScaled:
         return limits.bs_umma_stage_bytes(self.precision, self.tile_m, self.tile_n)
 
     @cute.jit
-    def _values(self, mQ, rows, cols):
-        """A [rows, cols] matrix of values over the uint8 bytes of ``mQ`` (cols elements per row)."""
-        return cute.make_tensor(cute.recast_ptr(mQ.iterator, dtype=self.val_dtype),
+    def _values(self, mQ, rows, cols, dtype: cutlass.Constexpr = None):
+        """A [rows, cols] matrix of values (the activations' type, or ``dtype``) over the uint8
+        bytes of ``mQ`` (cols elements per row)."""
+        return cute.make_tensor(cute.recast_ptr(mQ.iterator, dtype=self.val_dtype if const_expr(dtype is None) else dtype),
                                 cute.make_layout((rows, cols), stride=(cols, 1)))
 
     @cute.jit
@@ -170,6 +176,8 @@ class _UmmaBlockScaled:
         a_l, b_l, sfa_l, sfb_l = self._layouts(tiled_mma)
         op = cpasync.CopyBulkTensorTileG2SOp(tcgen05.CtaGroup.ONE)
         internal = cutlass.Int16 if const_expr(scales) else None
+        if const_expr(operand == "b" and not scales and self.mixed):
+            internal = self.w_smem_dtype  # a byte per e2m1 in shared memory: the unpacking TMA format
         if const_expr(operand == "a"):
             smem = sfa_l if const_expr(scales) else a_l
             return cute.nvgpu.make_tiled_tma_atom_A(op, mT, cute.slice_(smem, (None, None, None, 0)),
@@ -183,7 +191,7 @@ class _UmmaBlockScaled:
         """TMA atoms of all experts' weights seen as one [E*N, K] matrix (expert e's N tile j is
         row tile e * (N / tile_n) + j), values and scale factors."""
         rows = self.num_experts * self.n
-        tma_b, mBt = self._make_tma(self._values(mWq, rows, self.k), "b", False)
+        tma_b, mBt = self._make_tma(self._values(mWq, rows, self.k, self.w_dtype), "b", False)
         tma_sfb, mSFBt = self._make_tma(self._scales(mWs, rows, self.k), "b", True)
         return tma_b, mBt, tma_sfb, mSFBt
 
@@ -210,7 +218,7 @@ class _UmmaBlockScaled:
         tmem_slot = smem.allocate_array(Int32, 1, byte_alignment=4)
         base = smem.allocate(st * (a_b + b_b + sfa_b + sfb_b), byte_alignment=1024)
         sA = cute.make_tensor(cute.recast_ptr(base, a_l.inner, self.val_dtype), a_l.outer)
-        sB = cute.make_tensor(cute.recast_ptr(base + st * a_b, b_l.inner, self.w_dtype), b_l.outer)
+        sB = cute.make_tensor(cute.recast_ptr(base + st * a_b, b_l.inner, self.w_smem_dtype), b_l.outer)
         sf_base = base + st * (a_b + b_b)
         sSFA = cute.make_tensor(cute.recast_ptr(sf_base, dtype=self.sf_dtype), sfa_l)
         sSFB = cute.make_tensor(cute.recast_ptr(sf_base + st * sfa_b, dtype=self.sf_dtype), sfb_l)
@@ -224,7 +232,7 @@ class _UmmaBlockScaled:
         sSFA_cp = cute.make_tensor(cute.recast_ptr(sf_base, dtype=Uint8), cute.make_layout(
             ((32, self.tile_m // 32), groups, _SF_PIECE, st), stride=((16, 4), 512, 1, sfa_b)))
 
-        tx = b_b + sfb_b
+        tx = limits.bs_umma_tx_bytes(self.precision, self.tile_n) + sfb_b  # the weights' k-tile
         producers = 1
         if const_expr(self.glu):
             producers = 1 + LOAD_THREADS  # the TMA warp's byte count and each loader thread
