@@ -346,6 +346,15 @@ def test_gpt_oss_weights_for_sm100a():
     back = bw.to_gpt_oss(w13, w2)
     for got, want in zip(back, (gu_blocks, gu_scales, d_blocks, d_scales)):
         assert torch.equal(got, want)
+    # the sm_100a w4a8-mx layer takes them, and refuses the sm_121a layout in one sentence
+    spec = make_spec(experts=e, top_k=1, hidden=h, intermediate=i, precision="w4a8-mx", target="sm_100a")
+    layer = layer_mod.MoeLayer(spec, store=object(), device=torch.device("cpu"), variants={})
+    x, tw, ids = torch.zeros(4, h, dtype=torch.bfloat16), torch.zeros(4, 1), torch.zeros(4, 1, dtype=torch.int32)
+    layer.check_inputs(x, w13, w2, tw, ids, None)
+    with pytest.raises(KernelArgumentError, match="w2's scales are in the 'rows' layout and sm_100a's kernels read "
+                                                  "'tcgen05'") as err:
+        layer.check_inputs(x, w13, rows2, tw, ids, None)
+    assert str(err.value).count(". ") == 0
 
 
 def test_the_layer_refuses_another_targets_scale_layout_and_gpu(monkeypatch):
