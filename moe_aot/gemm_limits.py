@@ -569,7 +569,7 @@ def check_w4(precision, n, k, tile_m, tile_n, tile_k, stages, mma, threads=None)
 # sm_120 family only (DGX Spark's sm_121a here; sm_90a and sm_100a have neither). Values and scale
 # bytes are cp.async-ed per k-tile: a k-tile row is 64-256 value bytes and 4-16 scale bytes (one
 # cp.async of 4, 8 or 16 bytes), hence the k-tiles of BS_TILE_K elements.
-# "w4a8-mx" (gpt-oss's MXFP4 expert weights on the Spark): MXFP4 weights (e2m1, ue8m0 per 32) times
+# "w4a8-mx" (gpt-oss's MXFP4 expert weights; sm_100a: check_bs_umma): MXFP4 weights (e2m1, ue8m0 per 32) times
 # MXFP8 activations (x by the quantizer, h by GEMM1's epilogue, as "mxfp8"), on the mixed-type
 # `kind::mxf8f6f4 ... .e4m3.e2m1 ... ue8m0` (each e2m1 in a byte of the B registers, bits 5:2).
 # Not "mxfp4": that names the format (blockscale.FORMATS) and "mxfp4-w" Hopper's weight-only layer.
@@ -653,12 +653,14 @@ def check_blockscaled(role, precision, n, k, tile_m, tile_n, tile_k, stages, mma
 
 # Block-scaled GEMMs on tcgen05 (templates/blackwell_blockscaled.py, mma "umma", sm_100a only;
 # compiled, never run: no Blackwell GPU was available): the bf16 umma kernels' persistent loop with
-# `tcgen05.mma.cta_group::1.kind::mxf8f6f4.block_scale` (mxfp8) / `kind::mxf4nvf4.block_scale
+# `tcgen05.mma.cta_group::1.kind::mxf8f6f4.block_scale` (mxfp8; w4a8-mx: e4m3 x e2m1, the weights
+# unpacked by their TMA to a byte each in shared memory) / `kind::mxf4nvf4.block_scale
 # .scale_vec::4X` (nvfp4), the scale factors copied per k-tile from shared memory into TMEM
 # (tcgen05.cp) in the MMA's 128x4 atom layout (blockscale.to_tcgen05_scales). A k-tile row is one
-# 128-byte swizzle atom of values (four MMAs of K 32 e4m3 or 64 e2m1); tile_n covers whole 128-row
-# scale atoms of B. TMEM: the accumulators (two where they fit beside the scale factors) and one
-# k-tile's scale factors of A (tile_m / 32 * 4 columns) and B (tile_n / 32 * 4).
+# 128-byte swizzle atom of values (four MMAs of K 32 e4m3 or unpacked e2m1, or K 64 packed e2m1);
+# tile_n covers whole 128-row scale atoms of B. TMEM: the accumulators (two where they fit beside
+# the scale factors) and one k-tile's scale factors of A (tile_m / 32 * 4 columns) and B (tile_n /
+# 32 * 4).
 BS_UMMA_PRECISIONS = ("mxfp8", "nvfp4", "w4a8-mx")
 BS_UMMA_TARGETS = ("sm_100a",)
 BS_UMMA_TILE_N = (128, 256)

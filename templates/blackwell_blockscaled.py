@@ -1,4 +1,4 @@
-"""Block-scaled grouped GEMMs ("mxfp8", "nvfp4") for Blackwell (sm_100a) on tcgen05 (mma="umma").
+"""Block-scaled grouped GEMMs ("mxfp8", "nvfp4", "w4a8-mx") for Blackwell (sm_100a) on tcgen05 (mma="umma").
 
 **Compiled only, never run**: no Blackwell GPU was available when this was written. These kernels
 compile for sm_100a on a CPU machine (their SASS holds the block-scaled tcgen05 MMA, the scale
@@ -11,9 +11,20 @@ expert's interleaved gate/up weights, applies the GLU and quantizes h into the a
 format; GEMM2 multiplies h by the down weights and writes each routed row times its routing
 weight, bf16, to ``y[p]``. The MMA (PTX ``tcgen05.mma.cta_group::1.kind::mxf8f6f4.block_scale``
 for "mxfp8": e4m3 with a ue8m0 scale per 32 along K; ``kind::mxf4nvf4.block_scale.scale_vec::4X``
-for "nvfp4": e2m1 with an e4m3 scale per 16) reads A and B from shared memory and both operands'
-scale factors from tensor memory, and accumulates in fp32 in tensor memory. NVFP4's fp32 global
-scales (1 / S_enc of x or h and of the expert's weight) multiply the sums in the epilogues.
+for "nvfp4": e2m1 with an e4m3 scale per 16; ``kind::mxf8f6f4`` again for "w4a8-mx": e4m3
+activations times e2m1 weights, a ue8m0 scale per 32 on both, the operand types in the
+instruction descriptor) reads A and B from shared memory and both operands' scale factors from
+tensor memory, and accumulates in fp32 in tensor memory. NVFP4's fp32 global scales (1 / S_enc of
+x or h and of the expert's weight) multiply the sums in the epilogues.
+
+w4a8-mx (gpt-oss's MXFP4 weights, MXFP8 x and h exactly as "mxfp8" quantizes them): kind::mxf8f6f4
+reads both operands at a byte per element from shared memory, so the weights' TMA uses the
+unpacking data format (the DSL's ``U4_UNPACK_U8``, asked for with ``internal_type`` of a byte over
+an e2m1 global tensor): it reads the packed e2m1 bytes of w13q / w2q (two per byte, as the host
+prepares them) and writes each e2m1 into a byte of a stage laid out as mxfp8's (tile_k 128, the same
+128-byte swizzle and shared memory); the stage's barrier counts the packed bytes that cross
+(``gemm_limits.bs_umma_tx_bytes``, as NVIDIA's sm100 block-scaled collective and CuTe DSL example
+count such loads). Everything else (x's gather, h's quantizer, the scale atoms) is mxfp8's.
 
 Scale factor layouts (the tcgen05 block-scaled MMA's, PTX ISA "tcgen05 Matrix Descriptors ...
 scale factor A/B layout"): per 128 rows and 4 scale columns (K blocks) one 512-byte atom, row
@@ -37,7 +48,8 @@ warp roles, same hand-over of cp.async stages to the async proxy):
 
 - warp 5 (TMA): the weight k-tiles and their scale factors (GEMM2 also h's values and scales) into
   a ``PipelineTmaUmma`` of ``stages`` buffers, values in the UMMA-canonical K-major 128-byte
-  swizzled layout (a k-tile row is 128 bytes: tile_k 128 e4m3 or 256 e2m1), scales in the atoms;
+  swizzled layout (a k-tile row is 128 bytes: tile_k 128 e4m3, 256 packed e2m1 or, w4a8-mx's
+  weights, 128 e2m1 unpacked to a byte each), scales in the atoms;
 - warps 6-9 (GEMM1 only): thread t gathers row t of the M tile: its 128 value bytes per k-tile
   (eight 16-byte cp.async) and its scale bytes (one or four 4-byte cp.async), then completes,
   fences (``fence.proxy.async.shared::cta``) and arrives on the stage's full barrier ``lag``
@@ -58,8 +70,9 @@ factors, else one), then the scale factors of A (16 columns) and B (tile_n / 8 c
 k-tile's worth, rewritten by every k-tile's tcgen05.cp.
 
 Constraints (``gemm_limits.check_bs_umma``):
-  * sm_100a only; precisions mxfp8, nvfp4; tile_m 128; tile_n 128 or 256 (whole 128-row scale
-    atoms of B); tile_k 128 (mxfp8) or 256 (nvfp4): one 128-byte row per k-tile; 3 <= stages <= 8
+  * sm_100a only; precisions mxfp8, nvfp4, w4a8-mx; tile_m 128; tile_n 128 or 256 (whole 128-row
+    scale atoms of B); tile_k 128 (mxfp8, w4a8-mx) or 256 (nvfp4): one 128-byte row of the
+    activations per k-tile; 3 <= stages <= 8
     within 227 KB (``gemm_limits.bs_umma_smem_bytes``); hidden and intermediate multiples of 128.
   * GEMM1: interleave divides the scale block (16 | vec); no expert biases, no pre-activation output.
   * grid min(tiles, ctas) persistent CTAs of 320 (GEMM1) or 192 (GEMM2) threads.
@@ -159,7 +172,8 @@ class _UmmaBlockScaled:
     def _values(self, mQ, rows, cols, dtype: cutlass.Constexpr = None):
         """A [rows, cols] matrix of values (the activations' type, or ``dtype``) over the uint8
         bytes of ``mQ`` (cols elements per row)."""
-        return cute.make_tensor(cute.recast_ptr(mQ.iterator, dtype=self.val_dtype if const_expr(dtype is None) else dtype),
+        dtype = self.val_dtype if const_expr(dtype is None) else dtype
+        return cute.make_tensor(cute.recast_ptr(mQ.iterator, dtype=dtype),
                                 cute.make_layout((rows, cols), stride=(cols, 1)))
 
     @cute.jit
