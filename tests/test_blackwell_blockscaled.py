@@ -161,6 +161,40 @@ def test_ptx_block_scaled_mma_scale_copies_and_waits(precision, role, tile_n, st
         assert "cp.async.cg" not in body and "cp.async.ca" not in body
 
 
+@pytest.mark.parametrize("role", ["glu", "down"])
+def test_w4a8_device_code_is_mxfp8s_but_for_the_b_type_and_byte_count(role, tmp_path):
+    """w4a8-mx's kernels differ from mxfp8's (same tiles) on the device only where they must: line
+    for line, the PTX is the same but for the kernel's name, the bytes each stage's barrier expects
+    (the weights' k-tile counted packed: tile_n * 64 instead of tile_n * 128) and the instruction
+    descriptors' B type (E2M1, 5, instead of E4M3, 0, at bits 10-12). So shared memory, the
+    descriptors of the A and B stages, the scale copies and the pipelines are mxfp8's; only the
+    weights' TMA (host-encoded, format U4_UNPACK_U8) reads other global bytes."""
+    from moe_aot_templates.blackwell_blockscaled import BlackwellBlockScaledDownGemm, BlackwellBlockScaledGluGemm
+
+    cls = BlackwellBlockScaledGluGemm if role == "glu" else BlackwellBlockScaledDownGemm
+    ptx = {}
+    for precision in ("mxfp8", "w4a8-mx"):
+        obj = cls(**QWEN3_30B, tile_m=128, tile_n=128, tile_k=128, stages=6, precision=precision)
+        out = cute.compile(obj, *[f for _, f in obj.fake_arguments()],
+                           options=f"--gpu-arch sm_100a --keep-ptx --dump-dir {tmp_path}").__ptx__
+        ptx[precision] = re.sub(r"kernel_cutlass_\w+", "KERNEL", out[out.index(".entry"):]).splitlines()
+    a_b, b_b, sfa_b, sfb_b = limits.bs_umma_stage_bytes("mxfp8", 128, 128)
+    tx = b_b + sfb_b + (0 if role == "glu" else a_b + sfa_b)
+    assert len(ptx["mxfp8"]) == len(ptx["w4a8-mx"])
+    seen = set()
+    for old, new in zip(ptx["mxfp8"], ptx["w4a8-mx"]):
+        if old == new:
+            continue
+        mo = re.fullmatch(r"\s*(mov\.b32|or\.b32)\s+%r\d+,\s*(?:%r\d+,\s*)?(\d+);", old)
+        mn = re.fullmatch(r"\s*(mov\.b32|or\.b32)\s+%r\d+,\s*(?:%r\d+,\s*)?(\d+);", new)
+        assert mo and mn and old.rsplit(",", 1)[0] == new.rsplit(",", 1)[0], (old, new)
+        seen.add((mo[1], mo[2], mn[2]))
+        if mo[1] == "or.b32":  # an instruction descriptor: only B's type moved, E4M3 -> E2M1
+            assert int(mn[2]) ^ int(mo[2]) == 5 << 10 and (int(mo[2]) >> 10) & 7 == 0, (old, new)
+    movs = {d for d in seen if d[0] == "mov.b32"}
+    assert movs == {("mov.b32", str(tx), str(tx - b_b // 2))} and len(seen) > len(movs), seen
+
+
 def test_scale_layouts_are_the_tcgen05_atoms():
     """Traced with the DSL's own layouts: (1) the tcgen05 scale layout in global memory
     (tile_atom_to_shape_SF, what the TMA loads of w13s / w2s / hs read) puts row r, K block j where
