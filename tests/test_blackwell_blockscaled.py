@@ -350,6 +350,8 @@ def test_weights_prepared_for_sm100a(fmt):
     assert rows13.scale_layout == rows2.scale_layout == "rows"
     assert w13.scale_layout == w2.scale_layout == "tcgen05"
     assert torch.equal(w13.values, rows13.values) and torch.equal(w2.values, rows2.values)
+    # the values as the TMA reads them: a byte per e4m3, two e2m1 per byte (w4a8-mx's too: its TMA unpacks them)
+    assert w13.values.shape == (2, 256, 256 * limits.BS_ELEM_BITS[limits.BS_FORMATS[fmt][1]] // 8)
     assert torch.equal(w13.scales, blockscale.to_tcgen05_scales(rows13.scales))
     assert not torch.equal(w13.scales, rows13.scales)
     assert torch.equal(bw.dequantize(w13, fmt), bw.dequantize(rows13, fmt))  # the same numbers
