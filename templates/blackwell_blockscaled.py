@@ -17,11 +17,14 @@ instruction descriptor) reads A and B from shared memory and both operands' scal
 tensor memory, and accumulates in fp32 in tensor memory. NVFP4's fp32 global scales (1 / S_enc of
 x or h and of the expert's weight) multiply the sums in the epilogues.
 
-w4a8-mx (gpt-oss's MXFP4 weights, MXFP8 x and h exactly as "mxfp8" quantizes them): kind::mxf8f6f4
-reads both operands at a byte per element from shared memory, so the weights' TMA uses the
-unpacking data format (the DSL's ``U4_UNPACK_U8``, asked for with ``internal_type`` of a byte over
-an e2m1 global tensor): it reads the packed e2m1 bytes of w13q / w2q (two per byte, as the host
-prepares them) and writes each e2m1 into a byte of a stage laid out as mxfp8's (tile_k 128, the same
+w4a8-mx (gpt-oss's MXFP4 weights, MXFP8 x and h exactly as "mxfp8" quantizes them): with an 8-bit
+operand beside it, kind::mxf8f6f4 reads 4-bit operands from shared memory in the unpacked form,
+16 elements per 16 bytes (8 bytes of packed e2m1, then 8 bytes of gap), so the weights' TMA uses
+the unpacking data format (the DSL's ``U4_UNPACK_U8``, asked for with ``internal_type`` of a byte
+over an e2m1 global tensor; CUTLASS maps its unpacked-smem e2m1 to the driver's
+``CU_TENSOR_MAP_DATA_TYPE_16U4_ALIGN16B``, which writes exactly that): it reads the packed e2m1
+bytes of w13q / w2q (two per byte, as the host prepares them) into a stage that is, at the 16-byte
+granularity of the swizzle and the MMA's descriptors, mxfp8's (a byte stage of tile_k 128, the same
 128-byte swizzle and shared memory); the stage's barrier counts the packed bytes that cross
 (``gemm_limits.bs_umma_tx_bytes``, as NVIDIA's sm100 block-scaled collective and CuTe DSL example
 count such loads). Everything else (x's gather, h's quantizer, the scale atoms) is mxfp8's.
@@ -49,7 +52,7 @@ warp roles, same hand-over of cp.async stages to the async proxy):
 - warp 5 (TMA): the weight k-tiles and their scale factors (GEMM2 also h's values and scales) into
   a ``PipelineTmaUmma`` of ``stages`` buffers, values in the UMMA-canonical K-major 128-byte
   swizzled layout (a k-tile row is 128 bytes: tile_k 128 e4m3, 256 packed e2m1 or, w4a8-mx's
-  weights, 128 e2m1 unpacked to a byte each), scales in the atoms;
+  weights, 128 unpacked e2m1), scales in the atoms;
 - warps 6-9 (GEMM1 only): thread t gathers row t of the M tile: its 128 value bytes per k-tile
   (eight 16-byte cp.async) and its scale bytes (one or four 4-byte cp.async), then completes,
   fences (``fence.proxy.async.shared::cta``) and arrives on the stage's full barrier ``lag``
@@ -124,9 +127,9 @@ class _UmmaBlockScaled:
         self.bits, self.w_bits = limits.BS_ELEM_BITS[self.act_fmt], limits.BS_ELEM_BITS[self.w_fmt]
         self.val_dtype, self.sf_dtype = VALUE_DTYPES[self.act_fmt], SCALE_DTYPES[self.act_fmt]
         self.w_dtype = VALUE_DTYPES[self.w_fmt]
-        # w4a8-mx (e4m3 x e2m1 on kind::mxf8f6f4): the MMA reads both operands at a byte per
-        # element, so B's TMA unpacks the packed e2m1 weights into byte containers in shared
-        # memory (a TMA data format of 4-bit elements unpacked to 8-bit); B's stages are bytes
+        # w4a8-mx (e4m3 x e2m1 on kind::mxf8f6f4): the MMA reads the e2m1 weights unpacked, 16
+        # per 16 bytes of shared memory, which B's TMA writes from the packed bytes (a 4-bit data
+        # format unpacked to the 8-bit stride); B's stages are bytes, laid out as the e4m3 ones
         self.mixed = self.act_fmt != self.w_fmt
         self.w_smem_dtype = Uint8 if self.mixed else self.w_dtype
         self.n, self.k = n, k
@@ -191,7 +194,7 @@ class _UmmaBlockScaled:
         op = cpasync.CopyBulkTensorTileG2SOp(tcgen05.CtaGroup.ONE)
         internal = cutlass.Int16 if const_expr(scales) else None
         if const_expr(operand == "b" and not scales and self.mixed):
-            internal = self.w_smem_dtype  # a byte per e2m1 in shared memory: the unpacking TMA format
+            internal = self.w_smem_dtype  # a byte stage over 4-bit data: the unpacking TMA format
         if const_expr(operand == "a"):
             smem = sfa_l if const_expr(scales) else a_l
             return cute.nvgpu.make_tiled_tma_atom_A(op, mT, cute.slice_(smem, (None, None, None, 0)),
@@ -208,6 +211,19 @@ class _UmmaBlockScaled:
         tma_b, mBt = self._make_tma(self._values(mWq, rows, self.k, self.w_dtype), "b", False)
         tma_sfb, mSFBt = self._make_tma(self._scales(mWs, rows, self.k), "b", True)
         return tma_b, mBt, tma_sfb, mSFBt
+
+    def _fake_weights(self, e, n, k):
+        """The weights' values and scales as BlockScaled*Gemm takes them; w4a8-mx's values 32-byte
+        aligned: the driver's unpacking TMA type (CU_TENSOR_MAP_DATA_TYPE_16U4_ALIGN16B) wants a
+        32-byte aligned global address (its other rules, K and the row pitch multiples of 128
+        weights and 32 bytes, a 128-weight box, hold with tile_k 128)."""
+        from cutlass.cute.runtime import make_fake_tensor
+
+        wq, ws = super()._fake_weights(e, n, k)
+        if self.mixed:
+            qc = k * self.w_bits // 8
+            wq = make_fake_tensor(Uint8, (e, n, qc), (n * qc, qc, 1), assumed_align=limits.BS_UMMA_UNPACK_ALIGN)
+        return wq, ws
 
     def _launch_kw(self):
         return dict(use_pdl=self.pdl, min_blocks_per_mp=1)

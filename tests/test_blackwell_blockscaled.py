@@ -4,8 +4,8 @@ Compiled only: no Blackwell GPU was available, so nothing here (nor anywhere) ha
 kernels. What the CPU can check: `moe-aot build --target sm_100a --precision mxfp8 / nvfp4 /
 w4a8-mx` compiles a layer into a database; each GEMM's PTX and SASS hold the block-scaled tcgen05 MMA
 (SASS UTCQMMA for kind::mxf8f6f4, e4m3 x e4m3 or, w4a8-mx, e4m3 x e2m1 by its instruction
-descriptor; UTCOMMA.4X for kind::mxf4nvf4), w4a8-mx's weights loaded by an unpacking TMA (e2m1 to a
-byte each in shared memory), the scale factor copies into
+descriptor; UTCOMMA.4X for kind::mxf4nvf4), w4a8-mx's weights loaded by an unpacking TMA (16 e2m1
+per 16 bytes of shared memory), the scale factor copies into
 TMEM (UTCCP), TMEM loads, TMA loads and no local memory; the scale layouts the kernels read and
 write are the DSL's tcgen05 atoms and the host's permutation of them; the launcher asks for the
 shared memory the rule budgets; the rules and the runtime refuse what does not fit, in one sentence.
@@ -30,7 +30,7 @@ from moe_aot.compiler import TEMPLATES, build_template, template_family, toolcha
 from moe_aot.database import Database  # noqa: E402
 from moe_aot.runtime import blockscaled as bw  # noqa: E402
 from moe_aot.runtime import layer as layer_mod  # noqa: E402
-from moe_aot.runtime.library import KernelArgumentError  # noqa: E402
+from moe_aot.runtime.library import KernelArgumentError, check_tensor  # noqa: E402
 from moe_aot.spec import make_spec  # noqa: E402
 from moe_aot.variants import GemmTiles, LayerVariant, can_implement, default_variant  # noqa: E402
 
@@ -102,6 +102,19 @@ def test_build_compiles_the_tcgen05_block_scaled_layer(built, precision, tmp_pat
         else:
             assert names == (["hq", "hs", "w2q", "w2s", "sorted_ids", "tile_expert", "topk_weights", "y"]
                              + (["h_gamax", "w2_gamax"] if precision == "nvfp4" else []) + ["stream"])
+        # w4a8-mx's unpacking TMA wants a 32-byte aligned weight base: recorded, so the runtime checks it
+        align = {a["name"]: a.get("assumed_align") for a in art.meta["args"]}
+        assert align["w13q" if kv.role == "glu" else "w2q"] == (limits.BS_UMMA_UNPACK_ALIGN
+                                                                if precision == "w4a8-mx" else 16), align
+        if precision == "w4a8-mx" and kv.role == "down":
+            arg = next(a for a in art.meta["args"] if a["name"] == "w2q")
+            n = 128 * 2048 * 384  # [E, H, I/2], uninitialised: only the checks look at it
+            base = torch.empty(n + 64, dtype=torch.uint8)
+            at = (-base.data_ptr()) % 32
+            with pytest.raises(KernelArgumentError, match="'w2q' must be 32-byte aligned"):
+                check_tensor(arg, base[at + 16:at + 16 + n].view(128, 2048, 384), kv.name)
+            with pytest.raises(KernelArgumentError, match="CUDA tensor"):  # every other check passes
+                check_tensor(arg, base[at:at + n].view(128, 2048, 384), kv.name)
         sass = _sass(art.cubin, tmp_path)
         ops = _ops(sass)
         mma = MMA_SASS[precision]
@@ -270,7 +283,7 @@ def test_scale_layouts_are_the_tcgen05_atoms():
 def test_weight_tma_unpacks_e2m1_to_bytes(precision, tile_n):
     """The weights' TMA atom, traced with the kernel's own objects: w4a8-mx's reads the packed e2m1
     bytes of w13q / w2q (half a byte per weight, as the host prepares them) with the DSL's
-    U4_UNPACK_U8 format, so shared memory holds a byte per weight in the same 128-byte-swizzled
+    U4_UNPACK_U8 format, so shared memory holds 16 weights per 16 bytes in the same 128-byte-swizzled
     K-major stage layout as the e4m3 activations (what kind::mxf8f6f4 reads for both operands), and
     its transfer is the packed size gemm_limits.bs_umma_tx_bytes puts on the stage's barrier;
     mxfp8 and nvfp4 load their values unchanged (U8, U4)."""
@@ -350,7 +363,7 @@ def test_weights_prepared_for_sm100a(fmt):
     assert rows13.scale_layout == rows2.scale_layout == "rows"
     assert w13.scale_layout == w2.scale_layout == "tcgen05"
     assert torch.equal(w13.values, rows13.values) and torch.equal(w2.values, rows2.values)
-    # the values as the TMA reads them: a byte per e4m3, two e2m1 per byte (w4a8-mx's too: its TMA unpacks them)
+    # the values as the TMA reads them: a byte per e4m3, two e2m1 per byte (w4a8-mx's too: the TMA unpacks them)
     assert w13.values.shape == (2, 256, 256 * limits.BS_ELEM_BITS[limits.BS_FORMATS[fmt][1]] // 8)
     assert torch.equal(w13.scales, blockscale.to_tcgen05_scales(rows13.scales))
     assert not torch.equal(w13.scales, rows13.scales)

@@ -18,7 +18,7 @@ Scale layout, keyed by target (gemm_limits.bs_scale_layout): the sm_121a kernels
 row-major as above ("rows"); the sm_100a tcgen05 kernels (templates/blackwell_blockscaled.py) read
 them in the tcgen05 MMA's 128x4 atoms ("tcgen05", blockscale.to_tcgen05_scales: the same bytes,
 permuted per expert). The values are the same on both targets (w4a8-mx's stay packed: sm_100a's
-TMA unpacks them to a byte each on the way into shared memory). ``prepare_w13`` / ``prepare_w2`` /
+TMA unpacks them on the way into shared memory). ``prepare_w13`` / ``prepare_w2`` /
 ``from_gpt_oss`` take ``target`` and ``for_target`` converts a prepared weight; ``scale_layout`` says
 which layout a weight is in, and the layer refuses a weight in another target's layout.
 """
