@@ -79,7 +79,8 @@ Constraints (``gemm_limits.check_bs_umma``):
     within 227 KB (``gemm_limits.bs_umma_smem_bytes``); hidden and intermediate multiples of 128.
   * GEMM1: interleave divides the scale block (16 | vec); no expert biases, no pre-activation output.
   * grid min(tiles, ctas) persistent CTAs of 320 (GEMM1) or 192 (GEMM2) threads.
-  * all tensors 16-byte aligned (the runtime checks it).
+  * all tensors 16-byte aligned, w4a8-mx's weight values 32 (the unpacking TMA's rule; the runtime
+    checks both).
 """
 
 from typing import Optional
