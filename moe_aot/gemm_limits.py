@@ -579,7 +579,7 @@ def check_w4(precision, n, k, tile_m, tile_n, tile_k, stages, mma, threads=None)
 # sm_120 family only (DGX Spark's sm_121a here; sm_90a and sm_100a have neither). Values and scale
 # bytes are cp.async-ed per k-tile: a k-tile row is 64-256 value bytes and 4-16 scale bytes (one
 # cp.async of 4, 8 or 16 bytes), hence the k-tiles of BS_TILE_K elements.
-# "w4a8-mx" (gpt-oss's MXFP4 expert weights on the Spark): MXFP4 weights (e2m1, ue8m0 per 32) times
+# "w4a8-mx" (gpt-oss's MXFP4 expert weights; sm_100a: check_bs_umma): MXFP4 weights (e2m1, ue8m0 per 32) times
 # MXFP8 activations (x by the quantizer, h by GEMM1's epilogue, as "mxfp8"), on the mixed-type
 # `kind::mxf8f6f4 ... .e4m3.e2m1 ... ue8m0` (each e2m1 in a byte of the B registers, bits 5:2).
 # Not "mxfp4": that names the format (blockscale.FORMATS) and "mxfp4-w" Hopper's weight-only layer.
@@ -663,16 +663,22 @@ def check_blockscaled(role, precision, n, k, tile_m, tile_n, tile_k, stages, mma
 
 # Block-scaled GEMMs on tcgen05 (templates/blackwell_blockscaled.py, mma "umma", sm_100a only;
 # compiled, never run: no Blackwell GPU was available): the bf16 umma kernels' persistent loop with
-# `tcgen05.mma.cta_group::1.kind::mxf8f6f4.block_scale` (mxfp8) / `kind::mxf4nvf4.block_scale
+# `tcgen05.mma.cta_group::1.kind::mxf8f6f4.block_scale` (mxfp8; w4a8-mx: e4m3 x e2m1, the weights
+# unpacked by their TMA to 16 per 16 bytes of shared memory) / `kind::mxf4nvf4.block_scale
 # .scale_vec::4X` (nvfp4), the scale factors copied per k-tile from shared memory into TMEM
 # (tcgen05.cp) in the MMA's 128x4 atom layout (blockscale.to_tcgen05_scales). A k-tile row is one
-# 128-byte swizzle atom of values (four MMAs of K 32 e4m3 or 64 e2m1); tile_n covers whole 128-row
-# scale atoms of B. TMEM: the accumulators (two where they fit beside the scale factors) and one
-# k-tile's scale factors of A (tile_m / 32 * 4 columns) and B (tile_n / 32 * 4).
-BS_UMMA_PRECISIONS = ("mxfp8", "nvfp4")
+# 128-byte swizzle atom of values (four MMAs of K 32 e4m3 or unpacked e2m1, or K 64 packed e2m1);
+# tile_n covers whole 128-row scale atoms of B. TMEM: the accumulators (two where they fit beside
+# the scale factors) and one k-tile's scale factors of A (tile_m / 32 * 4 columns) and B (tile_n /
+# 32 * 4).
+BS_UMMA_PRECISIONS = ("mxfp8", "nvfp4", "w4a8-mx")
 BS_UMMA_TARGETS = ("sm_100a",)
 BS_UMMA_TILE_N = (128, 256)
 BS_UMMA_ROW_BYTES = 128  # value bytes of a k-tile row
+# w4a8-mx's weights: the unpacking TMA (CUDA's CU_TENSOR_MAP_DATA_TYPE_16U4_ALIGN16B: 16 packed e2m1,
+# 8 bytes, per 16-byte chunk of shared memory, 8 bytes of gap) wants a 32-byte aligned base, a row
+# pitch of a multiple of 32 bytes, K a multiple of 128 and a box of 128 weights along K (tile_k 128)
+BS_UMMA_UNPACK_ALIGN = 32
 SF_ATOM_ROWS, SF_ATOM_BLOCKS = 128, 4  # the scale atom: 128 rows x 4 K blocks, 512 bytes
 # How a target's block-scaled kernels read the weights' scale bytes (and GEMM1 writes h's):
 # "rows" row-major [rows, K/vec] as blockscale.quantize gives them (mma.sync takes its scales from
@@ -718,6 +724,13 @@ def bs_umma_stage_bytes(precision, tile_m, tile_n) -> tuple[int, int, int, int]:
     atoms = blocks // SF_ATOM_BLOCKS * 512
     return (tile_m * BS_UMMA_ROW_BYTES, tile_n * BS_UMMA_ROW_BYTES, tile_m // SF_ATOM_ROWS * atoms,
             -(-tile_n // SF_ATOM_ROWS) * atoms)
+
+
+def bs_umma_tx_bytes(precision, rows) -> int:
+    """Bytes a k-tile's TMA load of ``rows`` weight rows counts on its stage's barrier: the packed
+    global bytes (w4a8-mx: half a byte per e2m1, though they fill twice that in shared memory), as
+    NVIDIA's sm100 block-scaled collective and CuTe DSL example count their unpacking loads."""
+    return rows * bs_umma_tile_k(precision) * BS_ELEM_BITS[BS_FORMATS[precision][1]] // 8
 
 
 def bs_umma_smem_bytes(precision, tile_m, tile_n, stages) -> int:

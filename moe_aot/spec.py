@@ -15,12 +15,12 @@ from pathlib import Path
 from .gemm_limits import ACTIVATIONS, BIAS_PRECISIONS, BLOCKSCALED, BS_SIZE_MULTIPLE, STANDINS, with_standins
 
 # "mxfp4-w": weight-only MXFP4 (gpt-oss's expert weights as shipped), activations bf16
-# "w4a8-mx": MXFP4 weights (gpt-oss's) times MXFP8 activations, block-scaled on the sm_120 family
+# "w4a8-mx": MXFP4 weights (gpt-oss's) times MXFP8 activations, block-scaled (sm_121a, sm_100a)
 PRECISIONS = ("bf16", "fp8", "fp8-block128", "mxfp4-w", "mxfp8", "nvfp4", "w4a8-mx")
 SUPPORTED_PRECISIONS = {"sm_90a": ("bf16", "fp8", "fp8-block128", "mxfp4-w"),
-                        # mxfp8 / nvfp4 on sm_100a: tcgen05 block-scaled MMAs (templates/blackwell_blockscaled.py;
-                        # compiled only, no Blackwell GPU was available)
-                        "sm_100a": ("bf16", "fp8", "fp8-block128", "mxfp8", "nvfp4"),
+                        # mxfp8 / nvfp4 / w4a8-mx on sm_100a: tcgen05 block-scaled MMAs
+                        # (templates/blackwell_blockscaled.py; compiled only, no Blackwell GPU was available)
+                        "sm_100a": ("bf16", "fp8", "fp8-block128", "mxfp8", "nvfp4", "w4a8-mx"),
                         # mxfp8 / nvfp4 / w4a8-mx: the block-scaled mma.sync of the sm_120 family
                         # (templates/blockscaled_warp.py)
                         "sm_121a": ("bf16", "fp8", "fp8-block128", "mxfp8", "nvfp4", "w4a8-mx")}

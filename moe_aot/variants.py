@@ -689,7 +689,7 @@ def _default_w4(spec: LayerSpec, rows_per_expert: float, cluster: int) -> LayerV
 
 
 def _default_blockscaled(spec: LayerSpec, rows_per_expert: float) -> LayerVariant:
-    """mxfp8 / nvfp4's untuned choice on the sm_120 family (compiled, never measured: no Spark was
+    """mxfp8 / nvfp4 / w4a8-mx's untuned choice on the sm_120 family (compiled, never measured: no Spark was
     available): decode (few rows per expert) streams the weights with 16-row tiles, 64 weight rows
     and 256-wide k-tiles per CTA (256 weight bytes per row per k-tile for mxfp8, 128 for nvfp4) in a
     3-4 deep cp.async pipeline within GB10's 99 KB; more rows per expert take 64-row tiles with

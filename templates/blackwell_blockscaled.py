@@ -1,4 +1,4 @@
-"""Block-scaled grouped GEMMs ("mxfp8", "nvfp4") for Blackwell (sm_100a) on tcgen05 (mma="umma").
+"""Block-scaled grouped GEMMs ("mxfp8", "nvfp4", "w4a8-mx") for Blackwell (sm_100a) on tcgen05 (mma="umma").
 
 **Compiled only, never run**: no Blackwell GPU was available when this was written. These kernels
 compile for sm_100a on a CPU machine (their SASS holds the block-scaled tcgen05 MMA, the scale
@@ -11,9 +11,23 @@ expert's interleaved gate/up weights, applies the GLU and quantizes h into the a
 format; GEMM2 multiplies h by the down weights and writes each routed row times its routing
 weight, bf16, to ``y[p]``. The MMA (PTX ``tcgen05.mma.cta_group::1.kind::mxf8f6f4.block_scale``
 for "mxfp8": e4m3 with a ue8m0 scale per 32 along K; ``kind::mxf4nvf4.block_scale.scale_vec::4X``
-for "nvfp4": e2m1 with an e4m3 scale per 16) reads A and B from shared memory and both operands'
-scale factors from tensor memory, and accumulates in fp32 in tensor memory. NVFP4's fp32 global
-scales (1 / S_enc of x or h and of the expert's weight) multiply the sums in the epilogues.
+for "nvfp4": e2m1 with an e4m3 scale per 16; ``kind::mxf8f6f4`` again for "w4a8-mx": e4m3
+activations times e2m1 weights, a ue8m0 scale per 32 on both, the operand types in the
+instruction descriptor) reads A and B from shared memory and both operands' scale factors from
+tensor memory, and accumulates in fp32 in tensor memory. NVFP4's fp32 global scales (1 / S_enc of
+x or h and of the expert's weight) multiply the sums in the epilogues.
+
+w4a8-mx (gpt-oss's MXFP4 weights, MXFP8 x and h exactly as "mxfp8" quantizes them): with an 8-bit
+operand beside it, kind::mxf8f6f4 reads 4-bit operands from shared memory in the unpacked form,
+16 elements per 16 bytes (8 bytes of packed e2m1, then 8 bytes of gap), so the weights' TMA uses
+the unpacking data format (the DSL's ``U4_UNPACK_U8``, asked for with ``internal_type`` of a byte
+over an e2m1 global tensor; CUTLASS maps its unpacked-smem e2m1 to the driver's
+``CU_TENSOR_MAP_DATA_TYPE_16U4_ALIGN16B``, which writes exactly that): it reads the packed e2m1
+bytes of w13q / w2q (two per byte, as the host prepares them) into a stage that is, at the 16-byte
+granularity of the swizzle and the MMA's descriptors, mxfp8's (a byte stage of tile_k 128, the same
+128-byte swizzle and shared memory); the stage's barrier counts the packed bytes that cross
+(``gemm_limits.bs_umma_tx_bytes``, as NVIDIA's sm100 block-scaled collective and CuTe DSL example
+count such loads). Everything else (x's gather, h's quantizer, the scale atoms) is mxfp8's.
 
 Scale factor layouts (the tcgen05 block-scaled MMA's, PTX ISA "tcgen05 Matrix Descriptors ...
 scale factor A/B layout"): per 128 rows and 4 scale columns (K blocks) one 512-byte atom, row
@@ -37,7 +51,8 @@ warp roles, same hand-over of cp.async stages to the async proxy):
 
 - warp 5 (TMA): the weight k-tiles and their scale factors (GEMM2 also h's values and scales) into
   a ``PipelineTmaUmma`` of ``stages`` buffers, values in the UMMA-canonical K-major 128-byte
-  swizzled layout (a k-tile row is 128 bytes: tile_k 128 e4m3 or 256 e2m1), scales in the atoms;
+  swizzled layout (a k-tile row is 128 bytes: tile_k 128 e4m3, 256 packed e2m1 or, w4a8-mx's
+  weights, 128 unpacked e2m1), scales in the atoms;
 - warps 6-9 (GEMM1 only): thread t gathers row t of the M tile: its 128 value bytes per k-tile
   (eight 16-byte cp.async) and its scale bytes (one or four 4-byte cp.async), then completes,
   fences (``fence.proxy.async.shared::cta``) and arrives on the stage's full barrier ``lag``
@@ -58,12 +73,14 @@ factors, else one), then the scale factors of A (16 columns) and B (tile_n / 8 c
 k-tile's worth, rewritten by every k-tile's tcgen05.cp.
 
 Constraints (``gemm_limits.check_bs_umma``):
-  * sm_100a only; precisions mxfp8, nvfp4; tile_m 128; tile_n 128 or 256 (whole 128-row scale
-    atoms of B); tile_k 128 (mxfp8) or 256 (nvfp4): one 128-byte row per k-tile; 3 <= stages <= 8
+  * sm_100a only; precisions mxfp8, nvfp4, w4a8-mx; tile_m 128; tile_n 128 or 256 (whole 128-row
+    scale atoms of B); tile_k 128 (mxfp8, w4a8-mx) or 256 (nvfp4): one 128-byte row of the
+    activations per k-tile; 3 <= stages <= 8
     within 227 KB (``gemm_limits.bs_umma_smem_bytes``); hidden and intermediate multiples of 128.
   * GEMM1: interleave divides the scale block (16 | vec); no expert biases, no pre-activation output.
   * grid min(tiles, ctas) persistent CTAs of 320 (GEMM1) or 192 (GEMM2) threads.
-  * all tensors 16-byte aligned (the runtime checks it).
+  * all tensors 16-byte aligned, w4a8-mx's weight values 32 (the unpacking TMA's rule; the runtime
+    checks both).
 """
 
 from typing import Optional
@@ -108,9 +125,14 @@ class _UmmaBlockScaled:
         self.nvfp4 = precision == "nvfp4"
         self.act_fmt, self.w_fmt = limits.BS_FORMATS[precision]
         self.vec = limits.BLOCKSCALE_BLOCK[self.act_fmt]
-        self.bits = self.w_bits = limits.BS_ELEM_BITS[self.act_fmt]
+        self.bits, self.w_bits = limits.BS_ELEM_BITS[self.act_fmt], limits.BS_ELEM_BITS[self.w_fmt]
         self.val_dtype, self.sf_dtype = VALUE_DTYPES[self.act_fmt], SCALE_DTYPES[self.act_fmt]
-        self.w_dtype = self.val_dtype
+        self.w_dtype = VALUE_DTYPES[self.w_fmt]
+        # w4a8-mx (e4m3 x e2m1 on kind::mxf8f6f4): the MMA reads the e2m1 weights unpacked, 16
+        # per 16 bytes of shared memory, which B's TMA writes from the packed bytes (a 4-bit data
+        # format unpacked to the 8-bit stride); B's stages are bytes, laid out as the e4m3 ones
+        self.mixed = self.act_fmt != self.w_fmt
+        self.w_smem_dtype = Uint8 if self.mixed else self.w_dtype
         self.n, self.k = n, k
         self.k_bytes, self.k_scales = k * self.bits // 8, k // self.vec  # per row in global memory
         self.tile_m, self.tile_n, self.tile_k, self.stages = tile_m, tile_n, tile_k, stages
@@ -142,7 +164,7 @@ class _UmmaBlockScaled:
         """Staged shared-memory layouts (A, B, SFA, SFB)."""
         t = self._mma_tiler()
         return (sm100_utils.make_smem_layout_a(tiled_mma, t, self.val_dtype, self.stages),
-                sm100_utils.make_smem_layout_b(tiled_mma, t, self.w_dtype, self.stages),
+                sm100_utils.make_smem_layout_b(tiled_mma, t, self.w_smem_dtype, self.stages),
                 bs_layout.make_smem_layout_sfa(tiled_mma, t, self.vec, self.stages),
                 bs_layout.make_smem_layout_sfb(tiled_mma, t, self.vec, self.stages))
 
@@ -151,9 +173,11 @@ class _UmmaBlockScaled:
         return limits.bs_umma_stage_bytes(self.precision, self.tile_m, self.tile_n)
 
     @cute.jit
-    def _values(self, mQ, rows, cols):
-        """A [rows, cols] matrix of values over the uint8 bytes of ``mQ`` (cols elements per row)."""
-        return cute.make_tensor(cute.recast_ptr(mQ.iterator, dtype=self.val_dtype),
+    def _values(self, mQ, rows, cols, dtype: cutlass.Constexpr = None):
+        """A [rows, cols] matrix of values (the activations' type, or ``dtype``) over the uint8
+        bytes of ``mQ`` (cols elements per row)."""
+        dtype = self.val_dtype if const_expr(dtype is None) else dtype
+        return cute.make_tensor(cute.recast_ptr(mQ.iterator, dtype=dtype),
                                 cute.make_layout((rows, cols), stride=(cols, 1)))
 
     @cute.jit
@@ -170,6 +194,8 @@ class _UmmaBlockScaled:
         a_l, b_l, sfa_l, sfb_l = self._layouts(tiled_mma)
         op = cpasync.CopyBulkTensorTileG2SOp(tcgen05.CtaGroup.ONE)
         internal = cutlass.Int16 if const_expr(scales) else None
+        if const_expr(operand == "b" and not scales and self.mixed):
+            internal = self.w_smem_dtype  # a byte stage over 4-bit data: the unpacking TMA format
         if const_expr(operand == "a"):
             smem = sfa_l if const_expr(scales) else a_l
             return cute.nvgpu.make_tiled_tma_atom_A(op, mT, cute.slice_(smem, (None, None, None, 0)),
@@ -183,9 +209,22 @@ class _UmmaBlockScaled:
         """TMA atoms of all experts' weights seen as one [E*N, K] matrix (expert e's N tile j is
         row tile e * (N / tile_n) + j), values and scale factors."""
         rows = self.num_experts * self.n
-        tma_b, mBt = self._make_tma(self._values(mWq, rows, self.k), "b", False)
+        tma_b, mBt = self._make_tma(self._values(mWq, rows, self.k, self.w_dtype), "b", False)
         tma_sfb, mSFBt = self._make_tma(self._scales(mWs, rows, self.k), "b", True)
         return tma_b, mBt, tma_sfb, mSFBt
+
+    def _fake_weights(self, e, n, k):
+        """The weights' values and scales as BlockScaled*Gemm takes them; w4a8-mx's values 32-byte
+        aligned: the driver's unpacking TMA type (CU_TENSOR_MAP_DATA_TYPE_16U4_ALIGN16B) wants a
+        32-byte aligned global address (its other rules, K and the row pitch multiples of 128
+        weights and 32 bytes, a 128-weight box, hold with tile_k 128)."""
+        from cutlass.cute.runtime import make_fake_tensor
+
+        wq, ws = super()._fake_weights(e, n, k)
+        if self.mixed:
+            qc = k * self.w_bits // 8
+            wq = make_fake_tensor(Uint8, (e, n, qc), (n * qc, qc, 1), assumed_align=limits.BS_UMMA_UNPACK_ALIGN)
+        return wq, ws
 
     def _launch_kw(self):
         return dict(use_pdl=self.pdl, min_blocks_per_mp=1)
@@ -210,7 +249,7 @@ class _UmmaBlockScaled:
         tmem_slot = smem.allocate_array(Int32, 1, byte_alignment=4)
         base = smem.allocate(st * (a_b + b_b + sfa_b + sfb_b), byte_alignment=1024)
         sA = cute.make_tensor(cute.recast_ptr(base, a_l.inner, self.val_dtype), a_l.outer)
-        sB = cute.make_tensor(cute.recast_ptr(base + st * a_b, b_l.inner, self.w_dtype), b_l.outer)
+        sB = cute.make_tensor(cute.recast_ptr(base + st * a_b, b_l.inner, self.w_smem_dtype), b_l.outer)
         sf_base = base + st * (a_b + b_b)
         sSFA = cute.make_tensor(cute.recast_ptr(sf_base, dtype=self.sf_dtype), sfa_l)
         sSFB = cute.make_tensor(cute.recast_ptr(sf_base + st * sfa_b, dtype=self.sf_dtype), sfb_l)
@@ -224,7 +263,7 @@ class _UmmaBlockScaled:
         sSFA_cp = cute.make_tensor(cute.recast_ptr(sf_base, dtype=Uint8), cute.make_layout(
             ((32, self.tile_m // 32), groups, _SF_PIECE, st), stride=((16, 4), 512, 1, sfa_b)))
 
-        tx = b_b + sfb_b
+        tx = limits.bs_umma_tx_bytes(self.precision, self.tile_n) + sfb_b  # the weights' k-tile
         producers = 1
         if const_expr(self.glu):
             producers = 1 + LOAD_THREADS  # the TMA warp's byte count and each loader thread

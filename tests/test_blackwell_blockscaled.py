@@ -1,9 +1,11 @@
 """CPU tests of the sm_100a block-scaled tcgen05 GEMMs (templates/blackwell_blockscaled.py, mma "umma").
 
 Compiled only: no Blackwell GPU was available, so nothing here (nor anywhere) has run these
-kernels. What the CPU can check: `moe-aot build --target sm_100a --precision mxfp8 / nvfp4`
-compiles a layer into a database; each GEMM's PTX and SASS hold the block-scaled tcgen05 MMA
-(SASS UTCQMMA for kind::mxf8f6f4, UTCOMMA.4X for kind::mxf4nvf4), the scale factor copies into
+kernels. What the CPU can check: `moe-aot build --target sm_100a --precision mxfp8 / nvfp4 /
+w4a8-mx` compiles a layer into a database; each GEMM's PTX and SASS hold the block-scaled tcgen05 MMA
+(SASS UTCQMMA for kind::mxf8f6f4, e4m3 x e4m3 or, w4a8-mx, e4m3 x e2m1 by its instruction
+descriptor; UTCOMMA.4X for kind::mxf4nvf4), w4a8-mx's weights loaded by an unpacking TMA (16 e2m1
+per 16 bytes of shared memory), the scale factor copies into
 TMEM (UTCCP), TMEM loads, TMA loads and no local memory; the scale layouts the kernels read and
 write are the DSL's tcgen05 atoms and the host's permutation of them; the launcher asks for the
 shared memory the rule budgets; the rules and the runtime refuse what does not fit, in one sentence.
@@ -28,15 +30,20 @@ from moe_aot.compiler import TEMPLATES, build_template, template_family, toolcha
 from moe_aot.database import Database  # noqa: E402
 from moe_aot.runtime import blockscaled as bw  # noqa: E402
 from moe_aot.runtime import layer as layer_mod  # noqa: E402
-from moe_aot.runtime.library import KernelArgumentError  # noqa: E402
+from moe_aot.runtime.library import KernelArgumentError, check_tensor  # noqa: E402
 from moe_aot.spec import make_spec  # noqa: E402
 from moe_aot.variants import GemmTiles, LayerVariant, can_implement, default_variant  # noqa: E402
 
 QWEN3_30B = dict(num_experts=128, hidden=2048, intermediate=768, top_k=8)
-MMA_SASS = {"mxfp8": "UTCQMMA", "nvfp4": "UTCOMMA"}
+PRECISIONS = ("mxfp8", "nvfp4", "w4a8-mx")
+MMA_SASS = {"mxfp8": "UTCQMMA", "nvfp4": "UTCOMMA", "w4a8-mx": "UTCQMMA"}
 MMA_PTX = {"mxfp8": "tcgen05.mma.cta_group::1.kind::mxf8f6f4.block_scale",
-           "nvfp4": "tcgen05.mma.cta_group::1.kind::mxf4nvf4.block_scale"}
-H_CVT = {"mxfp8": "F2FP.SATFINITE.E4M3.F32", "nvfp4": "F2FP.SATFINITE.E2M1.F32"}  # GEMM1's quantizer
+           "nvfp4": "tcgen05.mma.cta_group::1.kind::mxf4nvf4.block_scale",
+           "w4a8-mx": "tcgen05.mma.cta_group::1.kind::mxf8f6f4.block_scale"}
+# h's format: GEMM1's quantizer (w4a8-mx's activations are mxfp8)
+H_CVT = {"mxfp8": "F2FP.SATFINITE.E4M3.F32", "nvfp4": "F2FP.SATFINITE.E2M1.F32", "w4a8-mx": "F2FP.SATFINITE.E4M3.F32"}
+# kind::mxf8f6f4's instruction descriptor: (A type, B type) at bits 7-9 and 10-12 (PTX ISA: E4M3 0, E2M1 5)
+MXF8F6F4_TYPES = {"mxfp8": (0, 0), "w4a8-mx": (0, 5)}
 
 
 def _sass(cubin: bytes, tmp_path) -> str:
@@ -60,10 +67,10 @@ def _ops(sass: str) -> dict[str, int]:
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
-    """`moe-aot build --model qwen3-30b-a3b --target sm_100a --precision P` for both precisions
-    into one fresh database."""
+    """`moe-aot build --model qwen3-30b-a3b --target sm_100a --precision P` for the three
+    precisions into one fresh database."""
     url = f"sqlite:///{tmp_path_factory.mktemp('bwbs') / 'bs.sqlite'}"
-    for precision in ("mxfp8", "nvfp4"):
+    for precision in PRECISIONS:
         res = CliRunner().invoke(main, ["build", "--model", "qwen3-30b-a3b", "--target", "sm_100a",
                                         "--precision", precision, "--jobs", "2", "--db", url])
         assert res.exit_code == 0, res.output
@@ -73,7 +80,7 @@ def built(tmp_path_factory):
     db.close()
 
 
-@pytest.mark.parametrize("precision", ["mxfp8", "nvfp4"])
+@pytest.mark.parametrize("precision", PRECISIONS)
 def test_build_compiles_the_tcgen05_block_scaled_layer(built, precision, tmp_path):
     spec = make_spec("qwen3-30b-a3b", target="sm_100a", precision=precision)
     tool = toolchain_key("sm_100a")
@@ -95,6 +102,19 @@ def test_build_compiles_the_tcgen05_block_scaled_layer(built, precision, tmp_pat
         else:
             assert names == (["hq", "hs", "w2q", "w2s", "sorted_ids", "tile_expert", "topk_weights", "y"]
                              + (["h_gamax", "w2_gamax"] if precision == "nvfp4" else []) + ["stream"])
+        # w4a8-mx's unpacking TMA wants a 32-byte aligned weight base: recorded, so the runtime checks it
+        align = {a["name"]: a.get("assumed_align") for a in art.meta["args"]}
+        assert align["w13q" if kv.role == "glu" else "w2q"] == (limits.BS_UMMA_UNPACK_ALIGN
+                                                                if precision == "w4a8-mx" else 16), align
+        if precision == "w4a8-mx" and kv.role == "down":
+            arg = next(a for a in art.meta["args"] if a["name"] == "w2q")
+            n = 128 * 2048 * 384  # [E, H, I/2], uninitialised: only the checks look at it
+            base = torch.empty(n + 64, dtype=torch.uint8)
+            at = (-base.data_ptr()) % 32
+            with pytest.raises(KernelArgumentError, match="'w2q' must be 32-byte aligned"):
+                check_tensor(arg, base[at + 16:at + 16 + n].view(128, 2048, 384), kv.name)
+            with pytest.raises(KernelArgumentError, match="CUDA tensor"):  # every other check passes
+                check_tensor(arg, base[at:at + n].view(128, 2048, 384), kv.name)
         sass = _sass(art.cubin, tmp_path)
         ops = _ops(sass)
         mma = MMA_SASS[precision]
@@ -112,11 +132,13 @@ def test_build_compiles_the_tcgen05_block_scaled_layer(built, precision, tmp_pat
 
 
 @pytest.mark.parametrize("precision, role, tile_n, stages", [
-    ("mxfp8", "glu", 256, 4), ("nvfp4", "down", 128, 3), ("nvfp4", "glu", 128, 6)])
+    ("mxfp8", "glu", 256, 4), ("nvfp4", "down", 128, 3), ("nvfp4", "glu", 128, 6), ("w4a8-mx", "glu", 256, 4),
+    ("w4a8-mx", "down", 128, 6)])
 def test_ptx_block_scaled_mma_scale_copies_and_waits(precision, role, tile_n, stages, tmp_path):
-    """Other tiles compile; the PTX has only the block-scaled tcgen05 MMA of the precision, the
-    32x128b scale copies, one wait per TMEM load, the accumulators the TMEM rule gives, and GEMM1's
-    full barriers count the 128 loader threads beside the TMA warp."""
+    """Other tiles compile; the PTX has only the block-scaled tcgen05 MMA of the precision (for
+    kind::mxf8f6f4 with the operand types of its instruction descriptor: e4m3 x e2m1 for
+    w4a8-mx), the 32x128b scale copies, one wait per TMEM load, the accumulators the TMEM rule
+    gives, and GEMM1's full barriers count the 128 loader threads beside the TMA warp."""
     from moe_aot_templates.blackwell_blockscaled import BlackwellBlockScaledDownGemm, BlackwellBlockScaledGluGemm
 
     cls = BlackwellBlockScaledGluGemm if role == "glu" else BlackwellBlockScaledDownGemm
@@ -128,6 +150,15 @@ def test_ptx_block_scaled_mma_scale_copies_and_waits(precision, role, tile_n, st
     body = ptx[ptx.index(".entry"):]
     mmas = re.findall(r"tcgen05\.mma\.[\w:.]+", body)
     assert mmas and all(m.startswith(MMA_PTX[precision]) for m in mmas), set(mmas)
+    if precision in MXF8F6F4_TYPES:
+        # the descriptor register of every MMA (its 4th operand), an or/mov of a constant
+        regs = set(re.findall(r"tcgen05\.mma\.[\w:.]+\s+\[[^\]]+\],\s*%rd\d+,\s*%rd\d+,\s*(%r\d+),", body))
+        descs = set()
+        for reg in regs:
+            m = re.search(rf"(?:or|mov)\.b32\s+{reg},\s*(?:%r\d+,\s*)?(\d+);", body)
+            assert m, reg
+            descs.add(((int(m[1]) >> 7) & 7, (int(m[1]) >> 10) & 7, (int(m[1]) >> 17) & 63))
+        assert descs == {(*MXF8F6F4_TYPES[precision], tile_n // 8)}, descs
     assert "tcgen05.cp.cta_group::1.32x128b.warpx4" in body
     lds = body.count("tcgen05.ld.sync")
     assert lds == tile_n // obj.epi_n and body.count("tcgen05.wait::ld") == lds
@@ -141,6 +172,40 @@ def test_ptx_block_scaled_mma_scale_copies_and_waits(precision, role, tile_n, st
         assert 1 + limits.LOAD_THREADS in inits
     else:
         assert "cp.async.cg" not in body and "cp.async.ca" not in body
+
+
+@pytest.mark.parametrize("role", ["glu", "down"])
+def test_w4a8_device_code_is_mxfp8s_but_for_the_b_type_and_byte_count(role, tmp_path):
+    """w4a8-mx's kernels differ from mxfp8's (same tiles) on the device only where they must: line
+    for line, the PTX is the same but for the kernel's name, the bytes each stage's barrier expects
+    (the weights' k-tile counted packed: tile_n * 64 instead of tile_n * 128) and the instruction
+    descriptors' B type (E2M1, 5, instead of E4M3, 0, at bits 10-12). So shared memory, the
+    descriptors of the A and B stages, the scale copies and the pipelines are mxfp8's; only the
+    weights' TMA (host-encoded, format U4_UNPACK_U8) reads other global bytes."""
+    from moe_aot_templates.blackwell_blockscaled import BlackwellBlockScaledDownGemm, BlackwellBlockScaledGluGemm
+
+    cls = BlackwellBlockScaledGluGemm if role == "glu" else BlackwellBlockScaledDownGemm
+    ptx = {}
+    for precision in ("mxfp8", "w4a8-mx"):
+        obj = cls(**QWEN3_30B, tile_m=128, tile_n=128, tile_k=128, stages=6, precision=precision)
+        out = cute.compile(obj, *[f for _, f in obj.fake_arguments()],
+                           options=f"--gpu-arch sm_100a --keep-ptx --dump-dir {tmp_path}").__ptx__
+        ptx[precision] = re.sub(r"kernel_cutlass_\w+", "KERNEL", out[out.index(".entry"):]).splitlines()
+    a_b, b_b, sfa_b, sfb_b = limits.bs_umma_stage_bytes("mxfp8", 128, 128)
+    tx = b_b + sfb_b + (0 if role == "glu" else a_b + sfa_b)
+    assert len(ptx["mxfp8"]) == len(ptx["w4a8-mx"])
+    seen = set()
+    for old, new in zip(ptx["mxfp8"], ptx["w4a8-mx"]):
+        if old == new:
+            continue
+        mo = re.fullmatch(r"\s*(mov\.b32|or\.b32)\s+%r\d+,\s*(?:%r\d+,\s*)?(\d+);", old)
+        mn = re.fullmatch(r"\s*(mov\.b32|or\.b32)\s+%r\d+,\s*(?:%r\d+,\s*)?(\d+);", new)
+        assert mo and mn and old.rsplit(",", 1)[0] == new.rsplit(",", 1)[0], (old, new)
+        seen.add((mo[1], mo[2], mn[2]))
+        if mo[1] == "or.b32":  # an instruction descriptor: only B's type moved, E4M3 -> E2M1
+            assert int(mn[2]) ^ int(mo[2]) == 5 << 10 and (int(mo[2]) >> 10) & 7 == 0, (old, new)
+    movs = {d for d in seen if d[0] == "mov.b32"}
+    assert movs == {("mov.b32", str(tx), str(tx - b_b // 2))} and len(seen) > len(movs), seen
 
 
 def test_scale_layouts_are_the_tcgen05_atoms():
@@ -214,6 +279,47 @@ def test_scale_layouts_are_the_tcgen05_atoms():
         assert obj.acc_stages * tile_n + want_a + want_b <= obj.tmem_cols <= limits.TMEM_COLUMNS
 
 
+@pytest.mark.parametrize("precision, tile_n", [("w4a8-mx", 128), ("w4a8-mx", 256), ("mxfp8", 128), ("nvfp4", 256)])
+def test_weight_tma_unpacks_e2m1_to_bytes(precision, tile_n):
+    """The weights' TMA atom, traced with the kernel's own objects: w4a8-mx's reads the packed e2m1
+    bytes of w13q / w2q (half a byte per weight, as the host prepares them) with the DSL's
+    U4_UNPACK_U8 format, so shared memory holds 16 weights per 16 bytes in the same 128-byte-swizzled
+    K-major stage layout as the e4m3 activations (what kind::mxf8f6f4 reads for both operands), and
+    its transfer is the packed size gemm_limits.bs_umma_tx_bytes puts on the stage's barrier;
+    mxfp8 and nvfp4 load their values unchanged (U8, U4)."""
+    from moe_aot_templates.blackwell_blockscaled import BlackwellBlockScaledDownGemm
+
+    obj = BlackwellBlockScaledDownGemm(**QWEN3_30B, tile_m=128, tile_n=tile_n, tile_k=limits.bs_umma_tile_k(precision),
+                                       stages=3, precision=precision)
+    args = dict(obj.fake_arguments())
+    seen = {}
+
+    @cute.jit
+    def trace(wq: cute.Tensor, ws: cute.Tensor):
+        tma_b, _, _, _ = obj._make_tma_w(wq, ws)
+        seen["atom"] = str(tma_b._trait.value.type)
+        a_l, b_l, _, _ = obj._layouts(obj._make_umma())
+        seen["a"], seen["b"] = (str(a_l.inner), cute.cosize(a_l.outer)), (str(b_l.inner), cute.cosize(b_l.outer))
+        seen["offsets"] = [(cute.crd2idx(((n, k), 0, kb, st), b_l.outer), cute.crd2idx(((n, k), 0, kb, st), a_l.outer))
+                           for n in (0, 1, 9, 127) for k in (0, 1, 31) for kb in (0, 3) for st in (0, 2)]
+
+    cute.compile(trace, args["w2q"], args["w2s"], options="--gpu-arch sm_100a")
+    fmt = re.search(r"tma_format = (\w+)", seen["atom"])[1]
+    bits = int(re.search(r"copy_bits = (\d+)", seen["atom"])[1])
+    assert fmt == {"w4a8-mx": "U4_UNPACK_U8", "mxfp8": "U8", "nvfp4": "U4"}[precision], seen["atom"]
+    assert bits == 8 * limits.bs_umma_tx_bytes(precision, tile_n), seen["atom"]
+    a_b, b_b, _, _ = limits.bs_umma_stage_bytes(precision, 128, tile_n)
+    if precision == "w4a8-mx":
+        assert "f4E2M1FN" in seen["atom"] and bits == 8 * b_b // 2  # half the shared-memory bytes cross
+        assert limits.bs_umma_stage_bytes(precision, 128, tile_n) == limits.bs_umma_stage_bytes("mxfp8", 128, tile_n)
+        # B's stages are bytes: A's swizzle and, with tile_n = tile_m, A's offsets element for element
+        assert seen["b"][0] == seen["a"][0] and seen["b"][1] == 3 * b_b
+        if tile_n == 128:
+            assert all(b == a for b, a in seen["offsets"]), seen["offsets"]
+    else:
+        assert bits == 8 * b_b
+
+
 def _sfa_pairs(sfa_l, cp, inst_k, vec, blocks):
     """(offset in the MMA's SFA stage layout, offset in GEMM1's gather view) of row r, K block j,
     stage s (plain Python, called while tracing: the DSL would turn its loops into device loops)."""
@@ -248,7 +354,7 @@ def test_tcgen05_scale_layout_is_a_permutation_that_round_trips():
         blockscale.to_scale_layout(s, "swizzled")
 
 
-@pytest.mark.parametrize("fmt", ["mxfp8", "nvfp4"])
+@pytest.mark.parametrize("fmt", PRECISIONS)
 def test_weights_prepared_for_sm100a(fmt):
     torch.manual_seed(0)
     g, u, d = torch.randn(2, 128, 256), torch.randn(2, 128, 256), torch.randn(2, 256, 128)
@@ -257,6 +363,8 @@ def test_weights_prepared_for_sm100a(fmt):
     assert rows13.scale_layout == rows2.scale_layout == "rows"
     assert w13.scale_layout == w2.scale_layout == "tcgen05"
     assert torch.equal(w13.values, rows13.values) and torch.equal(w2.values, rows2.values)
+    # the values as the TMA reads them: a byte per e4m3, two e2m1 per byte (w4a8-mx's too: the TMA unpacks them)
+    assert w13.values.shape == (2, 256, 256 * limits.BS_ELEM_BITS[limits.BS_FORMATS[fmt][1]] // 8)
     assert torch.equal(w13.scales, blockscale.to_tcgen05_scales(rows13.scales))
     assert not torch.equal(w13.scales, rows13.scales)
     assert torch.equal(bw.dequantize(w13, fmt), bw.dequantize(rows13, fmt))  # the same numbers
@@ -265,6 +373,37 @@ def test_weights_prepared_for_sm100a(fmt):
     gate, up = bw.split_w13(w13)
     assert torch.equal(gate.scales, bw.split_w13(rows13)[0].scales) and up.scale_layout == "rows"
     assert bw.with_input_amax(w2, 3.0).scale_layout == "tcgen05"
+
+
+def test_gpt_oss_weights_for_sm100a():
+    """w4a8-mx on sm_100a takes gpt-oss's checkpoint bytes: the e2m1 codes stay packed row-major
+    (what the unpacking TMA reads), only the scales move into the tcgen05 atoms; to_gpt_oss gives
+    the checkpoint's bytes back."""
+    torch.manual_seed(1)
+    e, i, h = 2, 128, 256
+    gu_blocks = torch.randint(0, 256, (e, 2 * i, h // 32, 16), dtype=torch.uint8)
+    gu_scales = torch.randint(100, 140, (e, 2 * i, h // 32), dtype=torch.uint8)
+    d_blocks = torch.randint(0, 256, (e, h, i // 32, 16), dtype=torch.uint8)
+    d_scales = torch.randint(100, 140, (e, h, i // 32), dtype=torch.uint8)
+    rows13, rows2 = bw.from_gpt_oss(gu_blocks, gu_scales, d_blocks, d_scales)
+    w13, w2 = bw.from_gpt_oss(gu_blocks, gu_scales, d_blocks, d_scales, target="sm_100a")
+    assert w13.scale_layout == w2.scale_layout == "tcgen05"
+    assert w13.values.shape == (e, 2 * i, h // 2) and w2.values.shape == (e, h, i // 2)
+    assert torch.equal(w13.values, rows13.values) and torch.equal(w2.values, rows2.values)
+    assert torch.equal(w13.scales, blockscale.to_tcgen05_scales(rows13.scales))
+    assert torch.equal(w2.scales, blockscale.to_tcgen05_scales(rows2.scales))
+    back = bw.to_gpt_oss(w13, w2)
+    for got, want in zip(back, (gu_blocks, gu_scales, d_blocks, d_scales)):
+        assert torch.equal(got, want)
+    # the sm_100a w4a8-mx layer takes them, and refuses the sm_121a layout in one sentence
+    spec = make_spec(experts=e, top_k=1, hidden=h, intermediate=i, precision="w4a8-mx", target="sm_100a")
+    layer = layer_mod.MoeLayer(spec, store=object(), device=torch.device("cpu"), variants={})
+    x, tw, ids = torch.zeros(4, h, dtype=torch.bfloat16), torch.zeros(4, 1), torch.zeros(4, 1, dtype=torch.int32)
+    layer.check_inputs(x, w13, w2, tw, ids, None)
+    with pytest.raises(KernelArgumentError, match="w2's scales are in the 'rows' layout and sm_100a's kernels read "
+                                                  "'tcgen05'") as err:
+        layer.check_inputs(x, w13, rows2, tw, ids, None)
+    assert str(err.value).count(". ") == 0
 
 
 def test_the_layer_refuses_another_targets_scale_layout_and_gpu(monkeypatch):
@@ -311,7 +450,9 @@ def dataclass_replace(spec, **kw):
     ("down", dict(precision="nvfp4", tile_k=128), "tile_k 128 must be 256"),
     ("glu", dict(stages=2), "stages 2"),
     ("down", dict(stages=9), "stages 9"),
-    ("glu", dict(precision="w4a8-mx"), "built for mxfp8, nvfp4"),
+    ("glu", dict(precision="w4a8-mx", tile_k=256), "tile_k 256 must be 128"),
+    ("down", dict(precision="w4a8-mx", arch="sm_90a"), "sm_100a only, not sm_90a"),
+    ("glu", dict(precision="w4a8-mx", tile_n=256, stages=5, arch="sm_100a"), "shared memory"),
     ("down", dict(arch="sm_90a"), "sm_100a only, not sm_90a"),
     ("glu", dict(arch="sm_121a"), "sm_100a only, not sm_121a"),
     ("glu", dict(tile_n=256, stages=5, arch="sm_100a"), "shared memory"),
@@ -335,6 +476,11 @@ def test_rules_registry_and_constructor():
     assert limits.bs_umma_sf_columns(128, 128) == (16, 16) and limits.bs_umma_sf_columns(128, 256) == (16, 32)
     assert limits.bs_umma_acc_stages(128) == 2 and limits.bs_umma_acc_stages(256) == 1
     assert limits.bs_umma_tile_k("mxfp8") == 128 and limits.bs_umma_tile_k("nvfp4") == 256
+    assert limits.bs_umma_tile_k("w4a8-mx") == 128  # one 128-byte row of e4m3 (and of unpacked e2m1)
+    assert limits.bs_umma_tx_bytes("w4a8-mx", 128) == 128 * 64 and limits.bs_umma_tx_bytes("mxfp8", 128) == 128 * 128
+    assert limits.check_bs_umma("glu", "w4a8-mx", 1536, 2048, 128, 128, 128, 6, "sm_100a") == (True, "")
+    ok, why = limits.check_bs_umma("glu", "fp8", 1536, 2048, 128, 128, 128, 6, "sm_100a")
+    assert not ok and why == "umma: block-scaled GEMMs are built for mxfp8, nvfp4, w4a8-mx, not fp8"
     assert limits.bs_scale_layout("sm_100a") == "tcgen05" and limits.bs_scale_layout("sm_121a") == "rows"
     # sm_100a has no block-scaled mma.sync, sm_121a no tcgen05
     spec = make_spec("qwen3-30b-a3b", target="sm_100a", precision="nvfp4")
@@ -371,7 +517,8 @@ print(json.dumps(standin.standin_log().decode()))
 """
 
 
-@pytest.mark.parametrize("precision, role, tile_n, stages", [("mxfp8", "glu", 128, 6), ("nvfp4", "down", 256, 4)])
+@pytest.mark.parametrize("precision, role, tile_n, stages", [("mxfp8", "glu", 128, 6), ("nvfp4", "down", 256, 4),
+                                                           ("w4a8-mx", "down", 128, 6)])
 def test_launcher_asks_for_the_budgeted_shared_memory(precision, role, tile_n, stages, tmp_path):
     """The kernel's own host launcher (it encodes the TMA descriptors of values and scale atoms),
     run against the stand-in driver of tests/cuda_standin.py: one launch of 320 / 192 threads on

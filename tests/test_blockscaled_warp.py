@@ -379,7 +379,7 @@ def test_no_spark_variant_exceeds_gb10(model, precision):
 def test_kernels_of_a_block_scaled_layer():
     """x is quantized by the bsquant kernel (e2m1 by the hardware cvt on sm_121a) between the
     routing and GEMM1; the layer's GEMMs get the block-scaled family; sm_90a refuses them (sm_100a
-    builds mxfp8 / nvfp4 on tcgen05: tests/test_blackwell_blockscaled.py; w4a8-mx not there)."""
+    builds them on tcgen05: tests/test_blackwell_blockscaled.py)."""
     from moe_aot.compiler import template_family
     from moe_aot.spec import SpecError
 

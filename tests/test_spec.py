@@ -69,7 +69,7 @@ def test_preset_with_override_and_key():
     (dict(experts=8, top_k=2, hidden=64, intermediate=64, target="sm_89"), ["target", "sm_90a"]),
     (dict(experts=8, top_k=2, hidden=64, intermediate=64, precision="int3"), ["precision", "bf16"]),
     (dict(experts=8, top_k=2, hidden=64, intermediate=64, precision="fp8"), ["multiple of 128", "fp8"]),
-    (dict(experts=8, top_k=2, hidden=128, intermediate=128, precision="w4a8-mx", target="sm_100a"),
+    (dict(experts=8, top_k=2, hidden=128, intermediate=128, precision="mxfp4-w", target="sm_100a"),
      ["not yet supported for sm_100a"]),
     (dict(experts=8, top_k=2, hidden=128, intermediate=128, precision="mxfp8", target="sm_90a"),
      ["not yet supported for sm_90a"]),

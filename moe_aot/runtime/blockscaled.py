@@ -17,9 +17,10 @@ w2's is h's, which GEMM1 needs before h exists (MoeLayer.forward refuses an nvfp
 Scale layout, keyed by target (gemm_limits.bs_scale_layout): the sm_121a kernels read the scales
 row-major as above ("rows"); the sm_100a tcgen05 kernels (templates/blackwell_blockscaled.py) read
 them in the tcgen05 MMA's 128x4 atoms ("tcgen05", blockscale.to_tcgen05_scales: the same bytes,
-permuted per expert). ``prepare_w13`` / ``prepare_w2`` / ``from_gpt_oss`` take ``target`` and
-``for_target`` converts a prepared weight; ``scale_layout`` says which layout a weight is in, and
-the layer refuses a weight in another target's layout.
+permuted per expert). The values are the same on both targets (w4a8-mx's stay packed: sm_100a's
+TMA unpacks them on the way into shared memory). ``prepare_w13`` / ``prepare_w2`` /
+``from_gpt_oss`` take ``target`` and ``for_target`` converts a prepared weight; ``scale_layout`` says
+which layout a weight is in, and the layer refuses a weight in another target's layout.
 """
 from __future__ import annotations
 
