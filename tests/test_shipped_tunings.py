@@ -43,10 +43,14 @@ TUNED = ROOT / "cache" / "tuned" / "NVIDIA_H200.jsonl"
 # 2026-12-02x: fp8 and fp8-block128 at 256, 1024, 4096 and 16384 tokens once the default above 16
 # rows per expert wrote h's scales per 128 columns (h_block 128; 4 trials per study: the default,
 # the committed pick and their PDL / h128 twins; a confirmation round each).
+# 2026-12-02z: bf16 DeepSeek-V3, Mixtral, Qwen3-235B and gpt-oss at 1024, 4096 and 16384 tokens once
+# the 2-CTA clusters paired one expert's M tiles (5 trials per study: the default, the committed pick
+# and twins, the 2-CTA tiles on both GEMMs and on GEMM1 alone; a confirmation round each). Its
+# database also measured Qwen3-30B's three defaults alone (no candidates), left out of the records.
 SESSIONS = ("tuning_2026-12-01", "tuning_2026-12-01b", "tuning_2026-12-01c", "tuning_2026-12-01e",
             "tuning_2026-12-01f", "tuning_2026-12-01g", "tuning_2026-12-01h", "tuning_2026-12-01i",
             "tuning_2026-12-01j", "tuning_2026-12-01l", "tuning_2026-12-02t", "tuning_2026-12-02u",
-            "tuning_2026-12-02v", "tuning_2026-12-02w", "tuning_2026-12-02x")
+            "tuning_2026-12-02v", "tuning_2026-12-02w", "tuning_2026-12-02x", "tuning_2026-12-02z")
 FP8_BUCKETS = (1, 16, 64, 256, 1024, 4096, 16384)
 RECORD_FILES = [ROOT / "tools" / "results" / d / "all_records.json" for d in SESSIONS]
 
