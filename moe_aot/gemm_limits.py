@@ -165,7 +165,8 @@ def check_umma(n, k, tile_m, tile_n, tile_k, stages, precision="bf16", cluster_m
     if tile_m != UMMA_CTA_M * cluster_m:
         ok, reason = check_umma_pair(tile_m, cluster_m)
         return False, reason if not ok else (f"umma: tile_m {tile_m} must be one of {UMMA_TILE_M} (one 1-CTA "
-                                             f"tcgen05.mma M, a TMEM lane per row) or {UMMA_PAIR_TILE_M} in a 2-CTA pair")
+                                             f"tcgen05.mma M, a TMEM lane per row) or {UMMA_PAIR_TILE_M} "
+                                             f"in a 2-CTA pair")
     if tile_n % 32 or not 32 <= tile_n <= 256:
         return False, f"umma: tile_n {tile_n} must be a multiple of 32 in 32..256"
     if tile_k != UMMA_TILE_K:

@@ -35,22 +35,36 @@ and skips the tiles whose ``tile_expert`` is -1. Per CTA, warp-specialized:
   stores bf16 straight to global memory. With two accumulators the MMA of the next tile runs
   while the epilogue writes this one.
 
+2-CTA pairs (``cluster_m=2``, ``tile_m=256``; compiled only, never run either): a cluster of
+two CTAs along M multiplies each 256-row routing tile by one ``tcgen05.mma.cta_group::2`` per
+k-block (M 256), which the leader CTA (rank 0) issues. Each CTA holds its 128 rows of A, half of
+the weight tile's rows (the 2-CTA TMA loads of both CTAs complete on the leader's full barrier,
+which expects both CTAs' bytes) and its 128 rows of the accumulators in its own TMEM; the leader's
+``tcgen05.commit``s multicast to both CTAs' barriers, both CTAs' epilogue threads release an
+accumulator on the leader's barrier, and the pair allocates and frees TMEM together. GEMM1's
+loaders gather their own CTA's rows; the other CTA's arrive on the leader's full barrier at
+cluster scope. Both CTAs of a pair walk the same tiles (pair p takes tiles p, p + pairs, ...).
+Since one MMA multiplies all 256 rows by one expert's weights, the routing pads every expert to
+256 rows (the layer's tile_m; gemm_limits.check_umma_pair).
+
 Padding rows of A (GEMM1) are never loaded: their shared memory holds whatever the stage held
 before, which reaches only those rows' outputs (rows of a product are independent), and the
 epilogue writes zeros (GEMM1) or nothing (GEMM2) for them.
 
-Not done yet: 2-CTA ``cta_group::2`` MMAs (256-row tiles over a CTA pair) and cluster
-multicast of the weights; the TMA ``tile::gather4`` load the DSL offers for sm_100
+Not done yet: weight multicast across pairs (clusters of more than 2 CTAs); the TMA
+``tile::gather4`` load the DSL offers for sm_100
 (``cpasync.CopyBulkTensor2DGather4G2SOp``) in place of GEMM1's cp.async gather; the pre-activation
 output of training (``save_preact``).
 
 Constraints (the rules are moe_aot/gemm_limits.py's ``check_umma``):
-  * sm_100a only; bf16 in, fp32 accumulate, bf16 out; tile_m 128 (one 1-CTA UMMA M);
+  * sm_100a only; bf16 in, fp32 accumulate, bf16 out; tile_m 128 (one 1-CTA UMMA M) with
+    cluster_m 1, or 256 (one 2-CTA UMMA M over a pair) with cluster_m 2;
     tile_n a multiple of 32 in 32..256 (GEMM1: of 2 * interleave as well); tile_k 64 (one
-    128-byte swizzle atom); 3 <= stages <= 8; shared memory stages * (128 + tile_n) * 128 B + 1 KB
-    (the mbarriers live in that first KB); ``ACC_STAGES * tile_n`` TMEM columns (rounded up to
-    a power of two, at most 512).
-  * grid min(tiles, ctas) persistent CTAs of 192 threads (GEMM2) or 320 (GEMM1).
+    128-byte swizzle atom); 3 <= stages <= 8; shared memory per CTA
+    stages * (tile_m + tile_n) / cluster_m * 128 B + 1 KB (the mbarriers live in that first KB);
+    ``ACC_STAGES * tile_n`` TMEM columns per CTA (rounded up to a power of two, at most 512).
+  * grid min(tiles, ctas / cluster_m) * cluster_m persistent CTAs of 192 threads (GEMM2) or 320
+    (GEMM1), in clusters of cluster_m; ctas a multiple of cluster_m.
   * pdl=True: every thread waits for the previous grid before its first read.
 """
 

@@ -28,7 +28,15 @@ from ..gemm_limits import (
 )
 from ..layout import interleave_gate_up, max_tiles
 from ..spec import LayerSpec, make_spec, value_class
-from ..variants import INTERLEAVE, LayerVariant, tile_ms, backward_kernels, bucket_for, default_variant, training_kernels
+from ..variants import (
+    INTERLEAVE,
+    LayerVariant,
+    backward_kernels,
+    bucket_for,
+    default_variant,
+    tile_ms,
+    training_kernels,
+)
 from .launch import LayerPlan, current_stream, feeds
 from .library import KernelArgumentError, KernelLibrary
 from .store import KernelMissingError, KernelStore
