@@ -327,16 +327,25 @@ def test_pair_layer_compiles_with_2cta_tcgen05(pair_db, tmp_path):
         assert "LOCAL:0" in usage and "STACK:0" in usage, usage
 
 
-@pytest.mark.parametrize("role, tile_n", [("glu", 128), ("down", 64)])
-def test_pair_ptx_barriers_and_arrivals(role, tile_n, tmp_path):
+GPT_OSS = dict(num_experts=128, hidden=2880, intermediate=2880, top_k=4, bias=True)
+
+
+@pytest.mark.parametrize("role, tile_n, kwargs", [
+    ("glu", 128, dict(QWEN3_30B)),
+    ("down", 64, dict(QWEN3_30B)),
+    ("glu", 192, dict(GPT_OSS, activation="swigluoai", pdl=True)),
+    ("down", 32, dict(QWEN3_30B, pdl=True)),
+])
+def test_pair_ptx_barriers_and_arrivals(role, tile_n, kwargs, tmp_path):
     """The pair's protocol in the PTX: cta_group::2 MMAs, commits and TMEM allocation; the leader
     expects both CTAs' bytes, so each full barrier counts the TMA warp and (GEMM1) the 128 loaders
     of each CTA, the other CTA's loaders arriving on the leader's barrier at cluster scope; each
-    accumulator's empty barrier counts both CTAs' 128 epilogue threads."""
+    accumulator's empty barrier counts both CTAs' 128 epilogue threads. Biases, gpt-oss's
+    activation, PDL and the narrowest tile (16 weight rows per CTA) compile too."""
     from moe_aot_templates.blackwell_gemm import BlackwellDownGemm, BlackwellGluGemm
 
     cls = BlackwellGluGemm if role == "glu" else BlackwellDownGemm
-    obj = cls(**QWEN3_30B, tile_m=256, tile_n=tile_n, tile_k=64, stages=3, mma="umma", cluster_m=2)
+    obj = cls(**kwargs, tile_m=256, tile_n=tile_n, tile_k=64, stages=3, mma="umma", cluster_m=2)
     assert (obj.tile_m, obj.route_m, obj.cluster_m) == (128, 256, 2)
     ptx = cute.compile(obj, *[f for _, f in obj.fake_arguments()],
                        options=f"--gpu-arch sm_100a --keep-ptx --dump-dir {tmp_path}").__ptx__
@@ -352,6 +361,7 @@ def test_pair_ptx_barriers_and_arrivals(role, tile_n, tmp_path):
     inits = [int(c) for c in re.findall(r"mbarrier\.init\.shared(?:::cta)?\.b64\s+\[[^\]]+\],\s*(\d+);", body)] or \
         _mbarrier_init_counts(body)
     assert 2 * 128 in inits  # the accumulators' empty barriers: both CTAs' epilogue threads
+    assert ("griddepcontrol.wait" in body) == bool(kwargs.get("pdl"))
     if role == "glu":
         assert 1 + 2 * limits.LOAD_THREADS in inits
         assert "mbarrier.arrive.release.cluster.shared::cluster.b64" in body and "mapa.shared::cluster" in body
