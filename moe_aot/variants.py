@@ -524,7 +524,7 @@ def tile_ms(spec: LayerSpec) -> tuple[int, ...]:
     if "umma" in TARGET_LIMITS[spec.target]["mma"] and spec.precision in limits.UMMA_PRECISIONS:
         return TILE_M + (limits.UMMA_PAIR_TILE_M,)
     return TILE_M
-GEMM_CLUSTERS = limits.CLUSTERS_M  # CTAs per cluster along M of a grouped GEMM (hopws: B multicast)
+GEMM_CLUSTERS = limits.CLUSTERS_M  # CTAs per cluster along M of a grouped GEMM (hopws: B multicast; umma: 2-CTA pairs)
 TILE_N = (32, 64, 128, 192, 256)
 TILE_K = (32, 64, 128)
 
