@@ -57,7 +57,7 @@ WGMMA = ("wgmma", "hopws", "hoppp")  # sm_90a only
 WARP_SPECIALIZED = ("hopws", "hoppp")
 PERSISTENT = ("hopws", "hoppp")
 PINGPONG = ("hoppp",)
-CLUSTER_MMAS = ("hopws",)  # may run in 2-CTA clusters along M (128-row tiles)
+CLUSTER_MMAS = ("hopws", "umma")  # may run in 2-CTA clusters along M (cluster_tile_m: their tile height)
 CLUSTERS_M = (1, 2)
 # 2-CTA clusters pair M tiles of one expert (templates/hopper_gemm.py, _pair_units): a list of the
 # units (two tiles each) in shared memory for up to PAIR_LIST_TILES tiles, and the place of every
@@ -129,9 +129,15 @@ FP8_MMAS = ("hopws", "warp")
 # Blackwell GPU was available): persistent warp-specialized CTAs, TMA for the weights (and GEMM2's
 # A), GEMM1's gathered A rows by cp.async from four loader warps, 1-CTA tcgen05.mma (M 128) into
 # UMMA_ACC_STAGES TMEM accumulators, epilogue warps reading TMEM. bf16 only for now.
+# Cluster 2: a CTA pair runs one 2-CTA tcgen05.mma (cta_group::2, M 256) per k-block, each CTA
+# holding 128 rows of A, half of the weight tile's rows and its 128 rows of the accumulators. Both
+# CTAs multiply by one expert's weights, so the pair's 256 rows are one routing tile: the layer's
+# tile_m is 256 (the routing pads every expert to 256 rows).
 UMMA = ("umma",)
 UMMA_TARGETS = ("sm_100a",)
 UMMA_TILE_M = (128,)  # one 1-CTA MMA's M: the TMEM lane of each row is its epilogue thread
+UMMA_CTA_M = 128  # rows of a tile per CTA (TMEM lanes), with or without a pair
+UMMA_PAIR_TILE_M = 2 * UMMA_CTA_M  # a 2-CTA pair's tile (cluster 2): one routing tile
 UMMA_TILE_K = 64  # one 128-byte swizzle atom of bf16 per k-tile
 UMMA_MIN_STAGES = 3
 UMMA_ACC_STAGES = 2  # TMEM accumulators: a tile's epilogue beside the next tile's MMAs
@@ -149,21 +155,25 @@ def umma_tmem_columns(tile_n) -> int:
     return cols
 
 
-def umma_smem_bytes(tile_m, tile_n, tile_k, stages) -> int:
+def umma_smem_bytes(tile_m, tile_n, tile_k, stages, cluster_m=1) -> int:
     """Dynamic shared memory of a umma CTA: the A/B stages (bf16, 1024-byte aligned for the
-    swizzle) after the first KB, which holds the mbarriers (a full and an empty one per stage
-    and per TMEM accumulator: at most 160 B) and the TMEM address slot. Exactly what the
+    swizzle; a CTA of a 2-CTA pair holds 1/2 of the tile's rows of A and of B) after the first
+    KB, which holds the mbarriers (a full and an empty one per stage and per TMEM accumulator,
+    a pair's TMEM release barrier: at most 168 B) and the TMEM address slot. Exactly what the
     kernel's launcher asks for (tests/test_blackwell_gemm.py)."""
-    return stages * (tile_m + tile_n) * tile_k * 2 + 1024
+    return stages * (tile_m + tile_n) // cluster_m * tile_k * 2 + 1024
 
 
-def check_umma(n, k, tile_m, tile_n, tile_k, stages, precision="bf16") -> tuple[bool, str]:
-    """(ok, reason) of the tcgen05 tile rules for an [N, K] weight matrix (target rules: check_gemm)."""
+def check_umma(n, k, tile_m, tile_n, tile_k, stages, precision="bf16", cluster_m=1) -> tuple[bool, str]:
+    """(ok, reason) of the tcgen05 tile rules for an [N, K] weight matrix (target rules: check_gemm;
+    cluster_m 2: a 2-CTA pair, tile_m 256, see check_cluster)."""
     if precision not in UMMA_PRECISIONS:
         return False, f"umma: built for {', '.join(UMMA_PRECISIONS)} only, not {precision}"
-    if tile_m not in UMMA_TILE_M:
-        return False, (f"umma: tile_m {tile_m} must be one of {UMMA_TILE_M} "
-                       f"(one 1-CTA tcgen05.mma M, a TMEM lane per row)")
+    if tile_m != UMMA_CTA_M * cluster_m:
+        ok, reason = check_umma_pair(tile_m, cluster_m)
+        return False, reason if not ok else (f"umma: tile_m {tile_m} must be one of {UMMA_TILE_M} (one 1-CTA "
+                                             f"tcgen05.mma M, a TMEM lane per row) or {UMMA_PAIR_TILE_M} "
+                                             f"in a 2-CTA pair")
     if tile_n % 32 or not 32 <= tile_n <= 256:
         return False, f"umma: tile_n {tile_n} must be a multiple of 32 in 32..256"
     if tile_k != UMMA_TILE_K:
@@ -207,7 +217,7 @@ def smem_bytes(tile_m, tile_n, tile_k, stages, mma="warp", precision="bf16", clu
     alignment; 2-CTA clusters: the list of paired tiles, 4 bytes per entry) + the allocator's
     alignment slack."""
     if mma in UMMA:
-        return umma_smem_bytes(tile_m, tile_n, tile_k, stages)
+        return umma_smem_bytes(tile_m, tile_n, tile_k, stages, cluster_m)
     ab = stages * (tile_m + tile_n) * tile_k * ELEM_BYTES[precision]
     if precision in W4:
         ab = w4_pipeline_bytes(tile_m, tile_n, tile_k, stages)
@@ -219,15 +229,16 @@ def smem_bytes(tile_m, tile_n, tile_k, stages, mma="warp", precision="bf16", clu
 
 
 def check_tiles(n, k, tile_m, tile_n, tile_k, stages, mma, warps_m, warps_n,
-                precision="bf16") -> tuple[bool, str]:
-    """(ok, reason) of the tile rules for an [N, K] weight matrix, with the warp grid given."""
+                precision="bf16", cluster_m=1) -> tuple[bool, str]:
+    """(ok, reason) of the tile rules for an [N, K] weight matrix, with the warp grid given
+    (cluster_m: umma's 2-CTA pairs, whose tile_m is the pair's)."""
     if precision not in ELEM_BYTES:
         return False, f"precision {precision!r} must be one of {tuple(ELEM_BYTES)}"
     if mma not in MMAS:
         return False, (f"mma {mma!r} must be 'warp' (mma.sync), 'wgmma', 'hopws' or 'hoppp' "
                        f"(those three sm_90a only) or 'umma' (tcgen05, sm_100a only)")
     if mma in UMMA:
-        return check_umma(n, k, tile_m, tile_n, tile_k, stages, precision)
+        return check_umma(n, k, tile_m, tile_n, tile_k, stages, precision, cluster_m)
     threads = warps_m * warps_n * 32
     acc_threads = 128 if mma in PINGPONG else threads  # threads sharing one tile's accumulators
     if mma in WGMMA:
@@ -379,17 +390,50 @@ def check_backward_gemm(n, k, tile_m, tile_n, tile_k, stages, mma, arch=None) ->
     return check_gemm(n, k, tile_m, tile_n, tile_k, stages, mma, arch=arch)
 
 
+def cluster_tile_m(mma) -> int:
+    """The tile height of a GEMM of this MMA in 2-CTA clusters along M: hopws 128 (two M tiles
+    of one expert share each weight tile by multicast), umma 256 (one 2-CTA tcgen05.mma tile over
+    the pair, the routing's tile: UMMA_PAIR_TILE_M); 0 for an MMA without clusters."""
+    return {"hopws": 128, "umma": UMMA_PAIR_TILE_M}.get(mma, 0)
+
+
 def cluster_applies(mma, tile_m) -> bool:
     """Whether a GEMM of this MMA and tile height may run in 2-CTA clusters along M."""
-    return mma in CLUSTER_MMAS and tile_m == 128
+    return mma in CLUSTER_MMAS and tile_m == cluster_tile_m(mma)
 
 
 def check_cluster(mma, tile_m, cluster_m) -> tuple[bool, str]:
     """(ok, reason) of the CTAs per cluster along M for this MMA and tile height."""
     if cluster_m not in CLUSTERS_M:
         return False, f"cluster {cluster_m} not in {CLUSTERS_M}"
+    if mma in UMMA and (cluster_m > 1 or tile_m == UMMA_PAIR_TILE_M):
+        return check_umma_pair(tile_m, cluster_m)
     if cluster_m > 1 and not cluster_applies(mma, tile_m):
-        return False, f"cluster {cluster_m} needs mma hopws with tile_m 128, got {mma} with tile_m {tile_m}"
+        return False, (f"cluster {cluster_m} needs mma hopws with tile_m 128 or umma with tile_m {UMMA_PAIR_TILE_M}, "
+                       f"got {mma} with tile_m {tile_m}")
+    return True, ""
+
+
+def check_umma_pair(tile_m, cluster_m) -> tuple[bool, str]:
+    """(ok, reason) of umma's 2-CTA pairs: cluster 2 if and only if tile_m 256. A pair's one MMA
+    multiplies its 256 rows by one expert's weights (a kernel cannot mix cta_group::1 and ::2), so
+    its rows must be one routing tile: the routing pads every expert to tile_m = 256 rows."""
+    if cluster_m > 1 and tile_m != UMMA_PAIR_TILE_M:
+        return False, (f"umma: a 2-CTA pair (cluster {cluster_m}) multiplies {UMMA_PAIR_TILE_M}-row tiles "
+                       f"of one expert, so tile_m must be {UMMA_PAIR_TILE_M} (the routing padding every expert "
+                       f"to {UMMA_PAIR_TILE_M} rows), not {tile_m}")
+    if cluster_m == 1 and tile_m == UMMA_PAIR_TILE_M:
+        return False, (f"umma: tile_m {tile_m} is one 2-CTA tcgen05.mma (cta_group::2) over a CTA pair "
+                       f"and needs cluster 2")
+    return True, ""
+
+
+def check_layer_tile_m(tile_m, glu_mma, glu_cluster, down_mma, down_cluster) -> tuple[bool, str]:
+    """(ok, reason) of a layer's tile_m against its GEMMs: routing and both GEMMs share it, and
+    UMMA_PAIR_TILE_M is built only as umma 2-CTA pairs, so it needs both GEMMs as such."""
+    if tile_m == UMMA_PAIR_TILE_M and not (glu_mma in UMMA and down_mma in UMMA and glu_cluster == down_cluster == 2):
+        return False, (f"tile_m {tile_m} is built only for 2-CTA tcgen05 pairs: both GEMMs need mma 'umma' "
+                       f"with cluster 2, got {glu_mma} cluster {glu_cluster} and {down_mma} cluster {down_cluster}")
     return True, ""
 
 
@@ -405,7 +449,7 @@ def check_gemm(n, k, tile_m, tile_n, tile_k, stages, mma, warps_m=None, warps_n=
     if precision in W4 and warps_m is None and warps_n is None:
         warps_m, warps_n = w4_warps(tile_m, tile_n)
     warps_m, warps_n = default_warps(tile_m, tile_n, warps_m, warps_n, mma)
-    ok, reason = check_tiles(n, k, tile_m, tile_n, tile_k, stages, mma, warps_m, warps_n, precision)
+    ok, reason = check_tiles(n, k, tile_m, tile_n, tile_k, stages, mma, warps_m, warps_n, precision, cluster_m)
     if ok:
         ok, reason = check_w4(precision, n, k, tile_m, tile_n, tile_k, stages, mma, warps_m * warps_n * 32)
     if not ok or arch is None:

@@ -99,7 +99,7 @@ def suggest(trial: optuna.Trial, space: dict[str, CategoricalDistribution]) -> L
         if fixed is not None and k not in fixed:
             continue
         if fixed is None and k.endswith("_cluster") and not _cluster_applies(params, k):
-            continue  # a GEMM's cluster exists only for hopws 128-row tiles: keep the default 1
+            continue  # a GEMM's cluster exists only for hopws 128-row and umma 256-row tiles: keep 1
         params[k] = trial.suggest_categorical(k, d.choices)
     return variant_of(params)
 

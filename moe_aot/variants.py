@@ -61,8 +61,9 @@ class GemmTiles:
     tile_k: int = 64
     stages: int = 3
     mma: str = "warp"
-    # CTAs per cluster along M (hopws only): 2 multicasts each weight tile to two M tiles of one
-    # expert. Named only when > 1, so every cluster-1 name (and database key) is unchanged.
+    # CTAs per cluster along M. hopws: 2 multicasts each weight tile to two 128-row M tiles of one
+    # expert; umma: 2 is a 2-CTA tcgen05 pair on one 256-row tile (the layer's tile_m 256). Named
+    # only when > 1, so every cluster-1 name (and database key) is unchanged.
     cluster: int = 1
 
     def __init__(self, tile_n: int = 128, tile_k: int = 64, stages: int = 3, mma: str = "warp", cluster: int = 1):
@@ -143,7 +144,13 @@ class LayerVariant:
 
     def cluster_twins(self) -> list["LayerVariant"]:
         """hopws GEMMs at cluster 1 -> the same with GEMM2, then both GEMMs, in 2-CTA clusters
-        (weight tiles multicast; measured side by side by the tuner's seeds). [] otherwise."""
+        (weight tiles multicast); umma GEMMs at tile_m 128 -> both as 2-CTA pairs on 256-row tiles
+        (the routing's too: tile_m is shared). Measured side by side by the tuner's seeds; []
+        otherwise."""
+        if self.glu.mma in limits.UMMA and self.down.mma in limits.UMMA and self.tile_m == limits.UMMA_CTA_M:
+            return [dataclasses.replace(self, tile_m=limits.UMMA_PAIR_TILE_M,
+                                        glu=dataclasses.replace(self.glu, cluster=2),
+                                        down=dataclasses.replace(self.down, cluster=2))]
         if not limits.cluster_applies(self.down.mma, self.tile_m) or self.down.cluster != 1:
             return []
         down = dataclasses.replace(self, down=dataclasses.replace(self.down, cluster=2))
@@ -485,8 +492,12 @@ def gemm_can_implement(n: int, k: int, tile_m: int, t: GemmTiles, target: str, p
 def can_implement(spec: LayerSpec, variant: LayerVariant) -> tuple[bool, str]:
     """(ok, reason): whether `variant` can serve `spec` on `spec.target`. Pure and cheap."""
     lim = TARGET_LIMITS[spec.target]
-    if variant.tile_m not in TILE_M:
-        return False, f"tile_m {variant.tile_m} not in {TILE_M}"
+    if variant.tile_m not in tile_ms(spec):
+        return False, f"tile_m {variant.tile_m} not in {tile_ms(spec)} on {spec.target} for {spec.precision}"
+    ok, why = limits.check_layer_tile_m(variant.tile_m, variant.glu.mma, variant.glu.cluster,
+                                        variant.down.mma, variant.down.cluster)
+    if not ok:
+        return False, why
     if variant.route_cluster not in lim["clusters"]:
         return False, (f"routing cluster of {variant.route_cluster} CTAs not available on {spec.target} "
                        f"(allowed: {', '.join(map(str, lim['clusters']))})")
@@ -504,7 +515,16 @@ def can_implement(spec: LayerSpec, variant: LayerVariant) -> tuple[bool, str]:
 
 
 TILE_M = (16, 32, 64, 128)
-GEMM_CLUSTERS = limits.CLUSTERS_M  # CTAs per cluster along M of a grouped GEMM (hopws: B multicast)
+
+
+def tile_ms(spec: LayerSpec) -> tuple[int, ...]:
+    """The routing tile heights a layer of `spec` may use: TILE_M, and where the target builds
+    umma for the precision, the 2-CTA pairs' 256 (gemm_limits.UMMA_PAIR_TILE_M). The runtime sizes
+    its workspace for the largest padding of these."""
+    if "umma" in TARGET_LIMITS[spec.target]["mma"] and spec.precision in limits.UMMA_PRECISIONS:
+        return TILE_M + (limits.UMMA_PAIR_TILE_M,)
+    return TILE_M
+GEMM_CLUSTERS = limits.CLUSTERS_M  # CTAs per cluster along M of a grouped GEMM (hopws: B multicast; umma: 2-CTA pairs)
 TILE_N = (32, 64, 128, 192, 256)
 TILE_K = (32, 64, 128)
 
@@ -521,7 +541,7 @@ def candidate_space(spec: LayerSpec) -> list[LayerVariant]:
     lim = TARGET_LIMITS[spec.target]
     clusters = sorted({1, max(lim["clusters"])})
     out = []
-    for m in TILE_M:
+    for m in tile_ms(spec):
         tiles = {}
         for role, n_dim, k_dim in (("glu", 2 * spec.intermediate, spec.hidden),
                                    ("down", spec.hidden, spec.intermediate)):
@@ -532,6 +552,8 @@ def candidate_space(spec: LayerSpec) -> list[LayerVariant]:
                            and (role == "down" or limits.check_glu_shape(spec.intermediate, t.tile_n,
                                                                          INTERLEAVE, spec.activation)[0])]
         for g, d, c, pdl in itertools.product(tiles["glu"], tiles["down"], clusters, (False, True)):
+            if not limits.check_layer_tile_m(m, g.mma, g.cluster, d.mma, d.cluster)[0]:
+                continue
             out.append(LayerVariant(m, g, d, c, pdl))
             for hb in limits.H_SCALE_BLOCKS[1:]:  # fp8 GEMM1 tiles that write whole blocks of more columns
                 if limits.check_h_block(spec.precision, hb, g.tile_n)[0]:

@@ -35,22 +35,36 @@ and skips the tiles whose ``tile_expert`` is -1. Per CTA, warp-specialized:
   stores bf16 straight to global memory. With two accumulators the MMA of the next tile runs
   while the epilogue writes this one.
 
+2-CTA pairs (``cluster_m=2``, ``tile_m=256``; compiled only, never run either): a cluster of
+two CTAs along M multiplies each 256-row routing tile by one ``tcgen05.mma.cta_group::2`` per
+k-block (M 256), which the leader CTA (rank 0) issues. Each CTA holds its 128 rows of A, half of
+the weight tile's rows (the 2-CTA TMA loads of both CTAs complete on the leader's full barrier,
+which expects both CTAs' bytes) and its 128 rows of the accumulators in its own TMEM; the leader's
+``tcgen05.commit``s multicast to both CTAs' barriers, both CTAs' epilogue threads release an
+accumulator on the leader's barrier, and the pair allocates and frees TMEM together. GEMM1's
+loaders gather their own CTA's rows; the other CTA's arrive on the leader's full barrier at
+cluster scope. Both CTAs of a pair walk the same tiles (pair p takes tiles p, p + pairs, ...).
+Since one MMA multiplies all 256 rows by one expert's weights, the routing pads every expert to
+256 rows (the layer's tile_m; gemm_limits.check_umma_pair).
+
 Padding rows of A (GEMM1) are never loaded: their shared memory holds whatever the stage held
 before, which reaches only those rows' outputs (rows of a product are independent), and the
 epilogue writes zeros (GEMM1) or nothing (GEMM2) for them.
 
-Not done yet: 2-CTA ``cta_group::2`` MMAs (256-row tiles over a CTA pair) and cluster
-multicast of the weights; the TMA ``tile::gather4`` load the DSL offers for sm_100
+Not done yet: weight multicast across pairs (clusters of more than 2 CTAs); the TMA
+``tile::gather4`` load the DSL offers for sm_100
 (``cpasync.CopyBulkTensor2DGather4G2SOp``) in place of GEMM1's cp.async gather; the pre-activation
 output of training (``save_preact``).
 
 Constraints (the rules are moe_aot/gemm_limits.py's ``check_umma``):
-  * sm_100a only; bf16 in, fp32 accumulate, bf16 out; tile_m 128 (one 1-CTA UMMA M);
+  * sm_100a only; bf16 in, fp32 accumulate, bf16 out; tile_m 128 (one 1-CTA UMMA M) with
+    cluster_m 1, or 256 (one 2-CTA UMMA M over a pair) with cluster_m 2;
     tile_n a multiple of 32 in 32..256 (GEMM1: of 2 * interleave as well); tile_k 64 (one
-    128-byte swizzle atom); 3 <= stages <= 8; shared memory stages * (128 + tile_n) * 128 B + 1 KB
-    (the mbarriers live in that first KB); ``ACC_STAGES * tile_n`` TMEM columns (rounded up to
-    a power of two, at most 512).
-  * grid min(tiles, ctas) persistent CTAs of 192 threads (GEMM2) or 320 (GEMM1).
+    128-byte swizzle atom); 3 <= stages <= 8; shared memory per CTA
+    stages * (tile_m + tile_n) / cluster_m * 128 B + 1 KB (the mbarriers live in that first KB);
+    ``ACC_STAGES * tile_n`` TMEM columns per CTA (rounded up to a power of two, at most 512).
+  * grid min(tiles, ctas / cluster_m) * cluster_m persistent CTAs of 192 threads (GEMM2) or 320
+    (GEMM1), in clusters of cluster_m; ctas a multiple of cluster_m.
   * pdl=True: every thread waits for the previous grid before its first read.
 """
 
@@ -63,6 +77,7 @@ import cutlass.pipeline as pipeline
 import cutlass.utils.blackwell_helpers as sm100_utils
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import BFloat16, Float32, Int32, const_expr
+from cutlass._mlir.dialects import nvvm
 from cutlass.cute.nvgpu import cpasync, tcgen05
 from cutlass.tensor_utils import LayoutEnum
 
@@ -85,10 +100,20 @@ _BAR_TMEM_ALLOC, _BAR_EPI = 1, 2
 class _Blackwell:
     """The persistent tcgen05 loop shared by both GEMMs (see the module docstring)."""
 
-    def __init__(self, *args, mma: str = MMAS[0], ctas: int = B200_SMS, **kwargs):
+    def __init__(self, *args, mma: str = MMAS[0], ctas: int = B200_SMS, cluster_m: int = 1,
+                 tile_m: int = limits.UMMA_CTA_M, **kwargs):
         if mma not in MMAS:
             raise ValueError(f"{type(self).__name__} implements mma in {MMAS}, not {mma!r}")
-        super().__init__(*args, mma=mma, ctas=ctas, **kwargs)  # the tile rules (check_umma)
+        ok, reason = limits.check_cluster(mma, tile_m, cluster_m)
+        if ok and ctas % cluster_m:
+            ok, reason = False, f"ctas {ctas} must be a multiple of cluster_m {cluster_m}"
+        if not ok:
+            raise ValueError(reason)
+        # the shared rules see one CTA's share of the tile (tile_m: the CTA's rows, TMEM lanes);
+        # route_m is the routing's tile, the MMA's M (256 over a 2-CTA pair)
+        super().__init__(*args, mma=mma, ctas=ctas, tile_m=tile_m // cluster_m, **kwargs)
+        self.cluster_m = cluster_m
+        self.route_m = tile_m
         self.persistent = True
         self.load_threads = LOAD_THREADS
         # cp.async k-tiles a GEMM1 loader keeps in flight before it hands the oldest to the MMA
@@ -100,13 +125,23 @@ class _Blackwell:
 
     # ------------------------------------------------------------------ host side
     def _mma_tiler(self):
-        return (self.tile_m, self.tile_n, self.tile_k)
+        """The MMA's tile: (route_m, tile_n, tile_k), over both CTAs of a 2-CTA pair."""
+        return (self.route_m, self.tile_n, self.tile_k)
+
+    def _cta_group(self):
+        return tcgen05.CtaGroup.TWO if self.cluster_m == 2 else tcgen05.CtaGroup.ONE
+
+    def _cluster_vmnk(self):
+        """The cluster as the pipelines see it: (pair, M, N, L) = (cluster_m, 1, 1, 1)."""
+        return cute.make_layout((self.cluster_m, 1, 1, 1))
 
     def _make_umma(self):
-        """The 1-CTA tcgen05 MMA: A and B K-major from shared memory, fp32 accumulators in TMEM."""
+        """The tcgen05 MMA: A and B K-major from shared memory, fp32 accumulators in TMEM; 1-CTA
+        (M 128), or 2-CTA over a pair (cta_group::2, M 256: each CTA's shared memory holds its
+        128 rows of A and half the rows of B, its TMEM its 128 rows of the accumulators)."""
         k_major = cute.nvgpu.OperandMajorMode.K
         return sm100_utils.make_trivial_tiled_mma(
-            BFloat16, BFloat16, k_major, k_major, Float32, tcgen05.CtaGroup.ONE, (self.tile_m, self.tile_n))
+            BFloat16, BFloat16, k_major, k_major, Float32, self._cta_group(), (self.route_m, self.tile_n))
 
     def _smem_layouts(self, tiled_mma):
         tiler = self._mma_tiler()
@@ -119,12 +154,14 @@ class _Blackwell:
         ``operand`` ("a": tile_m rows, "b": tile_n rows)."""
         tiled_mma = self._make_umma()
         a_layout, b_layout = self._smem_layouts(tiled_mma)
-        op = cpasync.CopyBulkTensorTileG2SOp(tcgen05.CtaGroup.ONE)
+        # a pair's TMA loads (each CTA its share) complete on the leader CTA's full barrier
+        op = cpasync.CopyBulkTensorTileG2SOp(self._cta_group())
+        vmnk = self._cluster_vmnk().shape
         if const_expr(operand == "a"):
             return cute.nvgpu.make_tiled_tma_atom_A(op, mT, cute.slice_(a_layout, (None, None, None, 0)),
-                                                    self._mma_tiler(), tiled_mma)
+                                                    self._mma_tiler(), tiled_mma, vmnk)
         return cute.nvgpu.make_tiled_tma_atom_B(op, mT, cute.slice_(b_layout, (None, None, None, 0)),
-                                                self._mma_tiler(), tiled_mma)
+                                                self._mma_tiler(), tiled_mma, vmnk)
 
     @cute.jit
     def _make_tma_w(self, mW):
@@ -134,7 +171,26 @@ class _Blackwell:
         return self._make_tma(flat, "b")
 
     def _launch_kw(self):
-        return dict(use_pdl=self.pdl, min_blocks_per_mp=1)
+        kw = dict(use_pdl=self.pdl, min_blocks_per_mp=1)
+        if self.cluster_m > 1:
+            kw["cluster"] = [self.cluster_m, 1, 1]
+        return kw
+
+    def _launch_common(self, grid_n, mTileExpert):
+        """min(tiles, ctas / cluster_m) pairs (or CTAs) of cluster_m CTAs each."""
+        units = cutlass.min(grid_n * cute.size(mTileExpert, mode=[0]), self.ctas // self.cluster_m)
+        return [units * self.cluster_m, 1, 1], [self.threads, 1, 1]
+
+    @cute.jit
+    def _walk(self):
+        """(first tile, step, rank): the tiles this CTA's pair (or this CTA) walks, and the CTA's
+        rank in the pair (0: the leader, which issues the MMAs; 0 without a pair)."""
+        bid, _, _ = cute.arch.block_idx()
+        nctas, _, _ = cute.arch.grid_dim()
+        rank = Int32(0)
+        if const_expr(self.cluster_m > 1):
+            rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+        return bid // self.cluster_m, nctas // self.cluster_m, rank
 
     def _expert_bias(self, epi, expert):
         """With biases, the bias row of ``expert`` (b13 or b2, where _epi puts it); else None."""
@@ -152,27 +208,35 @@ class _Blackwell:
         tiled_mma = self._make_umma()
         a_layout, b_layout = self._smem_layouts(tiled_mma)
 
+        C = self.cluster_m
         smem = cutlass.memory.SmemAllocator()
         ab_bars = smem.allocate_array(cutlass.Int64, 2 * self.stages, byte_alignment=8)
         acc_bars = smem.allocate_array(cutlass.Int64, 2 * ACC_STAGES, byte_alignment=8)
         tmem_slot = smem.allocate_array(Int32, 1, byte_alignment=4)
+        dealloc_bar = None
+        if const_expr(C > 1):  # the pair's TMEM release handshake (TmemAllocator's, is_two_cta)
+            dealloc_bar = smem.allocate_array(cutlass.Int64, 1, byte_alignment=8)
         a_bytes = self.stages * self.tile_m * self.tile_k * 2
-        base = smem.allocate(a_bytes + self.stages * self.tile_n * self.tile_k * 2, byte_alignment=1024)
+        b_rows = self.tile_n // C  # a CTA of a pair holds half the weight tile's rows
+        base = smem.allocate(a_bytes + self.stages * b_rows * self.tile_k * 2, byte_alignment=1024)
         sA = cute.make_tensor(cute.recast_ptr(base, a_layout.inner, BFloat16), a_layout.outer)
-        # GEMM1's cp.async view of the A stages, (tile_m, tile_k, stages): the canonical K-major
-        # 128-byte-swizzled layout, the same bytes as the UMMA view (8-row atoms of 128-byte
-        # rows stacked along M; tile_k is one atom wide)
-        cp_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, self._mma_tiler(), BFloat16, self.stages)
+        # GEMM1's cp.async view of this CTA's A stages, (tile_m, tile_k, stages): the canonical
+        # K-major 128-byte-swizzled layout, the same bytes as the UMMA view (8-row atoms of
+        # 128-byte rows stacked along M; tile_k is one atom wide)
+        cp_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (self.tile_m, self.tile_n, self.tile_k),
+                                                  BFloat16, self.stages)
         sA_cp = cute.make_tensor(cute.recast_ptr(base, cp_layout.inner, BFloat16), cp_layout.outer)
         sB = cute.make_tensor(cute.recast_ptr(base + a_bytes, b_layout.inner, BFloat16), b_layout.outer)
 
-        tx = self.tile_n * self.tile_k * 2
+        # the bytes and arrivals each stage's full barrier waits for; a pair's MMAs wait on the
+        # leader CTA's barrier for both CTAs' loads
+        tx = b_rows * self.tile_k * 2 * C
         producers = 1
         if const_expr(self.glu):
-            producers = 1 + LOAD_THREADS  # the TMA warp's byte count and each loader thread
+            producers = 1 + LOAD_THREADS * C  # the TMA warp's byte count and each loader thread
         else:
-            tx = tx + self.tile_m * self.tile_k * 2
-        cluster = cute.make_layout((1, 1, 1, 1))
+            tx = tx + self.tile_m * self.tile_k * 2 * C
+        cluster = self._cluster_vmnk()
         ab_pipe = pipeline.PipelineTmaUmma.create(
             barrier_storage=ab_bars, num_stages=self.stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, producers),
@@ -181,17 +245,21 @@ class _Blackwell:
         acc_pipe = pipeline.PipelineUmmaAsync.create(
             barrier_storage=acc_bars, num_stages=ACC_STAGES,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32 * EPI_WARPS),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32 * EPI_WARPS * C),
             cta_layout_vmnk=cluster, defer_sync=True)
         tmem = cutlass.memory.TmemAllocator(
             tmem_slot, barrier_for_retrieve=pipeline.NamedBarrier(barrier_id=_BAR_TMEM_ALLOC,
                                                                   num_threads=32 * (EPI_WARPS + 1)),
-            allocator_warp_id=0)
+            allocator_warp_id=0, is_two_cta=C > 1, two_cta_tmem_dealloc_mbar_ptr=dealloc_bar)
         cute.arch.mbarrier_init_fence()
-        cute.arch.sync_threads()
+        if const_expr(C > 1):  # the peer's barriers are initialized before anything signals them
+            cute.arch.cluster_arrive_relaxed()
+            cute.arch.cluster_wait()
+        else:
+            cute.arch.sync_threads()
 
-        # (MMA, MMA_M, MMA_N, ACC_STAGES): the accumulators' TMEM layout (address filled in later)
-        acc_shape = tiled_mma.partition_shape_C((self.tile_m, self.tile_n))
+        # (MMA, MMA_M, MMA_N, ACC_STAGES): this CTA's accumulators in TMEM (address filled in later)
+        acc_shape = tiled_mma.partition_shape_C((self.route_m, self.tile_n))
         acc_fake = tiled_mma.make_fragment_C(cute.append(acc_shape, ACC_STAGES))
         num_m_tiles = cute.size(mTileExpert, mode=[0])
         if warp == TMA_WARP:
@@ -199,7 +267,9 @@ class _Blackwell:
         elif warp == MMA_WARP:
             tmem.wait_for_alloc()
             acc = cute.make_tensor(tmem.retrieve_ptr(Float32), acc_fake.layout)
-            self._mma(ab_pipe, acc_pipe, tiled_mma, sA, sB, acc, mTileExpert, num_m_tiles)
+            _, _, rank = self._walk()
+            if rank == 0:  # a pair's leader issues the MMAs of both CTAs
+                self._mma(ab_pipe, acc_pipe, tiled_mma, sA, sB, acc, mTileExpert, num_m_tiles)
         elif warp < EPI_WARPS:
             tmem.allocate(self.tmem_cols)
             tmem.wait_for_alloc()
@@ -220,14 +290,13 @@ class _Blackwell:
         loads of the weight tile (and GEMM2's rows of h)."""
         k_tiles = self.k // self.tile_k
         n_tiles = self.n // self.tile_n
-        bid, _, _ = cute.arch.block_idx()
-        nctas, _, _ = cute.arch.grid_dim()
+        first, step, rank = self._walk()
         cpasync.prefetch_descriptor(tma_b)
         if const_expr(not self.glu):
             cpasync.prefetch_descriptor(tma_a)
-        thr_mma = tiled_mma.get_slice(0)
+        thr_mma = tiled_mma.get_slice(rank)  # this CTA's share of the MMA's A and B
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
-        for t in range(bid, n_tiles * num_m_tiles, nctas):
+        for t in range(first, n_tiles * num_m_tiles, step):
             bn, bt = self._tile_of(t, num_m_tiles)
             expert = mTileExpert[bt]
             if expert >= 0:
@@ -241,7 +310,7 @@ class _Blackwell:
                                   tma_bar_ptr=ab_pipe.producer_get_barrier(state))
                         state.advance()
                 else:
-                    gA = cute.local_tile(mAt, (self.tile_m, self.tile_k), (bt, None))
+                    gA = cute.local_tile(mAt, (self.route_m, self.tile_k), (bt, None))
                     tAsA, tAgA = cpasync.tma_partition(tma_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 3),
                                                        cute.group_modes(thr_mma.partition_A(gA), 0, 3))
                     for kt in range(k_tiles):
@@ -260,8 +329,7 @@ class _Blackwell:
         count of k-tiles copied but not yet handed over runs on across tiles."""
         k_tiles = self.k // self.tile_k
         n_tiles = self.n // self.tile_n
-        bid, _, _ = cute.arch.block_idx()
-        nctas, _, _ = cute.arch.grid_dim()
+        first, step, rank = self._walk()
         tiled_copy = self._make_g2s_copy()
         thr_copy = tiled_copy.get_slice(ltid)
         tAsA = thr_copy.partition_D(sA_cp)  # (CPY, CPY_M, CPY_K, PIPE)
@@ -269,10 +337,10 @@ class _Blackwell:
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
         handed = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
         pending = Int32(0)
-        for t in range(bid, n_tiles * num_m_tiles, nctas):
+        for t in range(first, n_tiles * num_m_tiles, step):
             bn, bt = self._tile_of(t, num_m_tiles)
             if mTileExpert[bt] >= 0:
-                a_rows = self._a_rows(ltid, mIds, bt * self.tile_m)
+                a_rows = self._a_rows(ltid, mIds, bt * self.route_m + rank * self.tile_m)
                 for kt in range(k_tiles):
                     ab_pipe.sync_object_empty.wait(state.index, state.phase)
                     self._load_a(kt, state.index, tiled_copy, mA, a_rows, tAsA, tAcA)
@@ -281,21 +349,27 @@ class _Blackwell:
                     pending = pending + 1
                     if pending > self.lag:
                         cute.arch.cp_async_wait_group(self.lag)
-                        self._hand_over(ab_pipe, handed)
+                        self._hand_over(ab_pipe, handed, rank)
                         handed.advance()
                         pending = pending - 1
         cute.arch.cp_async_wait_group(0)
         while pending > 0:
-            self._hand_over(ab_pipe, handed)
+            self._hand_over(ab_pipe, handed, rank)
             handed.advance()
             pending = pending - 1
 
     @cute.jit
-    def _hand_over(self, ab_pipe, state):
+    def _hand_over(self, ab_pipe, state, rank):
         """This thread's completed copies into ``state``'s stage, made visible to the async proxy
-        (tcgen05.mma's reads), then its arrival on the stage's full barrier."""
+        (tcgen05.mma's reads), then its arrival on the stage's full barrier. In a pair the leader
+        (rank 0) issues the MMAs that read both CTAs' stages: the other CTA's loaders arrive on the
+        leader's barrier, releasing their writes at cluster scope."""
         cute.arch.fence_proxy("async.shared", space="cta")
-        cute.arch.mbarrier_arrive(ab_pipe.producer_get_barrier(state))
+        if rank == 0:
+            cute.arch.mbarrier_arrive(ab_pipe.producer_get_barrier(state))
+        else:
+            cute.arch.mbarrier_arrive(ab_pipe.producer_get_barrier(state), peer_cta_rank_in_cluster=0,
+                                      scope=nvvm.MemScopeKind.CLUSTER)
 
     @cute.jit
     def _mma(self, ab_pipe, acc_pipe, tiled_mma, sA, sB, acc, mTileExpert, num_m_tiles):
@@ -304,14 +378,13 @@ class _Blackwell:
         accumulator to the epilogue after the tile's last k-tile."""
         k_tiles = self.k // self.tile_k
         n_tiles = self.n // self.tile_n
-        bid, _, _ = cute.arch.block_idx()
-        nctas, _, _ = cute.arch.grid_dim()
+        first, step, _ = self._walk()
         tCrA = tiled_mma.make_fragment_A(sA)  # (MMA, MMA_M, MMA_K, STAGE): shared memory descriptors
         tCrB = tiled_mma.make_fragment_B(sB)
         num_kb = cute.size(tCrA, mode=[2])
         read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         acc_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, ACC_STAGES)
-        for t in range(bid, n_tiles * num_m_tiles, nctas):
+        for t in range(first, n_tiles * num_m_tiles, step):
             bn, bt = self._tile_of(t, num_m_tiles)
             if mTileExpert[bt] >= 0:
                 acc_pipe.producer_acquire(acc_state)
@@ -335,8 +408,7 @@ class _Blackwell:
         columns (one row per thread), write the chunk's outputs (``_epilogue_chunk``), release
         the accumulator."""
         n_tiles = self.n // self.tile_n
-        bid, _, _ = cute.arch.block_idx()
-        nctas, _, _ = cute.arch.grid_dim()
+        first, step, rank = self._walk()
         chunk = (self.tile_m, self.epi_n)
         # (tile_m, epi_n, 1, chunks, ACC_STAGES)
         acc_epi = cute.flat_divide(acc[((None, None), 0, 0, None)], chunk)
@@ -350,11 +422,11 @@ class _Blackwell:
         frag = cute.make_rmem_tensor(tTR_cC[(None, None, None, 0, 0)].shape, Float32)
         row = tTR_cC[0][0]  # this thread's tile row (its TMEM lane)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, ACC_STAGES)
-        for t in range(bid, n_tiles * num_m_tiles, nctas):
+        for t in range(first, n_tiles * num_m_tiles, step):
             bn, bt = self._tile_of(t, num_m_tiles)
             expert = mTileExpert[bt]
             if expert >= 0:
-                row0 = bt * self.tile_m
+                row0 = bt * self.route_m + rank * self.tile_m  # this CTA's rows of the pair's tile
                 p = mIds[row0 + row]
                 scale = Float32(0.0)
                 if const_expr(not self.glu):

@@ -162,15 +162,18 @@ def test_runtime_weight_layout_is_the_templates():
     assert proc.returncode == 0, "importing the templates imported torch\n" + proc.stdout + proc.stderr
 
 
-@pytest.mark.parametrize("model", ["qwen3-30b-a3b", "mixtral-8x7b", "deepseek-v3"])
-def test_workspace_holds_every_tile_m(model):
+@pytest.mark.parametrize("model, target", [("qwen3-30b-a3b", "sm_90a"), ("mixtral-8x7b", "sm_90a"),
+                                           ("deepseek-v3", "sm_90a"), ("qwen3-30b-a3b", "sm_100a")])
+def test_workspace_holds_every_tile_m(model, target):
+    """Every tile_m a variant of the layer may use (sm_100a bf16 adds 256: umma's 2-CTA pairs)."""
     from moe_aot.runtime.layer import Workspace
-    from moe_aot.variants import TILE_M
+    from moe_aot.variants import TILE_M, tile_ms
 
-    spec = make_spec(model)
+    spec = make_spec(model, target=target)
+    assert tile_ms(spec) == (TILE_M + (256,) if target == "sm_100a" else TILE_M)
     for max_tokens in (1, 7, 300, 4096):
         ws = Workspace.allocate(spec, max_tokens, "meta")
-        for m in TILE_M:
+        for m in tile_ms(spec):
             T = max_tiles(max_tokens, spec.top_k, spec.experts, m)
             assert ws.sorted_ids.numel() >= T * m and ws.h.shape[0] >= T * m and ws.tile_expert.numel() >= T
 

@@ -115,6 +115,9 @@ CONFIGS = [
     ("bw128", "umma", ALL, "swiglu", 128, (256, 64, 4), (256, 64, 4), [16, 256, 1024, 4096]),
     ("bw128n128", "umma", ALL, "geglu", 128, (128, 64, 6), (128, 64, 6), [256, 4096]),
     ("bwbig", "umma", ["qwen3_30b_a3b", "mixtral_8x7b"], "swiglu", 128, (256, 64, 4), (256, 64, 4), [16384]),
+    # 2-CTA pairs (cta_group::2) on 256-row tiles: the routing padded to 256 rows per expert
+    ("bw2c", "umma:c2", ALL, "swiglu", 256, (256, 64, 4), (256, 64, 4), [256, 1024, 4096]),
+    ("bw2cbig", "umma:c2", ["qwen3_30b_a3b", "mixtral_8x7b"], "swiglu", 256, (256, 64, 6), (256, 64, 6), [16384]),
 ]
 
 

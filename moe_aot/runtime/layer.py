@@ -28,7 +28,15 @@ from ..gemm_limits import (
 )
 from ..layout import interleave_gate_up, max_tiles
 from ..spec import LayerSpec, make_spec, value_class
-from ..variants import INTERLEAVE, TILE_M, LayerVariant, backward_kernels, bucket_for, default_variant, training_kernels
+from ..variants import (
+    INTERLEAVE,
+    LayerVariant,
+    backward_kernels,
+    bucket_for,
+    default_variant,
+    tile_ms,
+    training_kernels,
+)
 from .launch import LayerPlan, current_stream, feeds
 from .library import KernelArgumentError, KernelLibrary
 from .store import KernelMissingError, KernelStore
@@ -98,9 +106,9 @@ class Workspace:
     @classmethod
     def allocate(cls, spec: LayerSpec, max_tokens: int, device) -> "Workspace":
         # Padded rows grow with tile_m and tile counts shrink with it: size each buffer for the
-        # worst tile_m any variant may use.
-        R = max(max_tiles(max_tokens, spec.top_k, spec.experts, m) * m for m in TILE_M)
-        T = max(max_tiles(max_tokens, spec.top_k, spec.experts, m) for m in TILE_M)
+        # worst tile_m any variant of this layer may use (sm_100a bf16: 256, umma's 2-CTA pairs).
+        R = max(max_tiles(max_tokens, spec.top_k, spec.experts, m) * m for m in tile_ms(spec))
+        T = max(max_tiles(max_tokens, spec.top_k, spec.experts, m) for m in tile_ms(spec))
         i32 = dict(dtype=torch.int32, device=device)
         bf = dict(dtype=torch.bfloat16, device=device)
         fp8 = spec.precision in FP8
