@@ -123,7 +123,10 @@ class _BlockScaledBase(_GroupedGemmBase):
         self.bits, self.w_bits = limits.BS_ELEM_BITS[self.act_fmt], limits.BS_ELEM_BITS[self.w_fmt]
         self.val_dtype, self.sf_dtype = VALUE_DTYPES[self.act_fmt], SCALE_DTYPES[self.act_fmt]
         self.w_dtype = VALUE_DTYPES[self.w_fmt]
-        self.n, self.k = n, k
+        # K padded to whole k-tiles (gemm_limits.bs_padded_k): A's and B's rows in memory hold
+        # zero values and zero scale bytes past the problem's K, which add exactly 0 to every sum
+        self.n, self.k = n, limits.bs_padded_k(k)
+        k = self.k
         self.k_bytes, self.k_scales = k * self.bits // 8, k // self.vec  # per row in global memory
         self.w_k_bytes = k * self.w_bits // 8
         self.tile_m, self.tile_n, self.tile_k = tile_m, tile_n, tile_k
@@ -603,15 +606,17 @@ class BlockScaledGluGemm(_BlockScaledBase):
                  standin: bool = False):
         ok, reason = self.can_implement(num_experts, hidden, intermediate, top_k, activation, interleave,
                                         tile_m, tile_n, tile_k, stages, mma, warps_m, warps_n, precision=precision)
-        if ok and (bias or save_preact):
-            ok, reason = False, f"{precision} GEMM1 has no expert biases and no pre-activation output"
+        if ok and save_preact:
+            ok, reason = False, f"{precision} GEMM1 has no pre-activation output"
         if not ok:
             raise ValueError(reason)
         self.num_experts, self.hidden, self.intermediate = num_experts, hidden, intermediate
         self.top_k, self.activation, self.interleave = top_k, activation, interleave
-        self.bias = self.save_preact = False
+        self.bias, self.save_preact = bool(bias), False
         self._bs_init(2 * intermediate, hidden, tile_m, tile_n, tile_k, stages, mma, warps_m, warps_n, pdl,
                       precision, standin)
+        # h's rows are GEMM2's A rows: I padded as GEMM2's K; the last column tile writes the padding
+        self.h_cols = limits.bs_padded_k(intermediate)
 
     @classmethod
     def can_implement(cls, num_experts, hidden, intermediate, top_k, activation="swiglu", interleave=16,
@@ -637,29 +642,31 @@ class BlockScaledGluGemm(_BlockScaledBase):
         e, hd, i = self.num_experts, self.hidden, self.intermediate
         xq, xs = self._fake_values(m, hd)
         wq, ws = self._fake_weights(e, 2 * i, hd)
-        hq, hs = self._fake_values(r, i)
+        hq, hs = self._fake_values(r, self.h_cols)
+        i2 = 2 * i
         return [("xq", xq), ("xs", xs), ("w13q", wq), ("w13s", ws),
                 ("sorted_ids", make_fake_tensor(Int32, (r,), (1,), assumed_align=16)),
                 ("tile_expert", make_fake_tensor(Int32, (t,), (1,), assumed_align=16)),
                 ("hq", hq), ("hs", hs),
                 ("x_gamax", self._fake_amax(1)), ("w13_gamax", self._fake_amax(e)), ("h_gamax", self._fake_amax(1)),
+                ("b13", make_fake_tensor(BFloat16, (e, i2), (i2, 1), assumed_align=16) if self.bias else None),
                 ("stream", make_fake_stream())]
 
     @cute.jit
     def __call__(self, xq: cute.Tensor, xs: cute.Tensor, w13q: cute.Tensor, w13s: cute.Tensor,
                  sorted_ids: cute.Tensor, tile_expert: cute.Tensor, hq: cute.Tensor, hs: cute.Tensor,
                  x_gamax: Optional[cute.Tensor], w13_gamax: Optional[cute.Tensor], h_gamax: Optional[cute.Tensor],
-                 stream: cuda.CUstream):
+                 b13: Optional[cute.Tensor], stream: cuda.CUstream):
         grid, block = self._launch_common(self.n // self.tile_n, tile_expert)
-        self.kernel(xq, xs, w13q, w13s, sorted_ids, tile_expert, hq, hs, x_gamax, w13_gamax, h_gamax).launch(
+        self.kernel(xq, xs, w13q, w13s, sorted_ids, tile_expert, hq, hs, x_gamax, w13_gamax, h_gamax, b13).launch(
             grid=grid, block=block, stream=stream, use_pdl=self.pdl)
 
     @cute.kernel
     def kernel(self, mXq: cute.Tensor, mXs: cute.Tensor, mWq: cute.Tensor, mWs: cute.Tensor, mIds: cute.Tensor,
                mTileExpert: cute.Tensor, mHq: cute.Tensor, mHs: cute.Tensor, mGx: Optional[cute.Tensor],
-               mGw: Optional[cute.Tensor], mGh: Optional[cute.Tensor]):
+               mGw: Optional[cute.Tensor], mGh: Optional[cute.Tensor], mB: Optional[cute.Tensor]):
         tidx, _, _ = cute.arch.thread_idx()
-        self._tile(tidx, (mXq, mXs), (mWq, mWs), mIds, mTileExpert, (mHq, mHs, mGx, mGw, mGh))
+        self._tile(tidx, (mXq, mXs), (mWq, mWs), mIds, mTileExpert, (mHq, mHs, mGx, mGw, mGh, mB, mIds))
 
     @cute.jit
     def _a_rows(self, tidx, mIds, row0):
@@ -678,11 +685,11 @@ class BlockScaledGluGemm(_BlockScaledBase):
         """h of the tile from the staged fp32 gate/up columns, quantized: thread ``etid`` takes the
         output blocks etid, etid + threads, ... (block j of a row: h columns bn * tile_n / 2 +
         vec j ..), writes its vec (mxfp8) or vec / 2 (nvfp4) value bytes and its scale byte."""
-        mHq, mHs, mGx, mGw, mGh = epi
+        mHq, mHs, mGx, mGw, mGh, mB, mIds = epi
         blocks = self.tile_n // 2 // self.vec  # output blocks per tile row
         items = self.tile_m * blocks
         qn = self.vec * self.bits // 8
-        i_bytes, i_scales = self.intermediate * self.bits // 8, self.intermediate // self.vec
+        i_bytes, i_scales = self.h_cols * self.bits // 8, self.h_cols // self.vec  # h's padded row
         alpha = Float32(1.0)
         s_enc = Float32(1.0)
         if const_expr(self.nvfp4):
@@ -698,6 +705,14 @@ class BlockScaledGluGemm(_BlockScaledBase):
                 if const_expr(self.nvfp4):
                     g = g * alpha
                     u = u * alpha
+                if const_expr(self.bias):
+                    # padding rows (no routed pair) stay quantized zeros: their bias times 0
+                    on = Float32(0.0)
+                    if mIds[row0 + row] >= 0:
+                        on = Float32(1.0)
+                    bg, bu = self._glu_bias(mB, expert, bn, j)
+                    g = g + bg.reshape(g.shape) * on
+                    u = u + bu.reshape(u.shape) * on
                 vals = cute.make_rmem_tensor(cute.make_layout((1, self.vec)), Float32)
                 vals.store(glu(g, u, self.activation))
                 out, byte = quantize_block(vals, self.act_fmt, s_enc, self.e2m1)
@@ -707,6 +722,42 @@ class BlockScaledGluGemm(_BlockScaledBase):
                 srow = cute.make_tensor(mHs.iterator + cutlass.Int64(row0 + row) * i_scales,
                                         cute.make_layout(i_scales))
                 srow[col] = byte.to(Uint8)
+        pad_blocks = (self.h_cols - self.intermediate) // self.vec
+        if const_expr(pad_blocks > 0):
+            # h's columns past I (GEMM2's K padding): quantized zeros, written by the last column tile
+            if bn == self.n // self.tile_n - 1:
+                pad_items = self.tile_m * pad_blocks
+                zeros = cute.make_rmem_tensor(cute.make_layout(qn), Uint8)
+                zeros.fill(0)
+                for it in cutlass.range_constexpr(-(-pad_items // self.threads)):
+                    item = it * self.threads + etid
+                    if const_expr(pad_items % self.threads == 0) or item < pad_items:
+                        row = item // pad_blocks
+                        col = self.intermediate // self.vec + item % pad_blocks
+                        dst = cute.local_tile(self._row(mHq, row0 + row, i_bytes), (qn,), (col,))
+                        dst.store(zeros.load())
+                        srow = cute.make_tensor(mHs.iterator + cutlass.Int64(row0 + row) * i_scales,
+                                                cute.make_layout(i_scales))
+                        srow[col] = Uint8(0)
+
+    @cute.jit
+    def _glu_bias(self, mB, expert, bn, j):
+        """(gate, up) biases of output block j of column tile bn as fp32 [vec] fragments: b13's
+        row is interleaved as w13's rows (gate/up blocks of ``interleave``), h column c's gate at
+        w13 row (c // interleave) * 2 interleave + c % interleave, its up ``interleave`` further."""
+        il = self.interleave
+        brow = self._row(mB, expert, self.n)
+        bg = cute.make_rmem_tensor(cute.make_layout(self.vec), Float32)
+        bu = cute.make_rmem_tensor(cute.make_layout(self.vec), Float32)
+        c0 = bn * (self.tile_n // 2) + j * self.vec  # first h column of the block (a multiple of il)
+        for grp in cutlass.range_constexpr(self.vec // il):
+            r = (c0 // il + grp) * 2 * il
+            g = cute.local_tile(brow, (il,), (r // il,)).load().to(Float32)
+            u = cute.local_tile(brow, (il,), (r // il + 1,)).load().to(Float32)
+            for q in cutlass.range_constexpr(il):
+                bg[grp * il + q] = g[q]
+                bu[grp * il + q] = u[q]
+        return bg.load(), bu.load()
 
 
 class BlockScaledDownGemm(_BlockScaledBase):
@@ -729,13 +780,11 @@ class BlockScaledDownGemm(_BlockScaledBase):
                  pdl: bool = False, precision: str = "mxfp8", bias: bool = False, standin: bool = False):
         ok, reason = self.can_implement(num_experts, hidden, intermediate, top_k, tile_m, tile_n, tile_k, stages,
                                         mma, warps_m, warps_n, precision=precision)
-        if ok and bias:
-            ok, reason = False, f"{precision} GEMM2 has no expert biases"
         if not ok:
             raise ValueError(reason)
         self.num_experts, self.hidden, self.intermediate = num_experts, hidden, intermediate
         self.top_k = top_k
-        self.bias = False
+        self.bias = bool(bias)
         self._bs_init(hidden, intermediate, tile_m, tile_n, tile_k, stages, mma, warps_m, warps_n, pdl, precision,
                       standin)
 
@@ -758,7 +807,7 @@ class BlockScaledDownGemm(_BlockScaledBase):
         r = cute.sym_int32(symbol="R", divisibility=self.tile_m)
         t = cute.sym_int32(symbol="T")
         e, hd, i = self.num_experts, self.hidden, self.intermediate
-        hq, hs = self._fake_values(r, i)
+        hq, hs = self._fake_values(r, self.k)
         wq, ws = self._fake_weights(e, hd, i)
         return [("hq", hq), ("hs", hs), ("w2q", wq), ("w2s", ws),
                 ("sorted_ids", make_fake_tensor(Int32, (r,), (1,), assumed_align=16)),
@@ -766,22 +815,24 @@ class BlockScaledDownGemm(_BlockScaledBase):
                 ("topk_weights", make_fake_tensor(Float32, (m, self.top_k), (self.top_k, 1), assumed_align=16)),
                 ("y", make_fake_tensor(BFloat16, (mk, hd), (hd, 1), assumed_align=16)),
                 ("h_gamax", self._fake_amax(1)), ("w2_gamax", self._fake_amax(e)),
+                ("b2", make_fake_tensor(BFloat16, (e, hd), (hd, 1), assumed_align=16) if self.bias else None),
                 ("stream", make_fake_stream())]
 
     @cute.jit
     def __call__(self, hq: cute.Tensor, hs: cute.Tensor, w2q: cute.Tensor, w2s: cute.Tensor,
                  sorted_ids: cute.Tensor, tile_expert: cute.Tensor, topk_weights: cute.Tensor, y: cute.Tensor,
-                 h_gamax: Optional[cute.Tensor], w2_gamax: Optional[cute.Tensor], stream: cuda.CUstream):
+                 h_gamax: Optional[cute.Tensor], w2_gamax: Optional[cute.Tensor], b2: Optional[cute.Tensor],
+                 stream: cuda.CUstream):
         grid, block = self._launch_common(self.n // self.tile_n, tile_expert)
-        self.kernel(hq, hs, w2q, w2s, sorted_ids, tile_expert, topk_weights, y, h_gamax, w2_gamax).launch(
+        self.kernel(hq, hs, w2q, w2s, sorted_ids, tile_expert, topk_weights, y, h_gamax, w2_gamax, b2).launch(
             grid=grid, block=block, stream=stream, use_pdl=self.pdl)
 
     @cute.kernel
     def kernel(self, mHq: cute.Tensor, mHs: cute.Tensor, mWq: cute.Tensor, mWs: cute.Tensor, mIds: cute.Tensor,
                mTileExpert: cute.Tensor, mTopkW: cute.Tensor, mY: cute.Tensor, mGh: Optional[cute.Tensor],
-               mGw: Optional[cute.Tensor]):
+               mGw: Optional[cute.Tensor], mB: Optional[cute.Tensor]):
         tidx, _, _ = cute.arch.thread_idx()
-        self._tile(tidx, (mHq, mHs), (mWq, mWs), mIds, mTileExpert, (mIds, mTopkW, mY, mGh, mGw))
+        self._tile(tidx, (mHq, mHs), (mWq, mWs), mIds, mTileExpert, (mIds, mTopkW, mY, mGh, mGw, mB))
 
     @cute.jit
     def _a_rows(self, tidx, mIds, row0):
@@ -799,7 +850,7 @@ class BlockScaledDownGemm(_BlockScaledBase):
     def _epilogue(self, etid, sC, epi, row0, bn, expert):
         """Scaled rows of the tile scattered to y (8 columns per thread and pass); nvfp4: the
         sums times h's and the expert's w2 global dequantization factors first."""
-        mIds, mTopkW, mY, mGh, mGw = epi
+        mIds, mTopkW, mY, mGh, mGw, mB = epi
         alpha = Float32(1.0)
         if const_expr(self.nvfp4):
             alpha = self._global_scale(mGh, 0) * self._global_scale(mGw, expert)
@@ -811,9 +862,17 @@ class BlockScaledDownGemm(_BlockScaledBase):
                 p = mIds[row0 + row]
                 if p >= 0:
                     scale = mTopkW[p // self.top_k, p % self.top_k]
-                    if const_expr(self.nvfp4):
-                        scale = scale * alpha
-                    v = cute.local_tile(sC, (1, _COPY_ELEMS), (row, c8)).load() * scale
+                    col8 = bn * (self.tile_n // _COPY_ELEMS) + c8
+                    if const_expr(self.bias):  # y = w * (h . w2_e^T (* global scales) + b2_e)
+                        v = cute.local_tile(sC, (1, _COPY_ELEMS), (row, c8)).load()
+                        if const_expr(self.nvfp4):
+                            v = v * alpha
+                        b = cute.local_tile(self._row(mB, expert, self.n), (_COPY_ELEMS,), (col8,))
+                        v = (v + b.load().to(Float32).reshape(v.shape)) * scale
+                    else:
+                        if const_expr(self.nvfp4):
+                            scale = scale * alpha
+                        v = cute.local_tile(sC, (1, _COPY_ELEMS), (row, c8)).load() * scale
                     dst = cute.local_tile(self._row(mY, p, self.hidden), (_COPY_ELEMS,),
                                           (bn * (self.tile_n // _COPY_ELEMS) + c8,))
                     dst.store(v.to(BFloat16))
