@@ -640,8 +640,8 @@ class BlockScaledGluGemm(_BlockScaledBase):
         r = cute.sym_int32(symbol="R", divisibility=self.tile_m)
         t = cute.sym_int32(symbol="T")
         e, hd, i = self.num_experts, self.hidden, self.intermediate
-        xq, xs = self._fake_values(m, hd)
-        wq, ws = self._fake_weights(e, 2 * i, hd)
+        xq, xs = self._fake_values(m, self.k)  # K-padded rows (bs_padded_k)
+        wq, ws = self._fake_weights(e, 2 * i, self.k)
         hq, hs = self._fake_values(r, self.h_cols)
         i2 = 2 * i
         return [("xq", xq), ("xs", xs), ("w13q", wq), ("w13s", ws),
@@ -808,7 +808,7 @@ class BlockScaledDownGemm(_BlockScaledBase):
         t = cute.sym_int32(symbol="T")
         e, hd, i = self.num_experts, self.hidden, self.intermediate
         hq, hs = self._fake_values(r, self.k)
-        wq, ws = self._fake_weights(e, hd, i)
+        wq, ws = self._fake_weights(e, hd, self.k)  # K-padded rows
         return [("hq", hq), ("hs", hs), ("w2q", wq), ("w2s", ws),
                 ("sorted_ids", make_fake_tensor(Int32, (r,), (1,), assumed_align=16)),
                 ("tile_expert", make_fake_tensor(Int32, (t,), (1,), assumed_align=16)),

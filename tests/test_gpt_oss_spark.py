@@ -238,6 +238,91 @@ def test_check_forward_at_a_padded_shape_fails_unwritten_padding_and_a_dropped_b
 
 
 # -- compiled (needs the DSL) -------------------------------------------------------------------------
+GPT_OSS_SMALL = dict(experts=8, top_k=4, hidden=H, intermediate=I, activation="swigluoai", bias=True)  # GPT_OSS_CHECK
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_standin_db(tmp_path_factory):
+    """The stand-in kernels of GPT_OSS_CHECK's layer at its 16-token default, w4a8-mx and nvfp4 (~1 min)."""
+    pytest.importorskip("cutlass")
+    from moe_aot.compiler import compile_into
+    from moe_aot.database import Database
+
+    url = f"sqlite:///{tmp_path_factory.mktemp('gptoss') / 'k.sqlite'}"
+    specs = [make_spec(**GPT_OSS_SMALL, precision=p, target=STANDIN) for p in ("w4a8-mx", "nvfp4")]
+    with Database(url) as db:
+        res = compile_into(db, [(s, V.default_variant(s, 16)) for s in specs], jobs=1)
+    assert all(r.error is None for r in res), [r.error for r in res if r.error]
+    return url, {s.precision: s for s in specs}
+
+
+def _random_weights(spec, seed=0):
+    """Random bytes in the K-padded shapes the layer takes, with bf16 biases (no quantization: fast)."""
+    gen = torch.Generator().manual_seed(seed)
+    e, fmt = spec.experts, spec.precision
+    wfmt = limits.BS_FORMATS[fmt][1]
+    bits, vec, nv = limits.BS_ELEM_BITS[wfmt], limits.BLOCKSCALE_BLOCK[wfmt], fmt == "nvfp4"
+
+    def w(n, amax):
+        return bw.BlockScaledWeight(torch.randint(0, 255, (e, n, HP * bits // 8), dtype=torch.uint8, generator=gen),
+                                    torch.randint(0, 255, (e, n, HP // vec), dtype=torch.uint8, generator=gen),
+                                    torch.rand(e, generator=gen) if nv else None,
+                                    torch.rand(1, generator=gen) if amax and nv else None,
+                                    bias=torch.randn(e, n, generator=gen).to(torch.bfloat16))
+
+    return w(2 * I, False), w(H, True)
+
+
+@pytest.mark.parametrize("precision", ["w4a8-mx", "nvfp4"])
+def test_gpt_oss_forward_binds_the_padded_operands_and_the_biases(gpt_oss_standin_db, precision, tmp_path,
+                                                                 monkeypatch):
+    """MoeLayer.forward at gpt-oss's shape against libraries of the compiled kernels' ABI that
+    record their pointers: the weights, x's and h's workspace buffers pass the kernels' own
+    static-shape checks at the padded K (2944), the biases follow the global amaxes in GEMM1's and
+    GEMM2's arguments, first call and repeated call alike; weights without their biases, or
+    unpadded ones, are refused before any launch in one sentence."""
+    from test_runtime_cpu import _recording_layer, _seen
+
+    from moe_aot.runtime.library import KernelArgumentError
+
+    url, specs = gpt_oss_standin_db
+    spec = specs[precision]
+    layer = _recording_layer(url, spec, tmp_path, monkeypatch)
+    M, nv = 16, precision == "nvfp4"
+
+    def make(seed):
+        gen = torch.Generator().manual_seed(seed)
+        w13, w2 = _random_weights(spec, seed)
+        return [torch.randn(M, H, generator=gen).to(torch.bfloat16), w13, w2, torch.zeros(M, 4),
+                torch.zeros(M, 4, dtype=torch.int32)]
+
+    out = torch.zeros(M, H, dtype=torch.bfloat16)
+    layer.forward(*make(0), out=out)
+    _, libs = layer.role_kernels(M)
+    ws = layer._workspace
+    assert ws.xq.shape[1] == HP * (4 if nv else 8) // 8 and ws.hs.shape[1] == HP // (16 if nv else 32)
+    for second in (False, True):
+        new, out2 = make(1 + second), torch.zeros_like(out)
+        assert layer.forward(*new, out=out2) is out2
+        x, w13, w2, tw, ids = new
+        p = lambda t: t.data_ptr()  # noqa: E731
+        xg, w13g, w2g, hg = ((p(ws.xg),), (p(w13.global_amax),), (p(w2.global_amax),), (p(w2.input_amax),)) if nv \
+            else ((),) * 4
+        assert _seen(libs["bsquant"]._lib, 4 + nv) == [p(x), p(ws.xq), p(ws.xs), *xg, 1234]
+        assert _seen(libs["glu"]._lib, 10 + 3 * nv) == [p(ws.xq), p(ws.xs), p(w13.values), p(w13.scales),
+                                                        p(ws.sorted_ids), p(ws.tile_expert), p(ws.hq), p(ws.hs),
+                                                        *xg, *w13g, *hg, p(w13.bias), 1234]
+        assert _seen(libs["down"]._lib, 10 + 2 * nv) == [p(ws.hq), p(ws.hs), p(w2.values), p(w2.scales),
+                                                         p(ws.sorted_ids), p(ws.tile_expert), p(tw), p(ws.y),
+                                                         *hg, *w2g, p(w2.bias), 1234]
+    for (a, b), msg in (((w13._replace(bias=None), w2), "^w13's bias must be a bf16 tensor: the spec of"),
+                        ((w13, w2._replace(bias=w2.bias[:, :64])), r"^b2 must have shape \(8, 2880\)"),
+                        ((w13._replace(values=w13.values[..., :H // 2].contiguous()), w2),
+                         "^w13 values must have shape")):
+        with pytest.raises(KernelArgumentError, match=msg):
+            layer.forward(x, a, b, tw, ids, out=out2)
+
+
 def test_gpt_oss_w4a8_mx_layer_compiles_for_sm_121a_and_its_standin(tmp_path):
     """`moe-aot build --model gpt-oss-120b --precision w4a8-mx` for sm_121a (aarch64 host code) and
     sm_121a-standin compiles the five kernels of the decode default into a database; the sm_121a
@@ -269,8 +354,13 @@ def test_gpt_oss_w4a8_mx_layer_compiles_for_sm_121a_and_its_standin(tmp_path):
         assert set(re.findall(r"mma\.sync\S*", body)) == {
             "mma.sync.aligned.kind::mxf8f6f4.block_scale.scale_vec::1X.m16n8k32.row.col.f32.e4m3.e2m1.f32.ue8m0"}
         assert "ld.local" not in body and "st.local" not in body
-        names = [a["name"] for a in art.meta["args"]]
-        assert names[-2:] == ["b13" if kv.role == "glu" else "b2", "stream"], names
+        args = {a["name"]: a for a in art.meta["args"]}
+        assert list(args)[-2:] == ["b13" if kv.role == "glu" else "b2", "stream"], list(args)
+        # the K-padded rows the runtime passes (x, h: 2944 e4m3 bytes; weights 1472 e2m1 bytes)
+        a, w = ("xq", "w13q") if kv.role == "glu" else ("hq", "w2q")
+        assert args[a]["static_shape"][1] == HP and args[w]["static_shape"][2] == HP // 2, (args[a], args[w])
+        if kv.role == "glu":
+            assert args["hq"]["static_shape"][1] == HP
         if tool is not None:
             cubin = tmp_path / f"{kv.role}.cubin"
             cubin.write_bytes(art.cubin)

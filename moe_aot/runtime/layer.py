@@ -242,7 +242,8 @@ class MoeLayer:
         """Raise KernelArgumentError naming the first bad input (weights as forward takes them;
         a bias layer's biases either in its (weights, biases) pairs or as b13 / b2)."""
         s = self.spec
-        if s.bias and b13 is None and b2 is None and s.precision not in W4:
+        own_bias = s.precision in W4 or s.precision in BLOCKSCALED  # the weights carry their biases
+        if s.bias and b13 is None and b2 is None and not own_bias:
             w13, b13, w2, b2 = split_biases(s, w13, w2)
         M = x.shape[0] if isinstance(x, torch.Tensor) and x.dim() == 2 else None
         if s.precision in FP8:
@@ -254,7 +255,7 @@ class MoeLayer:
         else:
             weights = [("w13", w13, (s.experts, 2 * s.intermediate, s.hidden), torch.bfloat16),
                        ("w2", w2, (s.experts, s.hidden, s.intermediate), torch.bfloat16)]
-        if s.bias and s.precision not in W4:
+        if s.bias and not own_bias:
             weights += [("b13", b13, (s.experts, 2 * s.intermediate), torch.bfloat16),
                         ("b2", b2, (s.experts, s.hidden), torch.bfloat16)]
         expect = [("x", x, (M, s.hidden), torch.bfloat16)] + weights + [
