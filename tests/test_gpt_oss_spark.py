@@ -346,7 +346,9 @@ def test_gpt_oss_w4a8_mx_layer_compiles_for_sm_121a_and_its_standin(tmp_path):
     spec = make_spec("gpt-oss-120b", precision="w4a8-mx", target=SPARK)
     kvs = V.default_variant(spec, 1).kernels(spec)
     quant = compile_kernel(build_template(kvs[1]), SPARK, kvs[1].name)
-    assert [a["name"] for a in quant.meta["args"]][:3] == ["x", "q", "sf"]
+    qargs = {a["name"]: a for a in quant.meta["args"]}
+    assert qargs["x"]["static_shape"][1] == H and qargs["q"]["static_shape"][1] == HP
+    assert qargs["sf"]["static_shape"][1] == HP // 32
     tool = cuobjdump()
     for kv in kvs[2:4]:
         art = compile_kernel(build_template(kv), SPARK, kv.name)

@@ -98,8 +98,6 @@ def build(folder: Path, jobs: int, trials: int, gpu: str, only=None, gpt_oss=Fal
 def run(folder: Path, out: Path, replays: int, only=None, gpt_oss=False) -> int:
     import torch
 
-    from moe_aot import picks
-    from moe_aot.database import Database
     from moe_aot.gemm_limits import BLOCKSCALED
     from moe_aot.harness.blockscaled import graph_replay_check
     from moe_aot.harness.verify import check_stages, random_routing, random_weights
@@ -139,7 +137,11 @@ def run(folder: Path, out: Path, replays: int, only=None, gpt_oss=False) -> int:
         print("\n".join(lines), flush=True)
         return 1 if bad else 0
 
-    # the tuning flow: measure what `tune --compile-only` left ready, on a copy (OUTDIR holds the records)
+    # the tuning flow: measure what `tune --compile-only` left ready, on a copy (OUTDIR holds the records);
+    # the checks alone above need only torch and the runtime (no sqlalchemy)
+    from moe_aot import picks
+    from moe_aot.database import Database
+
     db_copy = out / DB_NAME
     db_copy.unlink(missing_ok=True)
     src, dst = sqlite3.connect(folder / DB_NAME), sqlite3.connect(db_copy)
