@@ -25,7 +25,11 @@ formats bit for bit):
            first register and leaves the second undefined, so the kernel never hands it one).
 
 Operand layouts in global memory (all uint8, row-major; exactly what ``blockscale.quantize``
-returns for each matrix, so no permutation beyond bf16's gate/up interleave):
+returns for each matrix, so no permutation beyond bf16's gate/up interleave). K below is the padded
+K (``gemm_limits.bs_padded_k``): every row along K (x, h, the weights, their scales) is stored
+K-padded to whole 128-element k-tiles, the padding zero values with zero scale bytes (0 in every
+sum); x's padding is written by its quantizer, h's by GEMM1's epilogue (the CTAs of the last
+column tile), the weights' at preparation (runtime/blockscaled.py). N is never padded:
   values  [rows, K] e4m3 bytes (mxfp8, w4a8-mx's x and h) or [rows, K/2] packed e2m1 (nvfp4,
           w4a8-mx's weights: gpt-oss's checkpoint bytes, runtime/blockscaled.from_gpt_oss)
   scales  [rows, K/vec] bytes, vec = 32 (mxfp8) or 16 (nvfp4): row r's scales of K block b at r * K/vec + b
@@ -60,15 +64,18 @@ x (the layer's input) is quantized by its own kernel, templates/blockscale_quant
 
 Constraints (``gemm_limits.check_blockscaled``):
   * sm_121a (the sm_120 family) only: no other target has these instructions; mma "warp" only.
-  * tile_k in (128, 256) (a k-tile row is 64..256 value bytes and 4..16 scale bytes); K % tile_k
-    == 0 and N % tile_n == 0 (hidden and intermediate multiples of 128); a k-tile loop of at
-    least stages - 1 tiles; 2 <= stages <= 8.
+  * tile_k in (128, 256) (a k-tile row is 64..256 value bytes and 4..16 scale bytes); the padded
+    K (``gemm_limits.bs_padded_k``: K rounded up to 128, e.g. gpt-oss's 2880 to 2944) % tile_k == 0
+    and N % tile_n == 0 (hidden and intermediate multiples of 32); a k-tile loop of at least
+    stages - 1 tiles; 2 <= stages <= 8.
   * warps_m x warps_n (``gemm_limits.default_warps``), tile_m % (16 warps_m) == 0, tile_n %
     (16 warps_n) == 0, at most 128 fp32 accumulators per thread; tile_m and tile_n multiples of
     the rows one 16-byte cp.async pass covers.
   * GEMM1: tile_n / 2 a multiple of vec (whole output scale blocks), tile_n % (2 interleave) == 0.
   * shared memory ``gemm_limits.bs_smem_bytes`` within the target's (GB10: 101,376 B per block).
-  * no expert biases, no pre-activation output, no PDL weight prefetch (pdl=True only waits).
+  * expert biases optional (``bias``: b13 [E, 2I] bf16 interleaved as w13's rows, added to the gate/up
+    sums before the activation, not to padding rows; b2 [E, H] bf16 added to GEMM2's sums before the
+    routing weight); no pre-activation output, no PDL weight prefetch (pdl=True only waits).
   * all tensors 16-byte aligned; the runtime must check it (compiled-in assumption).
 
 The sm_90a stand-in (``standin=True``, issue 12 item 4c): the same kernels, tile loops, shared
@@ -82,7 +89,9 @@ H200 can check everything around the instruction against the torch reference
 Status: the kernels compile for sm_121a and the stand-ins for sm_90a (tests/test_blockscaled_warp.py;
 w4a8-mx's to ``QMMA.SF.16832.F32.E4M3.E2M1.E8``; its stand-in ran on the H200: 44/44 checks);
 none has run on an sm_120-family GPU (none was available); the stand-ins ran on the H200 (2026-12-02:
-32/32 GEMM checks, and the whole stand-in layer's 154 stage checks, tools/results/NOTES.md).
+32/32 GEMM checks, and the whole stand-in layer's 154 stage checks, tools/results/NOTES.md). The K
+padding and the expert biases (gpt-oss's shape, tests/test_gpt_oss_spark.py) are compiled and
+CPU-tested only: not yet run on a GPU, stand-in included.
 """
 
 import math
@@ -585,14 +594,16 @@ class _BlockScaledBase(_GroupedGemmBase):
 class BlockScaledGluGemm(_BlockScaledBase):
     """GEMM1 of a block-scaled MoE: ``h[r] = quant(act(x[p//top_k] . gate_e) * (x[p//top_k] . up_e))``.
 
-    ``__call__(xq, xs, w13q, w13s, sorted_ids, tile_expert, hq, hs, x_gamax, w13_gamax, h_gamax, stream)``:
+    ``__call__(xq, xs, w13q, w13s, sorted_ids, tile_expert, hq, hs, x_gamax, w13_gamax, h_gamax, b13, stream)``
+    (K-padded rows, see the module docstring; hq's and hs's rows I padded, GEMM2's K):
       xq [M, H*b/8], xs [M, H/vec] (M dynamic); w13q [E, 2I, H*b/8], w13s [E, 2I, H/vec], rows
       gate/up interleaved in blocks of ``interleave``; sorted_ids [R] and tile_expert [T] int32;
       hq [R, I*b/8] and hs [R, I/vec] with R = T * tile_m dynamic: GEMM2's A operand. b = 8
       (mxfp8) or 4 (nvfp4) bits per value, all uint8 (see the module docstring).
       nvfp4: x_gamax [1], w13_gamax [E], h_gamax [1] fp32 global amaxes; None for mxfp8.
       Padding rows (sorted_ids == -1) are written as quantized zeros (value and scale bytes 0);
-      tiles with tile_expert == -1 are not written. Grid (2I / tile_n, T).
+      tiles with tile_expert == -1 are not written. Grid (2I / tile_n, T). b13 [E, 2I] bf16 with
+      ``bias`` (None otherwise: no argument of the compiled kernel).
     Activation: "swiglu", "geglu", "swigluoai" (grouped_gemm.glu).
     """
 
@@ -763,13 +774,14 @@ class BlockScaledGluGemm(_BlockScaledBase):
 class BlockScaledDownGemm(_BlockScaledBase):
     """GEMM2 of a block-scaled MoE: ``y[p] = topk_weights.flat[p] * (h[r] . w2_e^T)`` for p = sorted_ids[r].
 
-    ``__call__(hq, hs, w2q, w2s, sorted_ids, tile_expert, topk_weights, y, h_gamax, w2_gamax, stream)``:
+    ``__call__(hq, hs, w2q, w2s, sorted_ids, tile_expert, topk_weights, y, h_gamax, w2_gamax, b2, stream)``:
       hq [R, I*b/8] and hs [R, I/vec] (GEMM1's output, padded order, R = T * tile_m dynamic);
       w2q [E, H, I*b/8], w2s [E, H, I/vec] uint8; sorted_ids [R], tile_expert [T] int32;
       topk_weights [M, top_k] fp32; y [M*top_k, H] bf16, as GroupedDownGemm writes it.
       nvfp4: h_gamax [1] and w2_gamax [E] fp32 global amaxes; None for mxfp8.
       The routing weight (and for nvfp4 the two global scales) multiply the fp32 sums before the
-      bf16 store; padding rows are not stored. Grid (H / tile_n, T).
+      bf16 store; padding rows are not stored. Grid (H / tile_n, T). b2 [E, H] bf16 with ``bias``:
+      y[p] = w * (h . w2_e^T + b2_e) (None otherwise).
     """
 
     glu = False
