@@ -70,7 +70,7 @@ SWIGLUOAI_ALPHA = 1.702
 SWIGLUOAI_LIMIT = 7.0
 # expert biases (gpt-oss: b13 [E, 2I] added to GEMM1's gate/up columns before the activation,
 # b2 [E, H] to GEMM2's output before the routing weight) are built for these precisions (the
-# block-scaled ones on the sm_120 family's mma.sync kernels only, check_bs_bias)
+# block-scaled ones on the sm_120 family's mma.sync kernels only: spec.py refuses them on tcgen05)
 BIAS_PRECISIONS = ("bf16", "mxfp4-w", "mxfp8", "nvfp4", "w4a8-mx")
 
 # Precisions of the grouped GEMMs' operands. fp8 (e4m3 A and B, fp32 accumulation) runs on the
