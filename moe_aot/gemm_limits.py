@@ -76,8 +76,9 @@ ACTIVATIONS = ("swiglu", "geglu", "swigluoai")
 SWIGLUOAI_ALPHA = 1.702
 SWIGLUOAI_LIMIT = 7.0
 # expert biases (gpt-oss: b13 [E, 2I] added to GEMM1's gate/up columns before the activation,
-# b2 [E, H] to GEMM2's output before the routing weight) are built for these precisions
-BIAS_PRECISIONS = ("bf16", "mxfp4-w")
+# b2 [E, H] to GEMM2's output before the routing weight) are built for these precisions (the
+# block-scaled ones on the sm_120 family's mma.sync kernels only: spec.py refuses them on tcgen05)
+BIAS_PRECISIONS = ("bf16", "mxfp4-w", "mxfp8", "nvfp4", "w4a8-mx")
 
 # Precisions of the grouped GEMMs' operands. fp8 (e4m3 A and B, fp32 accumulation) runs on the
 # cooperative wgmma core (templates/hopper_fp8.py) and on mma.sync (templates/warp_fp8.py, the
@@ -635,7 +636,30 @@ BS_TARGETS = with_standins(("sm_121a",))  # the stand-in emulates the MMA (stand
 BS_ELEM_BITS = {"mxfp8": 8, "nvfp4": 4, "mxfp4": 4}  # per format (a precision's activations: BS_FORMATS[p][0])
 BS_MMA_K = {"mxfp8": 32, "nvfp4": 64, "w4a8-mx": 32}  # K of one m16n8kK block-scaled mma.sync
 BS_TILE_K = (128, 256)
-BS_SIZE_MULTIPLE = 128  # hidden and intermediate: whole 128-element k-tiles
+# hidden and intermediate: whole scale blocks of 32 (h's output blocks: GEMM1 tiles hold whole
+# ones). The k-tiles need whole 128 elements: K (x and w13 along H, h and w2 along I) is padded
+# to BS_K_ALIGN (bs_padded_k) with zero values and zero scale bytes, which add exactly 0 to every
+# sum: the weights at preparation (runtime/blockscaled.py), x by its quantizer (k_out), h by
+# GEMM1's epilogue (the last column tile's CTAs write the padding columns as quantized zeros).
+# gpt-oss's 2880 is 2944 along K (+2.2% of weight bytes streamed); a multiple of 128 is unchanged.
+# The N of each GEMM (2I, H) is not padded: y and the biases keep the model's shapes.
+BS_SIZE_MULTIPLE = 32
+BS_K_ALIGN = 128
+# the sm_100a tcgen05 kernels read K unpadded (their 128-element k-tiles must divide it)
+BS_UMMA_SIZE_MULTIPLE = 128
+
+
+def bs_padded_k(k: int) -> int:
+    """K of a block-scaled mma.sync GEMM (and the row length of its A and B operands in memory):
+    k rounded up to whole BS_K_ALIGN-element k-tiles."""
+    return -(-k // BS_K_ALIGN) * BS_K_ALIGN
+
+
+def bs_stored_k(target, k: int) -> int:
+    """The length along K of a block-scaled layer's rows in memory (x, h, the weights and their
+    scales) on `target`: padded (bs_padded_k) for the sm_120 family's mma.sync kernels, as is
+    for sm_100a's tcgen05 kernels (whose spec rule keeps K a multiple of 128)."""
+    return k if bs_scale_layout(target) == "tcgen05" else bs_padded_k(k)
 
 
 def bs_row_bytes(precision, tile_k, weights: bool = False) -> tuple[int, int]:
@@ -670,8 +694,13 @@ def check_blockscaled(role, precision, n, k, tile_m, tile_n, tile_k, stages, mma
                        f"({', '.join(BS_TARGETS)} here), not on {arch}")
     if tile_k not in BS_TILE_K:
         return False, f"{precision}: tile_k {tile_k} must be one of {BS_TILE_K} (whole cp.async rows of scale bytes)"
-    if k % tile_k or n % tile_n:
-        return False, f"{precision}: K={k} must be a multiple of tile_k {tile_k} and N={n} of tile_n {tile_n}"
+    if k % BS_SIZE_MULTIPLE or n % BS_SIZE_MULTIPLE:
+        return False, f"{precision}: N={n} and K={k} must be multiples of {BS_SIZE_MULTIPLE} (whole scale blocks)"
+    kp = bs_padded_k(k)
+    if kp % tile_k or n % tile_n:
+        padded = f" (padded from {k})" if kp != k else ""
+        return False, f"{precision}: K={kp}{padded} must be a multiple of tile_k {tile_k} and N={n} of tile_n {tile_n}"
+    k = kp
     warps_m, warps_n = default_warps(tile_m, tile_n, warps_m, warps_n)
     threads = warps_m * warps_n * 32
     if warps_m < 1 or warps_n < 1 or threads > 256:

@@ -12,7 +12,8 @@ import reprlib
 from dataclasses import FrozenInstanceError, asdict
 from pathlib import Path
 
-from .gemm_limits import ACTIVATIONS, BIAS_PRECISIONS, BLOCKSCALED, BS_SIZE_MULTIPLE, STANDINS, with_standins
+from .gemm_limits import (ACTIVATIONS, BIAS_PRECISIONS, BLOCKSCALED, BS_SIZE_MULTIPLE, BS_UMMA_SIZE_MULTIPLE,
+                          STANDINS, bs_scale_layout, with_standins)
 
 # "mxfp4-w": weight-only MXFP4 (gpt-oss's expert weights as shipped), activations bf16
 # "w4a8-mx": MXFP4 weights (gpt-oss's) times MXFP8 activations, block-scaled (sm_121a, sm_100a)
@@ -215,11 +216,19 @@ def _validate(s: LayerSpec) -> None:
                 raise SpecError(f"{name} must be a multiple of {FP8_SIZE_MULTIPLE} for precision {s.precision} "
                                 f"(128-element k-tiles and scale blocks), got {v}; use bf16 for this layer")
     if s.precision in BLOCKSCALED:
+        # the sm_120 family's mma.sync kernels pad K to whole k-tiles (gemm_limits.bs_padded_k);
+        # sm_100a's tcgen05 kernels do not
+        tcgen05 = bs_scale_layout(s.target) == "tcgen05"
+        multiple = BS_UMMA_SIZE_MULTIPLE if tcgen05 else BS_SIZE_MULTIPLE
+        why = "128-element k-tiles, no padding on tcgen05" if tcgen05 else "whole 32-element scale blocks"
         for name in ("hidden", "intermediate"):
             v = getattr(s, name)
-            if v % BS_SIZE_MULTIPLE:
-                raise SpecError(f"{name} must be a multiple of {BS_SIZE_MULTIPLE} for precision {s.precision} "
-                                f"(128-element k-tiles), got {v}; use bf16 for this layer")
+            if v % multiple:
+                raise SpecError(f"{name} must be a multiple of {multiple} for precision {s.precision} on {s.target} "
+                                f"({why}), got {v}; use bf16 for this layer")
+        if s.bias and tcgen05:
+            raise SpecError(f"expert biases (bias=true) are not built for the {s.precision} tcgen05 kernels of "
+                            f"{s.target}; the sm_121a kernels have them")
     if s.bias and s.precision not in BIAS_PRECISIONS:
         raise SpecError(f"expert biases (bias=true) are built for precision {', '.join(BIAS_PRECISIONS)} only, "
                         f"not {s.precision}")

@@ -214,7 +214,10 @@ class LayerVariant:
             out.insert(1, KernelVariant("quant", f"moe_quant_{a}_{p}_h{h}",
                                         (("hidden", h), ("precision", spec.precision))))
         if "bsquant" in PRECISION_ROLES[spec.precision]:
-            out.insert(1, blockscale_kernel(BlockScaleShape(limits.BS_FORMATS[spec.precision][0], h, spec.target)))
+            # x's rows K-padded as GEMM1 reads them (sm_120 family; tcgen05 reads K unpadded)
+            hp = limits.bs_stored_k(spec.target, h)
+            out.insert(1, blockscale_kernel(BlockScaleShape(limits.BS_FORMATS[spec.precision][0], h, spec.target,
+                                                            hp if hp != h else 0)))
         return out
 
     @classmethod
@@ -367,10 +370,13 @@ def training_kernels(spec: LayerSpec, variant: LayerVariant) -> list[KernelVaria
 class BlockScaleShape:
     """A block-scaled quantization of [rows, k] bf16 into `fmt` (moe_aot/blockscale.py) for
     `target`: a workload of its own, outside any layer (the quantizers later GEMM epilogues
-    share; templates/blockscale_quant.py)."""
+    share; templates/blockscale_quant.py). ``k_out`` > k: the rows written k_out wide, the
+    columns past k quantized zeros (a block-scaled layer's x, K padded to whole k-tiles:
+    gemm_limits.bs_padded_k); 0: k."""
     fmt: str
     k: int
     target: str
+    k_out: int = 0
 
     def __post_init__(self):
         if self.fmt not in limits.BLOCKSCALE_FORMATS:
@@ -380,21 +386,31 @@ class BlockScaleShape:
             raise ValueError(f"K={self.k} must be a positive multiple of {self.fmt}'s block of {block}")
         if self.target not in TARGET_LIMITS:
             raise ValueError(f"target {self.target!r} must be one of {', '.join(TARGET_LIMITS)}")
+        if self.k_out and (not isinstance(self.k_out, int) or self.k_out <= self.k or self.k_out % block):
+            raise ValueError(f"k_out={self.k_out} must be 0 or a multiple of {self.fmt}'s block of {block} above K={self.k}")
+
+    @property
+    def pad_tag(self) -> str:
+        return f"_p{self.k_out}" if self.k_out else ""
 
     @property
     def workload_key(self) -> str:
-        return f"bsquant_{self.fmt}_k{self.k}"
+        return f"bsquant_{self.fmt}_k{self.k}{self.pad_tag}"
 
     def workload_dict(self) -> dict:
-        return {"kind": "blockscale_quant", "format": self.fmt, "k": self.k}
+        d = {"kind": "blockscale_quant", "format": self.fmt, "k": self.k}
+        if self.k_out:
+            d["k_out"] = self.k_out
+        return d
 
 
 def blockscale_kernel(shape: BlockScaleShape) -> KernelVariant:
     """The quantization kernel of `shape`; e2m1 by PTX cvt where the target has it
     (gemm_limits.E2M1_CVT_TARGETS), else in software. The name spells every argument."""
     e2m1 = "hw" if shape.target in limits.E2M1_CVT_TARGETS else "sw"
-    return KernelVariant("bsquant", f"moe_bsquant_{arch_tag(shape.target)}_{shape.fmt}_k{shape.k}_{e2m1}",
-                         (("fmt", shape.fmt), ("k", shape.k), ("e2m1", e2m1)))
+    return KernelVariant("bsquant", f"moe_bsquant_{arch_tag(shape.target)}_{shape.fmt}_k{shape.k}{shape.pad_tag}_{e2m1}",
+                         (("fmt", shape.fmt), ("k", shape.k), ("e2m1", e2m1))
+                         + ((("k_out", shape.k_out),) if shape.k_out else ()))
 
 
 # How a variant's fields appear in its name, in order: (field, prefix). An int is the prefix and

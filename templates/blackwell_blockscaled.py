@@ -540,6 +540,7 @@ class BlackwellBlockScaledGluGemm(_UmmaBlockScaled, BlockScaledGluGemm):
         self.num_experts, self.hidden, self.intermediate = num_experts, hidden, intermediate
         self.top_k, self.activation, self.interleave = top_k, activation, interleave
         self.bias = self.save_preact = False
+        self.h_cols = intermediate  # h's rows as GEMM2 reads them: tcgen05 reads K unpadded (multiples of 128)
         self._bsu_init(2 * intermediate, hidden, tile_m, tile_n, tile_k, stages, pdl, precision, ctas)
 
     @classmethod
@@ -553,7 +554,8 @@ class BlackwellBlockScaledGluGemm(_UmmaBlockScaled, BlockScaledGluGemm):
     def __call__(self, xq: cute.Tensor, xs: cute.Tensor, w13q: cute.Tensor, w13s: cute.Tensor,
                  sorted_ids: cute.Tensor, tile_expert: cute.Tensor, hq: cute.Tensor, hs: cute.Tensor,
                  x_gamax: Optional[cute.Tensor], w13_gamax: Optional[cute.Tensor], h_gamax: Optional[cute.Tensor],
-                 stream: cuda.CUstream):
+                 b13: Optional[cute.Tensor], stream: cuda.CUstream):
+        # b13: always None (no expert biases on tcgen05), in BlockScaledGluGemm's argument list
         grid, block = self._launch_common(self.n // self.tile_n, tile_expert)
         tma_b, mBt, tma_sfb, mSFBt = self._make_tma_w(w13q, w13s)
         self.kernel_umma(tma_b, mBt, tma_sfb, mSFBt, xq, xs, sorted_ids, tile_expert, hq, hs, x_gamax, w13_gamax,
@@ -649,7 +651,9 @@ class BlackwellBlockScaledDownGemm(_UmmaBlockScaled, BlockScaledDownGemm):
     @cute.jit
     def __call__(self, hq: cute.Tensor, hs: cute.Tensor, w2q: cute.Tensor, w2s: cute.Tensor,
                  sorted_ids: cute.Tensor, tile_expert: cute.Tensor, topk_weights: cute.Tensor, y: cute.Tensor,
-                 h_gamax: Optional[cute.Tensor], w2_gamax: Optional[cute.Tensor], stream: cuda.CUstream):
+                 h_gamax: Optional[cute.Tensor], w2_gamax: Optional[cute.Tensor], b2: Optional[cute.Tensor],
+                 stream: cuda.CUstream):
+        # b2: always None (no expert biases on tcgen05), in BlockScaledDownGemm's argument list
         grid, block = self._launch_common(self.n // self.tile_n, tile_expert)
         rows = cute.size(hq, mode=[0])
         tma_a, mAt = self._make_tma(self._values(hq, rows, self.k), "a", False)

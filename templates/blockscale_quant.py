@@ -1,8 +1,10 @@
 """Block-scaled quantization (MXFP8, MXFP4, NVFP4) of a [rows, K] bf16 tensor, as a CuTe DSL kernel.
 
-``BlockScaleQuant(fmt, k, e2m1)``: ``__call__(x, q, sf, gamax, stream)`` with x [M, K] bf16 ->
-q [M, K] e4m3 bytes (mxfp8) or [M, K/2] packed e2m1 codes (mxfp4, nvfp4), sf [M, K/block] scale
-bytes (ue8m0 per 32 for mx, e4m3 per 16 for nvfp4), all uint8, row-major; gamax [1] fp32 is
+``BlockScaleQuant(fmt, k, e2m1, k_out)``: ``__call__(x, q, sf, gamax, stream)`` with x [M, K] bf16 ->
+q [M, K'] e4m3 bytes (mxfp8) or [M, K'/2] packed e2m1 codes (mxfp4, nvfp4), sf [M, K'/block] scale
+bytes (ue8m0 per 32 for mx, e4m3 per 16 for nvfp4), all uint8, row-major, K' = k_out (default K):
+the columns past K are written as quantized zeros (value and scale bytes 0), the padding of a
+block-scaled GEMM's K to whole k-tiles (gemm_limits.bs_padded_k); gamax [1] fp32 is
 NVFP4's global amax (an input, as TransformerEngine's kernels take it; None for the mx formats).
 The formats, their rounding and their edge cases (zeros, NaN, Inf) are defined, bit for bit, by
 the torch reference moe_aot/blockscale.py; GPU tests compare the two byte for byte.
@@ -17,7 +19,7 @@ on sm_90a), ``"sw"`` the same rounding (nearest, ties to even, saturating at 6) 
 comparisons: sm_90a has no e2m1 instruction. e4m3 (mxfp8's elements, NVFP4's scales) is always
 cvt.rn.satfinite.e4m3x2.f32.
 
-Constraints: K a multiple of the format's block (32, 16); x and q 16-byte aligned.
+Constraints: K and k_out multiples of the format's block (32, 16), k_out >= K; x and q 16-byte aligned.
 """
 
 from typing import Optional
@@ -123,31 +125,36 @@ def quantize_block(vals: cute.Tensor, fmt: cutlass.Constexpr, s_enc: Float32, e2
 
 
 class BlockScaleQuant:
-    def __init__(self, fmt: str, k: int, e2m1: str = "sw"):
-        ok, reason = self.can_implement(fmt, k, e2m1)
+    def __init__(self, fmt: str, k: int, e2m1: str = "sw", k_out: int | None = None):
+        ok, reason = self.can_implement(fmt, k, e2m1, k_out)
         if not ok:
             raise ValueError(reason)
         self.fmt, self.k, self.e2m1 = fmt, k, e2m1
+        self.k_out = k if k_out is None else k_out
         self.block = limits.BLOCKSCALE_BLOCK[fmt]
         self.blocks = k // self.block
-        self.passes = -(-self.blocks // _THREADS)
-        self.q_cols = k if fmt == "mxfp8" else k // 2
+        self.blocks_out = self.k_out // self.block
+        self.passes = -(-self.blocks_out // _THREADS)
+        self.q_cols = self.k_out if fmt == "mxfp8" else self.k_out // 2
 
     @staticmethod
-    def can_implement(fmt, k, e2m1="sw"):
+    def can_implement(fmt, k, e2m1="sw", k_out=None):
         if fmt not in limits.BLOCKSCALE_FORMATS:
             return False, f"format {fmt!r} must be one of {', '.join(limits.BLOCKSCALE_FORMATS)}"
         if e2m1 not in E2M1_CONVERSIONS:
             return False, f"e2m1 conversion {e2m1!r} must be one of {', '.join(E2M1_CONVERSIONS)}"
         if k <= 0 or k % limits.BLOCKSCALE_BLOCK[fmt]:
             return False, f"K={k} must be a positive multiple of {fmt}'s block of {limits.BLOCKSCALE_BLOCK[fmt]}"
+        if k_out is not None and (k_out < k or k_out % limits.BLOCKSCALE_BLOCK[fmt]):
+            return False, (f"k_out={k_out} must be a multiple of {fmt}'s block of {limits.BLOCKSCALE_BLOCK[fmt]} "
+                           f"and at least K={k}")
         return True, ""
 
     def fake_arguments(self):
         from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
 
         m = cute.sym_int32(symbol="M")
-        k, qc, nb = self.k, self.q_cols, self.blocks
+        k, qc, nb = self.k, self.q_cols, self.blocks_out
         return [
             ("x", make_fake_tensor(BFloat16, (m, k), (k, 1), assumed_align=16)),
             ("q", make_fake_tensor(Uint8, (m, qc), (qc, 1), assumed_align=16)),
@@ -185,3 +192,9 @@ class BlockScaleQuant:
                 out, byte = quantize_block(vals, self.fmt, s_enc, self.e2m1)
                 cute.local_tile(dst, (qn,), (b,)).store(out)
                 mSF[row, b] = byte.to(Uint8)
+            if const_expr(self.blocks_out > self.blocks):
+                if b >= self.blocks and b < self.blocks_out:  # k_out's padding: quantized zeros
+                    zeros = cute.make_rmem_tensor(cute.make_layout(qn), Uint8)
+                    zeros.fill(0)
+                    cute.local_tile(dst, (qn,), (b,)).store(zeros.load())
+                    mSF[row, b] = Uint8(0)

@@ -25,7 +25,11 @@ formats bit for bit):
            first register and leaves the second undefined, so the kernel never hands it one).
 
 Operand layouts in global memory (all uint8, row-major; exactly what ``blockscale.quantize``
-returns for each matrix, so no permutation beyond bf16's gate/up interleave):
+returns for each matrix, so no permutation beyond bf16's gate/up interleave). K below is the padded
+K (``gemm_limits.bs_padded_k``): every row along K (x, h, the weights, their scales) is stored
+K-padded to whole 128-element k-tiles, the padding zero values with zero scale bytes (0 in every
+sum); x's padding is written by its quantizer, h's by GEMM1's epilogue (the CTAs of the last
+column tile), the weights' at preparation (runtime/blockscaled.py). N is never padded:
   values  [rows, K] e4m3 bytes (mxfp8, w4a8-mx's x and h) or [rows, K/2] packed e2m1 (nvfp4,
           w4a8-mx's weights: gpt-oss's checkpoint bytes, runtime/blockscaled.from_gpt_oss)
   scales  [rows, K/vec] bytes, vec = 32 (mxfp8) or 16 (nvfp4): row r's scales of K block b at r * K/vec + b
@@ -60,15 +64,18 @@ x (the layer's input) is quantized by its own kernel, templates/blockscale_quant
 
 Constraints (``gemm_limits.check_blockscaled``):
   * sm_121a (the sm_120 family) only: no other target has these instructions; mma "warp" only.
-  * tile_k in (128, 256) (a k-tile row is 64..256 value bytes and 4..16 scale bytes); K % tile_k
-    == 0 and N % tile_n == 0 (hidden and intermediate multiples of 128); a k-tile loop of at
-    least stages - 1 tiles; 2 <= stages <= 8.
+  * tile_k in (128, 256) (a k-tile row is 64..256 value bytes and 4..16 scale bytes); the padded
+    K (``gemm_limits.bs_padded_k``: K rounded up to 128, e.g. gpt-oss's 2880 to 2944) % tile_k == 0
+    and N % tile_n == 0 (hidden and intermediate multiples of 32); a k-tile loop of at least
+    stages - 1 tiles; 2 <= stages <= 8.
   * warps_m x warps_n (``gemm_limits.default_warps``), tile_m % (16 warps_m) == 0, tile_n %
     (16 warps_n) == 0, at most 128 fp32 accumulators per thread; tile_m and tile_n multiples of
     the rows one 16-byte cp.async pass covers.
   * GEMM1: tile_n / 2 a multiple of vec (whole output scale blocks), tile_n % (2 interleave) == 0.
   * shared memory ``gemm_limits.bs_smem_bytes`` within the target's (GB10: 101,376 B per block).
-  * no expert biases, no pre-activation output, no PDL weight prefetch (pdl=True only waits).
+  * expert biases optional (``bias``: b13 [E, 2I] bf16 interleaved as w13's rows, added to the gate/up
+    sums before the activation, not to padding rows; b2 [E, H] bf16 added to GEMM2's sums before the
+    routing weight); no pre-activation output, no PDL weight prefetch (pdl=True only waits).
   * all tensors 16-byte aligned; the runtime must check it (compiled-in assumption).
 
 The sm_90a stand-in (``standin=True``, issue 12 item 4c): the same kernels, tile loops, shared
@@ -82,7 +89,9 @@ H200 can check everything around the instruction against the torch reference
 Status: the kernels compile for sm_121a and the stand-ins for sm_90a (tests/test_blockscaled_warp.py;
 w4a8-mx's to ``QMMA.SF.16832.F32.E4M3.E2M1.E8``; its stand-in ran on the H200: 44/44 checks);
 none has run on an sm_120-family GPU (none was available); the stand-ins ran on the H200 (2026-12-02:
-32/32 GEMM checks, and the whole stand-in layer's 154 stage checks, tools/results/NOTES.md).
+32/32 GEMM checks, and the whole stand-in layer's 154 stage checks, tools/results/NOTES.md). The K
+padding and the expert biases (gpt-oss's shape, tests/test_gpt_oss_spark.py) are compiled and
+CPU-tested only: not yet run on a GPU, stand-in included.
 """
 
 import math
@@ -123,7 +132,10 @@ class _BlockScaledBase(_GroupedGemmBase):
         self.bits, self.w_bits = limits.BS_ELEM_BITS[self.act_fmt], limits.BS_ELEM_BITS[self.w_fmt]
         self.val_dtype, self.sf_dtype = VALUE_DTYPES[self.act_fmt], SCALE_DTYPES[self.act_fmt]
         self.w_dtype = VALUE_DTYPES[self.w_fmt]
-        self.n, self.k = n, k
+        # K padded to whole k-tiles (gemm_limits.bs_padded_k): A's and B's rows in memory hold
+        # zero values and zero scale bytes past the problem's K, which add exactly 0 to every sum
+        self.n, self.k = n, limits.bs_padded_k(k)
+        k = self.k
         self.k_bytes, self.k_scales = k * self.bits // 8, k // self.vec  # per row in global memory
         self.w_k_bytes = k * self.w_bits // 8
         self.tile_m, self.tile_n, self.tile_k = tile_m, tile_n, tile_k
@@ -582,14 +594,16 @@ class _BlockScaledBase(_GroupedGemmBase):
 class BlockScaledGluGemm(_BlockScaledBase):
     """GEMM1 of a block-scaled MoE: ``h[r] = quant(act(x[p//top_k] . gate_e) * (x[p//top_k] . up_e))``.
 
-    ``__call__(xq, xs, w13q, w13s, sorted_ids, tile_expert, hq, hs, x_gamax, w13_gamax, h_gamax, stream)``:
+    ``__call__(xq, xs, w13q, w13s, sorted_ids, tile_expert, hq, hs, x_gamax, w13_gamax, h_gamax, b13, stream)``
+    (K-padded rows, see the module docstring; hq's and hs's rows I padded, GEMM2's K):
       xq [M, H*b/8], xs [M, H/vec] (M dynamic); w13q [E, 2I, H*b/8], w13s [E, 2I, H/vec], rows
       gate/up interleaved in blocks of ``interleave``; sorted_ids [R] and tile_expert [T] int32;
       hq [R, I*b/8] and hs [R, I/vec] with R = T * tile_m dynamic: GEMM2's A operand. b = 8
       (mxfp8) or 4 (nvfp4) bits per value, all uint8 (see the module docstring).
       nvfp4: x_gamax [1], w13_gamax [E], h_gamax [1] fp32 global amaxes; None for mxfp8.
       Padding rows (sorted_ids == -1) are written as quantized zeros (value and scale bytes 0);
-      tiles with tile_expert == -1 are not written. Grid (2I / tile_n, T).
+      tiles with tile_expert == -1 are not written. Grid (2I / tile_n, T). b13 [E, 2I] bf16 with
+      ``bias`` (None otherwise: no argument of the compiled kernel).
     Activation: "swiglu", "geglu", "swigluoai" (grouped_gemm.glu).
     """
 
@@ -603,15 +617,17 @@ class BlockScaledGluGemm(_BlockScaledBase):
                  standin: bool = False):
         ok, reason = self.can_implement(num_experts, hidden, intermediate, top_k, activation, interleave,
                                         tile_m, tile_n, tile_k, stages, mma, warps_m, warps_n, precision=precision)
-        if ok and (bias or save_preact):
-            ok, reason = False, f"{precision} GEMM1 has no expert biases and no pre-activation output"
+        if ok and save_preact:
+            ok, reason = False, f"{precision} GEMM1 has no pre-activation output"
         if not ok:
             raise ValueError(reason)
         self.num_experts, self.hidden, self.intermediate = num_experts, hidden, intermediate
         self.top_k, self.activation, self.interleave = top_k, activation, interleave
-        self.bias = self.save_preact = False
+        self.bias, self.save_preact = bool(bias), False
         self._bs_init(2 * intermediate, hidden, tile_m, tile_n, tile_k, stages, mma, warps_m, warps_n, pdl,
                       precision, standin)
+        # h's rows are GEMM2's A rows: I padded as GEMM2's K; the last column tile writes the padding
+        self.h_cols = limits.bs_padded_k(intermediate)
 
     @classmethod
     def can_implement(cls, num_experts, hidden, intermediate, top_k, activation="swiglu", interleave=16,
@@ -635,31 +651,33 @@ class BlockScaledGluGemm(_BlockScaledBase):
         r = cute.sym_int32(symbol="R", divisibility=self.tile_m)
         t = cute.sym_int32(symbol="T")
         e, hd, i = self.num_experts, self.hidden, self.intermediate
-        xq, xs = self._fake_values(m, hd)
-        wq, ws = self._fake_weights(e, 2 * i, hd)
-        hq, hs = self._fake_values(r, i)
+        xq, xs = self._fake_values(m, self.k)  # K-padded rows (bs_padded_k)
+        wq, ws = self._fake_weights(e, 2 * i, self.k)
+        hq, hs = self._fake_values(r, self.h_cols)
+        i2 = 2 * i
         return [("xq", xq), ("xs", xs), ("w13q", wq), ("w13s", ws),
                 ("sorted_ids", make_fake_tensor(Int32, (r,), (1,), assumed_align=16)),
                 ("tile_expert", make_fake_tensor(Int32, (t,), (1,), assumed_align=16)),
                 ("hq", hq), ("hs", hs),
                 ("x_gamax", self._fake_amax(1)), ("w13_gamax", self._fake_amax(e)), ("h_gamax", self._fake_amax(1)),
+                ("b13", make_fake_tensor(BFloat16, (e, i2), (i2, 1), assumed_align=16) if self.bias else None),
                 ("stream", make_fake_stream())]
 
     @cute.jit
     def __call__(self, xq: cute.Tensor, xs: cute.Tensor, w13q: cute.Tensor, w13s: cute.Tensor,
                  sorted_ids: cute.Tensor, tile_expert: cute.Tensor, hq: cute.Tensor, hs: cute.Tensor,
                  x_gamax: Optional[cute.Tensor], w13_gamax: Optional[cute.Tensor], h_gamax: Optional[cute.Tensor],
-                 stream: cuda.CUstream):
+                 b13: Optional[cute.Tensor], stream: cuda.CUstream):
         grid, block = self._launch_common(self.n // self.tile_n, tile_expert)
-        self.kernel(xq, xs, w13q, w13s, sorted_ids, tile_expert, hq, hs, x_gamax, w13_gamax, h_gamax).launch(
+        self.kernel(xq, xs, w13q, w13s, sorted_ids, tile_expert, hq, hs, x_gamax, w13_gamax, h_gamax, b13).launch(
             grid=grid, block=block, stream=stream, use_pdl=self.pdl)
 
     @cute.kernel
     def kernel(self, mXq: cute.Tensor, mXs: cute.Tensor, mWq: cute.Tensor, mWs: cute.Tensor, mIds: cute.Tensor,
                mTileExpert: cute.Tensor, mHq: cute.Tensor, mHs: cute.Tensor, mGx: Optional[cute.Tensor],
-               mGw: Optional[cute.Tensor], mGh: Optional[cute.Tensor]):
+               mGw: Optional[cute.Tensor], mGh: Optional[cute.Tensor], mB: Optional[cute.Tensor]):
         tidx, _, _ = cute.arch.thread_idx()
-        self._tile(tidx, (mXq, mXs), (mWq, mWs), mIds, mTileExpert, (mHq, mHs, mGx, mGw, mGh))
+        self._tile(tidx, (mXq, mXs), (mWq, mWs), mIds, mTileExpert, (mHq, mHs, mGx, mGw, mGh, mB, mIds))
 
     @cute.jit
     def _a_rows(self, tidx, mIds, row0):
@@ -678,11 +696,11 @@ class BlockScaledGluGemm(_BlockScaledBase):
         """h of the tile from the staged fp32 gate/up columns, quantized: thread ``etid`` takes the
         output blocks etid, etid + threads, ... (block j of a row: h columns bn * tile_n / 2 +
         vec j ..), writes its vec (mxfp8) or vec / 2 (nvfp4) value bytes and its scale byte."""
-        mHq, mHs, mGx, mGw, mGh = epi
+        mHq, mHs, mGx, mGw, mGh, mB, mIds = epi
         blocks = self.tile_n // 2 // self.vec  # output blocks per tile row
         items = self.tile_m * blocks
         qn = self.vec * self.bits // 8
-        i_bytes, i_scales = self.intermediate * self.bits // 8, self.intermediate // self.vec
+        i_bytes, i_scales = self.h_cols * self.bits // 8, self.h_cols // self.vec  # h's padded row
         alpha = Float32(1.0)
         s_enc = Float32(1.0)
         if const_expr(self.nvfp4):
@@ -698,6 +716,14 @@ class BlockScaledGluGemm(_BlockScaledBase):
                 if const_expr(self.nvfp4):
                     g = g * alpha
                     u = u * alpha
+                if const_expr(self.bias):
+                    # padding rows (no routed pair) stay quantized zeros: their bias times 0
+                    on = Float32(0.0)
+                    if mIds[row0 + row] >= 0:
+                        on = Float32(1.0)
+                    bg, bu = self._glu_bias(mB, expert, bn, j)
+                    g = g + bg.reshape(g.shape) * on
+                    u = u + bu.reshape(u.shape) * on
                 vals = cute.make_rmem_tensor(cute.make_layout((1, self.vec)), Float32)
                 vals.store(glu(g, u, self.activation))
                 out, byte = quantize_block(vals, self.act_fmt, s_enc, self.e2m1)
@@ -707,18 +733,55 @@ class BlockScaledGluGemm(_BlockScaledBase):
                 srow = cute.make_tensor(mHs.iterator + cutlass.Int64(row0 + row) * i_scales,
                                         cute.make_layout(i_scales))
                 srow[col] = byte.to(Uint8)
+        pad_blocks = (self.h_cols - self.intermediate) // self.vec
+        if const_expr(pad_blocks > 0):
+            # h's columns past I (GEMM2's K padding): quantized zeros, written by the last column tile
+            if bn == self.n // self.tile_n - 1:
+                pad_items = self.tile_m * pad_blocks
+                zeros = cute.make_rmem_tensor(cute.make_layout(qn), Uint8)
+                zeros.fill(0)
+                for it in cutlass.range_constexpr(-(-pad_items // self.threads)):
+                    item = it * self.threads + etid
+                    if const_expr(pad_items % self.threads == 0) or item < pad_items:
+                        row = item // pad_blocks
+                        col = self.intermediate // self.vec + item % pad_blocks
+                        dst = cute.local_tile(self._row(mHq, row0 + row, i_bytes), (qn,), (col,))
+                        dst.store(zeros.load())
+                        srow = cute.make_tensor(mHs.iterator + cutlass.Int64(row0 + row) * i_scales,
+                                                cute.make_layout(i_scales))
+                        srow[col] = Uint8(0)
+
+    @cute.jit
+    def _glu_bias(self, mB, expert, bn, j):
+        """(gate, up) biases of output block j of column tile bn as fp32 [vec] fragments: b13's
+        row is interleaved as w13's rows (gate/up blocks of ``interleave``), h column c's gate at
+        w13 row (c // interleave) * 2 interleave + c % interleave, its up ``interleave`` further."""
+        il = self.interleave
+        brow = self._row(mB, expert, self.n)
+        bg = cute.make_rmem_tensor(cute.make_layout(self.vec), Float32)
+        bu = cute.make_rmem_tensor(cute.make_layout(self.vec), Float32)
+        c0 = bn * (self.tile_n // 2) + j * self.vec  # first h column of the block (a multiple of il)
+        for grp in cutlass.range_constexpr(self.vec // il):
+            r = (c0 // il + grp) * 2 * il
+            g = cute.local_tile(brow, (il,), (r // il,)).load().to(Float32)
+            u = cute.local_tile(brow, (il,), (r // il + 1,)).load().to(Float32)
+            for q in cutlass.range_constexpr(il):
+                bg[grp * il + q] = g[q]
+                bu[grp * il + q] = u[q]
+        return bg.load(), bu.load()
 
 
 class BlockScaledDownGemm(_BlockScaledBase):
     """GEMM2 of a block-scaled MoE: ``y[p] = topk_weights.flat[p] * (h[r] . w2_e^T)`` for p = sorted_ids[r].
 
-    ``__call__(hq, hs, w2q, w2s, sorted_ids, tile_expert, topk_weights, y, h_gamax, w2_gamax, stream)``:
+    ``__call__(hq, hs, w2q, w2s, sorted_ids, tile_expert, topk_weights, y, h_gamax, w2_gamax, b2, stream)``:
       hq [R, I*b/8] and hs [R, I/vec] (GEMM1's output, padded order, R = T * tile_m dynamic);
       w2q [E, H, I*b/8], w2s [E, H, I/vec] uint8; sorted_ids [R], tile_expert [T] int32;
       topk_weights [M, top_k] fp32; y [M*top_k, H] bf16, as GroupedDownGemm writes it.
       nvfp4: h_gamax [1] and w2_gamax [E] fp32 global amaxes; None for mxfp8.
       The routing weight (and for nvfp4 the two global scales) multiply the fp32 sums before the
-      bf16 store; padding rows are not stored. Grid (H / tile_n, T).
+      bf16 store; padding rows are not stored. Grid (H / tile_n, T). b2 [E, H] bf16 with ``bias``:
+      y[p] = w * (h . w2_e^T + b2_e) (None otherwise).
     """
 
     glu = False
@@ -729,13 +792,11 @@ class BlockScaledDownGemm(_BlockScaledBase):
                  pdl: bool = False, precision: str = "mxfp8", bias: bool = False, standin: bool = False):
         ok, reason = self.can_implement(num_experts, hidden, intermediate, top_k, tile_m, tile_n, tile_k, stages,
                                         mma, warps_m, warps_n, precision=precision)
-        if ok and bias:
-            ok, reason = False, f"{precision} GEMM2 has no expert biases"
         if not ok:
             raise ValueError(reason)
         self.num_experts, self.hidden, self.intermediate = num_experts, hidden, intermediate
         self.top_k = top_k
-        self.bias = False
+        self.bias = bool(bias)
         self._bs_init(hidden, intermediate, tile_m, tile_n, tile_k, stages, mma, warps_m, warps_n, pdl, precision,
                       standin)
 
@@ -758,30 +819,32 @@ class BlockScaledDownGemm(_BlockScaledBase):
         r = cute.sym_int32(symbol="R", divisibility=self.tile_m)
         t = cute.sym_int32(symbol="T")
         e, hd, i = self.num_experts, self.hidden, self.intermediate
-        hq, hs = self._fake_values(r, i)
-        wq, ws = self._fake_weights(e, hd, i)
+        hq, hs = self._fake_values(r, self.k)
+        wq, ws = self._fake_weights(e, hd, self.k)  # K-padded rows
         return [("hq", hq), ("hs", hs), ("w2q", wq), ("w2s", ws),
                 ("sorted_ids", make_fake_tensor(Int32, (r,), (1,), assumed_align=16)),
                 ("tile_expert", make_fake_tensor(Int32, (t,), (1,), assumed_align=16)),
                 ("topk_weights", make_fake_tensor(Float32, (m, self.top_k), (self.top_k, 1), assumed_align=16)),
                 ("y", make_fake_tensor(BFloat16, (mk, hd), (hd, 1), assumed_align=16)),
                 ("h_gamax", self._fake_amax(1)), ("w2_gamax", self._fake_amax(e)),
+                ("b2", make_fake_tensor(BFloat16, (e, hd), (hd, 1), assumed_align=16) if self.bias else None),
                 ("stream", make_fake_stream())]
 
     @cute.jit
     def __call__(self, hq: cute.Tensor, hs: cute.Tensor, w2q: cute.Tensor, w2s: cute.Tensor,
                  sorted_ids: cute.Tensor, tile_expert: cute.Tensor, topk_weights: cute.Tensor, y: cute.Tensor,
-                 h_gamax: Optional[cute.Tensor], w2_gamax: Optional[cute.Tensor], stream: cuda.CUstream):
+                 h_gamax: Optional[cute.Tensor], w2_gamax: Optional[cute.Tensor], b2: Optional[cute.Tensor],
+                 stream: cuda.CUstream):
         grid, block = self._launch_common(self.n // self.tile_n, tile_expert)
-        self.kernel(hq, hs, w2q, w2s, sorted_ids, tile_expert, topk_weights, y, h_gamax, w2_gamax).launch(
+        self.kernel(hq, hs, w2q, w2s, sorted_ids, tile_expert, topk_weights, y, h_gamax, w2_gamax, b2).launch(
             grid=grid, block=block, stream=stream, use_pdl=self.pdl)
 
     @cute.kernel
     def kernel(self, mHq: cute.Tensor, mHs: cute.Tensor, mWq: cute.Tensor, mWs: cute.Tensor, mIds: cute.Tensor,
                mTileExpert: cute.Tensor, mTopkW: cute.Tensor, mY: cute.Tensor, mGh: Optional[cute.Tensor],
-               mGw: Optional[cute.Tensor]):
+               mGw: Optional[cute.Tensor], mB: Optional[cute.Tensor]):
         tidx, _, _ = cute.arch.thread_idx()
-        self._tile(tidx, (mHq, mHs), (mWq, mWs), mIds, mTileExpert, (mIds, mTopkW, mY, mGh, mGw))
+        self._tile(tidx, (mHq, mHs), (mWq, mWs), mIds, mTileExpert, (mIds, mTopkW, mY, mGh, mGw, mB))
 
     @cute.jit
     def _a_rows(self, tidx, mIds, row0):
@@ -799,7 +862,7 @@ class BlockScaledDownGemm(_BlockScaledBase):
     def _epilogue(self, etid, sC, epi, row0, bn, expert):
         """Scaled rows of the tile scattered to y (8 columns per thread and pass); nvfp4: the
         sums times h's and the expert's w2 global dequantization factors first."""
-        mIds, mTopkW, mY, mGh, mGw = epi
+        mIds, mTopkW, mY, mGh, mGw, mB = epi
         alpha = Float32(1.0)
         if const_expr(self.nvfp4):
             alpha = self._global_scale(mGh, 0) * self._global_scale(mGw, expert)
@@ -811,9 +874,17 @@ class BlockScaledDownGemm(_BlockScaledBase):
                 p = mIds[row0 + row]
                 if p >= 0:
                     scale = mTopkW[p // self.top_k, p % self.top_k]
-                    if const_expr(self.nvfp4):
-                        scale = scale * alpha
-                    v = cute.local_tile(sC, (1, _COPY_ELEMS), (row, c8)).load() * scale
+                    col8 = bn * (self.tile_n // _COPY_ELEMS) + c8
+                    if const_expr(self.bias):  # y = w * (h . w2_e^T (* global scales) + b2_e)
+                        v = cute.local_tile(sC, (1, _COPY_ELEMS), (row, c8)).load()
+                        if const_expr(self.nvfp4):
+                            v = v * alpha
+                        b = cute.local_tile(self._row(mB, expert, self.n), (_COPY_ELEMS,), (col8,))
+                        v = (v + b.load().to(Float32).reshape(v.shape)) * scale
+                    else:
+                        if const_expr(self.nvfp4):
+                            scale = scale * alpha
+                        v = cute.local_tile(sC, (1, _COPY_ELEMS), (row, c8)).load() * scale
                     dst = cute.local_tile(self._row(mY, p, self.hidden), (_COPY_ELEMS,),
                                           (bn * (self.tile_n // _COPY_ELEMS) + c8,))
                     dst.store(v.to(BFloat16))

@@ -208,6 +208,10 @@ def test_kernel_names_cover_every_argument():
     kv = V.blockscale_kernel(V.BlockScaleShape("nvfp4", 2048, "sm_90a"))
     assert kv.role == "bsquant" and kv.kwargs() == {"fmt": "nvfp4", "k": 2048, "e2m1": "sw"}
     assert V.blockscale_kernel(V.BlockScaleShape("mxfp4", 2048, "sm_100a")).kwargs()["e2m1"] == "hw"
+    # rows written k_out wide (a block-scaled layer's K padding): in the name and the arguments
+    padded = V.blockscale_kernel(V.BlockScaleShape("mxfp8", 2880, "sm_121a", 2944))
+    assert padded.name == "moe_bsquant_sm121a_mxfp8_k2880_p2944_hw" and padded.kwargs()["k_out"] == 2944
+    assert "k_out" not in V.blockscale_kernel(V.BlockScaleShape("mxfp8", 2880, "sm_121a")).kwargs()
     with pytest.raises(ValueError, match="K=40 must be a positive multiple of nvfp4's block of 16"):
         V.BlockScaleShape("nvfp4", 40, "sm_90a")
     with pytest.raises(ValueError, match="target 'sm_89' must be one of"):

@@ -392,8 +392,11 @@ def test_kernels_of_a_block_scaled_layer():
         for target in ("sm_90a",) + (("sm_100a",) if precision not in limits.BS_UMMA_PRECISIONS else ()):
             with pytest.raises(SpecError, match="not yet supported"):
                 make_spec("qwen3-30b-a3b", precision=precision, target=target)
-    with pytest.raises(SpecError, match="multiple of 128"):
-        make_spec("gpt-oss-120b", precision="mxfp8", target=SPARK, bias=False)  # H = I = 2880
+    # gpt-oss (H = I = 2880) builds for sm_121a, K padded to 2944 (tests/test_gpt_oss_spark.py);
+    # sm_100a's tcgen05 kernels read K unpadded
+    make_spec("gpt-oss-120b", precision="mxfp8", target=SPARK)
+    with pytest.raises(SpecError, match="multiple of 128 for precision mxfp8 on sm_100a"):
+        make_spec("gpt-oss-120b", precision="mxfp8", target="sm_100a", bias=False)
 
 
 # -- weight preparation (pure torch) ----------------------------------------------------------------
@@ -408,7 +411,7 @@ def test_prepared_weights_are_the_reference_quantization_in_kernel_order(fmt):
     from moe_aot.runtime import blockscaled as bw
 
     g = torch.Generator().manual_seed(7)
-    E, I, H = 3, 64, 128
+    E, I, H = 3, 128, 128  # no K padding here (tests/test_gpt_oss_spark.py: K = 2880)
     gate, up = (torch.randn(E, I, H, generator=g) * s for s in (0.02, 0.5))
     gate[1, 5, 64:96] = 0.0  # whole blocks of zeros: scale byte 0
     w2 = torch.randn(E, H, I, generator=g) * 0.1
@@ -539,7 +542,8 @@ def test_w4a8_mx_takes_gpt_oss_checkpoint_bytes():
     and up rows alternating, even rows gate) become w4a8-mx weights that dequantize to what
     gpt-oss's own decode gives (low nibble first, value * 2^(scale - 127), as transformers'
     convert_moe_packed_tensors), nothing requantized; to_gpt_oss gives the bytes back; a wrong
-    layout is refused in one sentence."""
+    layout is refused in one sentence. K is stored padded to whole 128-element k-tiles (zero codes
+    and scale bytes: values 0), which to_gpt_oss drops."""
     from moe_aot.runtime import blockscaled as bw
 
     g = torch.Generator().manual_seed(5)
@@ -555,12 +559,14 @@ def test_w4a8_mx_takes_gpt_oss_checkpoint_bytes():
         return (vals * torch.exp2(s.float() - 127).unsqueeze(-1)).flatten(-2)
 
     w13, w2 = bw.from_gpt_oss(blocks, scales, dblocks, dscales)
-    assert w13.values.shape == (E, 2 * I, H // 2) and w13.scales.shape == (E, 2 * I, H // 32)
-    want = gpt_oss_decode(blocks, scales)
+    assert w13.values.shape == (E, 2 * I, 128 // 2) and w13.scales.shape == (E, 2 * I, 128 // 32)
+    assert w2.values.shape == (E, H, 128 // 2) and w2.scales.shape == (E, H, 128 // 32)
+    want = torch.nn.functional.pad(gpt_oss_decode(blocks, scales), (0, 128 - H))
     gate, up = bw.split_w13(w13)
     assert torch.equal(bw.dequantize(gate, "w4a8-mx"), want[:, 0::2])
     assert torch.equal(bw.dequantize(up, "w4a8-mx"), want[:, 1::2])
-    assert torch.equal(bw.dequantize(w2, "w4a8-mx"), gpt_oss_decode(dblocks, dscales))
+    assert torch.equal(bw.dequantize(w2, "w4a8-mx"), torch.nn.functional.pad(gpt_oss_decode(dblocks, dscales),
+                                                                              (0, 128 - I)))
     for got, orig in zip(bw.to_gpt_oss(w13, w2), (blocks, scales, dblocks, dscales)):
         assert torch.equal(got, orig)
     with pytest.raises(ValueError, match=r"^gate_up_proj_blocks and gate_up_proj_scales must be uint8") as exc:

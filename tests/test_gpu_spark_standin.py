@@ -24,7 +24,7 @@ if torch.cuda.get_device_capability() != (9, 0):
 from moe_aot.gemm_limits import BLOCKSCALED  # noqa: E402
 from moe_aot.harness import blockscaled as bsref  # noqa: E402
 from moe_aot.harness.verify import check_stages, random_routing, random_weights  # noqa: E402
-from moe_aot.runtime.blockscaled import from_gpt_oss, to_gpt_oss, with_input_amax  # noqa: E402
+from moe_aot.runtime.blockscaled import from_gpt_oss, gpt_oss_biases, to_gpt_oss, with_input_amax  # noqa: E402
 from moe_aot.runtime.layer import MoeLayer, moe_forward  # noqa: E402
 from moe_aot.runtime.store import KernelMissingError  # noqa: E402
 from moe_aot.spec import LayerSpec, make_spec  # noqa: E402
@@ -112,14 +112,16 @@ def test_w4a8_mx_runs_gpt_oss_checkpoint_bytes(case, store):
     if layer.spec.precision != "w4a8-mx":
         pytest.skip("w4a8-mx only")
     spec = layer.spec
-    a, b = from_gpt_oss(*to_gpt_oss(w13, w2))
+    biases = gpt_oss_biases(w13, w2) if spec.bias else ()  # gpt-oss's shape (GPT_OSS_CHECK): with its biases
+    a, b = from_gpt_oss(*to_gpt_oss(w13, w2), *biases)
     for t in (tokens[0], tokens[-1]):
         x = torch.randn(t, spec.hidden, device=layer.device, dtype=torch.bfloat16)
         tw, ids = random_routing(t, spec, layer.device, skew=True)
         out = _checked_forward(layer, x, a, b, tw, ids)
         assert torch.equal(out, layer.forward(x, w13, w2, tw, ids))
         if not spec.model:
-            assert torch.equal(moe_forward(x, a, b, tw, ids, store=store, target=STANDIN), out)
+            assert torch.equal(moe_forward(x, a, b, tw, ids, store=store, target=STANDIN,
+                                           activation=spec.activation), out)
 
 
 def test_moe_forward_runs_the_standin_layer(case, store):
@@ -129,7 +131,7 @@ def test_moe_forward_runs_the_standin_layer(case, store):
     spec, t = layer.spec, tokens[1]
     x = torch.randn(t, spec.hidden, device=layer.device, dtype=torch.bfloat16)
     tw, ids = random_routing(t, spec, layer.device)
-    got = moe_forward(x, w13, w2, tw, ids, store=store, target=STANDIN)
+    got = moe_forward(x, w13, w2, tw, ids, store=store, target=STANDIN, activation=spec.activation)
     want = layer.forward(x, w13, w2, tw, ids)
     assert torch.equal(got, want)
 

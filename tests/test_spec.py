@@ -73,8 +73,11 @@ def test_preset_with_override_and_key():
      ["not yet supported for sm_100a"]),
     (dict(experts=8, top_k=2, hidden=128, intermediate=128, precision="mxfp8", target="sm_90a"),
      ["not yet supported for sm_90a"]),
-    (dict(experts=8, top_k=2, hidden=64, intermediate=128, precision="nvfp4", target="sm_121a"),
-     ["hidden", "multiple of 128", "nvfp4"]),
+    # sm_121a pads K to whole k-tiles (hidden 64 builds there); sm_100a's tcgen05 kernels do not
+    (dict(experts=8, top_k=2, hidden=64, intermediate=128, precision="nvfp4", target="sm_100a"),
+     ["hidden", "multiple of 128", "nvfp4", "sm_100a"]),
+    (dict(experts=8, top_k=2, hidden=128, intermediate=128, precision="nvfp4", target="sm_100a", bias=True),
+     ["expert biases", "tcgen05", "sm_121a"]),
     (dict(experts=8, top_k=2, hidden=64.0, intermediate=64), ["hidden", "integer"]),
     (dict(experts=4096, top_k=2, hidden=64, intermediate=64), ["experts", "at most"]),
     (dict(experts=8, top_k=2, hidden=64), ["missing", "intermediate"]),

@@ -19,6 +19,9 @@ built for sm_90a, the block-scaled MMA emulated.
       OUTDIR/summary.txt and OUTDIR/standin.sqlite (the records); exits 1 on any failed check.
   --precisions (both steps): only these precisions' layers and tuning (e.g. w4a8-mx: its kernels
       alone, no tuning, none measured).
+  --gpt-oss (both steps): only the gpt-oss-shape checks (harness/blockscaled.GPT_OSS_CHECK: H = I =
+      2880, K padded to 2944, clamped SwiGLU, expert biases, 8 experts, top-4; no tuning), e.g.
+      `--build DIR --gpt-oss --precisions w4a8-mx` then `--run DIR --out OUT --gpt-oss --precisions w4a8-mx`.
 
 What passing means: the Spark layer's kernels, runtime path and tuning flow are right everywhere
 except the block-scaled mma.sync instruction itself (emulated here; it needs an sm_120-family GPU)
@@ -43,18 +46,18 @@ SMALL = dict(experts=8, top_k=2, hidden=1024, intermediate=512)
 TUNE = (("bf16", "1,256"), ("mxfp8", "1"), ("nvfp4", "1"))
 
 
-def _specs(only=None):
-    from moe_aot.harness.blockscaled import STANDIN_CHECKS
+def _specs(only=None, gpt_oss=False):
+    from moe_aot.harness.blockscaled import GPT_OSS_CHECK, STANDIN_CHECKS
     from moe_aot.spec import make_spec
 
-    for fields, precisions, tokens in STANDIN_CHECKS:
+    for fields, precisions, tokens in ((GPT_OSS_CHECK,) if gpt_oss else STANDIN_CHECKS):
         for p in precisions:
             if only is None or p in only:
                 yield make_spec(**fields, precision=p, target=STANDIN), tokens
 
 
-def _tune(only=None):
-    return [(p, t) for p, t in TUNE if only is None or p in only]
+def _tune(only=None, gpt_oss=False):
+    return [] if gpt_oss else [(p, t) for p, t in TUNE if only is None or p in only]
 
 
 def _cli(args: list[str]) -> None:
@@ -64,14 +67,14 @@ def _cli(args: list[str]) -> None:
     main.main(args, standalone_mode=False)
 
 
-def build(folder: Path, jobs: int, trials: int, gpu: str, only=None) -> int:
+def build(folder: Path, jobs: int, trials: int, gpu: str, only=None, gpt_oss=False) -> int:
     from moe_aot.compiler import compile_into
     from moe_aot.database import Database
     from moe_aot.variants import bucket_for, default_variant
 
     folder.mkdir(parents=True, exist_ok=True)
     url = f"sqlite:///{folder / DB_NAME}"
-    pairs = [(spec, default_variant(spec, b)) for spec, tokens in _specs(only)
+    pairs = [(spec, default_variant(spec, b)) for spec, tokens in _specs(only, gpt_oss)
              for b in sorted({bucket_for(t) for t in tokens})]
     t0 = time.time()
 
@@ -85,18 +88,16 @@ def build(folder: Path, jobs: int, trials: int, gpu: str, only=None) -> int:
     failed = [r for r in results if r.error]
     print(f"defaults: {len(results)} kernels compiled, {len(failed)} failed, {time.time() - t0:.0f}s", flush=True)
     sizes = [f"--{k.replace('_', '-')}={v}" for k, v in SMALL.items()]
-    for precision, tokens in _tune(only):
+    for precision, tokens in _tune(only, gpt_oss):
         _cli(["tune", "--compile-only", "--gpu", gpu, "--target", STANDIN, *sizes, "--precision", precision,
               "--tokens", tokens, "--trials", str(trials), "--seed", "0", "-j", str(jobs), "--db", url])
     print(f"built {url} in {time.time() - t0:.0f}s", flush=True)
     return 1 if failed else 0
 
 
-def run(folder: Path, out: Path, replays: int, only=None) -> int:
+def run(folder: Path, out: Path, replays: int, only=None, gpt_oss=False) -> int:
     import torch
 
-    from moe_aot import picks
-    from moe_aot.database import Database
     from moe_aot.gemm_limits import BLOCKSCALED
     from moe_aot.harness.blockscaled import graph_replay_check
     from moe_aot.harness.verify import check_stages, random_routing, random_weights
@@ -108,7 +109,7 @@ def run(folder: Path, out: Path, replays: int, only=None) -> int:
     gpu = torch.cuda.get_device_name()
     store = KernelStore(f"sqlite:///{folder / DB_NAME}")
     rows, t0 = [], time.time()
-    for spec, tokens in _specs(only):
+    for spec, tokens in _specs(only, gpt_oss):
         layer = MoeLayer(spec, store, variants={})
         w13, w2 = random_weights(spec, layer.device)
         for t in tokens:
@@ -131,12 +132,16 @@ def run(folder: Path, out: Path, replays: int, only=None) -> int:
     lines = [f"{len(rows) - len(bad)} of {len(rows)} stand-in checks passed on {gpu} ({time.time() - t0:.0f}s)"]
     lines += [f"  FAILED {json.dumps(r)}" for r in bad]
 
-    if not _tune(only):  # --precisions without a tuned one: the checks alone
+    if not _tune(only, gpt_oss):  # --precisions without a tuned one, or --gpt-oss: the checks alone
         (out / "summary.txt").write_text("\n".join(lines) + "\n")
         print("\n".join(lines), flush=True)
         return 1 if bad else 0
 
-    # the tuning flow: measure what `tune --compile-only` left ready, on a copy (OUTDIR holds the records)
+    # the tuning flow: measure what `tune --compile-only` left ready, on a copy (OUTDIR holds the records);
+    # the checks alone above need only torch and the runtime (no sqlalchemy)
+    from moe_aot import picks
+    from moe_aot.database import Database
+
     db_copy = out / DB_NAME
     db_copy.unlink(missing_ok=True)
     src, dst = sqlite3.connect(folder / DB_NAME), sqlite3.connect(db_copy)
@@ -155,7 +160,7 @@ def run(folder: Path, out: Path, replays: int, only=None) -> int:
     sizes = dict(SMALL, target=STANDIN)
     with Database(url) as db:
         report = []
-        for precision, tokens in _tune(only):
+        for precision, tokens in _tune(only, gpt_oss):
             spec = make_spec(**sizes, precision=precision)
             buckets = [bucket_for(int(t)) for t in tokens.split(",")]
             rows_ = picks.summary(db, spec, gpu, buckets)
@@ -182,13 +187,14 @@ def main() -> int:
     ap.add_argument("--gpu", default="NVIDIA H200", help="the GPU the trials are for, as torch names it")
     ap.add_argument("--replays", type=int, default=30, help="CUDA-graph replays per measurement (default 30)")
     ap.add_argument("--precisions", help="only these precisions (comma-separated), e.g. w4a8-mx")
+    ap.add_argument("--gpt-oss", action="store_true", help="only the gpt-oss-shape checks (GPT_OSS_CHECK)")
     args = ap.parse_args()
     if bool(args.build) == bool(args.run):
         ap.error("give exactly one of --build DIR and --run DIR")
     only = set(args.precisions.split(",")) if args.precisions else None
     if args.build:
-        return build(args.build, args.jobs, args.trials, args.gpu, only)
-    return run(args.run, args.out, args.replays, only)
+        return build(args.build, args.jobs, args.trials, args.gpu, only, args.gpt_oss)
+    return run(args.run, args.out, args.replays, only, args.gpt_oss)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ from ..gemm_limits import (
     W4_BLOCK,
     W4_CHUNK,
     bs_scale_layout,
+    bs_stored_k,
     check_h_block,
 )
 from ..layout import interleave_gate_up, max_tiles
@@ -118,7 +119,8 @@ class Workspace:
             u8 = dict(dtype=torch.uint8, device=device)
             act = BS_FORMATS[spec.precision][0]  # x's and h's format (w4a8-mx: mxfp8)
             bits, vec = BS_ELEM_BITS[act], BLOCKSCALE_BLOCK[act]
-            H, I = spec.hidden, spec.intermediate
+            # K-padded rows (gemm_limits.bs_stored_k: whole k-tiles, the padding quantized zeros)
+            H, I = bs_stored_k(spec.target, spec.hidden), bs_stored_k(spec.target, spec.intermediate)
             extra = dict(xq=torch.empty(max_tokens, H * bits // 8, **u8), xs=torch.empty(max_tokens, H // vec, **u8),
                          hq=torch.empty(R, I * bits // 8, **u8), hs=torch.empty(R, I // vec, **u8),
                          xg=torch.empty(1, dtype=torch.float32, device=device) if spec.precision == "nvfp4" else None)
@@ -248,7 +250,8 @@ class MoeLayer:
         """Raise KernelArgumentError naming the first bad input (weights as forward takes them;
         a bias layer's biases either in its (weights, biases) pairs or as b13 / b2)."""
         s = self.spec
-        if s.bias and b13 is None and b2 is None and s.precision not in W4:
+        own_bias = s.precision in W4 or s.precision in BLOCKSCALED  # the weights carry their biases
+        if s.bias and b13 is None and b2 is None and not own_bias:
             w13, b13, w2, b2 = split_biases(s, w13, w2)
         M = x.shape[0] if isinstance(x, torch.Tensor) and x.dim() == 2 else None
         if s.precision in FP8:
@@ -260,7 +263,7 @@ class MoeLayer:
         else:
             weights = [("w13", w13, (s.experts, 2 * s.intermediate, s.hidden), torch.bfloat16),
                        ("w2", w2, (s.experts, s.hidden, s.intermediate), torch.bfloat16)]
-        if s.bias and s.precision not in W4:
+        if s.bias and not own_bias:
             weights += [("b13", b13, (s.experts, 2 * s.intermediate), torch.bfloat16),
                         ("b2", b2, (s.experts, s.hidden), torch.bfloat16)]
         expect = [("x", x, (M, s.hidden), torch.bfloat16)] + weights + [
@@ -350,13 +353,20 @@ class MoeLayer:
         if nv and w2.input_amax is None:
             raise KernelArgumentError("w2's input_amax (fp32 [1], the calibrated amax of h) is needed for precision "
                                       "nvfp4: GEMM1 quantizes h against it (blockscaled.with_input_amax)")
+        for name, w in (("w13", w13), ("w2", w2)):
+            if (w.bias is not None) != s.bias:
+                raise KernelArgumentError(f"{name}'s bias must be {'a bf16 tensor' if s.bias else 'None'}: the spec of "
+                                          f"{s.label()} has {'' if s.bias else 'no '}expert biases")
         E, H, I, u8, f32 = s.experts, s.hidden, s.intermediate, torch.uint8, torch.float32
+        Hp, Ip = bs_stored_k(s.target, H), bs_stored_k(s.target, I)  # K padded to whole k-tiles
         wfmt = BS_FORMATS[s.precision][1]
         bits, vec = BS_ELEM_BITS[wfmt], BLOCKSCALE_BLOCK[wfmt]
-        out = [("w13 values", w13.values, (E, 2 * I, H * bits // 8), u8),
-               ("w13 scales", w13.scales, (E, 2 * I, H // vec), u8),
-               ("w2 values", w2.values, (E, H, I * bits // 8), u8),
-               ("w2 scales", w2.scales, (E, H, I // vec), u8)]
+        out = [("w13 values", w13.values, (E, 2 * I, Hp * bits // 8), u8),
+               ("w13 scales", w13.scales, (E, 2 * I, Hp // vec), u8),
+               ("w2 values", w2.values, (E, H, Ip * bits // 8), u8),
+               ("w2 scales", w2.scales, (E, H, Ip // vec), u8)]
+        if s.bias:
+            out += [("b13", w13.bias, (E, 2 * I), torch.bfloat16), ("b2", w2.bias, (E, H), torch.bfloat16)]
         if nv:
             out += [("w13 global_amax", w13.global_amax, (E,), f32), ("w2 global_amax", w2.global_amax, (E,), f32),
                     ("w2 input_amax", w2.input_amax, (1,), f32)]
@@ -584,19 +594,22 @@ class MoeLayer:
             torch.linalg.vector_norm(x, float("inf"), dtype=torch.float32, out=xg.view(()))
         ptrs = {"ids": topk_ids, "x": x, "w13q": w13.values, "w13s": w13.scales, "w2q": w2.values,
                 "w2s": w2.scales, "tw": topk_weights, "out": out, "w13g": w13.global_amax, "w2g": w2.global_amax,
-                "hg": w2.input_amax, "xg": xg}
+                "hg": w2.input_amax, "xg": xg, "b13": w13.bias, "b2": w2.bias}
         fast = self._fast.get((M, id(ws), id(self.variants)))
         if fast is not None:
             args = self._BS_CALLER_ARGS + ((self._NV_CALLER_ARGS + self._NV_X_AMAX_ARGS) if nv else ())
+            if self.spec.bias:  # the biases follow the global amaxes (none for the mx formats)
+                args += (("glu", 11 if nv else 8, "b13"), ("down", 10 if nv else 8, "b2"))
             self._replay(fast[1], args, ptrs)
             return out
         v, libs, sorted_ids, tile_expert, R = self._first_call_views(M, ws, ws.hq)
         xq, xs, hq, hs, y = ws.xq[:M], ws.xs[:M], ws.hq[:R], ws.hs[:R], ws.y[: M * K]
         gx, g13, gh, g2 = ((xg,), (w13.global_amax,), (w2.input_amax,), (w2.global_amax,)) if nv else ((),) * 4
+        b13, b2 = ((w13.bias,), (w2.bias,)) if self.spec.bias else ((), ())
         args = {"routing": (topk_ids, ws.counts, ws.offsets, sorted_ids, tile_expert),
                 "bsquant": (x, xq, xs) + gx,
-                "glu": (xq, xs, w13.values, w13.scales, sorted_ids, tile_expert, hq, hs) + gx + g13 + gh,
-                "down": (hq, hs, w2.values, w2.scales, sorted_ids, tile_expert, topk_weights, y) + gh + g2,
+                "glu": (xq, xs, w13.values, w13.scales, sorted_ids, tile_expert, hq, hs) + gx + g13 + gh + b13,
+                "down": (hq, hs, w2.values, w2.scales, sorted_ids, tile_expert, topk_weights, y) + gh + g2 + b2,
                 "combine": (y, topk_ids, out)}
         self._launch_and_keep(M, v, ws, libs, args)
         return out
@@ -727,11 +740,15 @@ def moe_forward(x, w13_prepared, w2, topk_weights, topk_ids, out=None, workspace
     if isinstance(w13_prepared, BlockScaledWeight):
         if isinstance(w13_prepared.scales, torch.Tensor) and w13_prepared.scales.dim() == 3:
             precision = "mxfp8" if w13_prepared.global_amax is None else "nvfp4"
+            bias = w13_prepared.bias is not None
             E, I2, ks = w13_prepared.scales.shape
-            shape = (E, I2, ks * BLOCKSCALE_BLOCK[precision])
+            kp = ks * BLOCKSCALE_BLOCK[precision]  # the stored K (padded to whole k-tiles)
+            # hidden is x's width: the weights' K may be padded past it (gemm_limits.bs_padded_k)
+            hd = x.shape[1] if isinstance(x, torch.Tensor) and x.dim() == 2 and x.shape[1] <= kp else kp
+            shape = (E, I2, hd)
             vals = w13_prepared.values
             if precision == "mxfp8" and isinstance(vals, torch.Tensor) and vals.dim() == 3 and \
-                    vals.shape[2] * 2 == shape[2]:
+                    vals.shape[2] * 2 == kp:
                 precision = "w4a8-mx"  # packed e2m1 values (half a byte each) with ue8m0 scales
     if shape is not None:
         pass
