@@ -12,8 +12,16 @@ import reprlib
 from dataclasses import FrozenInstanceError, asdict
 from pathlib import Path
 
-from .gemm_limits import (ACTIVATIONS, BIAS_PRECISIONS, BLOCKSCALED, BS_SIZE_MULTIPLE, BS_UMMA_SIZE_MULTIPLE,
-                          STANDINS, bs_scale_layout, with_standins)
+from .gemm_limits import (
+    ACTIVATIONS,
+    BIAS_PRECISIONS,
+    BLOCKSCALED,
+    BS_SIZE_MULTIPLE,
+    BS_UMMA_SIZE_MULTIPLE,
+    STANDINS,
+    bs_scale_layout,
+    with_standins,
+)
 
 # "mxfp4-w": weight-only MXFP4 (gpt-oss's expert weights as shipped), activations bf16
 # "w4a8-mx": MXFP4 weights (gpt-oss's) times MXFP8 activations, block-scaled (sm_121a, sm_100a)

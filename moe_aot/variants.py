@@ -387,7 +387,8 @@ class BlockScaleShape:
         if self.target not in TARGET_LIMITS:
             raise ValueError(f"target {self.target!r} must be one of {', '.join(TARGET_LIMITS)}")
         if self.k_out and (not isinstance(self.k_out, int) or self.k_out <= self.k or self.k_out % block):
-            raise ValueError(f"k_out={self.k_out} must be 0 or a multiple of {self.fmt}'s block of {block} above K={self.k}")
+            raise ValueError(f"k_out={self.k_out} must be 0 or a multiple of {self.fmt}'s block of {block} "
+                             f"above K={self.k}")
 
     @property
     def pad_tag(self) -> str:
@@ -408,7 +409,8 @@ def blockscale_kernel(shape: BlockScaleShape) -> KernelVariant:
     """The quantization kernel of `shape`; e2m1 by PTX cvt where the target has it
     (gemm_limits.E2M1_CVT_TARGETS), else in software. The name spells every argument."""
     e2m1 = "hw" if shape.target in limits.E2M1_CVT_TARGETS else "sw"
-    return KernelVariant("bsquant", f"moe_bsquant_{arch_tag(shape.target)}_{shape.fmt}_k{shape.k}{shape.pad_tag}_{e2m1}",
+    name = f"moe_bsquant_{arch_tag(shape.target)}_{shape.fmt}_k{shape.k}{shape.pad_tag}_{e2m1}"
+    return KernelVariant("bsquant", name,
                          (("fmt", shape.fmt), ("k", shape.k), ("e2m1", e2m1))
                          + ((("k_out", shape.k_out),) if shape.k_out else ()))
 

@@ -650,7 +650,7 @@ class BlockScaledGluGemm(_BlockScaledBase):
         m = cute.sym_int32(symbol="M")
         r = cute.sym_int32(symbol="R", divisibility=self.tile_m)
         t = cute.sym_int32(symbol="T")
-        e, hd, i = self.num_experts, self.hidden, self.intermediate
+        e, i = self.num_experts, self.intermediate
         xq, xs = self._fake_values(m, self.k)  # K-padded rows (bs_padded_k)
         wq, ws = self._fake_weights(e, 2 * i, self.k)
         hq, hs = self._fake_values(r, self.h_cols)
@@ -818,7 +818,7 @@ class BlockScaledDownGemm(_BlockScaledBase):
         mk = cute.sym_int32(symbol="MK")
         r = cute.sym_int32(symbol="R", divisibility=self.tile_m)
         t = cute.sym_int32(symbol="T")
-        e, hd, i = self.num_experts, self.hidden, self.intermediate
+        e, hd = self.num_experts, self.hidden
         hq, hs = self._fake_values(r, self.k)
         wq, ws = self._fake_weights(e, hd, self.k)  # K-padded rows
         return [("hq", hq), ("hs", hs), ("w2q", wq), ("w2s", ws),

@@ -46,7 +46,8 @@ def test_k_is_padded_to_whole_k_tiles_and_the_rest_refused_in_one_sentence():
     ok, why = limits.check_blockscaled("glu", "w4a8-mx", 2 * I, H, 16, 64, 128, 6, "warp", arch=SPARK)
     assert ok, why
     ok, why = limits.check_blockscaled("down", "w4a8-mx", H, I, 16, 64, 256, 4, "warp", arch=SPARK)
-    assert not ok and why == "w4a8-mx: K=2944 (padded from 2880) must be a multiple of tile_k 256 and N=2880 of tile_n 64"
+    assert not ok and why == ("w4a8-mx: K=2944 (padded from 2880) must be a multiple of tile_k 256 "
+                              "and N=2880 of tile_n 64")
     ok, why = limits.check_blockscaled("down", "mxfp8", H + 16, I, 16, 64, 128, 4, "warp", arch=SPARK)
     assert not ok and "multiples of 32" in why
     for precision in limits.BLOCKSCALED:

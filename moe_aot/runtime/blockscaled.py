@@ -108,7 +108,8 @@ def _bias13(b_gate, b_up, interleave: int) -> torch.Tensor | None:
     if b_gate is None:
         return None
     if b_gate.shape != b_up.shape or b_gate.dim() != 2:
-        raise ValueError(f"gate bias {tuple(b_gate.shape)} and up bias {tuple(b_up.shape)} must be equal [E, I] tensors")
+        raise ValueError(f"gate bias {tuple(b_gate.shape)} and up bias {tuple(b_up.shape)} "
+                         "must be equal [E, I] tensors")
     return interleave_gate_up(b_gate.unsqueeze(-1), b_up.unsqueeze(-1), interleave).squeeze(-1).to(torch.bfloat16)
 
 
