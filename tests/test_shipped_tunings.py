@@ -50,7 +50,8 @@ TUNED = ROOT / "cache" / "tuned" / "NVIDIA_H200.jsonl"
 SESSIONS = ("tuning_2026-12-01", "tuning_2026-12-01b", "tuning_2026-12-01c", "tuning_2026-12-01e",
             "tuning_2026-12-01f", "tuning_2026-12-01g", "tuning_2026-12-01h", "tuning_2026-12-01i",
             "tuning_2026-12-01j", "tuning_2026-12-01l", "tuning_2026-12-02t", "tuning_2026-12-02u",
-            "tuning_2026-12-02v", "tuning_2026-12-02w", "tuning_2026-12-02x", "tuning_2026-12-02z")
+            "tuning_2026-12-02v", "tuning_2026-12-02w", "tuning_2026-12-02x", "tuning_2026-12-02z",
+            "tuning_2026-12-03")
 FP8_BUCKETS = (1, 16, 64, 256, 1024, 4096, 16384)
 RECORD_FILES = [ROOT / "tools" / "results" / d / "all_records.json" for d in SESSIONS]
 

@@ -4,7 +4,11 @@ default (B) timed as the tuner and the benchmark time them (harness.measure.meas
 graphs over several routings, median) in the order A B A B B A on the same inputs, so a bias
 of the first (or of the later) measurement shows up as A1 != A2 or B1 != B2.
 
-    python3 tools/order_check.py --out DIR [--models m1,m2] [--tokens 1,16,1024] [--warmup-ms 0]
+    python3 tools/order_check.py --out DIR [--models m1,m2] [--tokens 1,16,1024] [--warmup-ms 0] [--bench-way]
+
+--bench-way adds W: the pick timed the way tools/bench.py times "ours" (the served layer itself,
+0.25 s of untimed warm-up replays, its workspace looked up in each replayed call), in the order
+W A B W B A, so a difference between the two ways of timing one variant shows up as W != A.
 
 Writes DIR/order_check.json.
 """
@@ -12,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -34,6 +39,7 @@ def main() -> None:
     ap.add_argument("--models", default="qwen3-30b-a3b,qwen3-235b-a22b,gpt-oss-120b,deepseek-v3,mixtral-8x7b")
     ap.add_argument("--tokens", default="1,16,1024")
     ap.add_argument("--replays", type=int, default=100)
+    ap.add_argument("--bench-way", action="store_true", help="also time the pick as tools/bench.py times ours (W)")
     args = ap.parse_args()
     store = KernelStore()
     rows = []
@@ -48,11 +54,19 @@ def main() -> None:
             sets = measure.input_sets(spec, M, layer.device)
             times = []
             try:
-                for tag, v in zip("ABABBA", (pick, dflt, pick, dflt, dflt, pick)):
+                order = "WABWBA" if args.bench_way else "ABABBA"
+                for tag in order:
                     t0 = time.perf_counter()
-                    m = measure.measure_variant(layer, v, M, w13, w2, args.replays, sets)
-                    times.append((tag, round(m.get("median_us", float("nan")), 2),
-                                  round(time.perf_counter() - t0, 2)))
+                    if tag == "W":
+                        us = statistics.median(measure.graph_times_us(
+                            [lambda s=s, w=(w13, w2): layer.forward(s[0], *w, s[1], s[2], out=s[3],
+                                                                    workspace=layer.workspace(M))
+                             for s in sets], args.replays, 0.25))
+                    else:
+                        m = measure.measure_variant(layer, pick if tag == "A" else dflt, M, w13, w2, args.replays,
+                                                    sets)
+                        us = m.get("median_us", float("nan"))
+                    times.append((tag, round(us, 2), round(time.perf_counter() - t0, 2)))
             except LookupError as exc:  # a variant whose kernels the database lacks: reported, skipped
                 print(name, M, "skipped:", exc, flush=True)
                 continue
@@ -62,10 +76,13 @@ def main() -> None:
                    "A_first_over_A_later": round(a[0] / min(a[1:]), 3),
                    "B_first_over_B_later": round(b[0] / min(b[1:]), 3),
                    "B_over_A_median": round(sorted(b)[1] / sorted(a)[1], 3)}
+            w = [t for tag, t, _ in times if tag == "W"]
+            if w:
+                row["W_over_A"] = round(statistics.median(w) / statistics.median(a), 3)
             rows.append(row)
             print(name, M, " ".join(f"{tag}{t}" for tag, t, _ in times),
                   f"A1/A* {row['A_first_over_A_later']} B1/B* {row['B_first_over_B_later']} "
-                  f"B/A {row['B_over_A_median']}",
+                  f"B/A {row['B_over_A_median']}" + (f" W/A {row['W_over_A']}" if w else ""),
                   flush=True)
         del w13, w2
         torch.cuda.empty_cache()
