@@ -14,7 +14,9 @@ one's experts in L2; every row is checked against the fp32 reference.
 --pdl also checks and times, at every point and in the same run, the twin of our variant with
 programmatic dependent launch flipped (build the database with `moe-aot build --pdl-twins`).
 --alts times other variants beside the one served: `default` (the documented default of the
-bucket, when the served variant is a tuned pick), `default_pdl` (its PDL twin).
+bucket, when the served variant is a tuned pick), `default_pdl` (its PDL twin). They are timed
+last at each point, after torch's path, and read up to ~12% faster than the same variant timed
+as the tuner times it (NOTES, 2026-12-03 call 3): for pick-vs-default, use tools/order_check.py.
 Per row also: each grouped GEMM alone (a CUDA graph of that one kernel on the row's first
 input set), as µs, TFLOP/s of useful (routed) FLOPs and TB/s of the selected experts' weights;
 with --peers, the ratio of the peer's (vLLM's) time at that point to ours.
