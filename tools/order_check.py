@@ -4,7 +4,7 @@ default (B) timed as the tuner and the benchmark time them (harness.measure.meas
 graphs over several routings, median) in the order A B A B B A on the same inputs, so a bias
 of the first (or of the later) measurement shows up as A1 != A2 or B1 != B2.
 
-    python3 tools/order_check.py --out DIR [--models m1,m2] [--tokens 1,16,1024] [--warmup-ms 0] [--bench-way]
+    python3 tools/order_check.py --out DIR [--models m1,m2] [--tokens 1,16,1024] [--bench-way]
 
 --bench-way adds W: the pick timed the way tools/bench.py times "ours" (the served layer itself,
 0.25 s of untimed warm-up replays, its workspace looked up in each replayed call), in the order
@@ -41,6 +41,8 @@ def main() -> None:
     ap.add_argument("--replays", type=int, default=100)
     ap.add_argument("--bench-way", action="store_true", help="also time the pick as tools/bench.py times ours (W)")
     args = ap.parse_args()
+    if args.bench_way:
+        from bench import WARMUP_S, graph_time_us  # tools/bench.py's own way of timing ours
     store = KernelStore()
     rows = []
     for name in args.models.split(","):
@@ -58,10 +60,9 @@ def main() -> None:
                 for tag in order:
                     t0 = time.perf_counter()
                     if tag == "W":
-                        us = statistics.median(measure.graph_times_us(
-                            [lambda s=s, w=(w13, w2): layer.forward(s[0], *w, s[1], s[2], out=s[3],
-                                                                    workspace=layer.workspace(M))
-                             for s in sets], args.replays, 0.25))
+                        us = graph_time_us([lambda s=s, w=(w13, w2): layer.forward(s[0], *w, s[1], s[2], out=s[3],
+                                                                                  workspace=layer.workspace(M))
+                                            for s in sets], args.replays, WARMUP_S)
                     else:
                         m = measure.measure_variant(layer, pick if tag == "A" else dflt, M, w13, w2, args.replays,
                                                     sets)
@@ -75,7 +76,7 @@ def main() -> None:
             row = {"model": name, "tokens": M, "A": pick.name(spec), "B": dflt.name(spec), "order": times,
                    "A_first_over_A_later": round(a[0] / min(a[1:]), 3),
                    "B_first_over_B_later": round(b[0] / min(b[1:]), 3),
-                   "B_over_A_median": round(sorted(b)[1] / sorted(a)[1], 3)}
+                   "B_over_A_median": round(statistics.median(b) / statistics.median(a), 3)}
             w = [t for tag, t, _ in times if tag == "W"]
             if w:
                 row["W_over_A"] = round(statistics.median(w) / statistics.median(a), 3)
