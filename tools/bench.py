@@ -14,9 +14,11 @@ one's experts in L2; every row is checked against the fp32 reference.
 --pdl also checks and times, at every point and in the same run, the twin of our variant with
 programmatic dependent launch flipped (build the database with `moe-aot build --pdl-twins`).
 --alts times other variants beside the one served: `default` (the documented default of the
-bucket, when the served variant is a tuned pick), `default_pdl` (its PDL twin). They are timed
-last at each point, after torch's path, and read up to ~12% faster than the same variant timed
-as the tuner times it (NOTES, 2026-12-03 call 3): for pick-vs-default, use tools/order_check.py.
+bucket, when the served variant is a tuned pick), `default_pdl` (its PDL twin). Each alternative
+and the served variant are timed the same way (the tuner's: harness.measure.measure_variant) in
+the order S A A S, and the column is the ratio of the medians of those two pairs, not of the
+alternative to the headline time (timed alone last, after torch's path, an alternative read up to
+~12% faster than the same variant timed as the tuner times it: NOTES, 2026-12-03 call 3).
 Per row also: each grouped GEMM alone (a CUDA graph of that one kernel on the row's first
 input set), as µs, TFLOP/s of useful (routed) FLOPs and TB/s of the selected experts' weights;
 with --peers, the ratio of the peer's (vLLM's) time at that point to ours.
@@ -113,12 +115,20 @@ def gemm_times(layer, M, replays: int, spec, selected: float) -> dict:
     return out
 
 
-def time_alt(layer, variant, M, w13, w2, replays, sets, ours) -> dict:
+def time_alt(layer, variant, served, M, w13, w2, replays, sets) -> dict:
+    """`variant` beside the served one, both timed by measure_variant in the order S A A S on the
+    same input sets; over_ours is median(A) / median(S) of those four timings."""
     try:
-        m = measure_variant(layer, variant, M, w13, w2, replays, sets)
-        return {"variant": variant.name(layer.spec), "rel_err": m["rel_err"],
-                "us": round(m["median_us"], 2) if m["ok"] else None,
-                "over_ours": round(m["median_us"] / ours, 3) if m["ok"] else None}
+        times = {"S": [], "A": []}
+        for tag in "SAAS":
+            m = measure_variant(layer, served if tag == "S" else variant, M, w13, w2, replays, sets)
+            if not m["ok"]:
+                return {"variant": variant.name(layer.spec) if tag == "A" else f"served {served.name(layer.spec)}",
+                        "rel_err": m["rel_err"], "us": None, "over_ours": None}
+            times[tag].append(m["median_us"])
+        a, s = statistics.median(times["A"]), statistics.median(times["S"])
+        return {"variant": variant.name(layer.spec), "rel_err": m["rel_err"], "us": round(a, 2),
+                "served_us": round(s, 2), "over_ours": round(a / s, 3)}
     except Exception as exc:  # kernels not in the database, launch failure: reported
         return {"variant": variant.name(layer.spec), "error": f"{type(exc).__name__}: {exc}"[:300]}
 
@@ -174,8 +184,8 @@ def bench_model(name: str, tokens_list, replays: int, rate: float, store, pdl: b
             v = {"default": dflt, "default_pdl": dflt.pdl_twin()}[alt]
             if v == served:
                 continue
-            row.setdefault("alts", {})[alt] = a = time_alt(layer, v, M, w13, w2, replays, sets, ours)
-            print(f"  {alt} {a['variant']}: {a.get('us')} us ({a.get('over_ours')} of ours)"
+            row.setdefault("alts", {})[alt] = a = time_alt(layer, v, served, M, w13, w2, replays, sets)
+            print(f"  {alt} {a['variant']}: {a.get('us')} us beside {a.get('served_us')} ({a.get('over_ours')} of ours)"
                   f"{', ' + a['error'] if 'error' in a else ''}", flush=True)
         if pdl:
             twin = layer.variant_for(M).pdl_twin()
@@ -230,7 +240,7 @@ def markdown(result: dict) -> str:
                   f"{g['points_faster_than_vllm']} of {g['points_with_vllm']} points."]
     alts = sorted({a for r in result["rows"] for a in r.get("alts", {})})
     for a in alts:
-        lines += ["", f"`{a}` beside ours (same run): "
+        lines += ["", f"`{a}` over the served variant, both timed as the tuner times them, S A A S (same run): "
                   + "; ".join(f"{r['model']} {r['tokens']}: {r['alts'][a].get('over_ours')}"
                               for r in result["rows"] if a in r.get("alts", {}))]
     lines += ["", f"Geometric mean ours/floor {g['geomean_ours_over_floor']:.2f}; "
