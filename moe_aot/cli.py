@@ -319,6 +319,7 @@ def _gpu_measurer(db_url, replays):
 
 
 EXPORT_HELP = "Folder of the tuned picks' text export, one <GPU>.jsonl per GPU (default: cache/tuned/)."
+BACKWARD_TOKENS = (1024, 4096, 16384)  # `tune --backward`'s default buckets: training batches
 CONFIRM_HELP = ("Once a bucket's trials are measured, measure its fastest candidates (at most this many, within "
                 "10% of the fastest) and its default again, each twice in mirrored order, and pick on the medians; "
                 "0: no confirmation round (default: 3).")
@@ -356,7 +357,8 @@ def _tiles(text: str):
 @click.option("--jobs", "-j", type=int, default=None, help="Compile processes (default: CPU count - 1).")
 @click.option("--compile-only", is_flag=True, help="No GPU here: compile candidates and leave them in the database, "
               "ready for `moe-aot measure` on the GPU machine.")
-@click.option("--replays", type=int, default=100, show_default=True, help="CUDA-graph replays per measurement.")
+@click.option("--replays", type=int, default=None, help="CUDA-graph replays per measurement (default: 100; "
+              "with --backward 20).")
 @click.option("--seed", type=int, default=None, help="Sampler seed.")
 @click.option("--confirm", type=int, default=None, callback=_confirm,
               help=CONFIRM_HELP + " Not with --compile-only (`moe-aot measure` confirms).")
@@ -367,23 +369,37 @@ def _tiles(text: str):
               help="With --compile-only: try these tiles early in every bucket they can serve (after the "
                    "default and, with --seed-picks, the committed pick); a variant name's tunable part, e.g. "
                    "m16r1_glun32k128s6warp_downn32k128s6warp. Repeatable.")
+@click.option("--backward", is_flag=True,
+              help="Tune the fused backward instead of the forward: per bucket (default: "
+                   f"{','.join(map(str, BACKWARD_TOKENS))}) its default, the variants that change one part (dH "
+                   "tiles, dX tiles, the weight gradients: torch's or compiled, with or without the TMA-store "
+                   "epilogue) and the combination of the parts that beat it, each checked against fp32 and timed "
+                   "over whole backwards; then a confirmation round (--confirm) and the picks. With "
+                   "--compile-only: compile those candidates here.")
 @click.option("--export-dir", default=None, help=EXPORT_HELP)
 @click.option("--db", "db_url", default=None, help=DB_HELP)
 def tune_cmd(models, spec_file, target, experts, top_k, hidden, intermediate, activation, precision, tokens, gpu,
-             trials, timeout_s, jobs, compile_only, replays, seed, confirm, seed_dir, try_tiles, export_dir, db_url):
+             trials, timeout_s, jobs, compile_only, replays, seed, confirm, seed_dir, try_tiles, backward, export_dir,
+             db_url):
     """Search tile configurations with optuna per token bucket: compile in a CPU pool, measure on the
     GPU (CUDA-graph replays, median, after a check against the reference), record every trial and
-    keep the best. With --compile-only, only the compiling half (see `moe-aot measure`)."""
+    keep the best. With --compile-only, only the compiling half (see `moe-aot measure`). With
+    --backward, the fused backward's variants (see the option)."""
     import os
 
     from . import picks, tuner
 
     specs = _specs(models, spec_file, target, experts, top_k, hidden, intermediate, activation, precision)
-    buckets = _tokens(tokens)
+    buckets = _tokens(tokens) if tokens or not backward else BACKWARD_TOKENS
     jobs = jobs if jobs is not None else max(1, (os.cpu_count() or 2) - 1)
     url = _where(db_url)
     _open(url).close()  # the schema and a readable error before optuna touches the URL
     try:
+        if backward:
+            _tune_backward(url, specs, buckets, gpu, compile_only, jobs, replays, confirm, seed_dir or try_tiles,
+                           export_dir)
+            return
+        replays = 100 if replays is None else replays
         if compile_only:
             if not gpu:
                 raise click.UsageError("--compile-only needs --gpu NAME: the GPU the candidates will be measured on "
@@ -416,6 +432,40 @@ def tune_cmd(models, spec_file, target, experts, top_k, hidden, intermediate, ac
             _export(db, export_dir, measurer.gpu)
     except DatabaseError as exc:
         raise _fail(exc) from None
+
+
+def _tune_backward(url, specs, buckets, gpu, compile_only, jobs, replays, confirm, seeded, export_dir) -> None:
+    from . import backward_tune, picks
+
+    if seeded:
+        raise click.UsageError("--seed-picks and --try are the forward's; --backward walks its whole candidate list")
+    specs = [s for s in specs if backward_tune.candidate_kernels([s], buckets)]
+    if not specs:
+        raise click.UsageError("no layer given has a fused backward to tune: it is built for bf16 layers on "
+                               "sm_90a (the persistent Hopper core)")
+    if compile_only:
+        if confirm is not None:
+            raise click.UsageError("--confirm goes with measuring: --compile-only measures nothing")
+
+        def progress(res, done, total):
+            click.echo(f"[{done}/{total}] {'ok' if res.artifact else 'FAILED':6} {res.seconds:6.1f}s  "
+                       f"{res.kernel.name}", err=True)
+        with Database(url) as db:
+            results = backward_tune.compile_candidates(db, specs, buckets, jobs, progress)
+        failed = [r for r in results if r.artifact is None]
+        click.echo(f"{len(results) - len(failed)} backward kernel(s) compiled, {len(failed)} failed, for "
+                   f"{len(specs)} layer(s) at {len(buckets)} bucket(s); measure them with `moe-aot tune --backward` "
+                   "on the GPU", err=True)
+        if failed:
+            sys.exit(1)
+        return
+    measurer = _gpu_measurer(url, 20 if replays is None else replays)
+    if gpu and gpu != measurer.gpu:
+        raise click.ClickException(f"--gpu {gpu!r} but this machine's GPU is {measurer.gpu!r}")
+    n = backward_tune.tune_backward(url, specs, buckets, measurer, picks.CONFIRM_K if confirm is None else confirm)
+    click.echo(f"{n} backward pick(s) deployed for {measurer.gpu}", err=True)
+    with Database(url) as db:
+        _export(db, export_dir, measurer.gpu)
 
 
 def _all_precisions(model: str) -> list:
@@ -570,7 +620,8 @@ def export_cmd(gpu, export_dir, db_url):
                    "(for `tools/bench.py --pdl`, which measures both side by side).")
 @click.option("--backward", is_flag=True,
               help="Also compile the kernels of training: the backward's (torch.ops.moe_aot.fused_moe under "
-                   "autograd: the GLU backward; the weight-gradient GEMMs, not yet called by it), and each "
+                   "autograd: the GLU backward; every bucket's default backward variant and the tuned backward "
+                   "picks, `moe-aot tune --backward`: dH, dX, the weight-gradient GEMMs), and each "
                    "variant's GEMM1 that keeps its pre-activations for the backward (fused_moe_train); "
                    "without them those parts run in torch ops.")
 @click.option("--db", "db_url", default=None, help=DB_HELP)
@@ -580,8 +631,8 @@ def build_cmd(models, spec_file, target, experts, top_k, hidden, intermediate, a
     the text export has one for the target (and GPU), the default variant for every bucket.
     Idempotent: what is already in the database is not compiled again."""
     from .compiler import HostToolchainError, compile_into, toolchain_key
-    from .picks import build_plan
-    from .variants import backward_kernels, training_kernels, wgrad_kernels
+    from .picks import backward_build_plan, build_plan
+    from .variants import backward_kernels, backward_workload, training_kernels, wgrad_kernels
 
     specs = _specs(models, spec_file, target, experts, top_k, hidden, intermediate, activation, precision)
     db = _open(db_url)
@@ -601,10 +652,19 @@ def build_cmd(models, spec_file, target, experts, top_k, hidden, intermediate, a
             status = "ok" if res.artifact else "FAILED"
             click.echo(f"[{done}/{total}] {status:6} {res.seconds:6.1f}s  {res.kernel.name}", err=True)
 
-        extra = []
+        extra, bwd_picks = [], []
         if backward:
-            extra = [(s, kv) for s in specs for kv in backward_kernels(s) + wgrad_kernels(s)]
+            left: list[dict] = []
+            extra, bwd_picks = backward_build_plan(db, specs, _tokens(tokens), gpu,
+                                                   Path(tuned_dir) if tuned_dir else env.tuned_dir(), left)
+            # the GLU backward (the torch-GEMM path's) and the default weight-gradient tiles (which
+            # autograd.USE_WGRAD_KERNELS = True uses at any bucket) beside the buckets' variants
+            extra = list(dict.fromkeys([(s, kv) for s in specs for kv in backward_kernels(s) + wgrad_kernels(s)]
+                                       + extra))
             extra += list(dict.fromkeys((s, kv) for s, v in pairs for kv in training_kernels(s, v)))
+            for e in left:
+                click.echo(f"left out the tuned backward pick for {e['gpu']} tokens={e['tokens']} ({e['workload']}): "
+                           f"it was measured against {e['default']}, no longer this bucket's default", err=True)
         results = compile_into(db, pairs, jobs=jobs, progress=progress, extra=extra)
         failed = [r for r in results if r.artifact is None]
         tools = {s.target: toolchain_key(s.target) for s in specs}
@@ -616,11 +676,17 @@ def build_cmd(models, spec_file, target, experts, top_k, hidden, intermediate, a
                 db.commit_best(workload=spec.workload_key, target=spec.target, gpu=g, toolchain=tools[spec.target],
                                tokens=n, variant=v.name(spec), median_us=us, force=True)
                 gpus.add(g)
+        for spec, g, n, v, us in bwd_picks:
+            if all(db.has_artifact(kv.name, tools[spec.target]) for kv in v.kernels(spec)):
+                db.put_workload(backward_workload(spec), spec.workload_dict())
+                db.commit_best(workload=backward_workload(spec), target=spec.target, gpu=g,
+                               toolchain=tools[spec.target], tokens=n, variant=v.name(spec), median_us=us, force=True)
     except (ValueError, DatabaseError, HostToolchainError) as exc:
         raise _fail(exc) from None
     finally:
         db.close()
     click.echo(f"{len(results) - len(failed)} compiled, {len(failed)} failed; {len(picks)} tuned pick(s)"
+               f"{f' and {len(bwd_picks)} backward pick(s)' if bwd_picks else ''}"
                f"{' for ' + ', '.join(sorted(gpus)) if gpus else ''}, defaults for every bucket; "
                f"in {time.perf_counter() - t0:.1f}s", err=True)
     if failed:

@@ -51,7 +51,7 @@ from .tuner import (
     suggest,
     worker_id,
 )
-from .variants import LayerVariant
+from .variants import BACKWARD_SUFFIX, BackwardVariant, LayerVariant, backward_workload, parse_variant
 
 # The first line of /proc/driver/nvidia/version, by kernel module flavour:
 #   NVRM version: NVIDIA UNIX x86_64 Kernel Module  570.86.15  Fri Jan 24 18:39:31 UTC 2025
@@ -132,8 +132,18 @@ class GpuMeasurer:
 
         w13, w2 = self.weights(spec)
         try:
-            layer = MoeLayer(spec, self.store, device=self.device, variants={tokens: variant})
-            r = measure_variant(layer, None, tokens, w13, w2, replays=self.replays)
+            if isinstance(variant, BackwardVariant):  # the fused backward (`moe-aot tune --backward`)
+                from .harness.backward import measure_backward
+
+                r = measure_backward(spec, variant, tokens, w13, w2, self.store, self.device, self.replays)
+                if not r["ok"]:
+                    worst = max(r["errors"], key=lambda k: r["errors"][k])
+                    return Outcome("wrong_result", rel_err=r["errors"][worst],
+                                   error=f"relative error of {worst} {r['errors'][worst]:.3g}")
+                r["rel_err"] = max(r["errors"].values())
+            else:
+                layer = MoeLayer(spec, self.store, device=self.device, variants={tokens: variant})
+                r = measure_variant(layer, None, tokens, w13, w2, replays=self.replays)
         except KernelMissingError as exc:
             return Outcome("compile_error", error=str(exc))
         except torch.cuda.OutOfMemoryError as exc:
@@ -352,20 +362,23 @@ def _measure_default(db: Database, study: optuna.Study, spec: LayerSpec, tokens:
 
 
 def confirm_round(db: Database, spec: LayerSpec, tokens: int, measurer, k: int = CONFIRM_K,
-                  within: float = CONFIRM_WITHIN, progress: Callable[[str], None] = line) -> bool:
+                  within: float = CONFIRM_WITHIN, progress: Callable[[str], None] = line,
+                  backward: bool = False) -> bool:
     """Measure the bucket's best few candidates (picks.confirm_plan) and its default again, each
     twice, in mirrored order (A B C D D C B A, so a drift during the round weighs on each of them
     alike), recording every measurement as it comes (one that raises leaves those before it in
     the database; an incomplete round does not count in the picks). Runs only when a round is
     due (some candidate has not been in one) and the bucket's context is this measurer's GPU and
-    driver. Returns whether a round ran."""
-    from .variants import default_variant
+    driver. ``backward``: the bucket of the layer's backward (workload backward_workload(spec)).
+    Returns whether a round ran."""
+    from .picks import bucket_default
 
     if k <= 0:
         return False
-    recs = db.records(spec.workload_key, spec.target, measurer.gpu, tokens)
+    workload = backward_workload(spec) if backward else spec.workload_key
+    recs = db.records(workload, spec.target, measurer.gpu, tokens)
     current = current_contents(db, spec)
-    dname = default_variant(spec, tokens).name(spec)
+    dname = bucket_default(spec, tokens, backward).name(spec)
     plan = confirm_plan(live_records(db, spec, recs, current), dname, current(dname), k, within,
                         complete_rounds(recs))
     if plan is None or not plan.due or plan.default.driver != measurer.driver:
@@ -374,15 +387,16 @@ def confirm_round(db: Database, spec: LayerSpec, tokens: int, measurer, k: int =
     order = members + members[::-1]
     rid = uuid.uuid4().hex
     for i, r in enumerate(order):
-        out = measurer(spec, LayerVariant.parse(r.variant), tokens)
-        stats = {**out.stats, **device_stats(measurer), "study": study_name(spec, measurer.gpu, tokens),
+        out = measurer(spec, parse_variant(r.variant), tokens)
+        stats = {**out.stats, **device_stats(measurer),
+                 "study": study_name(spec, measurer.gpu, tokens) + (BACKWARD_SUFFIX if backward else ""),
                  "worker": worker_id(),
                  "confirm": {"round": rid, "position": i, "size": len(order), "record": r.id}}
-        db.add_record(workload=spec.workload_key, target=spec.target, toolchain=r.toolchain, gpu=measurer.gpu,
+        db.add_record(workload=workload, target=spec.target, toolchain=r.toolchain, gpu=measurer.gpu,
                       driver=measurer.driver, tokens=tokens, variant=r.variant, content=r.content,
                       status=out.status, median_us=out.median_us, stats=stats, rel_err=out.rel_err,
                       error=out.error)
-    recs = db.records(spec.workload_key, spec.target, measurer.gpu, tokens)
+    recs = db.records(workload, spec.target, measurer.gpu, tokens)
     live, done = live_records(db, spec, recs, current), complete_rounds(recs)
     medians = round_medians(live, dname, current(dname), done)
     pick = choose_pick(live, dname, current(dname), done)

@@ -22,7 +22,7 @@ from pathlib import Path
 from .database import Database, RecordRow
 from .gemm_limits import STANDINS
 from .spec import LayerSpec
-from .variants import LayerVariant, can_implement
+from .variants import BACKWARD_SUFFIX, LayerVariant, backward_workload, can_implement, parse_variant
 
 CONFIRM_K = 3  # candidates per confirmation round (`--confirm`); 0: no rounds
 CONFIRM_WITHIN = 0.10  # a candidate is measured again when within this fraction of the bucket's fastest
@@ -264,13 +264,14 @@ def round_medians(records, default: str, default_content: str | None = None,
 
 
 def current_contents(db: Database, spec: LayerSpec) -> Callable[[str], str | None]:
-    """name -> the content the database would load for that variant today (None: it cannot)."""
+    """name -> the content the database would load for that variant (a layer's or, named
+    moe_bwd_..., a backward's) today (None: it cannot)."""
     contents: dict[str, str | None] = {}
 
     def current(name: str) -> str | None:
         if name not in contents:
             try:
-                contents[name] = variant_content(db, spec, LayerVariant.parse(name))[0]
+                contents[name] = variant_content(db, spec, parse_variant(name))[0]
             except (LookupError, ValueError):
                 contents[name] = None
         return contents[name]
@@ -283,47 +284,64 @@ def live_records(db: Database, spec: LayerSpec, records, current=None) -> list[R
     return [r for r in records if r.content is not None and r.content == current(r.variant)]
 
 
-def derive_picks(db: Database, spec: LayerSpec, gpu: str | None = None, buckets=None) -> list[Pick]:
-    """The picks of one layer per GPU and bucket from `db`'s records. A record counts only while
-    its content is what the database would load for its variant today (a recompile that changed
-    the cubins makes it stale); a bucket whose default has no such record gets no pick."""
-    from .variants import default_variant
+def bucket_default(spec: LayerSpec, tokens: int, backward: bool = False):
+    """The variant a bucket runs without a pick: the layer's (variants.default_variant), or with
+    ``backward`` the backward's (variants.default_backward; None where the layer has no fused one)."""
+    from .variants import default_backward, default_variant
 
+    return default_backward(spec, tokens) if backward else default_variant(spec, tokens)
+
+
+def derive_picks(db: Database, spec: LayerSpec, gpu: str | None = None, buckets=None,
+                 backward: bool = False) -> list[Pick]:
+    """The picks of one layer (``backward``: of its backward, workload backward_workload(spec))
+    per GPU and bucket from `db`'s records. A record counts only while its content is what the
+    database would load for its variant today (a recompile that changed the cubins makes it
+    stale); a bucket whose default has no such record gets no pick."""
+    workload = backward_workload(spec) if backward else spec.workload_key
     current = current_contents(db, spec)
     groups: dict[tuple, list[RecordRow]] = {}
-    for r in db.records(spec.workload_key, spec.target, gpu):
+    for r in db.records(workload, spec.target, gpu):
         if buckets is None or r.tokens in buckets:
             groups.setdefault((r.gpu, r.tokens), []).append(r)
     picks = []
     for (g, tokens), recs in sorted(groups.items()):
-        dname = default_variant(spec, tokens).name(spec)
+        dflt = bucket_default(spec, tokens, backward)
+        if dflt is None:
+            continue
+        dname = dflt.name(spec)
         got = choose_pick(live_records(db, spec, recs, current), dname, current(dname), complete_rounds(recs))
         if got is None:
             continue
         best, base = got
-        picks.append(Pick(spec.workload_key, spec.target, g, tokens, best.variant, best.median_us, best.id,
+        picks.append(Pick(workload, spec.target, g, tokens, best.variant, best.median_us, best.id,
                           best.toolchain, dname, base.median_us if base.status == "ok" else None))
     return picks
 
 
-def _record_specs(db: Database, gpu: str | None, specs=None) -> list[LayerSpec]:
+def _record_specs(db: Database, gpu: str | None, specs=None) -> list[tuple[LayerSpec, bool]]:
+    """(layer, backward) of every workload with records (or of `specs`: their forward and
+    backward workloads): a backward's workload row holds its layer's fields."""
     if specs is not None:
-        return list(specs)
+        return [(s, b) for s in specs for b in (False, True)]
     out = []
     for w, t in sorted({(r.workload, r.target) for r in db.records(gpu=gpu)}):
         wd = db.workload(w)
         if wd is not None:
-            out.append(LayerSpec(**wd, target=t))
+            out.append((LayerSpec(**wd, target=t), w.endswith(BACKWARD_SUFFIX)))
     return out
 
 
-def commit_picks(db: Database, gpu: str, specs=None) -> int:
+def commit_picks(db: Database, gpu: str, specs=None, backward: bool | None = None) -> int:
     """Deploy the derived picks for the runtime (the best table, which it reads): one toolchain
     per layer and GPU (the newest the picks were measured with; the runtime loads each kernel's
-    newest usable build by name), replacing what was deployed there. Returns how many."""
+    newest usable build by name), replacing what was deployed there; ``backward`` True / False:
+    only the backward's / the forward's picks. Returns how many."""
     n = 0
-    for spec in _record_specs(db, gpu, specs):
-        picks = derive_picks(db, spec, gpu)
+    for spec, bwd in _record_specs(db, gpu, specs):
+        if backward is not None and bwd != backward:
+            continue
+        picks = derive_picks(db, spec, gpu, backward=bwd)
         if not picks:
             continue
         tc = max(picks, key=lambda p: p.record_id or 0).toolchain
@@ -350,10 +368,10 @@ def export_tuned(db: Database, directory: Path, gpu: str | None = None) -> list[
     Stand-in targets (gemm_limits.STANDINS) are left out: their times are another GPU's, and
     these files are what deployments build from."""
     by_gpu: dict[str, list[dict]] = {}
-    for spec in _record_specs(db, gpu):
+    for spec, backward in _record_specs(db, gpu):
         if spec.target in STANDINS:
             continue
-        for p in derive_picks(db, spec, gpu):
+        for p in derive_picks(db, spec, gpu, backward=backward):
             by_gpu.setdefault(p.gpu, []).append(pick_line(p))
     return [write_tuned(directory, g, entries) for g, entries in sorted(by_gpu.items())]
 
@@ -378,8 +396,8 @@ def read_tuned_file(path: Path) -> list[dict]:
             continue
         try:
             e = json.loads(text)
-            LayerVariant.parse(e["variant"])
-            LayerVariant.parse(e["default"])
+            parse_variant(e["variant"])
+            parse_variant(e["default"])
             entry = {k: e[k] for k in TUNED_FIELDS}
             if not (entry["median_us"] > 0 and (entry["default_us"] is None or entry["default_us"] > 0)):
                 raise ValueError("times must be positive")
@@ -398,6 +416,35 @@ def read_tuned(directory: Path, gpu: str | None = None) -> list[dict]:
     return [e for f in files if f.exists() for e in read_tuned_file(f)]
 
 
+def _tuned_picks(db: Database, spec: LayerSpec, gpu: str | None, text: list[dict], backward: bool,
+                 skipped: list | None) -> list[tuple]:
+    """(gpu, tokens, variant, median_us) of every pick of one layer (or its backward) for the
+    target: derived from the database's records where it has them, else from the text export's
+    lines; a text pick measured against another default than today's is left out (appended to
+    `skipped`); a pick the layer cannot implement is an error."""
+    from .variants import can_implement_backward
+
+    workload = backward_workload(spec) if backward else spec.workload_key
+    found = {(p.gpu, p.tokens): (p.variant, p.median_us) for p in derive_picks(db, spec, gpu, backward=backward)}
+    for e in text:
+        if e["workload"] != workload or e["target"] != spec.target or (e["gpu"], e["tokens"]) in found:
+            continue
+        dflt = bucket_default(spec, e["tokens"], backward)
+        if dflt is None or e["default"] != dflt.name(spec):
+            if skipped is not None:
+                skipped.append(e)
+            continue
+        found[(e["gpu"], e["tokens"])] = (e["variant"], e["median_us"])
+    out = []
+    for (g, tokens), (name, us) in sorted(found.items()):
+        v = parse_variant(name)
+        ok, why = (can_implement_backward if backward else can_implement)(spec, v)
+        if not ok:
+            raise ValueError(f"tuned pick {name} for {g} cannot implement {spec.label()}: {why}")
+        out.append((g, tokens, v, us))
+    return out
+
+
 def build_plan(db: Database, specs, buckets, gpu: str | None, tuned_dir: Path,
                skipped: list | None = None) -> tuple[list, list]:
     """What `moe-aot build` compiles: per spec and bucket the default variant, plus every tuned
@@ -413,20 +460,24 @@ def build_plan(db: Database, specs, buckets, gpu: str | None, tuned_dir: Path,
     for spec in specs:
         for tokens in buckets:
             pairs.append((spec, default_variant(spec, tokens)))
-        found = {(p.gpu, p.tokens): (p.variant, p.median_us) for p in derive_picks(db, spec, gpu)}
-        for e in text:
-            if e["workload"] != spec.workload_key or e["target"] != spec.target or (e["gpu"], e["tokens"]) in found:
-                continue
-            if e["default"] != default_variant(spec, e["tokens"]).name(spec):
-                if skipped is not None:
-                    skipped.append(e)
-                continue
-            found[(e["gpu"], e["tokens"])] = (e["variant"], e["median_us"])
-        for (g, tokens), (name, us) in sorted(found.items()):
-            v = LayerVariant.parse(name)
-            ok, why = can_implement(spec, v)
-            if not ok:
-                raise ValueError(f"tuned pick {name} for {g} cannot implement {spec.label()}: {why}")
+        for g, tokens, v, us in _tuned_picks(db, spec, gpu, text, False, skipped):
             pairs.append((spec, v))
             picks.append((spec, g, tokens, v, us))
     return list(dict.fromkeys(pairs)), picks
+
+
+def backward_build_plan(db: Database, specs, buckets, gpu: str | None, tuned_dir: Path,
+                        skipped: list | None = None) -> tuple[list, list]:
+    """build_plan for the backward (`moe-aot build --backward`): (spec, KernelVariant) pairs of
+    every bucket's default backward and every tuned backward pick, and those picks to deploy as
+    (spec, gpu, tokens, BackwardVariant, median_us)."""
+    kernels, picks = [], []
+    text = read_tuned(tuned_dir, gpu) if Path(tuned_dir).is_dir() else []
+    for spec in specs:
+        for tokens in buckets:
+            dflt = bucket_default(spec, tokens, backward=True)
+            kernels += [(spec, kv) for kv in (dflt.kernels(spec) if dflt is not None else [])]
+        for g, tokens, v, us in _tuned_picks(db, spec, gpu, text, True, skipped):
+            kernels += [(spec, kv) for kv in v.kernels(spec)]
+            picks.append((spec, g, tokens, v, us))
+    return list(dict.fromkeys(kernels)), picks

@@ -354,6 +354,162 @@ def wgrad_preferred(spec: LayerSpec, tokens: int) -> bool:
     return tokens * spec.top_k <= WGRAD_MAX_ROWS_PER_EXPERT * spec.experts
 
 
+# -- the backward as a tunable unit (issue 11): one value per backward, tuned and picked per bucket
+# like the forward's LayerVariant, under its own workload key (backward_workload) -------------------
+
+@dataclasses.dataclass(frozen=True)
+class WgradTiles:
+    """Tiles of one weight-gradient GEMM (templates/hopper_wgrad.py; tile_k is WGRAD_TILE_K)."""
+    tile_m: int
+    tile_n: int
+    stages: int
+    pingpong: bool = False
+    tma_store: bool = False
+
+    @property
+    def tag(self) -> str:
+        return f"{self.tile_m}x{self.tile_n}s{self.stages}" + ("pp" if self.pingpong else "") + \
+            ("ts" if self.tma_store else "")
+
+    def astuple(self) -> tuple:
+        return (self.tile_m, self.tile_n, self.stages, self.pingpong, self.tma_store)
+
+
+@dataclasses.dataclass(frozen=True)
+class BackwardVariant:
+    """Every compile-time choice of the fused op's backward (integrations/autograd.py,
+    moe_backward_fused) on the targets with the persistent Hopper core: the dH and dX tiles
+    (BWD_TILE_M-row routing) and the weight gradients, either torch's grouped GEMMs (None) or the
+    compiled variable-K GEMMs with (dW13, dW2) tiles. Its name is its key in the records and picks
+    (workload backward_workload(spec)); its kernels are named by component, so any combination of
+    compiled components is compiled."""
+    dh: GemmTiles
+    dx: GemmTiles
+    wgrad: tuple[WgradTiles, WgradTiles] | None = None
+
+    def name(self, spec: LayerSpec) -> str:
+        w = "torch" if self.wgrad is None else f"b{self.wgrad[0].tag}a{self.wgrad[1].tag}"
+        return (f"moe_bwd_{arch_tag(spec.target)}_{spec.precision_tag}_{spec.shape_tag}_{spec.activation}"
+                f"_dh{self.dh.tag}_dx{self.dx.tag}_w{w}")
+
+    def kernels(self, spec: LayerSpec) -> list[KernelVariant]:
+        """In launch order: routing, dH, dX, combine, then dW13 and dW2 when compiled."""
+        out = backward_gemm_kernels(spec, self.dh, self.dx)
+        if self.wgrad is not None:
+            out += wgrad_kernels(spec, {"b": self.wgrad[0].astuple(), "a": self.wgrad[1].astuple()})
+        return out
+
+    @classmethod
+    def parse(cls, name: str) -> "BackwardVariant":
+        """Inverse of the tunable part of name(): ..._dhn128k64s5hoppp_dxn256k64s4hopws_w(torch|b...a...)."""
+        import re
+
+        g = r"n(\d+)k(\d+)s(\d+)([a-z]+)"
+        w = r"(\d+)x(\d+)s(\d+)(pp)?(ts)?"
+        m = re.search(rf"^moe_bwd_.*_dh{g}_dx{g}_w(?:(torch)|b{w}a{w})$", name)
+        if not m:
+            raise ValueError(f"{name!r} is not a backward variant name")
+        v = m.groups()
+        gemm = lambda t: GemmTiles(int(t[0]), int(t[1]), int(t[2]), t[3])  # noqa: E731
+        wt = lambda t: WgradTiles(int(t[0]), int(t[1]), int(t[2]), bool(t[3]), bool(t[4]))  # noqa: E731
+        return cls(gemm(v[0:4]), gemm(v[4:8]), None if v[8] else (wt(v[9:14]), wt(v[14:19])))
+
+
+def backward_workload(spec: LayerSpec) -> str:
+    """The database key of the layer's backward (records, picks): the forward's key + "_bwd"."""
+    return spec.workload_key + BACKWARD_SUFFIX
+
+
+BACKWARD_SUFFIX = "_bwd"
+
+
+def can_implement_backward(spec: LayerSpec, v: BackwardVariant) -> tuple[bool, str]:
+    """(ok, reason) of a backward variant for this layer: bf16 on a target with the persistent
+    Hopper core, each GEMM's tiles valid for its sizes."""
+    if spec.precision != "bf16" or "hopws" not in TARGET_LIMITS[spec.target]["mma"]:
+        return False, (f"the fused backward is built for bf16 layers on targets with the persistent Hopper core, "
+                       f"not {spec.precision} on {spec.target}")
+    arch = limits.gpu_arch(spec.target)
+    for what, t, (n, k) in (("dH", v.dh, (spec.intermediate, spec.hidden)),
+                            ("dX", v.dx, (spec.hidden, 2 * spec.intermediate))):
+        ok, why = limits.check_backward_gemm(n, k, BWD_TILE_M, t.tile_n, t.tile_k, t.stages, t.mma, arch)
+        if not ok:
+            return False, f"{what} tiles {t.tag}: {why}"
+    if v.wgrad is not None:
+        for what, t, (rows, cols, gather) in (("dW13", v.wgrad[0], (2 * spec.intermediate, spec.hidden, "b")),
+                                              ("dW2", v.wgrad[1], (spec.hidden, spec.intermediate, "a"))):
+            ok, why = limits.check_wgrad(rows, cols, gather, t.tile_m, t.tile_n, limits.WGRAD_TILE_K, t.stages,
+                                         spec.target, t.pingpong, t.tma_store)
+            if not ok:
+                return False, f"{what} tiles {t.tag}: {why}"
+    return True, ""
+
+
+def _wgrad_default_pair(spec: LayerSpec) -> tuple[WgradTiles, WgradTiles] | None:
+    kvs = wgrad_kernels(spec)
+    if not kvs:
+        return None
+    pair = []
+    for kv in kvs:
+        kw = kv.kwargs()
+        pair.append(WgradTiles(kw["tile_m"], kw["tile_n"], kw["stages"], kw.get("pingpong", False),
+                               kw.get("tma_store", False)))
+    return pair[0], pair[1]
+
+
+def default_backward(spec: LayerSpec, tokens: int) -> BackwardVariant | None:
+    """The backward of a bucket without a tuned pick: backward_gemm_tiles' dH and dX tiles, the
+    compiled weight gradients where wgrad_preferred says they measured faster; None where the layer
+    has no fused backward (it then multiplies with torch's grouped GEMMs)."""
+    tiles = backward_gemm_tiles(spec)
+    if tiles is None:
+        return None
+    return BackwardVariant(*tiles, _wgrad_default_pair(spec) if wgrad_preferred(spec, tokens) else None)
+
+
+def parse_variant(name: str):
+    """A LayerVariant or, for a name starting moe_bwd_, a BackwardVariant."""
+    return BackwardVariant.parse(name) if name.startswith("moe_bwd_") else LayerVariant.parse(name)
+
+
+BWD_ALTERNATIVES = 3  # per data GEMM, the first this many valid tiles of its list are candidates
+
+
+def backward_candidates(spec: LayerSpec, tokens: int) -> list[BackwardVariant]:
+    """What `moe-aot tune --backward` measures at a bucket: the default first, then the variants
+    that differ from it in one part (coordinate search; the parts are separate kernels, so the
+    tuner's combination of the best parts needs no compile of its own): dH and dX each in the
+    first BWD_ALTERNATIVES valid tiles of BWD_DH_TILES / BWD_DX_TILES, the weight gradients by
+    torch, in the default compiled tiles, and those with the TMA-store epilogue."""
+    base = default_backward(spec, tokens)
+    if base is None:
+        return []
+    out = [base]
+    arch = limits.gpu_arch(spec.target)
+    for prefs, (n, k), part in ((BWD_DH_TILES, (spec.intermediate, spec.hidden), "dh"),
+                                (BWD_DX_TILES, (spec.hidden, 2 * spec.intermediate), "dx")):
+        fits = [t for t in prefs if limits.check_backward_gemm(n, k, BWD_TILE_M, t.tile_n, t.tile_k, t.stages,
+                                                               t.mma, arch)[0]][:BWD_ALTERNATIVES]
+        out += [dataclasses.replace(base, **{part: t}) for t in fits]
+    pair = _wgrad_default_pair(spec)
+    if pair is not None:
+        ts = tuple(dataclasses.replace(t, tma_store=True) for t in pair)
+        out += [dataclasses.replace(base, wgrad=w) for w in (None, pair, ts)]
+    out = [v for v in dict.fromkeys(out) if can_implement_backward(spec, v)[0]]
+    return out
+
+
+def combine_backward(base: BackwardVariant, best_parts: list[BackwardVariant]) -> BackwardVariant:
+    """The variant taking, per part, the value of the fastest variant that changed that part from
+    `base` (best_parts: candidates that each differ from base in at most one part, fastest first)."""
+    chosen = {}
+    for v in best_parts:
+        for part in ("dh", "dx", "wgrad"):
+            if getattr(v, part) != getattr(base, part) and part not in chosen:
+                chosen[part] = getattr(v, part)
+    return dataclasses.replace(base, **chosen)
+
+
 def training_kernels(spec: LayerSpec, variant: LayerVariant) -> list[KernelVariant]:
     """The kernels a training forward uses beside the variant's own (moe_aot.integrations.autograd,
     fused_moe_train): the variant's GEMM1 built to also write its pre-activations (role

@@ -258,8 +258,8 @@ def test_fused_backward_gemms_match_the_torch_gemm_backward(store, model, tokens
     grad = torch.randn(tokens, spec.hidden, device=DEV, generator=gen).bfloat16()
     tw, ids = random_routing(tokens, spec, DEV, skew=tokens > 1, generator=gen)
     ids[0, 0] = -1
-    monkeypatch.setattr(ag, "USE_WGRAD_KERNELS", True)  # not only where variants.wgrad_preferred says
-    if ag._fused_gemms(x, ids, w13, w2, spec.activation, 16, spec.bias) is None:
+    monkeypatch.setattr(ag, "USE_WGRAD_KERNELS", True)  # not only where the bucket's variant has them
+    if ag._plan(x, ids, w13, w2, spec.activation, 16, spec.bias) is None:
         pytest.fail(f"no compiled backward data path for {model} on this GPU (moe-aot build --backward)")
     preact = ag.preact_torch(x, w13, ids, b13)
 
@@ -276,7 +276,7 @@ def test_fused_backward_gemms_match_the_torch_gemm_backward(store, model, tokens
         assert all(torch.equal(a, b) for a, b in zip(got, again) if a is not None)
         del again
         with monkeypatch.context() as mp:
-            mp.setattr(ag, "_fused_gemms", lambda *a: None)
+            mp.setattr(ag, "_plan", lambda *a: None)
             ref = ag.moe_backward(grad, x, w13, w2, tw, ids, spec.activation, 16, b13, b2, preact)
         for name, g, r in zip(("dx", "dw13", "dw2", "dtopk_weights", "db13", "db2"), got, ref):
             if r is None:

@@ -110,22 +110,24 @@ def point(spec, M, replays, rate, gen, profile=False, wgrad=False):
         return torch.ops.moe_aot.fused_moe_train(x, w13, w2, tw, ids, spec.activation, *ours_extra)[0]
 
     leaves = [x, w13, w2, tw, *ours_extra]
-    fused = autograd._fused_gemms(x, ids, w13, w2, spec.activation, 16, spec.bias) is not None
-    saved_fn = autograd._fused_gemms
-    autograd._fused_gemms = lambda *a: None  # the backward multiplying with torch's grouped GEMMs
+    plan = autograd._plan(x, ids, w13, w2, spec.activation, 16, spec.bias)
+    fused = plan is not None
+    saved_fn = autograd._plan
+    autograd._plan = lambda *a: None  # the backward multiplying with torch's grouped GEMMs
     try:
         recompute, _ = _path("torch GEMMs", spec, M, ours_fwd, leaves, grad, replays, (w13, w2), profile)
     finally:
-        autograd._fused_gemms = saved_fn
+        autograd._plan = saved_fn
     ours, ours_g = _path("ours", spec, M, ours_fwd, leaves, grad, replays, (w13, w2), profile)
     forced = {}  # ours with the compiled weight gradients always (True) / never (False)
-    auto_used = autograd._wgrad_kernels(x, ids, w13) is not None
+    auto_used = fused and plan[2] is not None
     if wgrad:
         saved_flag = autograd.USE_WGRAD_KERNELS
         try:
             for flag in (True, False):
                 autograd.USE_WGRAD_KERNELS = flag
-                used = autograd._wgrad_kernels(x, ids, w13) is not None
+                p = autograd._plan(x, ids, w13, w2, spec.activation, 16, spec.bias)
+                used = p is not None and p[2] is not None
                 res, g = _path(f"ours, weight-gradient kernels {flag}", spec, M, ours_fwd, leaves, grad, replays,
                                (w13, w2), profile)
                 forced[flag] = (used, res, g)
@@ -152,7 +154,7 @@ def point(spec, M, replays, rate, gen, profile=False, wgrad=False):
            "floor_step_us": floor_step, "saved_bytes_ours": ours["saved"], "saved_bytes_torch": ref["saved"],
            "recompute_fwd": recompute["fwd"], "recompute_step": recompute["step"],
            "recompute_bwd": recompute["step"] - recompute["fwd"], "saved_bytes_recompute": recompute["saved"],
-           "grad_rel_diff": diffs, "fused_gemms": fused}
+           "grad_rel_diff": diffs, "fused_gemms": fused, "bwd_variant": plan[0].name(spec) if fused else None}
     row["step_speedup"] = row["torch_step"] / row["ours_step"]
     row["bwd_speedup"] = row["torch_bwd"] / row["ours_bwd"]
     row["wgrad_auto"] = auto_used

@@ -259,6 +259,11 @@ def main():
     ap.add_argument("--measure-args", default="", help="extra `moe-aot measure` arguments, e.g. '--confirm 2'")
     ap.add_argument("--measure-timeout", type=float, default=420,
                     help="seconds before `moe-aot measure` is stopped (its records so far are kept)")
+    ap.add_argument("--tune-backward", default=None, metavar="ARGS",
+                    help="`moe-aot tune --backward ARGS` on --db (candidates compiled by `tune --backward "
+                         "--compile-only` here), picks exported to OUT/tuned, records to OUT/records_backward.json; "
+                         "before the benchmarks, which then run the picks")
+    ap.add_argument("--tune-backward-timeout", type=float, default=420)
     ap.add_argument("--measure", action="store_true",
                     help="moe-aot measure on --db (trials left ready by `tune --compile-only`), then the "
                          "records as JSON and the picks as cache/tuned text under --out")
@@ -309,6 +314,17 @@ def main():
         rc2, log2, _ = sh([sys.executable, "-c", DUMP_RECORDS, env["MOE_AOT_DB"], str(out / "records.json")], env=env)
         summary["measure"]["records_dump_rc"] = rc2
         print(log2[-1500:], flush=True)
+
+    if ns.tune_backward is not None:
+        (out / "tuned").mkdir(exist_ok=True)
+        cmd = [sys.executable, "-c", "from moe_aot.cli import main; main()", "tune", "--backward", "--db",
+               env["MOE_AOT_DB"], "--export-dir", str(out / "tuned"), *shlex.split(ns.tune_backward)]
+        rc, log, secs = sh(cmd, log=out / "tune_backward.log", env=env, timeout=ns.tune_backward_timeout)
+        summary["tune_backward"] = {"rc": rc, "seconds": round(secs, 1)}
+        print(log[-4000:], flush=True)
+        rc2, log2, _ = sh([sys.executable, "-c", DUMP_RECORDS, env["MOE_AOT_DB"], str(out / "records_backward.json")],
+                          env=env)
+        summary["tune_backward"]["records_dump_rc"] = rc2
 
     if ns.coldstart:
         rows = []

@@ -26,7 +26,6 @@ For a routed pair p = (m, k) with expert e, a = x_m W13_e^T (+ b13_e) holds gate
 """
 from __future__ import annotations
 
-import functools
 from typing import Optional
 
 import torch
@@ -180,54 +179,44 @@ def preact_torch(x, w13, topk_ids, b13=None):
     return out
 
 
-def _fused_gemms(x, topk_ids, w13, w2, activation, block, bias):
-    """The layer's compiled backward data GEMMs (runtime.layer.backward_gemms) where they apply:
-    CUDA bf16 operands, the kernels' interleave, all of them in the database; else None."""
+def _plan(x, topk_ids, w13, w2, activation, block, bias):
+    """(BackwardVariant, BackwardGemms, weight-gradient kernels or None) of the layer's compiled
+    backward at this token count (runtime.layer.backward_plan: the bucket's tuned pick, else its
+    default) where it applies: CUDA bf16 operands, the kernels' interleave, the kernels in the
+    database; else None. USE_WGRAD_KERNELS True / False overrides the variant's weight gradients
+    with the default compiled ones / torch's."""
     from ..variants import INTERLEAVE
 
     if not (x.is_cuda and x.dtype == w13.dtype == w2.dtype == torch.bfloat16 and block == INTERLEAVE):
         return None
-    from ..runtime.layer import backward_gemms
-
-    E, I2, H = w13.shape
-    return backward_gemms(E, topk_ids.shape[1], H, I2 // 2, activation, bias, x.device)
-
-
-# The compiled weight-gradient GEMMs (templates/hopper_wgrad.py): None (default) uses them where
-# variants.wgrad_preferred says they measured faster than torch's grouped GEMMs; True always, False
-# never (tools/bench_backward.py --wgrad measures both).
-USE_WGRAD_KERNELS: bool | None = None
-
-
-def _wgrad_kernels(x, topk_ids, w13):
-    """The compiled weight-gradient GEMMs of this layer shape (runtime.wgrad) where they are used
-    (USE_WGRAD_KERNELS) and the database has them, else None (torch's grouped GEMMs)."""
-    if USE_WGRAD_KERNELS is False or not x.is_cuda:
-        return None
-    from ..runtime.wgrad import wgrad_kernels_for
+    from ..runtime.layer import backward_plan
 
     E, I2, H = w13.shape
     M, K = topk_ids.shape
-    if USE_WGRAD_KERNELS is None:
-        from ..runtime.layer import device_target
+    plan = backward_plan(E, K, H, I2 // 2, activation, bias, x.device, M)
+    if plan is None or USE_WGRAD_KERNELS is None:
+        return plan
+    v, kern, wk = plan
+    if USE_WGRAD_KERNELS is False:
+        return v, kern, None
+    if wk is None:
+        from ..runtime.wgrad import wgrad_kernels_for
 
-        if not _wgrad_preferred(E, K, H, I2 // 2, device_target(x.device), M):
-            return None
-    return wgrad_kernels_for(E, K, H, I2 // 2, x.device)
+        wk = wgrad_kernels_for(E, K, H, I2 // 2, x.device)
+    return v, kern, wk
 
 
-@functools.lru_cache(maxsize=256)
-def _wgrad_preferred(experts, top_k, hidden, intermediate, target, tokens) -> bool:
-    from ..spec import make_spec
-    from ..variants import wgrad_preferred
-
-    spec = make_spec(experts=experts, top_k=top_k, hidden=hidden, intermediate=intermediate, target=target)
-    return wgrad_preferred(spec, tokens)
+# The compiled weight-gradient GEMMs (templates/hopper_wgrad.py): None (default) uses them where the
+# bucket's backward variant has them (its tuned pick, else variants.default_backward, which says
+# where they measured faster than torch's grouped GEMMs); True always, False never
+# (tools/bench_backward.py --wgrad measures both).
+USE_WGRAD_KERNELS: bool | None = None
 
 
 def moe_backward_fused(kern, grad_out, x, w13, w2, topk_weights, topk_ids, activation, b13=None, b2=None,
-                       preact=None):
-    """moe_backward on the compiled data path (``kern``: runtime.layer.BackwardGemms):
+                       preact=None, wk=None):
+    """moe_backward on the compiled data path (``kern``: runtime.layer.BackwardGemms; ``wk``: the
+    compiled weight-gradient kernels, runtime.wgrad.wgrad_kernels_for, or None for torch's):
 
     - the routing kernel sorts the pairs by expert, padded to tile_m rows per expert (as the
       forward's);
@@ -239,7 +228,7 @@ def moe_backward_fused(kern, grad_out, x, w13, w2, topk_weights, topk_ids, activ
     - the weight gradients: torch's grouped GEMMs over the padded segments on gathered copies
       (padding rows of da and w h are zeros, those of the gathered x and dO rows too), or the
       compiled variable-K GEMMs (templates/hopper_wgrad.py, x and dO gathered in their producers)
-      where they measured faster (USE_WGRAD_KERNELS, variants.wgrad_preferred).
+      where the backward variant has them (``wk``).
     Without ``preact`` the pre-activations are computed first (preact_torch)."""
     M, K = topk_ids.shape
     E, I2, H = w13.shape
@@ -275,7 +264,6 @@ def moe_backward_fused(kern, grad_out, x, w13, w2, topk_weights, topk_ids, activ
     zero = x.new_zeros(1, H)
     ds = None
     ends = offsets[1:]
-    wk = _wgrad_kernels(x, topk_ids, w13)
     if wk is not None:
         from ..runtime.wgrad import weight_gradients
 
@@ -309,9 +297,10 @@ def moe_backward(grad_out, x, w13, w2, topk_weights, topk_ids, activation="swigl
     The GLU part runs in the compiled kernel of templates/glu_backward.py where the database has
     it (CUDA, bf16), else in torch ops. ``preact``: the forward's pre-activations as
     fused_moe_train returns them (preact_torch's layout), read instead of recomputing GEMM1."""
-    kern = _fused_gemms(x, topk_ids, w13, w2, activation, block, b13 is not None)
-    if kern is not None:
-        return moe_backward_fused(kern, grad_out, x, w13, w2, topk_weights, topk_ids, activation, b13, b2, preact)
+    plan = _plan(x, topk_ids, w13, w2, activation, block, b13 is not None)
+    if plan is not None:
+        return moe_backward_fused(plan[1], grad_out, x, w13, w2, topk_weights, topk_ids, activation, b13, b2, preact,
+                                  plan[2])
     M, K = topk_ids.shape
     E, I2, H = w13.shape
     wdt = w13.dtype

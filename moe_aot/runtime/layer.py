@@ -869,6 +869,45 @@ def backward_gemms(experts: int, top_k: int, hidden: int, intermediate: int, act
     return _BACKWARD[key]
 
 
+def backward_plan(experts: int, top_k: int, hidden: int, intermediate: int, activation: str, bias: bool,
+                  device: torch.device, tokens: int, store: KernelStore | None = None, variant=None):
+    """(BackwardVariant, BackwardGemms, weight-gradient kernels or None) of the fused backward at
+    this token count on `device`: the tuned pick of its bucket for this GPU (`moe-aot tune
+    --backward`, deployed by `build --backward`), else the bucket's default (variants.default_backward),
+    else that default with torch's weight gradients; the first whose kernels the database has.
+    None where none of them is there or the target has no fused backward (the backward then
+    multiplies with torch's grouped GEMMs). ``variant``: that BackwardVariant only (the tuner)."""
+    from ..variants import default_backward
+    from .wgrad import wgrad_kernels_for
+
+    shape = (experts, top_k, hidden, intermediate, activation, bias, device.index)
+    key = (*shape, "plan", tokens, variant)
+    if key in _BACKWARD:
+        return _BACKWARD[key]
+    spec = make_spec(experts=experts, top_k=top_k, hidden=hidden, intermediate=intermediate,
+                     activation=activation, bias=bias, target=device_target(device))
+    store = _backward_store(spec, shape, device, store)
+    if variant is not None:
+        tries = [variant]
+    else:
+        if (*shape, "picks") not in _BACKWARD:
+            _BACKWARD[(*shape, "picks")] = store.picks(spec, torch.cuda.get_device_name(device), backward=True)
+        dflt = default_backward(spec, tokens)
+        tries = [_BACKWARD[(*shape, "picks")].get(bucket_for(tokens)), dflt,
+                 dflt and dataclasses.replace(dflt, wgrad=None)]
+    _BACKWARD[key] = None
+    for v in tries:
+        if v is None:
+            continue
+        gemms = backward_gemms(experts, top_k, hidden, intermediate, activation, bias, device, store, (v.dh, v.dx))
+        wk = None if v.wgrad is None else wgrad_kernels_for(experts, top_k, hidden, intermediate, device, store,
+                                                             v.wgrad)
+        if gemms is not None and (v.wgrad is None or wk is not None):
+            _BACKWARD[key] = (v, gemms, wk)
+            break
+    return _BACKWARD[key]
+
+
 def prepare_fp8_weights(w_gate, w_up, w2, precision: str = "fp8-block128"):
     """bf16 (or fp32) gate, up [E, I, H] and down [E, H, I] weights -> the fp8 layer's
     ((w13, w13 scales), (w2, w2 scales)), quantized once at weight-load time (w13 gate/up

@@ -14,7 +14,7 @@ from .. import env
 from ..dbread import SqliteReader, sqlite_file
 from ..hosts import this_host
 from ..spec import LayerSpec
-from ..variants import LayerVariant
+from ..variants import BackwardVariant, LayerVariant, backward_workload
 from .library import KernelLaunchError, KernelLibrary, cached_library, libcuda, library_dir, other_host
 
 # 1: linked with CUDA's static cudart, 2: with the project's runtime shim. Both load the same way
@@ -129,10 +129,12 @@ class KernelStore:
         ok = {v.name for v in versions if v.status == "ok" and usable(v.toolchain, target, self._driver)[0]}
         return all(n in ok for n in names)
 
-    def picks(self, spec: LayerSpec, gpu: str) -> dict[int, LayerVariant]:
+    def picks(self, spec: LayerSpec, gpu: str, backward: bool = False) -> dict:
         """Tuned picks per token bucket for this GPU, or {} (defaults) with a warning that says
-        what differed when the database holds picks for another GPU or toolchain only."""
-        rows = self.db.best(spec.workload_key, spec.target)
+        what differed when the database holds picks for another GPU or toolchain only: the
+        forward's LayerVariants, or with ``backward`` the backward's BackwardVariants."""
+        parse = BackwardVariant.parse if backward else LayerVariant.parse
+        rows = self.db.best(backward_workload(spec) if backward else spec.workload_key, spec.target)
         mine = [r for r in rows if r.gpu == gpu and usable(r.toolchain, spec.target, self._driver)[0]]
         if not mine:
             if rows:
@@ -141,4 +143,4 @@ class KernelStore:
                               f"{', '.join(others)}); using the default variants", RuntimeWarning, stacklevel=3)
             return {}
         newest = max(mine, key=lambda r: r.updated_at).toolchain
-        return {r.tokens: LayerVariant.parse(r.variant) for r in mine if r.toolchain == newest}
+        return {r.tokens: parse(r.variant) for r in mine if r.toolchain == newest}

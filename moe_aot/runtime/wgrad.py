@@ -26,16 +26,17 @@ _KERNELS: dict[tuple, tuple | None] = {}
 
 
 def wgrad_kernels_for(experts: int, top_k: int, hidden: int, intermediate: int, device: torch.device,
-                      store: KernelStore | None = None):
+                      store: KernelStore | None = None, tiles=None):
     """(dW13 kernel, dW2 kernel) of this layer shape for `device`, or None where the database has
-    them not (the caller then runs torch's grouped GEMMs); looked up once per shape and device."""
+    them not (the caller then runs torch's grouped GEMMs); looked up once per shape and device.
+    ``tiles``: (dW13, dW2) variants.WgradTiles other than the defaults (a BackwardVariant's)."""
     from .layer import device_target
 
-    key = (experts, top_k, hidden, intermediate, device.index)
+    key = (experts, top_k, hidden, intermediate, device.index, tiles)
     if key not in _KERNELS:
         spec = make_spec(experts=experts, top_k=top_k, hidden=hidden, intermediate=intermediate,
                          target=device_target(device))
-        kvs = wgrad_kernels(spec)
+        kvs = wgrad_kernels(spec, None if tiles is None else {"b": tiles[0].astuple(), "a": tiles[1].astuple()})
         store = store or KernelStore()
         try:
             _KERNELS[key] = tuple(store.load(kv.name, spec.target, device.index) for kv in kvs) or None
