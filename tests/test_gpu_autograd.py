@@ -290,3 +290,35 @@ def test_fused_backward_gemms_match_the_torch_gemm_backward(store, model, tokens
     finally:  # a failing case's frames must not keep DeepSeek-V3's gradients alive for the next
         got = ref = None
         torch.cuda.empty_cache()
+
+
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("tokens", [1000, 4096])
+def test_the_backward_serves_its_buckets_pick_and_it_matches_fp32(store, model, tokens):
+    """The op's backward runs the bucket's tuned backward variant where the database has one
+    deployed for this GPU (`moe-aot build --backward` of the committed picks), else the bucket's
+    default; that variant, checked by the tuner's own check (harness/backward.py: every expert's
+    weight gradients, dx and its worst row, the routing weights' gradient, against fp32 on
+    NaN-poisoned memory) and replayed from CUDA graphs."""
+    from moe_aot.harness.backward import measure_backward
+    from moe_aot.integrations import autograd as ag
+    from moe_aot.variants import bucket_for, default_backward
+
+    spec = make_spec(model, target="sm_90a")
+    gen = torch.Generator(device=DEV).manual_seed(tokens + 11)
+    w13, w2, biases = _layer(spec, gen)
+    x = torch.randn(tokens, spec.hidden, device=DEV, generator=gen).bfloat16()
+    _, ids = random_routing(tokens, spec, DEV, generator=gen)
+    plan = ag._plan(x, ids, w13, w2, spec.activation, 16, spec.bias)
+    if plan is None:
+        pytest.fail(f"no compiled backward for {model} on this GPU (moe-aot build --backward)")
+    picks = store.picks(spec, torch.cuda.get_device_name(DEV), backward=True)
+    assert plan[0] == picks.get(bucket_for(tokens), default_backward(spec, tokens))
+    try:
+        r = measure_backward(spec, plan[0], tokens, (w13, biases[0]) if biases else w13,
+                             (w2, biases[1]) if biases else w2, store, DEV, replays=4)
+        assert r["ok"], r["errors"]
+        assert r["median_us"] > 0
+    finally:
+        w13 = w2 = biases = None
+        torch.cuda.empty_cache()

@@ -13,7 +13,14 @@ from moe_aot.cli import main
 from moe_aot.database import RecordRow
 from moe_aot.runtime.store import KernelStore
 from moe_aot.spec import make_spec
-from moe_aot.variants import LayerVariant, can_implement, default_variant
+from moe_aot.variants import (
+    BACKWARD_SUFFIX,
+    BackwardVariant,
+    can_implement,
+    can_implement_backward,
+    default_variant,
+    parse_variant,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 TUNED = ROOT / "cache" / "tuned" / "NVIDIA_H200.jsonl"
@@ -47,11 +54,15 @@ TUNED = ROOT / "cache" / "tuned" / "NVIDIA_H200.jsonl"
 # the 2-CTA clusters paired one expert's M tiles (5 trials per study: the default, the committed pick
 # and twins, the 2-CTA tiles on both GEMMs and on GEMM1 alone; a confirmation round each). Its
 # database also measured Qwen3-30B's three defaults alone (no candidates), left out of the records.
+# tuning_backward_2026-12-03: the fused backward (`moe-aot tune --backward`, workloads "<layer>_bwd")
+# of the five bf16 presets at 4096 and 16384 tokens: every candidate, the combination of the parts
+# that beat the default, a confirmation round each.
 SESSIONS = ("tuning_2026-12-01", "tuning_2026-12-01b", "tuning_2026-12-01c", "tuning_2026-12-01e",
             "tuning_2026-12-01f", "tuning_2026-12-01g", "tuning_2026-12-01h", "tuning_2026-12-01i",
             "tuning_2026-12-01j", "tuning_2026-12-01l", "tuning_2026-12-02t", "tuning_2026-12-02u",
             "tuning_2026-12-02v", "tuning_2026-12-02w", "tuning_2026-12-02x", "tuning_2026-12-02z",
-            "tuning_2026-12-03")
+            "tuning_2026-12-03", "tuning_backward_2026-12-03")
+BACKWARD_BUCKETS = (4096, 16384)
 FP8_BUCKETS = (1, 16, 64, 256, 1024, 4096, 16384)
 RECORD_FILES = [ROOT / "tools" / "results" / d / "all_records.json" for d in SESSIONS]
 
@@ -68,6 +79,8 @@ MODELS = ("qwen3-30b-a3b", "qwen3-235b-a22b", "gpt-oss-120b", "deepseek-v3", "mi
 
 
 def _spec(workload):
+    """The layer of a workload key (a backward's "<layer>_bwd": its layer's)."""
+    workload = workload.removesuffix(BACKWARD_SUFFIX)
     for m in MODELS:
         for p in ("bf16", "fp8", "fp8-block128"):
             if m == "gpt-oss-120b" and p != "bf16":
@@ -95,7 +108,7 @@ def derive_from_committed_records(records=None) -> list[dict]:
     lines = []
     for w, g, n in sorted({(r.workload, r.gpu, r.tokens) for r in recs}):
         spec = _spec(w)
-        default = default_variant(spec, n).name(spec)
+        default = picks.bucket_default(spec, n, w.endswith(BACKWARD_SUFFIX)).name(spec)
         best, base = picks.choose_pick([r for r in recs if (r.workload, r.gpu, r.tokens) == (w, g, n)], default)
         lines.append(picks.pick_line(picks.Pick(w, "sm_90a", g, n, best.variant, best.median_us, best.id, "",
                                                 default, base.median_us if base.status == "ok" else None)))
@@ -111,7 +124,8 @@ def test_committed_picks_are_derived_from_the_records_and_never_slower_than_the_
         bucket = [x for x in recs
                   if (x["workload"], x["tokens"]) == (r["workload"], r["tokens"]) and x["status"] == "ok"]
         spec = _spec(r["workload"])
-        assert r["default"] == default_variant(spec, r["tokens"]).name(spec)
+        backward = r["workload"].endswith(BACKWARD_SUFFIX)
+        assert r["default"] == picks.bucket_default(spec, r["tokens"], backward).name(spec)
         default_us = [x["median_us"] for x in bucket if x["variant"] == r["default"]]
         if len(default_us) == 1:  # no confirmation round: the fastest single record
             assert r["median_us"] == round(min(x["median_us"] for x in bucket), 3) <= round(default_us[0], 3), r
@@ -124,19 +138,21 @@ def test_committed_picks_are_derived_from_the_records_and_never_slower_than_the_
             pick_us = sorted(x["median_us"] for x in bucket if x["variant"] == r["variant"])
             assert len(pick_us) >= 3 and round(pick_us[0], 3) <= r["median_us"] <= round(pick_us[-1], 3), r
             assert r["median_us"] <= r["default_us"] <= max(default_us), r
-    assert len(rows) == 35 + 7 + 4 * 2 * len(FP8_BUCKETS)
+    assert len(rows) == 35 + 7 + 4 * 2 * len(FP8_BUCKETS) + len(MODELS) * len(BACKWARD_BUCKETS)
     assert confirmed == len(rows)  # every bucket had a confirmation round
 
 
 def test_committed_picks_are_valid_variants():
     rows = [json.loads(line) for line in TUNED.read_text().splitlines() if line.strip()]
     # bf16: five models x seven buckets (and gpt-oss's shape with plain SwiGLU); fp8 and
-    # fp8-block128: four models x four buckets
-    assert len(rows) == 35 + 7 + 2 * 4 * len(FP8_BUCKETS)
+    # fp8-block128: four models x seven buckets; the backward: five models x two buckets
+    assert len(rows) == 35 + 7 + 2 * 4 * len(FP8_BUCKETS) + len(MODELS) * len(BACKWARD_BUCKETS)
     for r in rows:
         assert r["gpu"] == "NVIDIA H200" and r["target"] == "sm_90a" and r["median_us"] > 0
-        v = LayerVariant.parse(r["variant"])
-        assert can_implement(_spec(r["workload"]), v)[0], r["variant"]
+        v = parse_variant(r["variant"])
+        backward = r["workload"].endswith(BACKWARD_SUFFIX)
+        assert isinstance(v, BackwardVariant) == backward
+        assert (can_implement_backward if backward else can_implement)(_spec(r["workload"]), v)[0], r["variant"]
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp8-block128"])
@@ -191,3 +207,27 @@ def test_the_re_derivation_uses_confirmation_rounds_in_the_records():
     assert (old["variant"], new["variant"]) == (pick["variant"], default)
     # medians: the default 698.0 (692.3, 698, 704) beats the PDL twin's 699.0 (692.2, 699, 701)
     assert new["median_us"] == new["default_us"] == 698.0
+
+
+def test_build_backward_turns_the_committed_backward_picks_into_binaries(tmp_path):
+    """`build --backward` compiles the committed backward picks and deploys them; the runtime's
+    lookup serves them, and their binaries are the ones that were measured."""
+    from moe_aot.database import Database
+    from moe_aot.variants import backward_workload
+
+    url = f"sqlite:///{tmp_path / 'deploy.sqlite'}"
+    res = CliRunner().invoke(main, ["build", "--models", "qwen3-30b-a3b", "--target", "sm_90a", "--gpu",
+                                    "NVIDIA H200", "--tuned-dir", str(TUNED.parent), "--db", url, "-j", "2",
+                                    "--tokens", "4096,16384", "--backward"])
+    assert res.exit_code == 0, res.output
+    assert "2 backward pick(s)" in res.output
+    spec = make_spec("qwen3-30b-a3b")
+    served = KernelStore(url).picks(spec, "NVIDIA H200", backward=True)
+    committed = {r["tokens"]: r["variant"] for r in picks.read_tuned_file(TUNED)
+                 if r["workload"] == backward_workload(spec)}
+    assert {t: v.name(spec) for t, v in served.items()} == committed
+    measured = {(r["variant"], r["tokens"]): r["content"] for r in _records()
+                if r["workload"] == backward_workload(spec)}
+    with Database(url) as db:
+        for tokens, v in served.items():
+            assert picks.variant_content(db, spec, v)[0] == measured[(v.name(spec), tokens)], (tokens, v)
