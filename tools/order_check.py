@@ -7,8 +7,9 @@ of the first (or of the later) measurement shows up as A1 != A2 or B1 != B2.
     python3 tools/order_check.py --out DIR [--models m1,m2] [--tokens 1,16,1024] [--bench-way]
 
 --bench-way adds W: the pick timed the way tools/bench.py times "ours" (the served layer itself,
-0.25 s of untimed warm-up replays, its workspace looked up in each replayed call), in the order
-W A B W B A, so a difference between the two ways of timing one variant shows up as W != A.
+0.25 s of untimed warm-up replays, its workspace looked up in each replayed call), and Z: the same
+without the warm-up, in the order W Z A B Z W B A, so a difference between the two ways of timing
+one variant shows up as W != A, and Z says whether the warm-up (W != Z) or the layer (Z != A) makes it.
 
 Writes DIR/order_check.json.
 """
@@ -56,13 +57,13 @@ def main() -> None:
             sets = measure.input_sets(spec, M, layer.device)
             times = []
             try:
-                order = "WABWBA" if args.bench_way else "ABABBA"
+                order = "WZABZWBA" if args.bench_way else "ABABBA"
                 for tag in order:
                     t0 = time.perf_counter()
-                    if tag == "W":
+                    if tag in "WZ":
                         us = graph_time_us([lambda s=s, w=(w13, w2): layer.forward(s[0], *w, s[1], s[2], out=s[3],
                                                                                   workspace=layer.workspace(M))
-                                            for s in sets], args.replays, WARMUP_S)
+                                            for s in sets], args.replays, WARMUP_S if tag == "W" else 0.0)
                     else:
                         m = measure.measure_variant(layer, pick if tag == "A" else dflt, M, w13, w2, args.replays,
                                                     sets)
@@ -78,12 +79,14 @@ def main() -> None:
                    "B_first_over_B_later": round(b[0] / min(b[1:]), 3),
                    "B_over_A_median": round(statistics.median(b) / statistics.median(a), 3)}
             w = [t for tag, t, _ in times if tag == "W"]
+            z = [t for tag, t, _ in times if tag == "Z"]
             if w:
                 row["W_over_A"] = round(statistics.median(w) / statistics.median(a), 3)
+                row["Z_over_A"] = round(statistics.median(z) / statistics.median(a), 3)
             rows.append(row)
             print(name, M, " ".join(f"{tag}{t}" for tag, t, _ in times),
                   f"A1/A* {row['A_first_over_A_later']} B1/B* {row['B_first_over_B_later']} "
-                  f"B/A {row['B_over_A_median']}" + (f" W/A {row['W_over_A']}" if w else ""),
+                  f"B/A {row['B_over_A_median']}" + (f" W/A {row['W_over_A']} Z/A {row['Z_over_A']}" if w else ""),
                   flush=True)
         del w13, w2
         torch.cuda.empty_cache()
