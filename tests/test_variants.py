@@ -200,10 +200,12 @@ def test_name_layouts_name_every_field_and_parse_inverts_them():
     assert sorted(f for f, _ in GEMM_NAME) == sorted(f.name for f in dataclasses.fields(GemmTiles))
     assert sorted(f for f, _ in LAYER_NAME) == sorted(f.name for f in dataclasses.fields(LayerVariant))
     tuned = Path(__file__).resolve().parents[1] / "cache" / "tuned" / "NVIDIA_H200.jsonl"
+    from moe_aot.variants import BACKWARD_SUFFIX, parse_variant
+
     for line in tuned.read_text().splitlines():
         name = json.loads(line)["variant"]
-        v = LayerVariant.parse(name)
-        workload = json.loads(line)["workload"]
+        v = parse_variant(name)  # a backward pick ("<layer>_bwd" workload) parses to a BackwardVariant
+        workload = json.loads(line)["workload"].removesuffix(BACKWARD_SUFFIX)
         # the presets in every precision they build, and gpt-oss's shape with plain SwiGLU and no
         # biases (the preset before it computed gpt-oss's own activation)
         specs = [make_spec(m, precision=p) for m in ("qwen3-30b-a3b", "qwen3-235b-a22b", "gpt-oss-120b",
