@@ -462,7 +462,15 @@ def _tune_backward(url, specs, buckets, gpu, compile_only, jobs, replays, confir
     measurer = _gpu_measurer(url, 20 if replays is None else replays)
     if gpu and gpu != measurer.gpu:
         raise click.ClickException(f"--gpu {gpu!r} but this machine's GPU is {measurer.gpu!r}")
-    n = backward_tune.tune_backward(url, specs, buckets, measurer, picks.CONFIRM_K if confirm is None else confirm)
+    try:
+        n = backward_tune.tune_backward(url, specs, buckets, measurer,
+                                        picks.CONFIRM_K if confirm is None else confirm)
+    finally:
+        # the runtime's reader closed first, so that the last connection to close (the export's)
+        # folds SQLite's write-ahead log into the database file: a copy of that one file then
+        # holds every record (the H200 run of 2026-12-03 lost a round's records to a copy without
+        # its -wal file)
+        measurer.store.db.close()
     click.echo(f"{n} backward pick(s) deployed for {measurer.gpu}", err=True)
     with Database(url) as db:
         _export(db, export_dir, measurer.gpu)
