@@ -55,14 +55,14 @@ TUNED = ROOT / "cache" / "tuned" / "NVIDIA_H200.jsonl"
 # and twins, the 2-CTA tiles on both GEMMs and on GEMM1 alone; a confirmation round each). Its
 # database also measured Qwen3-30B's three defaults alone (no candidates), left out of the records.
 # tuning_backward_2026-12-03: the fused backward (`moe-aot tune --backward`, workloads "<layer>_bwd")
-# of the five bf16 presets at 4096 and 16384 tokens: every candidate, the combination of the parts
+# of the five bf16 presets at 1024, 4096 and 16384 tokens: every candidate, the combination of the parts
 # that beat the default, a confirmation round each.
 SESSIONS = ("tuning_2026-12-01", "tuning_2026-12-01b", "tuning_2026-12-01c", "tuning_2026-12-01e",
             "tuning_2026-12-01f", "tuning_2026-12-01g", "tuning_2026-12-01h", "tuning_2026-12-01i",
             "tuning_2026-12-01j", "tuning_2026-12-01l", "tuning_2026-12-02t", "tuning_2026-12-02u",
             "tuning_2026-12-02v", "tuning_2026-12-02w", "tuning_2026-12-02x", "tuning_2026-12-02z",
             "tuning_2026-12-03", "tuning_backward_2026-12-03")
-BACKWARD_BUCKETS = (4096, 16384)
+BACKWARD_BUCKETS = (1024, 4096, 16384)
 FP8_BUCKETS = (1, 16, 64, 256, 1024, 4096, 16384)
 RECORD_FILES = [ROOT / "tools" / "results" / d / "all_records.json" for d in SESSIONS]
 
@@ -220,7 +220,7 @@ def test_build_backward_turns_the_committed_backward_picks_into_binaries(tmp_pat
                                     "NVIDIA H200", "--tuned-dir", str(TUNED.parent), "--db", url, "-j", "2",
                                     "--tokens", "4096,16384", "--backward"])
     assert res.exit_code == 0, res.output
-    assert "2 backward pick(s)" in res.output
+    assert f"{len(BACKWARD_BUCKETS)} backward pick(s)" in res.output
     spec = make_spec("qwen3-30b-a3b")
     served = KernelStore(url).picks(spec, "NVIDIA H200", backward=True)
     committed = {r["tokens"]: r["variant"] for r in picks.read_tuned_file(TUNED)

@@ -16,9 +16,11 @@ in the run, or 3x the selected experts' weight bytes over 4.8 TB/s), the activat
 saves for the backward (saved_tensors_hooks, the weights not counted) for both, and the relative
 difference between ours and torch's gradients (both bf16). Build the database with
 `moe-aot build --backward` so that the backward finds its compiled GLU kernel and the forward its
-GEMM1s with the pre-activation output. Ours uses the compiled weight-gradient GEMMs
-(templates/hopper_wgrad.py) where variants.wgrad_preferred says; --wgrad: also ours with them
-always and never (autograd.USE_WGRAD_KERNELS True / False), in the same run.
+GEMM1s with the pre-activation output (and the tuned backward picks, `moe-aot tune --backward`).
+Ours runs each bucket's backward variant (its tuned pick, else variants.default_backward; the
+'backward variant' column), the compiled weight-gradient GEMMs (templates/hopper_wgrad.py) where it
+has them; --wgrad: also ours with them always and never (autograd.USE_WGRAD_KERNELS True / False),
+in the same run.
 Writes DIR/bench_backward_h200.{json,md}.
 """
 from __future__ import annotations
@@ -212,7 +214,7 @@ def main():
              "every backward GEMM torch's, torch = autograd through the unfused path.", "",
              "| model | tokens | fused | fwd+bwd ours | torch GEMMs | torch | torch/ours | bwd ours | torch GEMMs "
              "| torch | torch/ours | step floor | step ours/floor | activations saved MiB ours / torch "
-             "| grad diff |", "|" + "---|" * 15]
+             "| grad diff | backward variant |", "|" + "---|" * 16]
     for r in rows:
         lines.append(f"| {r['model']} | {r['tokens']} | {r['fused_gemms']} | {r['ours_step']:.0f} | "
                      f"{r['recompute_step']:.0f} | "
@@ -220,14 +222,15 @@ def main():
                      f"{r['recompute_bwd']:.0f} | {r['torch_bwd']:.0f} | {r['bwd_speedup']:.2f} | "
                      f"{r['floor_step_us']:.0f} | {r['ours_step'] / r['floor_step_us']:.2f} | "
                      f"{r['saved_bytes_ours'] / 2**20:.0f} / {r['saved_bytes_torch'] / 2**20:.0f} | "
-                     f"{max(r['grad_rel_diff'].values()):.1e} |")
+                     f"{max(r['grad_rel_diff'].values()):.1e} | "
+                     f"`{(r.get('bwd_variant') or '-').split('_dh')[-1]}` |")
     rc = lambda k: math.exp(sum(math.log(r[f"torch_{k}"] / r[f"recompute_{k}"]) for r in rows) / len(rows))  # noqa: E731
     lines += ["", f"Geometric means: fwd+bwd torch/ours {geo('step_speedup'):.2f}, backward torch/ours "
               f"{geo('bwd_speedup'):.2f}; with the backward's GEMMs all torch's {rc('step'):.2f} and {rc('bwd'):.2f}."]
     wrows = [r for r in rows if "wgrad_step" in r]
     if wrows:
         lines += ["", "Ours with the compiled weight-gradient GEMMs always and never (same run; µs, torch/ours; "
-                  "'ours uses': what variants.wgrad_preferred chose for the columns above):", "",
+                  "'ours uses': whether the backward variant above has them):", "",
                   "| model | tokens | ours uses | always: fwd+bwd | torch/ours | bwd | torch/ours | never: fwd+bwd "
                   "| torch/ours | bwd | torch/ours | grad diff |",
                   "|" + "---|" * 12]
