@@ -59,7 +59,7 @@ def main() -> None:
             try:
                 order = "WZABZWBA" if args.bench_way else "ABABBA"
                 for tag in order:
-                    t0 = time.perf_counter()
+                    t0, wall0 = time.perf_counter(), time.time()
                     if tag in "WZ":
                         us = graph_time_us([lambda s=s, w=(w13, w2): layer.forward(s[0], *w, s[1], s[2], out=s[3],
                                                                                   workspace=layer.workspace(M))
@@ -68,23 +68,24 @@ def main() -> None:
                         m = measure.measure_variant(layer, pick if tag == "A" else dflt, M, w13, w2, args.replays,
                                                     sets)
                         us = m.get("median_us", float("nan"))
-                    times.append((tag, round(us, 2), round(time.perf_counter() - t0, 2)))
+                    # (tag, µs, seconds taken, UTC start): the start lines a timing up with a clock log
+                    times.append((tag, round(us, 2), round(time.perf_counter() - t0, 2), round(wall0, 3)))
             except LookupError as exc:  # a variant whose kernels the database lacks: reported, skipped
                 print(name, M, "skipped:", exc, flush=True)
                 continue
-            a = [t for tag, t, _ in times if tag == "A"]
-            b = [t for tag, t, _ in times if tag == "B"]
+            a = [t for tag, t, *_ in times if tag == "A"]
+            b = [t for tag, t, *_ in times if tag == "B"]
             row = {"model": name, "tokens": M, "A": pick.name(spec), "B": dflt.name(spec), "order": times,
                    "A_first_over_A_later": round(a[0] / min(a[1:]), 3),
                    "B_first_over_B_later": round(b[0] / min(b[1:]), 3),
                    "B_over_A_median": round(statistics.median(b) / statistics.median(a), 3)}
-            w = [t for tag, t, _ in times if tag == "W"]
-            z = [t for tag, t, _ in times if tag == "Z"]
+            w = [t for tag, t, *_ in times if tag == "W"]
+            z = [t for tag, t, *_ in times if tag == "Z"]
             if w:
                 row["W_over_A"] = round(statistics.median(w) / statistics.median(a), 3)
                 row["Z_over_A"] = round(statistics.median(z) / statistics.median(a), 3)
             rows.append(row)
-            print(name, M, " ".join(f"{tag}{t}" for tag, t, _ in times),
+            print(name, M, " ".join(f"{tag}{t}" for tag, t, *_ in times),
                   f"A1/A* {row['A_first_over_A_later']} B1/B* {row['B_first_over_B_later']} "
                   f"B/A {row['B_over_A_median']}" + (f" W/A {row['W_over_A']} Z/A {row['Z_over_A']}" if w else ""),
                   flush=True)
