@@ -17,8 +17,9 @@ programmatic dependent launch flipped (build the database with `moe-aot build --
 bucket, when the served variant is a tuned pick), `default_pdl` (its PDL twin). Each alternative
 and the served variant are timed the same way (the tuner's: harness.measure.measure_variant) in
 the order S A A S, and the column is the ratio of the medians of those two pairs, not of the
-alternative to the headline time (timed alone last, after torch's path, an alternative read up to
-~12% faster than the same variant timed as the tuner times it: NOTES, 2026-12-03 call 3).
+alternative to the headline time: the headline is timed after WARMUP_S of replays, at the H200's
+sustained (power-capped) clock, the tuner's way partly at boost clock, so the tuner's way reads the
+same variant 3-12% faster (NOTES, 2026-12-03, calls 3 and 7).
 Per row also: each grouped GEMM alone (a CUDA graph of that one kernel on the row's first
 input set), as µs, TFLOP/s of useful (routed) FLOPs and TB/s of the selected experts' weights;
 with --peers, the ratio of the peer's (vLLM's) time at that point to ours.
