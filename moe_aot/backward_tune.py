@@ -18,7 +18,7 @@ from typing import Callable
 from .database import Database
 from .picks import CONFIRM_K, commit_picks, variant_content
 from .spec import LayerSpec
-from .tuner import Outcome, device_stats, line, uncompiled_content, worker_id
+from .tuner import Outcome, device_stats, known_outcome, line, uncompiled_content, worker_id
 from .variants import BackwardVariant, backward_candidates, backward_workload, combine_backward
 
 
@@ -52,10 +52,9 @@ def measure_one(db: Database, spec: LayerSpec, tokens: int, variant: BackwardVar
         content, toolchain = uncompiled_content(name, "-"), "-"
         out = Outcome("compile_error", error=str(exc))
     else:
-        prev = db.find_record(workload=workload, target=spec.target, gpu=measurer.gpu, driver=measurer.driver,
-                              toolchain=toolchain, tokens=tokens, content=content)
+        prev = known_outcome(db, spec, measurer.gpu, measurer.driver, toolchain, tokens, content, workload)
         if prev is not None:
-            return Outcome(prev.status, prev.median_us, prev.stats, prev.rel_err, prev.error)
+            return prev
         out = measurer(spec, variant, tokens)
     stats = {**out.stats, **device_stats(measurer), "worker": worker_id(), "backward": True}
     db.add_record_once(workload=workload, target=spec.target, toolchain=toolchain, gpu=measurer.gpu,

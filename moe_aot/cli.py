@@ -640,7 +640,7 @@ def build_cmd(models, spec_file, target, experts, top_k, hidden, intermediate, a
     Idempotent: what is already in the database is not compiled again."""
     from .compiler import HostToolchainError, compile_into, toolchain_key
     from .picks import backward_build_plan, build_plan
-    from .variants import backward_kernels, backward_workload, training_kernels, wgrad_kernels
+    from .variants import backward_kernels, training_kernels, wgrad_kernels, workload_for
 
     specs = _specs(models, spec_file, target, experts, top_k, hidden, intermediate, activation, precision)
     db = _open(db_url)
@@ -677,18 +677,14 @@ def build_cmd(models, spec_file, target, experts, top_k, hidden, intermediate, a
         failed = [r for r in results if r.artifact is None]
         tools = {s.target: toolchain_key(s.target) for s in specs}
         gpus = set()
-        for spec, g, n, v, us in picks:
+        for bwd, (spec, g, n, v, us) in [(False, p) for p in picks] + [(True, p) for p in bwd_picks]:
             # The picks point at binaries of this build's toolchain, which the runtime then finds;
             # they replace what was deployed there (each was checked against its default).
             if all(db.has_artifact(kv.name, tools[spec.target]) for kv in v.kernels(spec)):
-                db.commit_best(workload=spec.workload_key, target=spec.target, gpu=g, toolchain=tools[spec.target],
-                               tokens=n, variant=v.name(spec), median_us=us, force=True)
-                gpus.add(g)
-        for spec, g, n, v, us in bwd_picks:
-            if all(db.has_artifact(kv.name, tools[spec.target]) for kv in v.kernels(spec)):
-                db.put_workload(backward_workload(spec), spec.workload_dict())
-                db.commit_best(workload=backward_workload(spec), target=spec.target, gpu=g,
+                db.put_workload(workload_for(spec, bwd), spec.workload_dict())
+                db.commit_best(workload=workload_for(spec, bwd), target=spec.target, gpu=g,
                                toolchain=tools[spec.target], tokens=n, variant=v.name(spec), median_us=us, force=True)
+                gpus.add(g)
     except (ValueError, DatabaseError, HostToolchainError) as exc:
         raise _fail(exc) from None
     finally:

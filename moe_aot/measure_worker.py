@@ -51,7 +51,7 @@ from .tuner import (
     suggest,
     worker_id,
 )
-from .variants import BACKWARD_SUFFIX, BackwardVariant, LayerVariant, backward_workload, parse_variant
+from .variants import BACKWARD_SUFFIX, BackwardVariant, LayerVariant, parse_variant, workload_for
 
 # The first line of /proc/driver/nvidia/version, by kernel module flavour:
 #   NVRM version: NVIDIA UNIX x86_64 Kernel Module  570.86.15  Fri Jan 24 18:39:31 UTC 2025
@@ -375,7 +375,7 @@ def confirm_round(db: Database, spec: LayerSpec, tokens: int, measurer, k: int =
 
     if k <= 0:
         return False
-    workload = backward_workload(spec) if backward else spec.workload_key
+    workload = workload_for(spec, backward)
     recs = db.records(workload, spec.target, measurer.gpu, tokens)
     current = current_contents(db, spec)
     dname = bucket_default(spec, tokens, backward).name(spec)

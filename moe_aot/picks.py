@@ -22,7 +22,7 @@ from pathlib import Path
 from .database import Database, RecordRow
 from .gemm_limits import STANDINS
 from .spec import LayerSpec
-from .variants import BACKWARD_SUFFIX, LayerVariant, backward_workload, can_implement, parse_variant
+from .variants import BACKWARD_SUFFIX, LayerVariant, can_implement, parse_variant, workload_for
 
 CONFIRM_K = 3  # candidates per confirmation round (`--confirm`); 0: no rounds
 CONFIRM_WITHIN = 0.10  # a candidate is measured again when within this fraction of the bucket's fastest
@@ -298,7 +298,7 @@ def derive_picks(db: Database, spec: LayerSpec, gpu: str | None = None, buckets=
     per GPU and bucket from `db`'s records. A record counts only while its content is what the
     database would load for its variant today (a recompile that changed the cubins makes it
     stale); a bucket whose default has no such record gets no pick."""
-    workload = backward_workload(spec) if backward else spec.workload_key
+    workload = workload_for(spec, backward)
     current = current_contents(db, spec)
     groups: dict[tuple, list[RecordRow]] = {}
     for r in db.records(workload, spec.target, gpu):
@@ -424,7 +424,7 @@ def _tuned_picks(db: Database, spec: LayerSpec, gpu: str | None, text: list[dict
     `skipped`); a pick the layer cannot implement is an error."""
     from .variants import can_implement_backward
 
-    workload = backward_workload(spec) if backward else spec.workload_key
+    workload = workload_for(spec, backward)
     found = {(p.gpu, p.tokens): (p.variant, p.median_us) for p in derive_picks(db, spec, gpu, backward=backward)}
     for e in text:
         if e["workload"] != workload or e["target"] != spec.target or (e["gpu"], e["tokens"]) in found:

@@ -233,11 +233,12 @@ def uncompiled_content(variant_name: str, toolchain: str) -> str:
 
 
 def known_outcome(db: Database, spec: LayerSpec, gpu: str, driver: str, toolchain: str, tokens: int,
-                  content: str) -> Outcome | None:
+                  content: str, workload: str | None = None) -> Outcome | None:
     """The recorded outcome of these binaries at this bucket, GPU, driver and toolchain: the
     sampler proposing a point again (or two studies' trials naming one variant, or a template
-    refactor that left the cubins alone) costs a lookup, not a second measurement."""
-    r = db.find_record(workload=spec.workload_key, target=spec.target, gpu=gpu, driver=driver,
+    refactor that left the cubins alone) costs a lookup, not a second measurement. ``workload``:
+    another key than the layer's (its backward's, backward_tune)."""
+    r = db.find_record(workload=workload or spec.workload_key, target=spec.target, gpu=gpu, driver=driver,
                        toolchain=toolchain, tokens=tokens, content=content)
     return None if r is None else Outcome(r.status, r.median_us, r.stats, r.rel_err, r.error)
 

@@ -254,15 +254,18 @@ def backward_gemm_tiles(spec: LayerSpec) -> tuple[GemmTiles, GemmTiles] | None:
     Hopper core (the backward then multiplies with torch's grouped GEMMs) or the layer is not bf16."""
     if spec.precision != "bf16" or "hopws" not in TARGET_LIMITS[spec.target]["mma"]:
         return None
-    out = []
-    for prefs, (n, k) in ((BWD_DH_TILES, (spec.intermediate, spec.hidden)),
-                          (BWD_DX_TILES, (spec.hidden, 2 * spec.intermediate))):
-        fits = [t for t in prefs if limits.check_backward_gemm(n, k, BWD_TILE_M, t.tile_n, t.tile_k, t.stages, t.mma,
-                                                               limits.gpu_arch(spec.target))[0]]
-        if not fits:
-            return None
-        out.append(fits[0])
-    return out[0], out[1]
+    dh, dx = _bwd_fits(spec, "dh"), _bwd_fits(spec, "dx")
+    return (dh[0], dx[0]) if dh and dx else None
+
+
+def _bwd_fits(spec: LayerSpec, part: str) -> list[GemmTiles]:
+    """The tiles of BWD_DH_TILES (part "dh": N = I, K = H) or BWD_DX_TILES ("dx": N = H, K = 2I)
+    that check_backward_gemm accepts for this layer, in the list's order of preference."""
+    prefs, n, k = ((BWD_DH_TILES, spec.intermediate, spec.hidden) if part == "dh"
+                   else (BWD_DX_TILES, spec.hidden, 2 * spec.intermediate))
+    arch = limits.gpu_arch(spec.target)
+    return [t for t in prefs if limits.check_backward_gemm(n, k, BWD_TILE_M, t.tile_n, t.tile_k, t.stages, t.mma,
+                                                           arch)[0]]
 
 
 def backward_gemm_kernels(spec: LayerSpec, dh: GemmTiles, dx: GemmTiles,
@@ -396,7 +399,7 @@ class BackwardVariant:
         """In launch order: routing, dH, dX, combine, then dW13 and dW2 when compiled."""
         out = backward_gemm_kernels(spec, self.dh, self.dx)
         if self.wgrad is not None:
-            out += wgrad_kernels(spec, {"b": self.wgrad[0].astuple(), "a": self.wgrad[1].astuple()})
+            out += wgrad_kernels(spec, wgrad_tile_map(self.wgrad))
         return out
 
     @classmethod
@@ -415,9 +418,19 @@ class BackwardVariant:
         return cls(gemm(v[0:4]), gemm(v[4:8]), None if v[8] else (wt(v[9:14]), wt(v[14:19])))
 
 
+def wgrad_tile_map(pair: tuple[WgradTiles, WgradTiles]) -> dict:
+    """(dW13, dW2) tiles as wgrad_kernels takes them: by gathered operand, "b" (dW13) and "a" (dW2)."""
+    return {"b": pair[0].astuple(), "a": pair[1].astuple()}
+
+
 def backward_workload(spec: LayerSpec) -> str:
     """The database key of the layer's backward (records, picks): the forward's key + "_bwd"."""
     return spec.workload_key + BACKWARD_SUFFIX
+
+
+def workload_for(spec: LayerSpec, backward: bool = False) -> str:
+    """The records' and picks' key of the layer (or, with ``backward``, of its backward)."""
+    return backward_workload(spec) if backward else spec.workload_key
 
 
 BACKWARD_SUFFIX = "_bwd"
@@ -446,15 +459,14 @@ def can_implement_backward(spec: LayerSpec, v: BackwardVariant) -> tuple[bool, s
 
 
 def _wgrad_default_pair(spec: LayerSpec) -> tuple[WgradTiles, WgradTiles] | None:
-    kvs = wgrad_kernels(spec)
-    if not kvs:
+    """The (dW13, dW2) tiles wgrad_kernels builds by default (gemm_limits.wgrad_default_tiles),
+    None where it builds none."""
+    if spec.precision != "bf16" or spec.target not in limits.WGRAD_TARGETS:
         return None
-    pair = []
-    for kv in kvs:
-        kw = kv.kwargs()
-        pair.append(WgradTiles(kw["tile_m"], kw["tile_n"], kw["stages"], kw.get("pingpong", False),
-                               kw.get("tma_store", False)))
-    return pair[0], pair[1]
+    h, i = spec.hidden, spec.intermediate
+    pair = [limits.wgrad_default_tiles(rows, cols, gather, spec.target)
+            for rows, cols, gather in ((2 * i, h, "b"), (h, i, "a"))]
+    return None if None in pair else (WgradTiles(*pair[0]), WgradTiles(*pair[1]))
 
 
 def default_backward(spec: LayerSpec, tokens: int) -> BackwardVariant | None:
@@ -485,12 +497,8 @@ def backward_candidates(spec: LayerSpec, tokens: int) -> list[BackwardVariant]:
     if base is None:
         return []
     out = [base]
-    arch = limits.gpu_arch(spec.target)
-    for prefs, (n, k), part in ((BWD_DH_TILES, (spec.intermediate, spec.hidden), "dh"),
-                                (BWD_DX_TILES, (spec.hidden, 2 * spec.intermediate), "dx")):
-        fits = [t for t in prefs if limits.check_backward_gemm(n, k, BWD_TILE_M, t.tile_n, t.tile_k, t.stages,
-                                                               t.mma, arch)[0]][:BWD_ALTERNATIVES]
-        out += [dataclasses.replace(base, **{part: t}) for t in fits]
+    for part in ("dh", "dx"):
+        out += [dataclasses.replace(base, **{part: t}) for t in _bwd_fits(spec, part)[:BWD_ALTERNATIVES]]
     pair = _wgrad_default_pair(spec)
     if pair is not None:
         ts = tuple(dataclasses.replace(t, tma_store=True) for t in pair)

@@ -12,21 +12,14 @@ from __future__ import annotations
 import torch
 
 from ..integrations import autograd
-from ..runtime.layer import backward_plan
+from ..runtime.layer import backward_plan, split_biases
 from ..runtime.store import KernelMissingError
+from ..variants import INTERLEAVE
 from .measure import graph_times_us, summarize
 from .reference import rel_err, row_rel_err
 from .verify import ROW_TOLERANCE, TOLERANCE, random_routing
 
 INPUT_SETS = 2  # each captured backward keeps its own gradients (DeepSeek-V3: 22 GB per set)
-
-
-def split_weights(spec, w13, w2):
-    """(w13, w2, b13, b2) of random_weights' output (pairs with biases)."""
-    if spec.bias:
-        (w13, b13), (w2, b2) = w13, w2
-        return w13, w2, b13, b2
-    return w13, w2, None, None
 
 
 def backward_inputs(spec, tokens: int, w13, b13, device, n: int = INPUT_SETS, generator=None):
@@ -72,10 +65,10 @@ def check_backward(spec, grads, x, w13, w2, tw, ids, grad, b13=None, b2=None) ->
         a = xs @ w13e.t()
         if b13 is not None:
             a = a + b13[e].float()
-        av = a.view(len(pairs), -1, 2, 16)
+        av = a.view(len(pairs), -1, 2, INTERLEAVE)
         G = ds @ w2[e].float()
-        h, dg, du = autograd._glu_backward(spec.activation, av[:, :, 0], av[:, :, 1], G.view(len(pairs), -1, 16),
-                                           w.unsqueeze(2))
+        h, dg, du = autograd._glu_backward(spec.activation, av[:, :, 0], av[:, :, 1],
+                                           G.view(len(pairs), -1, INTERLEAVE), w.unsqueeze(2))
         h = h.reshape(len(pairs), -1)
         da = torch.stack((dg, du), dim=2).reshape(len(pairs), I2)
         ref = {"dw13": da.t() @ xs, "dw2": (ds * w).t() @ h, "db13": da.sum(0), "db2": (ds * w).sum(0)}
@@ -106,7 +99,7 @@ def measure_backward(spec, variant, tokens: int, w13, w2, store, device, replays
     """Check then time the backward `variant` (a BackwardVariant; its kernels from `store`) at
     `tokens`: {"ok", "errors", and when ok median_us, ...}. Raises KernelMissingError when the
     database lacks one of its kernels."""
-    w13, w2, b13, b2 = split_weights(spec, w13, w2)
+    w13, b13, w2, b2 = split_biases(spec, w13, w2)
     plan = backward_plan(spec.experts, spec.top_k, spec.hidden, spec.intermediate, spec.activation, spec.bias,
                          device, tokens, store, variant)
     if plan is None:

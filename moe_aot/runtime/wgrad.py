@@ -18,7 +18,7 @@ import torch
 
 from ..gemm_limits import WGRAD_TILE_K
 from ..spec import make_spec
-from ..variants import wgrad_kernels
+from ..variants import wgrad_kernels, wgrad_tile_map
 from .library import KernelArgumentError
 from .store import KernelMissingError, KernelStore
 
@@ -36,7 +36,7 @@ def wgrad_kernels_for(experts: int, top_k: int, hidden: int, intermediate: int, 
     if key not in _KERNELS:
         spec = make_spec(experts=experts, top_k=top_k, hidden=hidden, intermediate=intermediate,
                          target=device_target(device))
-        kvs = wgrad_kernels(spec, None if tiles is None else {"b": tiles[0].astuple(), "a": tiles[1].astuple()})
+        kvs = wgrad_kernels(spec, None if tiles is None else wgrad_tile_map(tiles))
         store = store or KernelStore()
         try:
             _KERNELS[key] = tuple(store.load(kv.name, spec.target, device.index) for kv in kvs) or None
