@@ -12,7 +12,7 @@ from pathlib import Path
 import click
 
 from . import env
-from .database import Database, DatabaseError
+from .database import SUSTAINED_WARMUP_S, Database, DatabaseError
 from .spec import PRESETS, TARGETS, SpecError, load_specs, make_spec
 from .variants import LayerVariant, can_implement, default_variant, token_buckets
 
@@ -304,7 +304,19 @@ def _export(db, export_dir, gpu):
         click.echo(f"tuned picks for {gpu} written to {path}", err=True)
 
 
-def _gpu_measurer(db_url, replays):
+def _warmup(ctx, param, value):
+    if value < 0:
+        raise click.BadParameter(f"{value} is negative; give the seconds of untimed replays before each timing "
+                                 "(0: none)")
+    return value
+
+
+WARMUP_HELP = ("Seconds of untimed replays before each candidate's timed ones, so that each is timed at the clock "
+               "the GPU sustains under it (an H200 under a large layer runs at its power cap); 0: timed at once, as "
+               "records before 2026-12-03 were. Records of different warm-ups are not compared with each other.")
+
+
+def _gpu_measurer(db_url, replays, warmup_s):
     try:
         import torch
     except ImportError:
@@ -315,7 +327,7 @@ def _gpu_measurer(db_url, replays):
             "`moe-aot tune --compile-only --gpu NAME ...`, then `moe-aot measure` on the GPU machine")
     from .measure_worker import GpuMeasurer
 
-    return GpuMeasurer(db_url, replays=replays)
+    return GpuMeasurer(db_url, replays=replays, warmup_s=warmup_s)
 
 
 EXPORT_HELP = "Folder of the tuned picks' text export, one <GPU>.jsonl per GPU (default: cache/tuned/)."
@@ -359,6 +371,8 @@ def _tiles(text: str):
               "ready for `moe-aot measure` on the GPU machine.")
 @click.option("--replays", type=int, default=None, help="CUDA-graph replays per measurement (default: 100; "
               "with --backward 20).")
+@click.option("--warmup", "warmup_s", type=float, default=SUSTAINED_WARMUP_S, show_default=True, callback=_warmup,
+              help=WARMUP_HELP)
 @click.option("--seed", type=int, default=None, help="Sampler seed.")
 @click.option("--confirm", type=int, default=None, callback=_confirm,
               help=CONFIRM_HELP + " Not with --compile-only (`moe-aot measure` confirms).")
@@ -379,8 +393,8 @@ def _tiles(text: str):
 @click.option("--export-dir", default=None, help=EXPORT_HELP)
 @click.option("--db", "db_url", default=None, help=DB_HELP)
 def tune_cmd(models, spec_file, target, experts, top_k, hidden, intermediate, activation, precision, tokens, gpu,
-             trials, timeout_s, jobs, compile_only, replays, seed, confirm, seed_dir, try_tiles, backward, export_dir,
-             db_url):
+             trials, timeout_s, jobs, compile_only, replays, warmup_s, seed, confirm, seed_dir, try_tiles, backward,
+             export_dir, db_url):
     """Search tile configurations with optuna per token bucket: compile in a CPU pool, measure on the
     GPU (CUDA-graph replays, median, after a check against the reference), record every trial and
     keep the best. With --compile-only, only the compiling half (see `moe-aot measure`). With
@@ -396,8 +410,8 @@ def tune_cmd(models, spec_file, target, experts, top_k, hidden, intermediate, ac
     _open(url).close()  # the schema and a readable error before optuna touches the URL
     try:
         if backward:
-            _tune_backward(url, specs, buckets, gpu, compile_only, jobs, replays, confirm, seed_dir or try_tiles,
-                           export_dir)
+            _tune_backward(url, specs, buckets, gpu, compile_only, jobs, replays, warmup_s, confirm,
+                           seed_dir or try_tiles, export_dir)
             return
         replays = 100 if replays is None else replays
         if compile_only:
@@ -421,7 +435,7 @@ def tune_cmd(models, spec_file, target, experts, top_k, hidden, intermediate, ac
             return
         if seed_dir or try_tiles:
             raise click.UsageError("--seed-picks and --try go with --compile-only")
-        measurer = _gpu_measurer(url, replays)
+        measurer = _gpu_measurer(url, replays, warmup_s)
         if gpu and gpu != measurer.gpu:
             raise click.ClickException(f"--gpu {gpu!r} but this machine's GPU is {measurer.gpu!r}")
         tuner.tune(url, specs, buckets, measurer, trials=trials, timeout_s=timeout_s, jobs=jobs, seed=seed,
@@ -434,7 +448,8 @@ def tune_cmd(models, spec_file, target, experts, top_k, hidden, intermediate, ac
         raise _fail(exc) from None
 
 
-def _tune_backward(url, specs, buckets, gpu, compile_only, jobs, replays, confirm, seeded, export_dir) -> None:
+def _tune_backward(url, specs, buckets, gpu, compile_only, jobs, replays, warmup_s, confirm, seeded,
+                   export_dir) -> None:
     from . import backward_tune, picks
 
     if seeded:
@@ -459,7 +474,7 @@ def _tune_backward(url, specs, buckets, gpu, compile_only, jobs, replays, confir
         if failed:
             sys.exit(1)
         return
-    measurer = _gpu_measurer(url, 20 if replays is None else replays)
+    measurer = _gpu_measurer(url, 20 if replays is None else replays, warmup_s)
     if gpu and gpu != measurer.gpu:
         raise click.ClickException(f"--gpu {gpu!r} but this machine's GPU is {measurer.gpu!r}")
     try:
@@ -499,6 +514,8 @@ def _all_precisions(model: str) -> list:
 @click.option("--wait", "wait_s", type=float, default=0.0, show_default=True,
               help="Keep polling this long for new ready trials (a compiling side still at work).")
 @click.option("--replays", type=int, default=100, show_default=True, help="CUDA-graph replays per measurement.")
+@click.option("--warmup", "warmup_s", type=float, default=SUSTAINED_WARMUP_S, show_default=True, callback=_warmup,
+              help=WARMUP_HELP)
 @click.option("--confirm", type=int, default=None, callback=_confirm, help=CONFIRM_HELP)
 @click.option("--devices", default=None,
               help="Measure on several GPUs of this host at once: 'all' or indices such as 0,1 (one worker "
@@ -506,7 +523,8 @@ def _all_precisions(model: str) -> list:
                    "worker on the current GPU.")
 @click.option("--export-dir", default=None, help=EXPORT_HELP)
 @click.option("--db", "db_url", default=None, help=DB_HELP)
-def measure_cmd(models, target, tokens, trials, timeout_s, wait_s, replays, confirm, devices, export_dir, db_url):
+def measure_cmd(models, target, tokens, trials, timeout_s, wait_s, replays, warmup_s, confirm, devices, export_dir,
+                db_url):
     """On the GPU machine (no DSL needed): measure the trials `tune --compile-only` left ready for
     this GPU, record them, tell the studies, keep the best and export them as text. Several
     processes may measure the same database at once.
@@ -538,9 +556,9 @@ def measure_cmd(models, target, tokens, trials, timeout_s, wait_s, replays, conf
     except SpecError as exc:
         raise _fail(exc) from None
     if devices is not None:
-        return _measure_devices(url, devices, replays, workloads, target, _tokens(tokens) if tokens else None, trials,
-                                timeout_s, wait_s, CONFIRM_K if confirm is None else confirm, export_dir)
-    measurer = _gpu_measurer(url, replays)
+        return _measure_devices(url, devices, replays, warmup_s, workloads, target, _tokens(tokens) if tokens else None,
+                                trials, timeout_s, wait_s, CONFIRM_K if confirm is None else confirm, export_dir)
+    measurer = _gpu_measurer(url, replays, warmup_s)
     try:
         n = measure(url, measurer, workloads, target, _tokens(tokens) if tokens else None, trials, timeout_s, wait_s,
                     confirm=CONFIRM_K if confirm is None else confirm)
@@ -551,7 +569,7 @@ def measure_cmd(models, target, tokens, trials, timeout_s, wait_s, replays, conf
         raise _fail(exc) from None
 
 
-def _measure_devices(url, devices, replays, workloads, target, buckets, trials, timeout_s, wait_s, confirm,
+def _measure_devices(url, devices, replays, warmup_s, workloads, target, buckets, trials, timeout_s, wait_s, confirm,
                      export_dir):
     """`measure --devices`: the GPUs named, one spawned worker each (measure_worker.measure_devices)."""
     import functools
@@ -571,8 +589,8 @@ def _measure_devices(url, devices, replays, workloads, target, buckets, trials, 
         raise click.BadParameter(str(exc), param_hint="--devices") from None
     t0 = time.perf_counter()
     try:
-        counts = measure_devices(url, chosen, functools.partial(gpu_measurer_on, url, replays), workloads, target,
-                                 buckets, trials, timeout_s, wait_s, confirm)
+        make = functools.partial(gpu_measurer_on, url, replays, warmup_s=warmup_s)
+        counts = measure_devices(url, chosen, make, workloads, target, buckets, trials, timeout_s, wait_s, confirm)
     except KeyboardInterrupt:
         raise click.ClickException("interrupted: every worker stopped; what was measured is recorded and the picks "
                                    "are derived from it (run the same command again to go on)") from None

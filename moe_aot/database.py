@@ -196,6 +196,20 @@ def measurement_toolchain(toolchain: str) -> str:
     return "|".join(p for p in parts if not p.startswith("src")) if len(parts) > 1 else toolchain
 
 
+# Untimed replays before each candidate's timed ones (measure_worker.GpuMeasurer): the H200's power
+# cap takes hold within 0.25 s of a large layer's replays (NOTES, 2026-12-03, call 7: the benchmark's
+# 0.25 s warm-up already timed at 1.41-1.46 GHz); twice that, for margin.
+SUSTAINED_WARMUP_S = 0.5
+
+
+def timing_context(driver: str, warmup_s: float) -> str:
+    """The records' `driver` field for timings with `warmup_s` of untimed replays first: the
+    driver, and the method where it is not the burst timing the records before it used. Records
+    are compared only within one (GPU, driver, toolchain) context (RecordRow.context), so timings
+    at the sustained clock are never ranked against timings partly at boost clock."""
+    return f"{driver}; sustained {warmup_s:g} s" if warmup_s > 0 else driver
+
+
 # optuna's RDB storage shares the database with the tuner's studies (tuner.open_storage)
 _OPTUNA_TABLES = {"alembic_version", "version_info", "studies", "study_directions", "study_user_attributes",
                   "study_system_attributes", "trials", "trial_user_attributes", "trial_system_attributes",

@@ -21,7 +21,7 @@ from typing import Callable
 import optuna
 from optuna.trial import TrialState
 
-from .database import Database
+from .database import SUSTAINED_WARMUP_S, Database, timing_context
 from .picks import (
     CONFIRM_K,
     CONFIRM_WITHIN,
@@ -91,10 +91,16 @@ def driver_version(proc_file: str = "/proc/driver/nvidia/version") -> str:
 
 class GpuMeasurer:
     """measure_variant on the current GPU: correctness check against the fp32 reference, then
-    CUDA-graph replays over several input sets, median. Failures come back typed as Outcomes."""
+    CUDA-graph replays over several input sets, median. Failures come back typed as Outcomes.
+
+    warmup_s: the candidate's graphs are replayed untimed for about that long before the timed
+    replays, so that each is timed at the clock the GPU sustains under it (the H200 under a large
+    layer runs at its power cap, 0.9-1.5 GHz, where short bursts run at up to 1.98 GHz: NOTES,
+    2026-12-03, call 7); 0 is the burst timing of the records before 2026-12-03. Each record
+    carries the SM clock, power and throttle reasons sampled during its timed replays."""
 
     def __init__(self, db_url: str | None, replays: int = 100, device: int | None = None,
-                 index: int | None = None):
+                 index: int | None = None, warmup_s: float = SUSTAINED_WARMUP_S):
         import torch
 
         from .runtime.store import KernelStore
@@ -104,7 +110,8 @@ class GpuMeasurer:
         self.device = torch.device("cuda", torch.cuda.current_device() if device is None else device)
         torch.cuda.set_device(self.device)  # CUDA graphs and the runtime's streams on this GPU
         self.gpu = torch.cuda.get_device_name(self.device)
-        self.driver = driver_version()
+        self.warmup_s = warmup_s
+        self.driver = timing_context(driver_version(), warmup_s)
         # Which GPU of the host measured (tuner.device_stats): `index` is the host's numbering where
         # a --devices worker sees its GPU as cuda:0 through CUDA_VISIBLE_DEVICES.
         uuid = getattr(torch.cuda.get_device_properties(self.device), "uuid", None)  # as nvidia-smi -L
@@ -112,6 +119,9 @@ class GpuMeasurer:
                             "uuid": None if uuid is None else f"GPU-{uuid}".replace("GPU-GPU-", "GPU-")}
         self.store = KernelStore(db_url)
         self.replays = replays
+        from .harness.gpustate import Nvml
+
+        self.nvml = Nvml.of_torch_device(self.device)
         self._weights: tuple[LayerSpec, tuple] | None = None
 
     def weights(self, spec: LayerSpec):
@@ -135,7 +145,8 @@ class GpuMeasurer:
             if isinstance(variant, BackwardVariant):  # the fused backward (`moe-aot tune --backward`)
                 from .harness.backward import measure_backward
 
-                r = measure_backward(spec, variant, tokens, w13, w2, self.store, self.device, self.replays)
+                r = measure_backward(spec, variant, tokens, w13, w2, self.store, self.device, self.replays,
+                                     warmup_s=self.warmup_s, nvml=self.nvml)
                 if not r["ok"]:
                     worst = max(r["errors"], key=lambda k: r["errors"][k])
                     return Outcome("wrong_result", rel_err=r["errors"][worst],
@@ -143,7 +154,8 @@ class GpuMeasurer:
                 r["rel_err"] = max(r["errors"].values())
             else:
                 layer = MoeLayer(spec, self.store, device=self.device, variants={tokens: variant})
-                r = measure_variant(layer, None, tokens, w13, w2, replays=self.replays)
+                r = measure_variant(layer, None, tokens, w13, w2, replays=self.replays, warmup_s=self.warmup_s,
+                                    nvml=self.nvml)
         except KernelMissingError as exc:
             return Outcome("compile_error", error=str(exc))
         except torch.cuda.OutOfMemoryError as exc:
@@ -448,10 +460,10 @@ def child_visible_devices(device: int, environ=None) -> str:
     return entries[device] if entries else str(device)
 
 
-def gpu_measurer_on(db_url: str, replays: int, device: int) -> GpuMeasurer:
+def gpu_measurer_on(db_url: str, replays: int, device: int, warmup_s: float = SUSTAINED_WARMUP_S) -> GpuMeasurer:
     """The measurer of a --devices worker: its GPU is the only one it sees (cuda:0); records
     carry the host's index `device`."""
-    return GpuMeasurer(db_url, replays=replays, device=0, index=device)
+    return GpuMeasurer(db_url, replays=replays, device=0, index=device, warmup_s=warmup_s)
 
 
 class ClaimDir:

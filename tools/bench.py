@@ -29,6 +29,7 @@ Writes DIR/bench_h200.json and DIR/bench_h200.md.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import statistics
@@ -39,7 +40,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from moe_aot.harness.measure import graph_times_us, input_sets, measure_variant  # noqa: E402
+from moe_aot.harness.gpustate import Nvml, Sampler  # noqa: E402
+from moe_aot.harness.measure import graph_times_us, input_sets, measure_variant, timed_graphs  # noqa: E402
 from moe_aot.harness.reference import glu_fn, rel_err  # noqa: E402
 from moe_aot.harness.verify import layer_reference, random_weights  # noqa: E402
 from moe_aot.layout import split_gate_up  # noqa: E402
@@ -51,20 +53,22 @@ from moe_aot.variants import default_variant  # noqa: E402
 HBM_BYTES_PER_S = 4.8e12
 
 
-def matmul_rate() -> float:
+def matmul_rate(nvml=None) -> tuple[float, dict]:
+    """FLOP/s of torch's bf16 8192^3 matmul, and the GPU's clocks and power during the timed ones."""
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     for _ in range(3):
         a @ b
     times = []
-    for _ in range(10):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        a @ b
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e) * 1e-3)
-    return 2 * 8192 ** 3 / statistics.median(times)
+    with Sampler(nvml) if nvml else contextlib.nullcontext() as sampler:
+        for _ in range(10):
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            a @ b
+            e.record()
+            e.synchronize()
+            times.append(s.elapsed_time(e) * 1e-3)
+    return 2 * 8192 ** 3 / statistics.median(times), sampler.summary(10) if sampler else {}
 
 
 def torch_unfused(x, w_gate_up_t, w2_t, tw, ids, experts, glu=None, b_gate_up=None, b2=None):
@@ -94,6 +98,7 @@ def torch_unfused(x, w_gate_up_t, w2_t, tw, ids, experts, glu=None, b_gate_up=No
 
 
 WARMUP_S = 0.25  # untimed replays before each point's first timing (the clocks after the previous point)
+ENERGY_S = 0.5  # after the timed replays, this long again with the board's energy counter and clocks read
 
 
 def graph_time_us(fns, replays: int, warmup_s: float = 0.0) -> float:
@@ -135,7 +140,7 @@ def time_alt(layer, variant, served, M, w13, w2, replays, sets) -> dict:
 
 
 def bench_model(name: str, tokens_list, replays: int, rate: float, store, pdl: bool = False,
-                alts=(), peers=None) -> list[dict]:
+                alts=(), peers=None, nvml=None) -> list[dict]:
     spec = make_spec(name, target="sm_90a")
     layer = MoeLayer(spec, store)
     dev = layer.device
@@ -159,14 +164,17 @@ def bench_model(name: str, tokens_list, replays: int, rate: float, store, pdl: b
         t_err = rel_err(torch_unfused(x, w_gu_t, w2_t, tw, ids, spec.experts, **unfused_kw), ref)
         del ref
         # the model's tensors bound as defaults: they are deleted (del below) once the model is done
-        ours = graph_time_us([lambda s=s, lay=layer, w=(w13, w2): lay.forward(s[0], *w, s[1], s[2], out=s[3],
-                                                                            workspace=lay.workspace(M))
-                              for s in sets], replays, WARMUP_S)
+        ours, state = timed_graphs([lambda s=s, lay=layer, w=(w13, w2): lay.forward(s[0], *w, s[1], s[2], out=s[3],
+                                                                                  workspace=lay.workspace(M))
+                                    for s in sets], replays, WARMUP_S, nvml, ENERGY_S)
+        ours = statistics.median(ours)
         selected = statistics.mean(int(torch.unique(s[2]).numel()) for s in sets)
         # each GEMM alone, right after the layer's replays (the same sustained clock state)
         gemms = gemm_times(layer, M, replays, spec, selected)
-        theirs = graph_time_us([lambda s=s: torch_unfused(s[0], w_gu_t, w2_t, s[1], s[2], spec.experts, **unfused_kw)
-                                for s in sets], replays)
+        theirs, t_state = timed_graphs([lambda s=s: torch_unfused(s[0], w_gu_t, w2_t, s[1], s[2], spec.experts,
+                                                                  **unfused_kw)
+                                        for s in sets], replays, 0.0, nvml, ENERGY_S)
+        theirs = statistics.median(theirs)
         flops = 6 * M * spec.top_k * spec.hidden * spec.intermediate
         bytes_ = selected * 3 * spec.hidden * spec.intermediate * 2 + 2 * M * spec.hidden * 2
         floor = max(flops / rate, bytes_ / HBM_BYTES_PER_S) * 1e6
@@ -175,6 +183,8 @@ def bench_model(name: str, tokens_list, replays: int, rate: float, store, pdl: b
                "ours_over_floor": round(ours / floor, 3), "torch_over_ours": round(theirs / ours, 3),
                "variant": layer.variant_for(M).name(spec), "experts_selected": selected}
         row["gemms"] = gemms
+        if state:
+            row["gpu_state"], row["torch_gpu_state"] = state, t_state
         peer = (peers or {}).get((name, M))
         if peer:
             row["vllm_us"] = peer
@@ -207,14 +217,25 @@ def bench_model(name: str, tokens_list, replays: int, rate: float, store, pdl: b
     return rows
 
 
+def _state_text(state, *keys) -> str:
+    """`SM MHz, W, mJ per layer` of a row's GPU readings ("-" where not read)."""
+    keys = keys or ("sm_mhz", "power_w", "mj_per_replay")
+    if not state:
+        return "-"
+    return ", ".join("-" if state.get(k) is None else f"{state[k]:.4g}" for k in keys)
+
+
 def markdown(result: dict) -> str:
     lines = [f"# Fused MoE layer on {result['device']} ({result['date']})", "",
              f"Command: `{result['command']}`; bf16 matmul rate measured in the run: "
-             f"{result['matmul_tflops']:.0f} TFLOP/s; HBM 4.8 TB/s. Times are medians of CUDA-graph replays "
-             "(µs); ratios below 1 in `torch/ours` mean PyTorch was faster.", "",
+             f"{result['matmul_tflops']:.0f} TFLOP/s{_matmul_clock(result)}; HBM 4.8 TB/s. Times are medians of "
+             "CUDA-graph replays (µs); ratios below 1 in `torch/ours` mean PyTorch was faster. `SM MHz, W, mJ`: "
+             f"the SM clock and board power (medians of NVML samples every 20 ms) and the energy per layer (the "
+             f"board's energy counter over {ENERGY_S} s of further replays) of ours; `torch mJ`: the same energy "
+             "of the unfused path.", "",
              "| model | tokens | ours µs | floor µs | ours/floor | torch µs | torch/ours | vLLM/ours | rel err "
-             "| GEMM1 µs, TFLOP/s, TB/s | GEMM2 µs, TFLOP/s, TB/s | variant |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| GEMM1 µs, TFLOP/s, TB/s | GEMM2 µs, TFLOP/s, TB/s | SM MHz, W, mJ | torch mJ | variant |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     twins = any("twin_variant" in r for r in result["rows"])
     if twins:
         lines[-2] += " PDL-flipped twin µs | twin/ours | twin rel err |"
@@ -226,6 +247,7 @@ def markdown(result: dict) -> str:
         line = (f"| {r['model']} | {r['tokens']} | {r['ours_us']:.1f} | {r['floor_us']:.1f} | "
                 f"{r['ours_over_floor']:.2f} | {r['torch_us']:.1f} | {r['torch_over_ours']:.2f} | "
                 f"{r.get('vllm_over_ours', float('nan')):.2f} | {r['rel_err']:.1e} | {gtxt[0]} | {gtxt[1]} | "
+                f"{_state_text(r.get('gpu_state'))} | {_state_text(r.get('torch_gpu_state'), 'mj_per_replay')} | "
                 f"`{r['variant'].split('_', 6)[-1]}` |")
         if twins:
             ok = r.get("twin_us") is not None
@@ -246,7 +268,14 @@ def markdown(result: dict) -> str:
                               for r in result["rows"] if a in r.get("alts", {}))]
     lines += ["", f"Geometric mean ours/floor {g['geomean_ours_over_floor']:.2f}; "
               f"geometric mean torch/ours {g['geomean_torch_over_ours']:.2f}; max rel err {g['max_rel_err']:.1e}."]
+    if "geomean_torch_over_ours_energy" in g:
+        lines[-1] += f" Energy per layer, torch/ours: geomean {g['geomean_torch_over_ours_energy']:.2f}."
     return "\n".join(lines) + "\n"
+
+
+def _matmul_clock(result) -> str:
+    st = result.get("matmul_gpu_state") or {}
+    return f" at {st['sm_mhz']:.0f} MHz, {st.get('power_w', float('nan')):.0f} W" if "sm_mhz" in st else ""
 
 
 def main():
@@ -264,22 +293,28 @@ def main():
         peers = {(r["model"], r["tokens"]): r["vllm_us"] for r in json.loads(Path(ns.peers).read_text())["rows"]}
     torch.manual_seed(0)
     store = KernelStore()
-    rate = matmul_rate()
-    print(f"bf16 8192^3 matmul: {rate / 1e12:.0f} TFLOP/s", flush=True)
+    nvml = Nvml.of_torch_device(torch.cuda.current_device())
+    rate, mm_state = matmul_rate(nvml)
+    print(f"bf16 8192^3 matmul: {rate / 1e12:.0f} TFLOP/s {mm_state}", flush=True)
     rows = []
     t0 = time.time()
     for name in ns.models.split(","):
         rows += bench_model(name, [int(t) for t in ns.tokens.split(",")], ns.replays, rate, store, ns.pdl,
-                            [a for a in ns.alts.split(",") if a], peers)
+                            [a for a in ns.alts.split(",") if a], peers, nvml)
     geo = lambda xs: math.exp(statistics.mean(math.log(v) for v in xs))  # noqa: E731
     result = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "device": torch.cuda.get_device_name(),
         "command": "python3 tools/bench.py " + " ".join(sys.argv[1:]), "matmul_tflops": rate / 1e12,
-        "hbm_tbps": HBM_BYTES_PER_S / 1e12, "seconds": round(time.time() - t0, 1), "rows": rows,
+        "hbm_tbps": HBM_BYTES_PER_S / 1e12, "seconds": round(time.time() - t0, 1), "matmul_gpu_state": mm_state,
+        "rows": rows,
         "summary": {"geomean_ours_over_floor": geo([r["ours_over_floor"] for r in rows]),
                     "geomean_torch_over_ours": geo([r["torch_over_ours"] for r in rows]),
                     "max_rel_err": max(r["rel_err"] for r in rows)},
     }
+    mj = [(r["torch_gpu_state"]["mj_per_replay"], r["gpu_state"]["mj_per_replay"]) for r in rows
+          if "mj_per_replay" in r.get("gpu_state", {}) and "mj_per_replay" in r.get("torch_gpu_state", {})]
+    if mj:
+        result["summary"]["geomean_torch_over_ours_energy"] = geo([t / o for t, o in mj if o > 0 and t > 0])
     vl = [r["vllm_over_ours"] for r in rows if "vllm_over_ours" in r]
     if vl:
         result["summary"].update(geomean_vllm_over_ours=geo(vl), points_faster_than_vllm=sum(v > 1 for v in vl),

@@ -178,7 +178,7 @@ def main():
     ap.add_argument("--wgrad", action="store_true", help="also ours with the compiled weight-gradient GEMMs")
     ns = ap.parse_args()
     ns.out.mkdir(parents=True, exist_ok=True)
-    rate = matmul_rate()
+    rate = matmul_rate()[0]
     rows, gen = [], torch.Generator(device=DEV).manual_seed(0)
     for model in ns.models.split(","):
         spec = make_spec(model, target="sm_90a")

@@ -175,7 +175,7 @@ def main():
             ap.error(f"--models: {m}: {exc}")
     torch.manual_seed(0)
     store = KernelStore()
-    rate8, rate16 = fp8_matmul_rate(), matmul_rate()
+    rate8, rate16 = fp8_matmul_rate(), matmul_rate()[0]
     print(f"8192^3 matmul: fp8 {rate8 / 1e12:.0f} TFLOP/s, bf16 {rate16 / 1e12:.0f}", flush=True)
     rows, t0 = [], time.time()
     for name in ns.models.split(","):

@@ -15,7 +15,7 @@ from ..integrations import autograd
 from ..runtime.layer import backward_plan, split_biases
 from ..runtime.store import KernelMissingError
 from ..variants import INTERLEAVE
-from .measure import graph_times_us, summarize
+from .measure import summarize, timed_graphs, timing_method
 from .reference import rel_err, row_rel_err
 from .verify import ROW_TOLERANCE, TOLERANCE, random_routing
 
@@ -95,7 +95,7 @@ def poison_free_memory(device, fraction: float = 0.3) -> None:
 
 
 def measure_backward(spec, variant, tokens: int, w13, w2, store, device, replays: int = 20,
-                     sets=None) -> dict:
+                     sets=None, warmup_s: float = 0.1, nvml=None) -> dict:
     """Check then time the backward `variant` (a BackwardVariant; its kernels from `store`) at
     `tokens`: {"ok", "errors", and when ok median_us, ...}. Raises KernelMissingError when the
     database lacks one of its kernels."""
@@ -118,6 +118,6 @@ def measure_backward(spec, variant, tokens: int, w13, w2, store, device, replays
     ok = errors.pop("ok")
     if not ok:
         return {"ok": False, "errors": errors}
-    times = graph_times_us([lambda s=s: run(s) for s in sets], replays, warmup_s=0.1)
+    times, state = timed_graphs([lambda s=s: run(s) for s in sets], replays, warmup_s, nvml)
     torch.cuda.empty_cache()  # the graphs' pools (each set's gradients) go with them
-    return {"ok": True, "errors": errors, **summarize(times)}
+    return {"ok": True, "errors": errors, **summarize(times), **timing_method(warmup_s, state)}

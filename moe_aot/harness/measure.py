@@ -4,6 +4,7 @@ not find the previous one's experts in L2), median over many replays, after a co
 against the fp32 reference on a NaN-poisoned output."""
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 
@@ -22,6 +23,17 @@ def graph_times_us(fns, replays: int, warmup_s: float = 0.0) -> list[float]:
     """Per-replay times (µs) of CUDA graphs of `fns`, replayed in turn on the current stream;
     with warmup_s, the graphs are first replayed untimed for about that long (the GPU's clocks
     settle after a change of load, e.g. from one model's largest point to the next's smallest)."""
+    return timed_graphs(fns, replays, warmup_s)[0]
+
+
+def timed_graphs(fns, replays: int, warmup_s: float = 0.0, nvml=None,
+                 energy_s: float = 0.0) -> tuple[list[float], dict]:
+    """graph_times_us, and with an NVML reader (harness.gpustate.Nvml) what the GPU's clocks and
+    power did (gpustate.Sampler.summary; {} without a reader): during the timed replays, or with
+    energy_s, during that many seconds of further replays after them (the board's energy counter
+    counts millijoules, so per-replay energy needs a window of tenths of a second)."""
+    from .gpustate import Sampler
+
     graphs = []
     side = torch.cuda.Stream()
     for fn in fns:
@@ -36,20 +48,35 @@ def graph_times_us(fns, replays: int, warmup_s: float = 0.0) -> list[float]:
     for g in graphs:
         g.replay()
     torch.cuda.synchronize()
-    if warmup_s > 0:
-        t0 = time.perf_counter()
-        while time.perf_counter() - t0 < warmup_s:
-            for g in graphs:
-                g.replay()
-            torch.cuda.synchronize()
+    _replay_for(graphs, warmup_s)
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(replays)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(replays)]
-    for i in range(replays):
-        starts[i].record()
-        graphs[i % len(graphs)].replay()
-        ends[i].record()
-    torch.cuda.synchronize()
-    return [s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends)]
+    timed_window = nvml is not None and energy_s <= 0
+    with Sampler(nvml) if timed_window else contextlib.nullcontext() as sampler:
+        for i in range(replays):
+            starts[i].record()
+            graphs[i % len(graphs)].replay()
+            ends[i].record()
+        torch.cuda.synchronize()
+    times = [s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends)]
+    if timed_window:
+        return times, sampler.summary(replays)
+    if nvml is None:
+        return times, {}
+    with Sampler(nvml) as sampler:
+        n = _replay_for(graphs, energy_s)
+    return times, sampler.summary(n)
+
+
+def _replay_for(graphs, seconds: float) -> int:
+    """Replay the graphs in turn, untimed, for about `seconds`; returns how many replays ran."""
+    n, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        for g in graphs:
+            g.replay()
+        torch.cuda.synchronize()
+        n += len(graphs)
+    return n
 
 
 def summarize(times: list[float]) -> dict:
@@ -68,9 +95,10 @@ def input_sets(spec, tokens: int, device, n: int = INPUT_SETS):
 
 
 def measure_variant(layer: MoeLayer, variant: LayerVariant | None, tokens: int, w13, w2,
-                    replays: int = 100, sets=None) -> dict:
+                    replays: int = 100, sets=None, warmup_s: float = 0.0, nvml=None) -> dict:
     """Check then time `variant` (None: the layer's own choice) at `tokens`. Returns stats with
-    rel_err and ok; a wrong result is reported, not timed."""
+    rel_err and ok; a wrong result is reported, not timed. warmup_s: replays untimed first for about
+    that long (to the sustained clock); nvml: also the clocks and power of the timed replays."""
     if variant is not None:
         layer = MoeLayer(layer.spec, layer.store, device=layer.device.index, variants={tokens: variant})
     sets = sets or input_sets(layer.spec, tokens, layer.device)
@@ -91,6 +119,12 @@ def measure_variant(layer: MoeLayer, variant: LayerVariant | None, tokens: int, 
     if not ok:
         return {"ok": False, "rel_err": err}
     ws = layer.workspace(tokens)
-    times = graph_times_us([lambda s=s: layer.forward(s[0], w13, w2, s[1], s[2], out=s[3], workspace=ws)
-                            for s in sets], replays)
-    return {"ok": True, "rel_err": err, **summarize(times)}
+    times, state = timed_graphs([lambda s=s: layer.forward(s[0], w13, w2, s[1], s[2], out=s[3], workspace=ws)
+                                 for s in sets], replays, warmup_s, nvml)
+    return {"ok": True, "rel_err": err, **summarize(times), **timing_method(warmup_s, state)}
+
+
+def timing_method(warmup_s: float, state: dict) -> dict:
+    """A measurement's stats on how it was timed: the warm-up before the timed replays and the
+    GPU's readings during them (left out where none were taken)."""
+    return {"warmup_s": warmup_s, **({"gpu_state": state} if state else {})}
