@@ -525,6 +525,7 @@ def test_gpu_measurer_turns_each_result_into_a_typed_outcome(monkeypatch):
 
     m = object.__new__(measure_worker.GpuMeasurer)
     m.device, m.store, m.replays, m._weights = torch.device("cpu"), None, 3, None
+    m.warmup_s, m.nvml = 0.5, None
     monkeypatch.setattr(m, "weights", lambda spec: (None, None))
     monkeypatch.setattr(layer_mod, "MoeLayer", lambda *a, **k: object())
     spec = make_spec("qwen3-30b-a3b")
@@ -532,8 +533,10 @@ def test_gpu_measurer_turns_each_result_into_a_typed_outcome(monkeypatch):
     results = {"ok": {"ok": True, "rel_err": 3e-3, "median_us": 12.5, "min_us": 12.0},
                "wrong": {"ok": False, "rel_err": 0.5}}
     for key, want in (("ok", "ok"), ("wrong", "wrong_result")):
-        monkeypatch.setattr(measure_mod, "measure_variant", lambda *a, r=results[key], **k: r)
+        seen = {}
+        monkeypatch.setattr(measure_mod, "measure_variant", lambda *a, r=results[key], **k: seen.update(k) or r)
         out = m(spec, v, 16)
+        assert seen["warmup_s"] == 0.5  # each candidate timed at the sustained clock
         assert isinstance(out, Outcome) and out.status == want
     assert out.rel_err == 0.5
     monkeypatch.setattr(measure_mod, "measure_variant", lambda *a, **k: 1 / 0)

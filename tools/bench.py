@@ -15,11 +15,13 @@ one's experts in L2; every row is checked against the fp32 reference.
 programmatic dependent launch flipped (build the database with `moe-aot build --pdl-twins`).
 --alts times other variants beside the one served: `default` (the documented default of the
 bucket, when the served variant is a tuned pick), `default_pdl` (its PDL twin). Each alternative
-and the served variant are timed the same way (the tuner's: harness.measure.measure_variant) in
-the order S A A S, and the column is the ratio of the medians of those two pairs, not of the
-alternative to the headline time: the headline is timed after WARMUP_S of replays, at the H200's
-sustained (power-capped) clock, the tuner's way partly at boost clock, so the tuner's way reads the
-same variant 3-12% faster (NOTES, 2026-12-03, calls 3 and 7).
+and the served variant are timed the same way (the tuner's: harness.measure.measure_variant after
+SUSTAINED_WARMUP_S of untimed replays) in the order S A A S, and the column is the ratio of the
+medians of those two pairs, not of the alternative to the headline time.
+Per row also the GPU's state while ours ran (SM clock and power, medians of NVML samples, and the
+energy per layer from the board's energy counter over ENERGY_S of further replays), and the same
+energy for the unfused path: at the large points the H200 runs at its software power cap, where
+fewer joules per layer is what buys clock (NOTES, 2026-12-03, call 7).
 Per row also: each grouped GEMM alone (a CUDA graph of that one kernel on the row's first
 input set), as µs, TFLOP/s of useful (routed) FLOPs and TB/s of the selected experts' weights;
 with --peers, the ratio of the peer's (vLLM's) time at that point to ours.
@@ -40,6 +42,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from moe_aot.database import SUSTAINED_WARMUP_S  # noqa: E402
 from moe_aot.harness.gpustate import Nvml, Sampler  # noqa: E402
 from moe_aot.harness.measure import graph_times_us, input_sets, measure_variant, timed_graphs  # noqa: E402
 from moe_aot.harness.reference import glu_fn, rel_err  # noqa: E402
@@ -127,7 +130,8 @@ def time_alt(layer, variant, served, M, w13, w2, replays, sets) -> dict:
     try:
         times = {"S": [], "A": []}
         for tag in "SAAS":
-            m = measure_variant(layer, served if tag == "S" else variant, M, w13, w2, replays, sets)
+            m = measure_variant(layer, served if tag == "S" else variant, M, w13, w2, replays, sets,
+                                warmup_s=SUSTAINED_WARMUP_S)
             if not m["ok"]:
                 return {"variant": variant.name(layer.spec) if tag == "A" else f"served {served.name(layer.spec)}",
                         "rel_err": m["rel_err"], "us": None, "over_ours": None}
