@@ -1,8 +1,10 @@
 #!/usr/bin/env python3
 """Does the order of measurement change a timing? Per point, the served pick (A) and the bucket's
 default (B) timed as the tuner and the benchmark time them (harness.measure.measure_variant: CUDA
-graphs over several routings, median) in the order A B A B B A on the same inputs, so a bias
-of the first (or of the later) measurement shows up as A1 != A2 or B1 != B2.
+graphs over several routings, median, after --warmup seconds of untimed replays: the tuner's
+SUSTAINED_WARMUP_S unless given; 0 is the burst timing of the tuner before 2026-12-03) in the
+order A B A B B A on the same inputs, so a bias of the first (or of the later) measurement shows
+up as A1 != A2 or B1 != B2.
 
     python3 tools/order_check.py --out DIR [--models m1,m2] [--tokens 1,16,1024] [--bench-way]
 
@@ -26,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from moe_aot.database import SUSTAINED_WARMUP_S  # noqa: E402
 from moe_aot.harness import measure  # noqa: E402
 from moe_aot.harness.verify import random_weights  # noqa: E402
 from moe_aot.runtime.layer import MoeLayer  # noqa: E402
@@ -40,6 +43,8 @@ def main() -> None:
     ap.add_argument("--models", default="qwen3-30b-a3b,qwen3-235b-a22b,gpt-oss-120b,deepseek-v3,mixtral-8x7b")
     ap.add_argument("--tokens", default="1,16,1024")
     ap.add_argument("--replays", type=int, default=100)
+    ap.add_argument("--warmup", type=float, default=SUSTAINED_WARMUP_S,
+                    help="seconds of untimed replays before each A / B timing (the tuner's; 0: burst)")
     ap.add_argument("--bench-way", action="store_true", help="also time the pick as tools/bench.py times ours (W)")
     args = ap.parse_args()
     if args.bench_way:
@@ -66,7 +71,7 @@ def main() -> None:
                                             for s in sets], args.replays, WARMUP_S if tag == "W" else 0.0)
                     else:
                         m = measure.measure_variant(layer, pick if tag == "A" else dflt, M, w13, w2, args.replays,
-                                                    sets)
+                                                    sets, warmup_s=args.warmup)
                         us = m.get("median_us", float("nan"))
                     # (tag, µs, seconds taken, UTC start): the start lines a timing up with a clock log
                     times.append((tag, round(us, 2), round(time.perf_counter() - t0, 2), round(wall0, 3)))
