@@ -826,7 +826,7 @@ def test_cli_confirm_flag(runner, tmp_path, monkeypatch):
     d, (lucky, steady, *rest) = _prepared(url, 4)
     draws = {d: [700.0, 698.0, 702.0], lucky: [668.0, 725.0, 747.0], steady: [710.0, 712.0, 709.0],
              **{n: [900.0] for n in rest}}
-    monkeypatch.setattr("moe_aot.cli._gpu_measurer", lambda url, replays: DrawMeasurer(draws))
+    monkeypatch.setattr("moe_aot.cli._gpu_measurer", lambda url, replays, warmup_s: DrawMeasurer(draws))
     res = runner.invoke(main, ["measure", "--confirm", "-1"])
     assert res.exit_code == 2 and "-1 is negative" in res.output and "0 for no confirmation round" in res.output
     res = runner.invoke(main, ["tune", "--compile-only", "--gpu", GPU, "--model", "qwen3-30b-a3b", "--confirm", "2"])
