@@ -169,18 +169,18 @@ def test_backward_gemm_limits_refuse_in_one_sentence():
     assert limits.check_backward_gemm(768, 2048, 128, 256, 64, 4, "hopws", "sm_90a")[0]
 
 
-@pytest.mark.parametrize("activation", ["swiglu", "swigluoai"])
-def test_backward_gemms_compile_to_transposed_b_wgmma_without_local_memory(activation, tmp_path):
-    """dH and dX for sm_90a: wgmma with B read N-major (HGMMA ... tnspB), 4 per 64-deep k-tile,
-    no local memory; the constructors refuse what the limits refuse."""
+@pytest.mark.parametrize("activation, tile_m", [("swiglu", 128), ("swigluoai", 128), ("swiglu", 64)])
+def test_backward_gemms_compile_to_transposed_b_wgmma_without_local_memory(activation, tile_m, tmp_path):
+    """dH and dX for sm_90a at both routing heights: wgmma with B read N-major (HGMMA ... tnspB),
+    4 per 64-deep k-tile, no local memory; the constructors refuse what the limits refuse."""
     pytest.importorskip("cutlass.cute")
     from moe_aot_templates.hopper_bwd import HopperDhGemm, HopperDxGemm
     from sass_tools import sass_of
 
     from moe_aot.kernel_build import compile_kernel
 
-    for name, obj in (("dh", HopperDhGemm(16, 512, 256, 4, activation, tile_n=128)),
-                      ("dx", HopperDxGemm(16, 512, 256, 4, tile_n=128))):
+    for name, obj in (("dh", HopperDhGemm(16, 512, 256, 4, activation, tile_m=tile_m, tile_n=128)),
+                      ("dx", HopperDxGemm(16, 512, 256, 4, tile_m=tile_m, tile_n=128))):
         art = compile_kernel(obj, "sm_90a", f"t_{name}")
         mmas = [ln for ln in art.ptx.splitlines() if "wgmma.mma_async" in ln]
         # the last two immediates: A not transposed (K-major), B transposed (N-major)
