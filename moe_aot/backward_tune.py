@@ -1,9 +1,10 @@
 """Tuning the fused backward (`moe-aot tune --backward`): per layer and token bucket, the
 candidates of variants.backward_candidates (the bucket's default, then one part changed at a time:
-dH tiles, dX tiles, the weight gradients) and the combination of the parts that beat the default,
-measured on the GPU (harness/backward.py: checked against fp32, then the whole backward replayed
-from CUDA graphs), a confirmation round over the best few and the default, and the picks derived
-from the records exactly as the forward's (picks.derive_picks(..., backward=True)).
+dH tiles, dX tiles, the data path at 64-row routing tiles, the weight gradients) and the
+combination of the parts that beat the default (variants.combine_backward), measured on the GPU
+(harness/backward.py: checked against fp32, then the whole backward replayed from CUDA graphs), a
+confirmation round over the best few and the default, and the picks derived from the records
+exactly as the forward's (picks.derive_picks(..., backward=True)).
 
 The space is a handful of variants per bucket, so it is walked whole rather than sampled: no
 optuna study. Records go to the database under the backward's workload key

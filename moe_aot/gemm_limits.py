@@ -379,11 +379,27 @@ def check_save_preact(mma, precision) -> tuple[bool, str]:
 # The backward's data GEMMs (templates/hopper_bwd.py: dH with the GLU's backward in its epilogue,
 # dX) read the weights N-major: one 128-byte swizzle atom of B is 64 bf16 columns of N.
 BWD_MN_ATOM = 64
+# The row heights of the backward's routing tiles, which dH and dX share (dX reads dH's padded rows)
+# and the weight gradients read as whole WGRAD_TILE_K-row k-tiles.
+BWD_TILE_MS = (64, 128)
+
+
+def check_backward_tile_m(tile_m) -> tuple[bool, str]:
+    """(ok, reason) of the backward's routing tile height."""
+    if tile_m not in BWD_TILE_MS:
+        return False, (f"the backward's tile_m {tile_m} must be 64 or 128: dH and dX multiply one 64-row "
+                       f"warpgroup block per 64 rows of a tile, and the weight gradients read each expert's "
+                       f"rows in whole {WGRAD_TILE_K}-row k-tiles")
+    return True, ""
 
 
 def check_backward_gemm(n, k, tile_m, tile_n, tile_k, stages, mma, arch=None) -> tuple[bool, str]:
     """(ok, reason) of a backward data GEMM (dH: N = I, K = H; dX: N = H, K = 2I): the persistent
-    cores with the weights read N-major, bf16, no clusters, and the cores' own tile rules."""
+    cores with the weights read N-major, bf16, no clusters, tile_m 64 or 128, and the cores' own
+    tile rules."""
+    ok, why = check_backward_tile_m(tile_m)
+    if not ok:
+        return ok, why
     if mma not in PERSISTENT:
         return False, f"the backward GEMMs are built for mma in {', '.join(PERSISTENT)}, not {mma}"
     if tile_n % BWD_MN_ATOM:

@@ -233,8 +233,9 @@ class LayerVariant:
 
 
 # The backward's data GEMMs (templates/hopper_bwd.py, sm_90a): dH writes da in the padded row order
-# of a routing with BWD_TILE_M-row tiles, which dX then reads by TMA, so both share it; the routing
-# runs in a cluster of BWD_ROUTE_CLUSTER CTAs (training batches have thousands of tokens).
+# of a routing with tile_m-row tiles, which dX then reads by TMA, so both share it (a BackwardVariant's
+# tile_m: BWD_TILE_M by default, or 64, gemm_limits.BWD_TILE_MS); the routing runs in a cluster of
+# BWD_ROUTE_CLUSTER CTAs (training batches have thousands of tokens).
 BWD_TILE_M = 128
 BWD_ROUTE_CLUSTER = 16
 # The data GEMMs' default tiles, the first valid of each list (tile_n must divide N and be a multiple
@@ -248,33 +249,34 @@ BWD_DX_TILES = (GemmTiles(256, 64, 4, "hopws"), GemmTiles(192, 64, 4, "hopws"), 
                 GemmTiles(64, 64, 4, "hopws"))
 
 
-def backward_gemm_tiles(spec: LayerSpec) -> tuple[GemmTiles, GemmTiles] | None:
-    """(dH, dX) tiles of the backward's data GEMMs: the first valid of BWD_DH_TILES for dH (N = I,
-    K = H) and of BWD_DX_TILES for dX (N = H, K = 2I); None where the target has no persistent
-    Hopper core (the backward then multiplies with torch's grouped GEMMs) or the layer is not bf16."""
+def backward_gemm_tiles(spec: LayerSpec, tile_m: int = BWD_TILE_M) -> tuple[GemmTiles, GemmTiles] | None:
+    """(dH, dX) tiles of the backward's data GEMMs at this routing tile height: the first valid of
+    BWD_DH_TILES for dH (N = I, K = H) and of BWD_DX_TILES for dX (N = H, K = 2I); None where the
+    target has no persistent Hopper core (the backward then multiplies with torch's grouped GEMMs),
+    the layer is not bf16, or no tile of a list is valid."""
     if spec.precision != "bf16" or "hopws" not in TARGET_LIMITS[spec.target]["mma"]:
         return None
-    dh, dx = _bwd_fits(spec, "dh"), _bwd_fits(spec, "dx")
+    dh, dx = _bwd_fits(spec, "dh", tile_m), _bwd_fits(spec, "dx", tile_m)
     return (dh[0], dx[0]) if dh and dx else None
 
 
-def _bwd_fits(spec: LayerSpec, part: str) -> list[GemmTiles]:
+def _bwd_fits(spec: LayerSpec, part: str, tile_m: int = BWD_TILE_M) -> list[GemmTiles]:
     """The tiles of BWD_DH_TILES (part "dh": N = I, K = H) or BWD_DX_TILES ("dx": N = H, K = 2I)
-    that check_backward_gemm accepts for this layer, in the list's order of preference."""
+    that check_backward_gemm accepts for this layer at this routing tile height, in the list's
+    order of preference."""
     prefs, n, k = ((BWD_DH_TILES, spec.intermediate, spec.hidden) if part == "dh"
                    else (BWD_DX_TILES, spec.hidden, 2 * spec.intermediate))
     arch = limits.gpu_arch(spec.target)
-    return [t for t in prefs if limits.check_backward_gemm(n, k, BWD_TILE_M, t.tile_n, t.tile_k, t.stages, t.mma,
+    return [t for t in prefs if limits.check_backward_gemm(n, k, tile_m, t.tile_n, t.tile_k, t.stages, t.mma,
                                                            arch)[0]]
 
 
-def backward_gemm_kernels(spec: LayerSpec, dh: GemmTiles, dx: GemmTiles,
+def backward_gemm_kernels(spec: LayerSpec, dh: GemmTiles, dx: GemmTiles, tile_m: int = BWD_TILE_M,
                           route_cluster: int = BWD_ROUTE_CLUSTER) -> list[KernelVariant]:
-    """The backward's fused data path in launch order: the routing of BWD_TILE_M-row tiles, dH
-    with the GLU's backward in its epilogue, dX, and the forward's combine (summing each token's
-    dX rows)."""
+    """The backward's fused data path in launch order: the routing of tile_m-row tiles, dH with the
+    GLU's backward in its epilogue, dX, and the forward's combine (summing each token's dX rows)."""
     a, p, s = arch_tag(spec.target), spec.precision_tag, spec.shape_tag
-    e, k, h, i, m = spec.experts, spec.top_k, spec.hidden, spec.intermediate, BWD_TILE_M
+    e, k, h, i, m = spec.experts, spec.top_k, spec.hidden, spec.intermediate, tile_m
     shape = (("num_experts", e), ("hidden", h), ("intermediate", i), ("top_k", k))
     return [
         KernelVariant("routing", f"moe_route_{a}_e{e}k{k}_m{m}_c{route_cluster}",
@@ -381,41 +383,47 @@ class WgradTiles:
 @dataclasses.dataclass(frozen=True)
 class BackwardVariant:
     """Every compile-time choice of the fused op's backward (integrations/autograd.py,
-    moe_backward_fused) on the targets with the persistent Hopper core: the dH and dX tiles
-    (BWD_TILE_M-row routing) and the weight gradients, either torch's grouped GEMMs (None) or the
-    compiled variable-K GEMMs with (dW13, dW2) tiles. Its name is its key in the records and picks
-    (workload backward_workload(spec)); its kernels are named by component, so any combination of
-    compiled components is compiled."""
+    moe_backward_fused) on the targets with the persistent Hopper core: the routing's tile height
+    tile_m (shared by dH and dX), the dH and dX tiles, and the weight gradients, either torch's
+    grouped GEMMs (None) or the compiled variable-K GEMMs with (dW13, dW2) tiles. Its name is its
+    key in the records and picks (workload backward_workload(spec)); tile_m appears in it as
+    "_m64" only when not BWD_TILE_M, so every 128-row name (and database key) is unchanged. Its
+    kernels are named by component, so any combination of compiled components is compiled."""
     dh: GemmTiles
     dx: GemmTiles
     wgrad: tuple[WgradTiles, WgradTiles] | None = None
+    tile_m: int = BWD_TILE_M
 
     def name(self, spec: LayerSpec) -> str:
         w = "torch" if self.wgrad is None else f"b{self.wgrad[0].tag}a{self.wgrad[1].tag}"
+        m = "" if self.tile_m == BWD_TILE_M else f"_m{self.tile_m}"
         return (f"moe_bwd_{arch_tag(spec.target)}_{spec.precision_tag}_{spec.shape_tag}_{spec.activation}"
-                f"_dh{self.dh.tag}_dx{self.dx.tag}_w{w}")
+                f"{m}_dh{self.dh.tag}_dx{self.dx.tag}_w{w}")
 
     def kernels(self, spec: LayerSpec) -> list[KernelVariant]:
         """In launch order: routing, dH, dX, combine, then dW13 and dW2 when compiled."""
-        out = backward_gemm_kernels(spec, self.dh, self.dx)
+        out = backward_gemm_kernels(spec, self.dh, self.dx, self.tile_m)
         if self.wgrad is not None:
             out += wgrad_kernels(spec, wgrad_tile_map(self.wgrad))
         return out
 
     @classmethod
     def parse(cls, name: str) -> "BackwardVariant":
-        """Inverse of the tunable part of name(): ..._dhn128k64s5hoppp_dxn256k64s4hopws_w(torch|b...a...)."""
+        """Inverse of the tunable part of name():
+        ...[_m64]_dhn128k64s5hoppp_dxn256k64s4hopws_w(torch|b...a...). A name spelling out the
+        default tile_m ("_m128") is not canonical and refused."""
         import re
 
         g = r"n(\d+)k(\d+)s(\d+)([a-z]+)"
         w = r"(\d+)x(\d+)s(\d+)(pp)?(ts)?"
-        m = re.search(rf"^moe_bwd_.*_dh{g}_dx{g}_w(?:(torch)|b{w}a{w})$", name)
-        if not m:
+        m = re.search(rf"^moe_bwd_.*?(?:_m(\d+))?_dh{g}_dx{g}_w(?:(torch)|b{w}a{w})$", name)
+        if not m or m[1] == str(BWD_TILE_M):
             raise ValueError(f"{name!r} is not a backward variant name")
-        v = m.groups()
+        v = m.groups()[1:]
         gemm = lambda t: GemmTiles(int(t[0]), int(t[1]), int(t[2]), t[3])  # noqa: E731
         wt = lambda t: WgradTiles(int(t[0]), int(t[1]), int(t[2]), bool(t[3]), bool(t[4]))  # noqa: E731
-        return cls(gemm(v[0:4]), gemm(v[4:8]), None if v[8] else (wt(v[9:14]), wt(v[14:19])))
+        return cls(gemm(v[0:4]), gemm(v[4:8]), None if v[8] else (wt(v[9:14]), wt(v[14:19])),
+                   int(m[1]) if m[1] else BWD_TILE_M)
 
 
 def wgrad_tile_map(pair: tuple[WgradTiles, WgradTiles]) -> dict:
@@ -438,16 +446,20 @@ BACKWARD_SUFFIX = "_bwd"
 
 def can_implement_backward(spec: LayerSpec, v: BackwardVariant) -> tuple[bool, str]:
     """(ok, reason) of a backward variant for this layer: bf16 on a target with the persistent
-    Hopper core, each GEMM's tiles valid for its sizes."""
+    Hopper core, a routing tile height of gemm_limits.BWD_TILE_MS, each data GEMM's tiles valid
+    for its sizes at that height, each weight-gradient GEMM's tiles valid for its sizes."""
     if spec.precision != "bf16" or "hopws" not in TARGET_LIMITS[spec.target]["mma"]:
         return False, (f"the fused backward is built for bf16 layers on targets with the persistent Hopper core, "
                        f"not {spec.precision} on {spec.target}")
+    ok, why = limits.check_backward_tile_m(v.tile_m)
+    if not ok:
+        return False, why
     arch = limits.gpu_arch(spec.target)
     for what, t, (n, k) in (("dH", v.dh, (spec.intermediate, spec.hidden)),
                             ("dX", v.dx, (spec.hidden, 2 * spec.intermediate))):
-        ok, why = limits.check_backward_gemm(n, k, BWD_TILE_M, t.tile_n, t.tile_k, t.stages, t.mma, arch)
+        ok, why = limits.check_backward_gemm(n, k, v.tile_m, t.tile_n, t.tile_k, t.stages, t.mma, arch)
         if not ok:
-            return False, f"{what} tiles {t.tag}: {why}"
+            return False, f"{what} tiles {t.tag} at tile_m {v.tile_m}: {why}"
     if v.wgrad is not None:
         for what, t, (rows, cols, gather) in (("dW13", v.wgrad[0], (2 * spec.intermediate, spec.hidden, "b")),
                                               ("dW2", v.wgrad[1], (spec.hidden, spec.intermediate, "a"))):
@@ -491,14 +503,16 @@ def backward_candidates(spec: LayerSpec, tokens: int) -> list[BackwardVariant]:
     """What `moe-aot tune --backward` measures at a bucket: the default first, then the variants
     that differ from it in one part (coordinate search; the parts are separate kernels, so the
     tuner's combination of the best parts needs no compile of its own): dH and dX each in the
-    first BWD_ALTERNATIVES valid tiles of BWD_DH_TILES / BWD_DX_TILES, the weight gradients by
-    torch, in the default compiled tiles, and those with the TMA-store epilogue."""
+    first BWD_ALTERNATIVES valid tiles of BWD_DH_TILES / BWD_DX_TILES, the data path at the other
+    routing tile height (_row_twins), the weight gradients by torch, in the default compiled tiles,
+    and those with the TMA-store epilogue."""
     base = default_backward(spec, tokens)
     if base is None:
         return []
     out = [base]
     for part in ("dh", "dx"):
         out += [dataclasses.replace(base, **{part: t}) for t in _bwd_fits(spec, part)[:BWD_ALTERNATIVES]]
+    out += [v for m in limits.BWD_TILE_MS if m != base.tile_m for v in _row_twins(spec, base, m)]
     pair = _wgrad_default_pair(spec)
     if pair is not None:
         ts = tuple(dataclasses.replace(t, tma_store=True) for t in pair)
@@ -507,15 +521,50 @@ def backward_candidates(spec: LayerSpec, tokens: int) -> list[BackwardVariant]:
     return out
 
 
-def combine_backward(base: BackwardVariant, best_parts: list[BackwardVariant]) -> BackwardVariant:
-    """The variant taking, per part, the value of the fastest variant that changed that part from
-    `base` (best_parts: candidates that each differ from base in at most one part, fastest first)."""
+def _row_twins(spec: LayerSpec, base: BackwardVariant, tile_m: int) -> list[BackwardVariant]:
+    """`base` with the routing's tiles tile_m rows high: its dH and dX tiles where they are valid at
+    that height, else the first valid there; at 64 rows also those tiles on the ping-pong core
+    (a cooperative 64-row tile has one consumer warpgroup, whose tensor cores idle in its epilogue;
+    ping-pong runs two on alternate tiles). [] where a data GEMM has no valid tile at that height;
+    the caller drops what is invalid or repeated."""
     chosen = {}
+    for part in ("dh", "dx"):
+        fits = _bwd_fits(spec, part, tile_m)
+        if not fits:
+            return []
+        chosen[part] = getattr(base, part) if getattr(base, part) in fits else fits[0]
+    twin = dataclasses.replace(base, tile_m=tile_m, **chosen)
+    if tile_m != 64:
+        return [twin]
+    pp = {part: dataclasses.replace(t, mma="hoppp") for part, t in chosen.items()}
+    return [twin, dataclasses.replace(twin, **pp)]
+
+
+def _changed_parts(base: BackwardVariant, v: BackwardVariant) -> dict[str, dict]:
+    """The parts `v` changed from `base`, each as the fields it sets: dH and dX each, or, at another
+    tile_m, the data path as one part "rows" (its dH and dX kernels are built at its own height, so
+    neither goes with another height's); and the weight gradients."""
+    if v.tile_m != base.tile_m:
+        out = {"rows": {"tile_m": v.tile_m, "dh": v.dh, "dx": v.dx}}
+    else:
+        out = {part: {part: getattr(v, part)} for part in ("dh", "dx") if getattr(v, part) != getattr(base, part)}
+    if v.wgrad != base.wgrad:
+        out["wgrad"] = {"wgrad": v.wgrad}
+    return out
+
+
+def combine_backward(base: BackwardVariant, best_parts: list[BackwardVariant]) -> BackwardVariant:
+    """The variant taking, per part (_changed_parts), the value of the fastest variant that changed
+    that part from `base` (best_parts: candidates that each differ from base in at most one part,
+    fastest first); "rows" (another tile_m) and a dH or dX tile exclude each other, the faster one
+    taken."""
+    chosen: dict[str, dict] = {}
     for v in best_parts:
-        for part in ("dh", "dx", "wgrad"):
-            if getattr(v, part) != getattr(base, part) and part not in chosen:
-                chosen[part] = getattr(v, part)
-    return dataclasses.replace(base, **chosen)
+        for part, fields in _changed_parts(base, v).items():
+            clash = {"rows"} if part in ("dh", "dx") else {"dh", "dx"} if part == "rows" else set()
+            if part not in chosen and not clash & chosen.keys():
+                chosen[part] = fields
+    return dataclasses.replace(base, **{k: f for fields in chosen.values() for k, f in fields.items()})
 
 
 def training_kernels(spec: LayerSpec, variant: LayerVariant) -> list[KernelVariant]:

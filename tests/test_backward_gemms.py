@@ -109,6 +109,34 @@ def test_fused_backward_glue_matches_the_torch_backward(activation, bias, kept):
         assert torch.allclose(g, r, rtol=1e-5, atol=1e-5), (name, (g - r).abs().max())
 
 
+@pytest.mark.parametrize("tile_m", [64, 128])
+def test_fused_backward_glue_at_the_routing_heights_passes_the_tuners_check(tile_m):
+    """The glue at the backward's tile heights (gemm_limits.BWD_TILE_MS: most rows padding here),
+    biases included, judged by the tuner's fp32 check (harness/backward.py check_backward), and a
+    wrong gradient failing it."""
+    from types import SimpleNamespace
+
+    from moe_aot.harness.backward import check_backward
+    from moe_aot.integrations.autograd import preact_torch
+
+    gen = torch.Generator().manual_seed(tile_m)
+    M, f64 = 12, dict(dtype=torch.float64)
+    x = torch.randn(M, H, generator=gen, **f64)
+    w13 = torch.randn(E, 2 * I, H, generator=gen, **f64) * (3.0 / H ** 0.5)
+    w2 = torch.randn(E, H, I, generator=gen, **f64) / I ** 0.5
+    tw = torch.rand(M, K, generator=gen, **f64)
+    ids = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(M)]).to(torch.int32)
+    b13, b2 = torch.randn(E, 2 * I, generator=gen, **f64), torch.randn(E, H, generator=gen, **f64)
+    grad = torch.randn(M, H, generator=gen, **f64)
+    kern = _Emulated(tile_m=tile_m, dh_tile_n=16, activation="swigluoai")
+    got = moe_backward_fused(kern, grad, x, w13, w2, tw, ids, "swigluoai", b13, b2, preact_torch(x, w13, ids, b13))
+    spec = SimpleNamespace(activation="swigluoai")  # all check_backward reads of the layer (E, H, I too small)
+    errs = check_backward(spec, got, x, w13, w2, tw, ids, grad, b13, b2)
+    assert errs.pop("ok") and max(errs.values()) < 1e-6, errs
+    got[4][1, 3] += 0.1 * got[4][1].norm()  # one expert's bias gradient off
+    assert not check_backward(spec, got, x, w13, w2, tw, ids, grad, b13, b2)["ok"]
+
+
 def test_backward_kernels_name_every_argument_and_pick_tiles_that_divide():
     spec = make_spec("qwen3-30b-a3b", target="sm_90a")
     kvs = backward_kernels(spec)
@@ -141,18 +169,18 @@ def test_backward_gemm_limits_refuse_in_one_sentence():
     assert limits.check_backward_gemm(768, 2048, 128, 256, 64, 4, "hopws", "sm_90a")[0]
 
 
-@pytest.mark.parametrize("activation", ["swiglu", "swigluoai"])
-def test_backward_gemms_compile_to_transposed_b_wgmma_without_local_memory(activation, tmp_path):
-    """dH and dX for sm_90a: wgmma with B read N-major (HGMMA ... tnspB), 4 per 64-deep k-tile,
-    no local memory; the constructors refuse what the limits refuse."""
+@pytest.mark.parametrize("activation, tile_m", [("swiglu", 128), ("swigluoai", 128), ("swiglu", 64)])
+def test_backward_gemms_compile_to_transposed_b_wgmma_without_local_memory(activation, tile_m, tmp_path):
+    """dH and dX for sm_90a at both routing heights: wgmma with B read N-major (HGMMA ... tnspB),
+    4 per 64-deep k-tile, no local memory; the constructors refuse what the limits refuse."""
     pytest.importorskip("cutlass.cute")
     from moe_aot_templates.hopper_bwd import HopperDhGemm, HopperDxGemm
     from sass_tools import sass_of
 
     from moe_aot.kernel_build import compile_kernel
 
-    for name, obj in (("dh", HopperDhGemm(16, 512, 256, 4, activation, tile_n=128)),
-                      ("dx", HopperDxGemm(16, 512, 256, 4, tile_n=128))):
+    for name, obj in (("dh", HopperDhGemm(16, 512, 256, 4, activation, tile_m=tile_m, tile_n=128)),
+                      ("dx", HopperDxGemm(16, 512, 256, 4, tile_m=tile_m, tile_n=128))):
         art = compile_kernel(obj, "sm_90a", f"t_{name}")
         mmas = [ln for ln in art.ptx.splitlines() if "wgmma.mma_async" in ln]
         # the last two immediates: A not transposed (K-major), B transposed (N-major)

@@ -11,6 +11,7 @@ import json
 import pytest
 
 from moe_aot import backward_tune, picks
+from moe_aot import gemm_limits as limits
 from moe_aot.database import Database
 from moe_aot.spec import make_spec
 from moe_aot.tuner import Outcome
@@ -32,6 +33,8 @@ PRESETS = ("qwen3-30b-a3b", "qwen3-235b-a22b", "gpt-oss-120b", "deepseek-v3", "m
 GPU = "Fake GPU 80GB"
 TC = "fake-dsl|cu13.0|sm_90a|x86-64|fmt1|srcfake"
 PARTS = ("dh", "dx", "wgrad")
+# a committed pick (cache/tuned/NVIDIA_H200.jsonl, gpt-oss-120b at 1024 tokens): 128-row names are keys
+COMMITTED = "moe_bwd_sm90a_bf16_e128k4h2880i2880b_swigluoai_dhn192k64s4hopws_dxn192k64s4hopws_wb128x192s5a64x192s7"
 
 
 @pytest.mark.parametrize("model", PRESETS)
@@ -41,20 +44,49 @@ def test_candidates_start_at_the_default_and_change_one_part_each(model, tokens)
     cands = backward_candidates(spec, tokens)
     base = default_backward(spec, tokens)
     assert cands[0] == base
-    # the default is what the backward ran before it was tunable: the data GEMMs' first valid
-    # tiles, the compiled weight gradients exactly where the measured rule says
-    assert (base.dh, base.dx) == backward_gemm_tiles(spec)
+    # the default is what the backward ran before it was tunable: 128-row routing tiles, the data
+    # GEMMs' first valid tiles, the compiled weight gradients exactly where the measured rule says
+    assert base.tile_m == 128 and (base.dh, base.dx) == backward_gemm_tiles(spec)
     assert (base.wgrad is not None) == wgrad_preferred(spec, tokens)
     assert len(cands) == len(set(cands)) >= 4
+    # the data path at 64-row tiles, as one part: the default's tiles (valid at 64 rows at every
+    # preset), then both GEMMs on the ping-pong core
+    pp = {part: dataclasses.replace(getattr(base, part), mma="hoppp") for part in ("dh", "dx")}
+    assert [v for v in cands if v.tile_m != base.tile_m] == \
+        [dataclasses.replace(base, tile_m=64), dataclasses.replace(base, tile_m=64, **pp)]
     for v in cands[1:]:
-        assert sum(getattr(v, p) != getattr(base, p) for p in PARTS) == 1, v
+        if v.tile_m == base.tile_m:
+            assert sum(getattr(v, p) != getattr(base, p) for p in PARTS) == 1, v
     for v in cands:
         assert can_implement_backward(spec, v) == (True, "")
         name = v.name(spec)
         assert name.startswith("moe_bwd_sm90a_bf16_") and spec.shape_tag in name
         assert BackwardVariant.parse(name) == v == parse_variant(name)
-        roles = [kv.role for kv in v.kernels(spec)]
-        assert roles == ["routing", "dh", "dx", "combine"] + (["wgrad", "wgrad"] if v.wgrad else [])
+        kvs = v.kernels(spec)
+        assert [kv.role for kv in kvs] == ["routing", "dh", "dx", "combine"] + (["wgrad", "wgrad"] if v.wgrad else [])
+        assert [kv.kwargs()["tile_m"] for kv in kvs[:3]] == [v.tile_m] * 3  # dX reads dH's rows of this routing
+
+
+def test_backward_names_keep_every_128_row_key_and_name_the_64_row_tiles():
+    spec = make_spec("gpt-oss-120b")
+    v = BackwardVariant.parse(COMMITTED)
+    assert v.tile_m == 128 and v.name(spec) == COMMITTED == parse_variant(COMMITTED).name(spec)
+    v64 = dataclasses.replace(v, tile_m=64)
+    name = v64.name(spec)
+    assert name == COMMITTED.replace("_swigluoai_dh", "_swigluoai_m64_dh")
+    assert BackwardVariant.parse(name) == v64 == parse_variant(name)
+    # every field changes the name
+    others = [v64, dataclasses.replace(v, dh=GemmTiles(64, 64, 4, "hopws")),
+              dataclasses.replace(v, dx=GemmTiles(192, 64, 3, "hopws")), dataclasses.replace(v, wgrad=None)]
+    assert len({u.name(spec) for u in [v, *others]}) == 1 + len(others)
+    assert {f.name for f in dataclasses.fields(BackwardVariant)} == {"tile_m", "dh", "dx", "wgrad"}
+    # the 64-row kernels: the routing and the data GEMMs built at 64 rows, the weight gradients the same
+    k128, k64 = v.kernels(spec), v64.kernels(spec)
+    assert [kv.name for kv in k64[:3]] == [kv.name.replace("_m128_", "_m64_").replace("_t128x", "_t64x")
+                                           for kv in k128[:3]]
+    assert k64[3:] == k128[3:]
+    with pytest.raises(ValueError, match="not a backward variant name"):  # the default height is not spelled
+        BackwardVariant.parse(COMMITTED.replace("_dh", "_m128_dh"))
 
 
 def test_no_backward_variants_where_there_is_no_fused_backward():
@@ -68,7 +100,16 @@ def test_invalid_backward_tiles_are_refused_with_the_reason():
     spec = make_spec("qwen3-30b-a3b")
     base = default_backward(spec, 4096)
     ok, why = can_implement_backward(spec, dataclasses.replace(base, dx=GemmTiles(96, 64, 4, "hopws")))
-    assert not ok and why.startswith("dX tiles n96k64s4hopws: ") and "multiple of 64" in why
+    assert not ok and why.startswith("dX tiles n96k64s4hopws at tile_m 128: ") and "multiple of 64" in why
+    # each GEMM at the variant's own height: a 256-wide ping-pong tile holds 64 rows, not 128
+    wide = GemmTiles(256, 64, 4, "hoppp")
+    ok, why = can_implement_backward(spec, dataclasses.replace(base, dx=wide))
+    assert not ok and why.startswith("dX tiles n256k64s4hoppp at tile_m 128: ") and "registers" in why
+    assert can_implement_backward(spec, dataclasses.replace(base, dx=wide, tile_m=64)) == (True, "")
+    for m in (32, 96, 256):
+        ok, why = can_implement_backward(spec, dataclasses.replace(base, tile_m=m))
+        assert not ok and why == limits.check_backward_tile_m(m)[1]
+        assert why.startswith(f"the backward's tile_m {m} must be 64 or 128: ") and why.count(".") == 0
     bad = (WgradTiles(256, 256, 4), base.wgrad[1])
     ok, why = can_implement_backward(spec, dataclasses.replace(base, wgrad=bad))
     assert not ok and why.startswith("dW13 tiles 256x256s4: ")
@@ -86,8 +127,13 @@ def test_the_combination_takes_each_part_from_its_fastest_winner():
     dxs = [v for v in c[1:] if v.dx != base.dx]
     w = next(v for v in c[1:] if v.wgrad != base.wgrad)
     got = combine_backward(base, [dhs[1], dxs[0], dhs[0], w])  # fastest first
-    assert (got.dh, got.dx, got.wgrad) == (dhs[1].dh, dxs[0].dx, w.wgrad)
+    assert (got.tile_m, got.dh, got.dx, got.wgrad) == (128, dhs[1].dh, dxs[0].dx, w.wgrad)
     assert combine_backward(base, []) == base
+    # 64-row tiles and a dH or dX tile of 128 rows are compiled apart: the faster of them goes in
+    rows = [v for v in c if v.tile_m == 64]
+    assert combine_backward(base, [rows[1], dhs[0], rows[0], w]) == dataclasses.replace(rows[1], wgrad=w.wgrad)
+    got = combine_backward(base, [dxs[0], rows[0], w])
+    assert (got.tile_m, got.dh, got.dx, got.wgrad) == (128, base.dh, dxs[0].dx, w.wgrad)
 
 
 class FakeBackwardMeasurer:
@@ -106,6 +152,7 @@ class FakeBackwardMeasurer:
         t = 1000.0 + {256: 0, 128: -30, 192: 10}[v.dh.tile_n] + {256: 0, 192: 15, 128: 20}[v.dx.tile_n]
         t += 0 if v.wgrad is None else (-50 if v.wgrad[0].tma_store else -20)
         t += 5 if v.dh.mma == "hoppp" else 0
+        t += (-10 if v.tile_m == 64 else 0) + (2 if v.dx.mma == "hoppp" else 0)
         return Outcome("ok", median_us=t, stats={"median_us": t, "replays": 20}, rel_err=4e-3)
 
 
@@ -132,9 +179,10 @@ def test_tuning_records_every_candidate_and_the_combination_and_picks_the_fastes
         recs = db.records(backward_workload(spec), spec.target, GPU, 4096)
         assert db.records(spec.workload_key) == []  # the forward's records are not touched
         trials = [r for r in recs if picks.confirmation(r) is None]
-        # every candidate once, then the combination of the winning parts (dH 128x128
-        # cooperative, 5 us ahead of the ping-pong default; weight gradients with TMA stores)
-        combo = dataclasses.replace(base, dh=GemmTiles(128, 64, 4, "hopws"), wgrad=cands[-1].wgrad)
+        # every candidate once, then the combination of the winning parts: 64-row tiles (10 us ahead
+        # of the default; dH 128x128 cooperative, 5 us ahead, was measured at 128 rows only, so it
+        # does not join them) and weight gradients with TMA stores
+        combo = dataclasses.replace(base, tile_m=64, wgrad=cands[-1].wgrad)
         assert [r.variant for r in trials] == [v.name(spec) for v in cands] + [combo.name(spec)]
         wrong = [r for r in trials if r.status == "wrong_result"]
         assert [BackwardVariant.parse(r.variant).dx.tile_n for r in wrong] == [64]
@@ -144,7 +192,7 @@ def test_tuning_records_every_candidate_and_the_combination_and_picks_the_fastes
         assert len(again) == 6 and picks.complete_rounds(recs) == {picks.confirmation(again[0])["round"]}
         [p] = picks.derive_picks(db, spec, GPU, backward=True)
         assert p.variant == combo.name(spec) and p.default == base.name(spec)
-        assert p.median_us == 1000 - 30 - 50 and p.default_us == 1000 - 30 + 5 - 20
+        assert p.median_us == 1000 - 30 + 5 - 10 - 50 and p.default_us == 1000 - 30 + 5 - 20
         [best] = db.all_best(workload=backward_workload(spec))
         assert best.variant == combo.name(spec)
     # measuring again finds every record: nothing is measured twice
@@ -223,9 +271,11 @@ def test_tune_backward_compile_only_compiles_every_candidate_kernel(tmp_path):
     assert r.exit_code == 0, r.output
     spec = make_spec(experts=8, top_k=2, hidden=512, intermediate=256)
     want = {kv.name for _, kv in backward_tune.candidate_kernels([spec], (1024,))}
+    rows64 = {kv.name for v in backward_candidates(spec, 1024) if v.tile_m == 64 for kv in v.kernels(spec)[:3]}
+    assert len(rows64) == 4  # the routing, dH and dX (cooperative and ping-pong) at 64 rows
     with Database(url, readonly=True) as db:
         got = {a.name for a in db.list_artifacts(status="ok")}
-        assert want <= got
+        assert want <= got and rows64 <= got
         for v in backward_candidates(spec, 1024):  # what the tuner keys its records by
             picks.variant_content(db, spec, v)
 

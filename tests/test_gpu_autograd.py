@@ -322,3 +322,36 @@ def test_the_backward_serves_its_buckets_pick_and_it_matches_fp32(store, model, 
     finally:
         w13 = w2 = biases = None
         torch.cuda.empty_cache()
+
+
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("tile_m", [64, 128])
+def test_the_backward_at_each_routing_tile_height_matches_fp32(store, model, tile_m):
+    """The 4096-token bucket's tuning candidates with tile_m-row routing tiles and the default's
+    weight gradients (variants.backward_candidates: at 128 rows the default, at 64 its two 64-row
+    twins), each checked by the tuner's own check (harness/backward.py) against fp32 on
+    NaN-poisoned memory. Skipped where the database lacks their kernels (`moe-aot tune --backward
+    --compile-only` compiles them)."""
+    from moe_aot.harness.backward import measure_backward
+    from moe_aot.runtime.store import KernelMissingError
+    from moe_aot.variants import backward_candidates
+
+    spec = make_spec(model, target="sm_90a")
+    tokens = 4096
+    cands = backward_candidates(spec, tokens)
+    todo = [v for v in cands if v.tile_m == tile_m and v.wgrad == cands[0].wgrad]
+    assert todo
+    gen = torch.Generator(device=DEV).manual_seed(tokens + tile_m)
+    w13, w2, biases = _layer(spec, gen)
+    try:
+        for v in todo:
+            try:
+                r = measure_backward(spec, v, tokens, (w13, biases[0]) if biases else w13,
+                                     (w2, biases[1]) if biases else w2, store, DEV, replays=4)
+            except KernelMissingError as exc:
+                pytest.skip(str(exc))
+            assert r["ok"], (v.name(spec), r["errors"])
+            print(f"{v.name(spec)}: {r['median_us']:.0f} us, errors {r['errors']}")
+    finally:
+        w13 = w2 = biases = None
+        torch.cuda.empty_cache()

@@ -8,7 +8,8 @@ on the same products, for several tile choices side by side.
     # GPU machine (no DSL needed)
     python3 tools/check_backward.py --db sqlite:///.device/bwd.sqlite --out DIR [--models ...] [--tokens 4096,16384]
 
-Per model, token count and tile choice (``--tiles``: dH/dX tiles as NxSTAGES+MMA, e.g. 128s4hopws):
+Per model, token count, routing tile height (``--tile-m``: 64 and/or 128, the same on both
+machines) and tile choice (``--tiles``: dH/dX tiles as NxSTAGES+MMA, e.g. 128s4hopws):
 - dH: da, w h and dw of every routed row within 1e-2 (per row) of the GLU's backward in fp32 on
   G = dO_m W2_e in fp32, padding rows exactly zero;
 - dX: every routed row within 1e-2 of da_r W13_e in fp32 on the kernel's own da;
@@ -45,22 +46,36 @@ def parse_tiles(text: str):
     return GemmTiles(int(m[1]), 64, int(m[2]), m[3])
 
 
-def choices(spec, tiles: str):
-    """The valid (dH, dX) tile pairs of --tiles for this layer (a tile that does not divide N is
-    replaced by the default's)."""
+def choices(spec, tiles: str, tile_m: int):
+    """The valid (dH, dX) tile pairs of --tiles for this layer at this routing tile height (a tile
+    that is not valid there is replaced by the first valid, variants.backward_gemm_tiles)."""
     from moe_aot import gemm_limits as limits
-    from moe_aot.variants import BWD_TILE_M, backward_gemm_tiles
+    from moe_aot.variants import backward_gemm_tiles
 
-    default = backward_gemm_tiles(spec)
+    default = backward_gemm_tiles(spec, tile_m)
+    if default is None:
+        return []
     out = []
     for t in tiles.split(","):
         t = parse_tiles(t)
         pair = []
         for d, (n, k) in zip(default, ((spec.intermediate, spec.hidden), (spec.hidden, 2 * spec.intermediate))):
-            ok = limits.check_backward_gemm(n, k, BWD_TILE_M, t.tile_n, 64, t.stages, t.mma, "sm_90a")[0]
+            ok = limits.check_backward_gemm(n, k, tile_m, t.tile_n, 64, t.stages, t.mma, "sm_90a")[0]
             pair.append(t if ok else d)
         if tuple(pair) not in out:
             out.append(tuple(pair))
+    return out
+
+
+def tile_ms(text: str) -> list[int]:
+    """--tile-m '64,128' -> [64, 128], each a height the backward is built for."""
+    from moe_aot import gemm_limits as limits
+
+    out = [int(m) for m in text.split(",")]
+    for m in out:
+        ok, why = limits.check_backward_tile_m(m)
+        if not ok:
+            raise SystemExit(f"--tile-m: {why}")
     return out
 
 
@@ -73,8 +88,9 @@ def compile_db(ns) -> None:
     extra = []
     for model in ns.models.split(","):
         spec = make_spec(model, target="sm_90a")
-        for dh, dx in choices(spec, ns.tiles):
-            extra += [(spec, kv) for kv in backward_gemm_kernels(spec, dh, dx) if (spec, kv) not in extra]
+        for m in tile_ms(ns.tile_m):
+            for dh, dx in choices(spec, ns.tiles, m):
+                extra += [(spec, kv) for kv in backward_gemm_kernels(spec, dh, dx, m) if (spec, kv) not in extra]
 
     def progress(res, done, total):
         print(f"[{done}/{total}] {'ok' if res.artifact else 'FAILED'} {res.seconds:6.1f}s  {res.kernel.name}"
@@ -126,9 +142,9 @@ def run(ns) -> None:
             t_torch_dx = graph_time_us([lambda a=a_sorted: torch._grouped_mm(a, w13, offs=offs)], ns.replays)
             del a_sorted
             flops = 2 * P * H * I  # dH; dX's product is twice that (K = 2I)
-            for dh_t, dx_t in choices(spec, ns.tiles):
-                kern = backward_gemms(E, K, H, I, spec.activation, spec.bias, dev, store, tiles=(dh_t, dx_t))
-                row = {"model": model, "tokens": M, "dh": dh_t.tag, "dx": dx_t.tag}
+            for tm, dh_t, dx_t in [(m, *pair) for m in tile_ms(ns.tile_m) for pair in choices(spec, ns.tiles, m)]:
+                kern = backward_gemms(E, K, H, I, spec.activation, spec.bias, dev, store, (dh_t, dx_t), tm)
+                row = {"model": model, "tokens": M, "tile_m": tm, "dh": dh_t.tag, "dx": dx_t.tag}
                 if kern is None:
                     row["error"] = "kernels not in the database"
                     rows.append(row)
@@ -204,26 +220,30 @@ def run(ns) -> None:
     lines = [f"# Backward data GEMMs on {torch.cuda.get_device_name()} ({stamp})", "",
              f"`python3 tools/check_backward.py {' '.join(sys.argv[1:])}`; µs (CUDA-graph medians) and useful TFLOP/s; "
              "torch = torch._grouped_mm on the same product, rows pre-sorted, no GLU.", "",
-             "| model | tokens | dH tiles | dX tiles | ok | dH µs (TFLOP/s) | torch | dX µs (TFLOP/s) | torch "
-             "| worst err |",
-             "|" + "---|" * 10]
+             "| model | tokens | tile_m | dH tiles | dX tiles | ok | dH µs (TFLOP/s) | torch | dX µs (TFLOP/s) "
+             "| torch | worst err |",
+             "|" + "---|" * 11]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['model']} | {r['tokens']} | {r['dh']} | {r['dx']} | {r['error']} |||||")
+            lines.append(f"| {r['model']} | {r['tokens']} | {r['tile_m']} | {r['dh']} | {r['dx']} | {r['error']} "
+                         "|||||")
             continue
         err = max(r["da_row_err"], r["hw_row_err"], r["dw_err"], r["dx_row_err"])
-        lines.append(f"| {r['model']} | {r['tokens']} | {r['dh']} | {r['dx']} | {r['ok']} | {r['dh_us']} "
-                     f"({r['dh_tflops']}) | {r['torch_dh_us']} ({r['torch_dh_tflops']}) | {r['dx_us']} "
+        lines.append(f"| {r['model']} | {r['tokens']} | {r['tile_m']} | {r['dh']} | {r['dx']} | {r['ok']} "
+                     f"| {r['dh_us']} ({r['dh_tflops']}) | {r['torch_dh_us']} ({r['torch_dh_tflops']}) | {r['dx_us']} "
                      f"({r['dx_tflops']}) | {r['torch_dx_us']} ({r['torch_dx_tflops']}) | {err:.1e} |")
     (ns.out / "check_backward.md").write_text("\n".join(lines) + "\n")
 
 
 def main() -> int:
+    from moe_aot.variants import BWD_TILE_M
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--db", required=True, help="database URL (sqlite:///...)")
     ap.add_argument("--compile", action="store_true", help="compile the tile choices into --db (CPU)")
     ap.add_argument("--models", default=MODELS)
     ap.add_argument("--tiles", default=TILES, help="dH/dX tile choices, e.g. 128s4hopws,256s4hopws")
+    ap.add_argument("--tile-m", default=str(BWD_TILE_M), help="routing tile heights, e.g. 64,128")
     ap.add_argument("--tokens", default="4096,16384")
     ap.add_argument("--replays", type=int, default=20)
     ap.add_argument("--jobs", type=int, default=2)

@@ -30,6 +30,7 @@ from ..gemm_limits import (
 from ..layout import interleave_gate_up, max_tiles
 from ..spec import LayerSpec, make_spec, value_class
 from ..variants import (
+    BWD_TILE_M,
     INTERLEAVE,
     LayerVariant,
     backward_kernels,
@@ -844,28 +845,30 @@ class BackwardGemms:
 
 
 def backward_gemms(experts: int, top_k: int, hidden: int, intermediate: int, activation: str, bias: bool,
-                   device: torch.device, store: KernelStore | None = None, tiles=None) -> BackwardGemms | None:
+                   device: torch.device, store: KernelStore | None = None, tiles=None,
+                   tile_m: int = BWD_TILE_M) -> BackwardGemms | None:
     """The backward's fused data GEMMs of this layer shape for `device` (`moe-aot build --backward`
-    on sm_90a), or None when the target has none or the database lacks any of them (the backward
-    then multiplies with torch's grouped GEMMs); looked up once per shape and device. ``tiles``:
-    (dH, dX) GemmTiles other than the defaults (tools/check_backward.py)."""
-    from ..variants import BWD_TILE_M, backward_gemm_kernels, backward_gemm_tiles
+    on sm_90a) with the routing in tile_m-row tiles, or None when the target has none or the
+    database lacks any of them (the backward then multiplies with torch's grouped GEMMs); looked up
+    once per shape, height and device. ``tiles``: (dH, dX) GemmTiles other than the defaults at
+    that height (a BackwardVariant's, tools/check_backward.py)."""
+    from ..variants import backward_gemm_kernels, backward_gemm_tiles
 
-    key = (experts, top_k, hidden, intermediate, activation, bias, device.index, "gemms", tiles)
+    key = (experts, top_k, hidden, intermediate, activation, bias, device.index, "gemms", tiles, tile_m)
     if key not in _BACKWARD:
         spec = make_spec(experts=experts, top_k=top_k, hidden=hidden, intermediate=intermediate,
                          activation=activation, bias=bias, target=device_target(device))
-        tiles = tiles or backward_gemm_tiles(spec)
+        tiles = tiles or backward_gemm_tiles(spec, tile_m)
         _BACKWARD[key] = None
         if tiles is not None:
-            kvs = backward_gemm_kernels(spec, *tiles)
+            kvs = backward_gemm_kernels(spec, *tiles, tile_m)
             try:
                 libs = _backward_store(spec, key, device, store).load_many([kv.name for kv in kvs], spec.target,
                                                                            device.index)
             except KernelMissingError:
                 libs = None
             if libs is not None:
-                _BACKWARD[key] = BackwardGemms(BWD_TILE_M, tiles[0].tile_n, *(libs[kv.name] for kv in kvs))
+                _BACKWARD[key] = BackwardGemms(tile_m, tiles[0].tile_n, *(libs[kv.name] for kv in kvs))
     return _BACKWARD[key]
 
 
@@ -899,7 +902,8 @@ def backward_plan(experts: int, top_k: int, hidden: int, intermediate: int, acti
     for v in tries:
         if v is None:
             continue
-        gemms = backward_gemms(experts, top_k, hidden, intermediate, activation, bias, device, store, (v.dh, v.dx))
+        gemms = backward_gemms(experts, top_k, hidden, intermediate, activation, bias, device, store, (v.dh, v.dx),
+                               v.tile_m)
         wk = None if v.wgrad is None else wgrad_kernels_for(experts, top_k, hidden, intermediate, device, store,
                                                              v.wgrad)
         if gemms is not None and (v.wgrad is None or wk is not None):
