@@ -3,6 +3,7 @@ from burst timings, and the NVML readings that go with each timing (CPU: a fake 
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 from click.testing import CliRunner
@@ -93,11 +94,12 @@ class _Reader:
 
 def test_the_sampler_reports_clock_power_reasons_and_energy_per_replay():
     with gpustate.Sampler(_Reader(), period=0.001) as s:
-        pass
+        time.sleep(0.01)
     out = s.summary(replays=100)
     assert out["power_w"] == 690.0 and out["reasons"] == ["sw_power_cap"]
     assert out["sm_mhz_min"] <= out["sm_mhz"] <= 1980 and out["sm_mhz_min"] in (1410, 1455, 1980)
-    assert out["mj_per_replay"] == 3.5 and out["window_s"] >= 0
+    assert out["mj_per_replay"] == 3.5 and out["replays"] == 100
+    assert out["counter_w"] == round(0.35 / out["window_s"], 1)  # 350 mJ over the window
 
 
 def test_reason_names_name_every_bit_and_keep_unknown_ones():

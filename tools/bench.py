@@ -223,7 +223,7 @@ def bench_model(name: str, tokens_list, replays: int, rate: float, store, pdl: b
 
 def _state_text(state, *keys) -> str:
     """`SM MHz, W, mJ per layer` of a row's GPU readings ("-" where not read)."""
-    keys = keys or ("sm_mhz", "power_w", "mj_per_replay")
+    keys = keys or ("sm_mhz", "counter_w", "mj_per_replay")
     if not state:
         return "-"
     return ", ".join("-" if state.get(k) is None else f"{state[k]:.4g}" for k in keys)
@@ -234,9 +234,9 @@ def markdown(result: dict) -> str:
              f"Command: `{result['command']}`; bf16 matmul rate measured in the run: "
              f"{result['matmul_tflops']:.0f} TFLOP/s{_matmul_clock(result)}; HBM 4.8 TB/s. Times are medians of "
              "CUDA-graph replays (µs); ratios below 1 in `torch/ours` mean PyTorch was faster. `SM MHz, W, mJ`: "
-             f"the SM clock and board power (medians of NVML samples every 20 ms) and the energy per layer (the "
-             f"board's energy counter over {ENERGY_S} s of further replays) of ours; `torch mJ`: the same energy "
-             "of the unfused path.", "",
+             f"over {ENERGY_S} s of further replays of ours, the SM clock (median of NVML samples every 20 ms), "
+             "the board power and the energy per layer (both from the board's energy counter); `torch mJ`: the "
+             "same energy of the unfused path.", "",
              "| model | tokens | ours µs | floor µs | ours/floor | torch µs | torch/ours | vLLM/ours | rel err "
              "| GEMM1 µs, TFLOP/s, TB/s | GEMM2 µs, TFLOP/s, TB/s | SM MHz, W, mJ | torch mJ | variant |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]

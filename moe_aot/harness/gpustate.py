@@ -90,7 +90,7 @@ class Sampler:
 
         with Sampler(nvml) as s:
             ... timed work ...
-        s.summary(replays)  # {"sm_mhz", "power_w", "reasons", "mj_per_replay", "window_s"}
+        s.summary(replays)  # {"window_s", "sm_mhz", "power_w", "reasons", "counter_w", "replays", "mj_per_replay"}
     """
 
     def __init__(self, reader, period: float = SAMPLE_S):
@@ -134,6 +134,11 @@ class Sampler:
         if self.powers:
             out["power_w"] = round(statistics.median(self.powers), 1)
         out["reasons"] = reason_names(self.bits)
-        if replays and self._e0 is not None and self._e1 is not None:
-            out["mj_per_replay"] = round((self._e1 - self._e0) / replays, 4)
+        if self._e0 is not None and self._e1 is not None and out["window_s"] > 0:
+            # the counter's mean power over the window: NVML's power reading averages over about a
+            # second and lags a change of load (NOTES, 2026-12-03, seventeenth session, call 1)
+            out["counter_w"] = round((self._e1 - self._e0) / 1e3 / out["window_s"], 1)
+            if replays:
+                out["replays"] = replays
+                out["mj_per_replay"] = round((self._e1 - self._e0) / replays, 4)
         return out
