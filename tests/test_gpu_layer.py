@@ -241,10 +241,14 @@ def test_gpu_measurer_measures_the_default_on_this_gpu(store):
     spec = make_spec(MODELS[0], target="sm_90a")
     m = GpuMeasurer(env.default_db_url(), replays=20)
     assert m.gpu == torch.cuda.get_device_name()
-    assert re.match(r"^\d+\.\d+(\.\d+)? \(CUDA \d+\.\d+\)$", m.driver), m.driver
+    # the driver, and the timing method: each candidate timed after SUSTAINED_WARMUP_S of replays
+    assert re.match(r"^\d+\.\d+(\.\d+)? \(CUDA \d+\.\d+\); sustained 0\.5 s$", m.driver), m.driver
     out = m(spec, default_variant(spec, 16), 16)
     assert out.status == "ok", out.error
     assert out.median_us > 0 and out.rel_err < TOLERANCE
+    assert out.stats["warmup_s"] == 0.5
+    state = out.stats["gpu_state"]  # NVML's readings of the timed replays (the driver ships libnvidia-ml)
+    assert 100 <= state["sm_mhz"] <= 3000 and state["window_s"] > 0 and isinstance(state["reasons"], list)
 
 
 @pytest.mark.parametrize("tokens", [1, 256, 4096])
