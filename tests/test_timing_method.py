@@ -7,7 +7,7 @@ import time
 
 import pytest
 from click.testing import CliRunner
-from tuner_fakes import GPU, FakeMeasurer, fake_compile
+from tuner_fakes import GPU, DefaultVsOthers, fake_compile
 
 from moe_aot import measure_worker, picks, tuner
 from moe_aot.cli import main
@@ -25,19 +25,6 @@ def url(tmp_path):
     return f"sqlite:///{tmp_path / 'm.sqlite'}"
 
 
-class _Times(FakeMeasurer):
-    """The default takes `default_us`, every other variant `other_us`."""
-
-    def __init__(self, default_us, other_us, driver):
-        super().__init__()
-        self.default_us, self.other_us, self.driver, self.calls = default_us, other_us, driver, []
-
-    def __call__(self, spec, variant, tokens):
-        self.calls.append(variant.name(spec))
-        t = self.default_us if variant == default_variant(spec, tokens) else self.other_us
-        return tuner.Outcome("ok", median_us=t, stats={"median_us": t}, rel_err=1e-3)
-
-
 def test_the_timing_context_keeps_burst_records_as_they_were_and_names_the_warmup():
     assert timing_context(DRIVER, 0) == DRIVER  # the records before the warm-up existed keep their context
     sustained = timing_context(DRIVER, SUSTAINED_WARMUP_S)
@@ -50,10 +37,10 @@ def test_sustained_timings_are_judged_apart_from_burst_ones(url, tmp_path):
     The bucket is judged in the context of the default's newest record: the sustained one."""
     d = default_variant(SPEC, 64).name(SPEC)
     tuner.prepare(url, [SPEC], (64,), GPU, trials=3, jobs=0, compile_fn=fake_compile, seed=1, progress=lambda s: None)
-    burst = _Times(default_us=10.0, other_us=9.0, driver=timing_context(DRIVER, 0))
+    burst = DefaultVsOthers(default_us=10.0, other_us=9.0, driver=timing_context(DRIVER, 0))
     measure_worker.measure(url, burst, progress=lambda s: None, confirm=0)
     tuner.prepare(url, [SPEC], (64,), GPU, trials=6, jobs=0, compile_fn=fake_compile, seed=2, progress=lambda s: None)
-    sustained = _Times(default_us=12.0, other_us=14.0, driver=timing_context(DRIVER, SUSTAINED_WARMUP_S))
+    sustained = DefaultVsOthers(default_us=12.0, other_us=14.0, driver=timing_context(DRIVER, SUSTAINED_WARMUP_S))
     measure_worker.measure(url, sustained, progress=lambda s: None, confirm=0)
     assert sustained.calls[0] == d  # no sustained record of the default yet: measured first
     with Database(url) as db:

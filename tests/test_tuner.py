@@ -13,6 +13,7 @@ import pytest
 from click.testing import CliRunner
 from optuna.trial import TrialState
 from tuner_fakes import GPU, DrawMeasurer, FakeMeasurer, check_records_and_best, fake_compile, fake_time_us, toolchain
+from tuner_fakes import DefaultVsOthers as _Times
 
 from moe_aot import measure_worker, picks, tuner
 from moe_aot.cli import main
@@ -386,19 +387,6 @@ def test_a_variant_already_recorded_is_not_measured_again(url):
 
 
 # -- picks: derived from records keyed by the measured binaries, never slower than the default --
-
-class _Times(FakeMeasurer):
-    """The default takes `default_us`, every other variant `other_us`; remembers what it ran."""
-
-    def __init__(self, default_us=10.0, other_us=30.0, driver="999.0 (CUDA 13.0)"):
-        super().__init__()
-        self.default_us, self.other_us, self.driver, self.calls = default_us, other_us, driver, []
-
-    def __call__(self, spec, variant, tokens):
-        self.calls.append(variant.name(spec))
-        t = self.default_us if variant == default_variant(spec, tokens) else self.other_us
-        return tuner.Outcome("ok", median_us=t, stats={"median_us": t}, rel_err=1e-3)
-
 
 def _refactored_compile(db_url, spec, variant):
     """fake_compile after a template refactor that left every cubin as it was: the toolchain's

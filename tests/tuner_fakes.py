@@ -63,6 +63,19 @@ class FakeMeasurer:
                        rel_err=3e-3)
 
 
+class DefaultVsOthers(FakeMeasurer):
+    """The bucket's default takes `default_us`, every other variant `other_us`; remembers what it ran."""
+
+    def __init__(self, default_us=10.0, other_us=30.0, driver="999.0 (CUDA 13.0)"):
+        super().__init__()
+        self.default_us, self.other_us, self.driver, self.calls = default_us, other_us, driver, []
+
+    def __call__(self, spec, variant, tokens):
+        self.calls.append(variant.name(spec))
+        t = self.default_us if variant == default_variant(spec, tokens) else self.other_us
+        return Outcome("ok", median_us=t, stats={"median_us": t}, rel_err=1e-3)
+
+
 class DrawMeasurer(FakeMeasurer):
     """Times from `draws`: per variant name, the times of its successive measurements (the last
     one repeats; None: a failed launch); other variants take fake_time_us. Every call is in
