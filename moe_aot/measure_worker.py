@@ -103,6 +103,7 @@ class GpuMeasurer:
                  index: int | None = None, warmup_s: float = SUSTAINED_WARMUP_S):
         import torch
 
+        from .harness.gpustate import Nvml, gpu_uuid
         from .runtime.store import KernelStore
 
         if not torch.cuda.is_available():
@@ -114,14 +115,11 @@ class GpuMeasurer:
         self.driver = timing_context(driver_version(), warmup_s)
         # Which GPU of the host measured (tuner.device_stats): `index` is the host's numbering where
         # a --devices worker sees its GPU as cuda:0 through CUDA_VISIBLE_DEVICES.
-        uuid = getattr(torch.cuda.get_device_properties(self.device), "uuid", None)  # as nvidia-smi -L
-        self.device_info = {"index": self.device.index if index is None else index,
-                            "uuid": None if uuid is None else f"GPU-{uuid}".replace("GPU-GPU-", "GPU-")}
+        uuid = gpu_uuid(self.device)
+        self.device_info = {"index": self.device.index if index is None else index, "uuid": uuid}
         self.store = KernelStore(db_url)
         self.replays = replays
-        from .harness.gpustate import Nvml
-
-        self.nvml = Nvml.of_torch_device(self.device)
+        self.nvml = Nvml.open(uuid=uuid)
         self._weights: tuple[LayerSpec, tuple] | None = None
 
     def weights(self, spec: LayerSpec):

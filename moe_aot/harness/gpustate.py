@@ -29,6 +29,15 @@ def reason_names(bits: int) -> list[str]:
     return names + ([hex(rest)] if rest else [])
 
 
+def gpu_uuid(device) -> str | None:
+    """A torch CUDA device's UUID as nvidia-smi -L and NVML spell it ("GPU-..."), None where torch
+    does not say."""
+    import torch
+
+    uuid = getattr(torch.cuda.get_device_properties(device), "uuid", None)
+    return None if uuid is None else f"GPU-{uuid}".replace("GPU-GPU-", "GPU-")
+
+
 class Nvml:
     """One GPU's NVML handle. `open` returns None where NVML cannot be loaded or the GPU not found
     (a CPU machine, a container without the driver library): readings are then left out, never
@@ -54,10 +63,7 @@ class Nvml:
     def of_torch_device(cls, device) -> "Nvml | None":
         """The NVML handle of a torch CUDA device, found by its UUID (indices differ where
         CUDA_VISIBLE_DEVICES reorders or hides GPUs)."""
-        import torch
-
-        uuid = getattr(torch.cuda.get_device_properties(device), "uuid", None)
-        return cls.open(uuid=None if uuid is None else f"GPU-{uuid}".replace("GPU-GPU-", "GPU-"))
+        return cls.open(uuid=gpu_uuid(device))
 
     def _uint(self, fn, *args, wide=False):
         v = ctypes.c_ulonglong() if wide else ctypes.c_uint()
@@ -78,11 +84,6 @@ class Nvml:
             if hasattr(self._lib, fn):  # the older name is deprecated in newer drivers
                 return self._uint(fn, wide=True)
         return None
-
-    def power_limit_w(self) -> float | None:
-        mw = self._uint("nvmlDeviceGetEnforcedPowerLimit")
-        return None if mw is None else mw / 1e3
-
 
 class Sampler:
     """Samples a reader's SM clock, power and throttle reasons every `period` seconds on a thread,
