@@ -241,6 +241,9 @@ def main():
                     help="arguments for tools/gemm_peers.py ('' for defaults): our GEMMs beside torch's grouped GEMMs")
     ap.add_argument("--profile-layer", default=None, metavar="POINTS",
                     help="ncu over one forward of the served layer per point, e.g. 'qwen3-30b-a3b:1,mixtral-8x7b:256'")
+    ap.add_argument("--profile-source", default=None, metavar="POINTS",
+                    help="ncu's SASS-level stall sampling over one forward per point (tools/ncu_source_top.py "
+                         "reads it), e.g. 'qwen3-30b-a3b:16:fp8'")
     ap.add_argument("--profile-train", metavar="POINTS",
                     help="ncu over one training step (fused_moe_train and its backward) per point, e.g. "
                          "'qwen3-30b-a3b:4096'")
@@ -426,6 +429,20 @@ def main():
             rc, log, _ = sh([sys.executable, "tools/ncu_summary.py", str(out / f"ncu_{tag}.csv")], env=env)
             (out / f"ncu_{tag}_summary.txt").write_text(log)
             print(log[-6000:], flush=True)
+
+    if ns.profile_source:
+        csv_path = out / "ncu_source.csv"
+        cmd = ["ncu", "--clock-control", "none", "--nvtx", "--nvtx-include", "regex:prof_.*/", "--section",
+               "SourceCounters", "--page", "source", "--print-source", "sass", "--csv",
+               sys.executable, "tools/profile_layer.py", *ns.profile_source.split(",")]
+        rc, log, secs = sh(cmd, env=env, timeout=400)
+        csv_path.write_text(log)
+        summary["profile_source"] = {"rc": rc, "seconds": round(secs, 1)}
+        if rc == 0:
+            rc, top, _ = sh([sys.executable, "tools/ncu_source_top.py", str(csv_path), "--top", "16"], env=env)
+            (out / "ncu_source_top.txt").write_text(top)
+            print(top[-5000:], flush=True)
+        subprocess.run(["gzip", "-f", str(csv_path)])
 
     if ns.gemm_check is not None and not ns.skip_check:
         check = [sys.executable, "tools/check_gemm_kernels.py", "--run", ns.gemm_check]
