@@ -115,9 +115,11 @@ PROMOTE_PART_N = 128
 
 def promote_parts(mma, tile_m, tile_n) -> int:
     """How many column parts a promoting wgmma GEMM multiplies its tile in: 1 (two partial sums
-    of the whole tile, pipelined), or tile_n / PROMOTE_PART_N for cooperative 128-row tiles
-    wider than PROMOTE_PART_N (one partial sum of one part at a time)."""
-    if mma == "hopws" and tile_m == 128 and tile_n > PROMOTE_PART_N:
+    of the whole tile, pipelined), or tile_n / PROMOTE_PART_N for cooperative tiles wider than
+    PROMOTE_PART_N (one partial sum of one part at a time): 128-row tiles, and 64-row ones (one
+    warpgroup with the same 64 x tile_n accumulators, for decode, where the weight stream and not
+    the tensor cores sets the pace: twice the bytes per stage of a 128-wide tile)."""
+    if mma == "hopws" and tile_m in (64, 128) and tile_n > PROMOTE_PART_N:
         return tile_n // PROMOTE_PART_N
     return 1
 # the cores fp8 is built on: the cooperative one (the ping-pong one crashed in its first GPU

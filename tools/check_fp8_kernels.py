@@ -68,6 +68,12 @@ CONFIGS = [
     # token, 2026-12-01): compiled here only with --experimental, to find out why
     ("f8p", "hoppp", PRECISIONS, 64, (128, 8), (128, 6)),
     ("f8c64", "hopws", PRECISIONS, 64, (128, 6), (128, 6)),
+    # the decode tile with more bytes in flight per SM: 8 (GEMM2: 7, Qwen3-30B has 6 k-tiles)
+    # stages of 64x128 (192 KB), or 64x256
+    # tiles (32 KB of weights per stage) promoted in two 128-column parts, h scaled per 128 columns
+    ("f8c64s8", "hopws", PRECISIONS, 64, (128, 8), (128, 7)),
+    ("f8c64n256", "hopws", PRECISIONS, 64, (256, 4), (256, 4), 128),
+    ("f8c64n256s5", "hopws", PRECISIONS, 64, (256, 5), (256, 5), 128),
     # mma.sync (templates/warp_fp8.py): the decode regime's weight streaming
     ("f8w16", "warp", PRECISIONS, 16, (128, 6), (32, 6)),
     ("f8w16b", "warp", PRECISIONS, 16, (128, 4), (64, 6)),
@@ -82,7 +88,8 @@ CONFIGS = [
 
 EXPERIMENTAL = ("f8p",)
 # config -> the config it is measured against (same tiles, h scaled per 64 columns)
-VERSUS = {"f8n256h": "f8n256", "f8n256bbh": "f8n256bb", "f8w16n256h": "f8w16n256"}
+VERSUS = {"f8n256h": "f8n256", "f8n256bbh": "f8n256bb", "f8w16n256h": "f8w16n256", "f8c64s8": "f8c64",
+          "f8c64n256": "f8c64", "f8c64n256s5": "f8c64"}
 
 
 def kernels(only=None):
