@@ -123,14 +123,14 @@ def test_fp8_variants_and_their_refusals(precision):
     space = V.candidate_space(spec)
     assert space and all(t.mma in ("hopws", "warp") and t.tile_k == 128 and t.cluster == 1
                          for var in space for t in (var.glu, var.down))
-    # 256 columns only in cooperative 128-row tiles (promoted in two 128-column parts)
+    # 256 columns only in cooperative tiles promoted in two 128-column parts (64 or 128 rows)
     assert {var.glu.tile_n for var in space if var.glu.mma == "hopws"} == {128, 256}
-    assert {var.tile_m for var in space for t in (var.glu, var.down) if t.mma == "hopws" and t.tile_n > 128} == {128}
+    assert {var.tile_m for var in space for t in (var.glu, var.down) if t.mma == "hopws" and t.tile_n > 128} == {64, 128}
     assert {var.glu.tile_n for var in space if var.glu.mma == "warp"} == {128, 256}
     assert {var.tile_m for var in space if var.glu.mma == "warp"} == set(V.TILE_M)
     G = V.GemmTiles
     for tm, glu, down, why in (
-            (64, G(256, 128, 4, "hopws"), G(128, 128, 6, "hopws"), "accumulator registers"),
+            (64, G(128, 128, 6, "hopws"), G(192, 128, 4, "hopws"), "accumulator registers"),
             (128, G(192, 128, 4, "hopws"), G(128, 128, 6, "hopws"), "multiple of 128"),
             (128, G(128, 64, 6, "hopws"), G(128, 128, 6, "hopws"), "tile_k 64 must be 128"),
             (64, G(128, 128, 8, "hoppp"), G(128, 128, 6, "hoppp"), "runs on mma in"),
