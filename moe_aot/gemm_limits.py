@@ -549,7 +549,7 @@ def check_fp8(role, precision, n, k, tile_m, tile_n, mma, cluster_m=1) -> tuple[
             return False, (f"{precision} {role}: a {tile_m}x{tile_n} tile needs "
                            f"{3 * tile_m * tile_n // acc_threads} accumulator registers per thread with "
                            f"its two partial sums (max {3 * MAX_PROMOTE_ACC}): tile_n <= 128 at "
-                           f"64 rows per warpgroup (wider: hopws 128-row tiles, promoted in parts)")
+                           f"64 rows per warpgroup (wider: hopws tiles of 256 columns, promoted in parts)")
     if promotes(role, precision) and mma == "warp":
         wm, wn = default_warps(tile_m, tile_n, mma=mma)
         acc = tile_m * tile_n // (wm * wn * 32)
@@ -559,7 +559,7 @@ def check_fp8(role, precision, n, k, tile_m, tile_n, mma, cluster_m=1) -> tuple[
     part_n = tile_n // promote_parts(mma, tile_m, tile_n) if mma in WGMMA else tile_n
     if precision == "fp8-block128" and role == "down" and SCALE_BLOCK % part_n:
         return False, (f"{precision} GEMM2: tile_n {tile_n} must divide {SCALE_BLOCK} (one weight block), "
-                       f"or be promoted in parts that do (hopws 128-row tiles)")
+                       f"or be promoted in parts that do (hopws tiles of 256 columns)")
     if role == "glu" and SCALE_BLOCK % (tile_n // 2):
         return False, (f"{precision} GEMM1: tile_n {tile_n} must cover whole gate rows of one {SCALE_BLOCK}-row "
                        f"weight block (tile_n / 2 dividing {SCALE_BLOCK})")

@@ -28,8 +28,8 @@ Each consumer thread loads the scales its accumulator rows need straight from gl
 
 Constraints beyond hopper_gemm's: H and I multiples of 128 (2I and H for GEMM1); GEMM1
 tile_n a multiple of 128 (whole 64-column output blocks; of 2 * h_block); promoting GEMMs at most 64
-accumulators per thread (tile_n <= 128 at 64 rows per warpgroup), or cooperative 128-row tiles
-of 256 columns promoted in two 128-column parts (``_mainloop_parts``); fp8-block128 GEMM2 tile_n
+accumulators per thread (tile_n <= 128 at 64 rows per warpgroup), or cooperative tiles (64 or
+128 rows) of 256 columns promoted in two 128-column parts (``_mainloop_parts``); fp8-block128 GEMM2 tile_n
 (or part) dividing 128; no 2-CTA clusters. ``gemm_limits.check_fp8`` holds the rules.
 """
 
@@ -245,7 +245,8 @@ class _Fp8Consumer:
         part's wgmmas into ``part``, waited for, then added into acc's columns of part j times
         the block's scales. A warpgroup never overlaps its own wgmmas with its promotion (one
         partial-sum accumulator of a part is what the registers allow beside a 64x256 acc);
-        the other consumer warpgroup's wgmmas fill the tensor cores meanwhile. Returns the ring
+        the other consumer warpgroup's wgmmas fill the tensor cores meanwhile (a 64-row tile has
+        none: it is a decode tile, where the weight stream, not the tensor cores, sets the pace). Returns the ring
         state past the tile's k-tiles."""
         sa = cute.make_rmem_tensor(cute.make_layout(self.acc_rows), Float32)
         sb = cute.make_rmem_tensor(cute.make_layout(2), Float32)

@@ -125,7 +125,8 @@ def test_fp8_variants_and_their_refusals(precision):
                          for var in space for t in (var.glu, var.down))
     # 256 columns only in cooperative tiles promoted in two 128-column parts (64 or 128 rows)
     assert {var.glu.tile_n for var in space if var.glu.mma == "hopws"} == {128, 256}
-    assert {var.tile_m for var in space for t in (var.glu, var.down) if t.mma == "hopws" and t.tile_n > 128} == {64, 128}
+    wide = {var.tile_m for var in space for t in (var.glu, var.down) if t.mma == "hopws" and t.tile_n > 128}
+    assert wide == {64, 128}
     assert {var.glu.tile_n for var in space if var.glu.mma == "warp"} == {128, 256}
     assert {var.tile_m for var in space if var.glu.mma == "warp"} == set(V.TILE_M)
     G = V.GemmTiles
