@@ -56,12 +56,19 @@ from moe_aot.variants import default_variant  # noqa: E402
 HBM_BYTES_PER_S = 4.8e12
 
 
-def matmul_rate(nvml=None) -> tuple[float, dict]:
-    """FLOP/s of torch's bf16 8192^3 matmul, and the GPU's clocks and power during the timed ones."""
+def matmul_rate(nvml=None, warmup_s: float = 0.0) -> tuple[float, dict]:
+    """FLOP/s of torch's bf16 8192^3 matmul, and the GPU's clocks and power during the timed ones;
+    warmup_s > 0: after that many seconds of back-to-back matmuls (the clock the GPU sustains, as
+    the tuner times candidates), else after three (the burst rate the floor has used)."""
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     for _ in range(3):
         a @ b
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < warmup_s:
+        for _ in range(8):
+            a @ b
+        torch.cuda.synchronize()
     times = []
     with Sampler(nvml) if nvml else contextlib.nullcontext() as sampler:
         for _ in range(10):
