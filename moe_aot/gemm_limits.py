@@ -96,6 +96,10 @@ BIAS_PRECISIONS = ("bf16", "mxfp4-w", "mxfp8", "nvfp4", "w4a8-mx")
 ELEM_BYTES = {"bf16": 2, "fp8": 1, "fp8-block128": 1, "mxfp4-w": 2}
 FP8 = ("fp8", "fp8-block128")
 FP8_TILE_K = 128
+# fp8 k-tiles: one 128-byte swizzle atom (and scale block) per row, or two for GEMM1 on the
+# cooperative core (two promotions per k-tile; 256 weight bytes per row per stage, for the decode
+# buckets' weight stream: check_fp8)
+FP8_TILE_KS = (128, 256)
 SCALE_BLOCK = 128  # fp8-block128: weight blocks (128x128) and x blocks (1x128)
 # GEMM1's fp8 output h: one fp32 scale per row and h_block columns. Both GEMMs of a layer and its
 # hs buffer [R, I / h_block] must agree on it, so it is one field of the layer variant
@@ -250,7 +254,7 @@ def check_tiles(n, k, tile_m, tile_n, tile_k, stages, mma, warps_m, warps_n,
         if tile_n % 32 or not 32 <= tile_n <= 256:
             return False, f"{mma}: tile_n {tile_n} must be a multiple of 32 in 32..256"
         want_k = 128 // ELEM_BYTES[precision]
-        if tile_k != want_k:
+        if tile_k != want_k and not (precision in FP8 and tile_k in FP8_TILE_KS):
             return False, (f"{mma}: tile_k {tile_k} must be {want_k} for {precision} "
                            f"(one 128-byte swizzle atom)")
         if stages < 3:
@@ -260,9 +264,10 @@ def check_tiles(n, k, tile_m, tile_n, tile_k, stages, mma, warps_m, warps_n,
         return False, f"warps {warps_m}x{warps_n}: need 1..8 warps"
     if precision in FP8 and mma not in FP8_MMAS:
         return False, f"{precision} runs on mma in {FP8_MMAS}, not {mma!r}"
-    if precision in FP8 and tile_k != FP8_TILE_K:
-        return False, f"{precision}: tile_k {tile_k} must be {FP8_TILE_K} (one 128-byte row and scale block per k-tile)"
-    if tile_k not in (32, 64, 128):
+    if precision in FP8 and tile_k not in FP8_TILE_KS:
+        return False, (f"{precision}: tile_k {tile_k} must be one of {FP8_TILE_KS} (one or two 128-byte rows "
+                       f"and scale blocks per k-tile)")
+    if tile_k not in (32, 64, 128) + (FP8_TILE_KS if precision in FP8 else ()):
         return False, f"tile_k {tile_k} must be 32, 64 or 128"
     if k % tile_k:
         return False, f"K={k} not divisible by tile_k={tile_k}"
@@ -524,10 +529,13 @@ def check_h_block(precision, h_block, glu_tile_n=None) -> tuple[bool, str]:
     return True, ""
 
 
-def check_fp8(role, precision, n, k, tile_m, tile_n, mma, cluster_m=1) -> tuple[bool, str]:
+def check_fp8(role, precision, n, k, tile_m, tile_n, mma, cluster_m=1, tile_k=FP8_TILE_K) -> tuple[bool, str]:
     """(ok, reason) of the fp8 rules of one GEMM beyond check_tiles (bf16: always ok)."""
     if precision not in FP8:
         return True, ""
+    if tile_k in FP8_TILE_KS[1:] and not (role == "glu" and mma == "hopws"):
+        return False, (f"{precision} {role}: tile_k {tile_k} on {mma!r}: 256-wide k-tiles are GEMM1's on "
+                       f"'hopws' only (GEMM2 promotes per h block: at most two per k-tile)")
     if k % SCALE_BLOCK or n % (2 * SCALE_BLOCK if role == "glu" else SCALE_BLOCK):
         what = "2I and H" if role == "glu" else "H and I"
         return False, (f"{precision}: {what} must be multiples of {SCALE_BLOCK} (got N={n}, K={k}: "

@@ -709,7 +709,7 @@ def gemm_can_implement(n: int, k: int, tile_m: int, t: GemmTiles, target: str, p
     then the template's own rules (gemm_limits.check_gemm / check_fp8, the one copy both use)."""
     if t.mma not in TARGET_LIMITS[target]["mma"]:
         return False, f"{t.mma} MMA is not available on {target} (has {', '.join(TARGET_LIMITS[target]['mma'])})"
-    ok, why = limits.check_fp8(role, precision, n, k, tile_m, t.tile_n, t.mma, t.cluster)
+    ok, why = limits.check_fp8(role, precision, n, k, tile_m, t.tile_n, t.mma, t.cluster, t.tile_k)
     if not ok:
         return False, why
     ok, why = limits.check_blockscaled(role, precision, n, k, tile_m, t.tile_n, t.tile_k, t.stages, t.mma, arch=target)
@@ -761,7 +761,10 @@ TILE_K = (32, 64, 128)
 
 
 def tile_ks(precision: str) -> tuple[int, ...]:
-    """The k-tiles the tuner tries for `precision` (block-scaled: gemm_limits.BS_TILE_K)."""
+    """The k-tiles the tuner tries for `precision` (block-scaled: gemm_limits.BS_TILE_K; fp8 also
+    GEMM1's 256-wide ones, gemm_limits.FP8_TILE_KS)."""
+    if precision in limits.FP8:
+        return TILE_K + limits.FP8_TILE_KS[1:]
     return limits.BS_TILE_K if precision in limits.BLOCKSCALED else TILE_K
 
 STAGES = (2, 3, 4, 5, 6, 8)

@@ -655,7 +655,8 @@ class GroupedGluGemm(_GroupedGemmBase):
         ok, reason = limits.check_glu_shape(intermediate, tile_n, interleave, activation)
         if not ok:
             return ok, reason
-        ok, reason = limits.check_fp8("glu", precision, 2 * intermediate, hidden, tile_m, tile_n, mma)
+        ok, reason = limits.check_fp8("glu", precision, 2 * intermediate, hidden, tile_m, tile_n, mma,
+                                      tile_k=tile_k)
         if not ok:
             return ok, reason
         return cls._check_all(2 * intermediate, hidden, tile_m, tile_n, tile_k, stages, mma,
@@ -926,7 +927,8 @@ class GroupedDownGemm(_GroupedGemmBase):
         """(ok, reason) for this problem, these tunables and, if given, the target arch."""
         if num_experts < 1 or top_k < 1 or top_k > num_experts:
             return False, f"need 1 <= top_k={top_k} <= num_experts={num_experts}"
-        ok, reason = limits.check_fp8("down", precision, hidden, intermediate, tile_m, tile_n, mma)
+        ok, reason = limits.check_fp8("down", precision, hidden, intermediate, tile_m, tile_n, mma,
+                                      tile_k=tile_k)
         if not ok:
             return ok, reason
         return cls._check_all(hidden, intermediate, tile_m, tile_n, tile_k, stages, mma,

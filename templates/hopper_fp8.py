@@ -26,7 +26,8 @@ every block), as DeepSeek-V3's kernels do.
 Each consumer thread loads the scales its accumulator rows need straight from global memory
 (L2), at the top of each k-tile, before it waits on the stage.
 
-Constraints beyond hopper_gemm's: H and I multiples of 128 (2I and H for GEMM1); GEMM1
+Constraints beyond hopper_gemm's: H and I multiples of 128 (2I and H for GEMM1); GEMM1's
+k-tiles 128 or 256 wide (two swizzle atoms and two promotions per k-tile), GEMM2's 128; GEMM1
 tile_n a multiple of 128 (whole 64-column output blocks; of 2 * h_block); promoting GEMMs at most 64
 accumulators per thread (tile_n <= 128 at 64 rows per warpgroup), or cooperative tiles (64 or
 128 rows) of 256 columns promoted in two 128-column parts (``_mainloop_parts``); fp8-block128 GEMM2 tile_n
@@ -362,24 +363,28 @@ class HopperGluGemmFp8(_Fp8Consumer, HopperGluGemm):
     @cute.jit
     def _load_kscales(self, sa, sb, tCcC, pairs, epi, expert, row0, bn, kt, sub: cutlass.Constexpr,
                       part: cutlass.Constexpr = 0):
-        """K block ``kt`` (a k-tile): x's scale of each accumulator row and the tile's gate and
-        up weight scales (fp8-block128: those of the block; "fp8": the token's and the expert's,
-        the same for every block, which keeps one code path: constant scales let the compiler
-        fold the promotion into the accumulators, and ptxas then serializes the wgmmas)."""
+        """K block ``sub`` of k-tile ``kt`` (128 columns of K; a 256-wide k-tile holds two): x's
+        scale of each accumulator row and the tile's gate and up weight scales (fp8-block128:
+        those of the block; "fp8": the token's and the expert's, the same for every block, which
+        keeps one code path: constant scales let the compiler fold the promotion into the
+        accumulators, and ptxas then serializes the wgmmas)."""
         _, _, mXs, mWs, _ = epi
+        kb = kt  # the 128-column scale block along K
+        if const_expr(self.kblocks > 1):  # 256-wide k-tiles: two blocks each
+            kb = kt * self.kblocks + sub
         for hrow in cutlass.range_constexpr(self.acc_rows):
             p = pairs[hrow]
             tok = Int32(0)  # padding rows: any valid address (their outputs are written as zeros)
             if p >= 0:
                 tok = p // self.top_k
             if const_expr(self.block):
-                sa[hrow] = mXs[tok, kt]
+                sa[hrow] = mXs[tok, kb]
             else:
                 sa[hrow] = mXs[tok]
         if const_expr(self.block):
             gb = (bn * (self.tile_n // 2)) // SB  # the tile's gate rows lie in one 128-row block
-            sb[0] = mWs[expert, 2 * gb, kt]
-            sb[1] = mWs[expert, 2 * gb + 1, kt]
+            sb[0] = mWs[expert, 2 * gb, kb]
+            sb[1] = mWs[expert, 2 * gb + 1, kb]
         else:
             sb[0] = mWs[expert, 0]
             sb[1] = mWs[expert, 1]

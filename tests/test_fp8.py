@@ -121,8 +121,11 @@ def test_fp8_variants_and_their_refusals(precision):
     bf = make_spec("deepseek-v3")
     assert "precision" not in dict(V.default_variant(bf, 4096).kernels(bf)[1].params)  # bf16 kernels as before
     space = V.candidate_space(spec)
-    assert space and all(t.mma in ("hopws", "warp") and t.tile_k == 128 and t.cluster == 1
+    assert space and all(t.mma in ("hopws", "warp") and t.tile_k in (128, 256) and t.cluster == 1
                          for var in space for t in (var.glu, var.down))
+    # 256-wide k-tiles: GEMM1's on the cooperative core only
+    assert {(role, t.mma) for var in space for role, t in (("glu", var.glu), ("down", var.down))
+            if t.tile_k == 256} == {("glu", "hopws")}
     # 256 columns only in cooperative tiles promoted in two 128-column parts (64 or 128 rows)
     assert {var.glu.tile_n for var in space if var.glu.mma == "hopws"} == {128, 256}
     wide = {var.tile_m for var in space for t in (var.glu, var.down) if t.mma == "hopws" and t.tile_n > 128}
@@ -136,7 +139,9 @@ def test_fp8_variants_and_their_refusals(precision):
             (128, G(128, 64, 6, "hopws"), G(128, 128, 6, "hopws"), "tile_k 64 must be 128"),
             (64, G(128, 128, 8, "hoppp"), G(128, 128, 6, "hoppp"), "runs on mma in"),
             (128, G(128, 128, 6, "hopws", 2), G(128, 128, 6, "hopws"), "clusters"),
-            (16, G(128, 64, 6, "warp"), G(32, 128, 8, "warp"), "tile_k 64 must be 128"),
+            (16, G(128, 64, 6, "warp"), G(32, 128, 8, "warp"), "tile_k 64 must be one of (128, 256)"),
+            (16, G(128, 256, 4, "warp"), G(32, 128, 8, "warp"), "256-wide k-tiles are GEMM1's"),
+            (64, G(128, 128, 6, "hopws"), G(128, 256, 4, "hopws"), "256-wide k-tiles are GEMM1's"),
             (16, G(64, 128, 6, "warp"), G(32, 128, 8, "warp"), "tile_n 64 must be a multiple of 128"),
             (128, G(256, 128, 3, "warp"), G(32, 128, 8, "warp"), "with its partial sums")):
         ok, reason = V.can_implement(spec, V.LayerVariant(tm, glu, down))

@@ -6,7 +6,9 @@ CUDA graphs, the unfused PyTorch path (permutation + torch._grouped_mm + SiLU·u
 + routing-weight multiply + index_add_) replayed the same way, and the roofline floor
 max(FLOPs / bf16 matmul rate measured in this run, bytes / 4.8 TB/s). Several input sets with
 different routings are replayed in turn so that consecutive replays do not find the previous
-one's experts in L2; every row is checked against the fp32 reference.
+one's experts in L2; every row is checked against the fp32 reference. Beside that floor, the
+same with the matmul timed after SUSTAINED_MATMUL_S of matmuls (`ours/sustained floor`): the
+clock the H200 sustains under a large layer (its power cap) is ~24% below the burst's 1980 MHz.
 
     python3 tools/bench.py --out DIR [--models a,b] [--tokens 1,16,...] [--replays 100] [--pdl]
                            [--alts default,default_pdl] [--peers peers_h200.json]
@@ -54,6 +56,7 @@ from moe_aot.spec import BENCH_TOKENS, PRESETS, make_spec  # noqa: E402
 from moe_aot.variants import default_variant  # noqa: E402
 
 HBM_BYTES_PER_S = 4.8e12
+SUSTAINED_MATMUL_S = 2.0  # matmuls before the sustained-clock timing of the floor's matmul (tools/matmul_clock.py)
 
 
 def matmul_rate(nvml=None, warmup_s: float = 0.0) -> tuple[float, dict]:
@@ -151,7 +154,7 @@ def time_alt(layer, variant, served, M, w13, w2, replays, sets) -> dict:
 
 
 def bench_model(name: str, tokens_list, replays: int, rate: float, store, pdl: bool = False,
-                alts=(), peers=None, nvml=None) -> list[dict]:
+                alts=(), peers=None, nvml=None, rate_sustained: float | None = None) -> list[dict]:
     spec = make_spec(name, target="sm_90a")
     layer = MoeLayer(spec, store)
     dev = layer.device
@@ -194,6 +197,9 @@ def bench_model(name: str, tokens_list, replays: int, rate: float, store, pdl: b
                "ours_over_floor": round(ours / floor, 3), "torch_over_ours": round(theirs / ours, 3),
                "variant": layer.variant_for(M).name(spec), "experts_selected": selected}
         row["gemms"] = gemms
+        if rate_sustained:  # the same floor with the matmul's rate at the clock the GPU sustains
+            floor_s = max(flops / rate_sustained, bytes_ / HBM_BYTES_PER_S) * 1e6
+            row.update(floor_sustained_us=round(floor_s, 2), ours_over_sustained_floor=round(ours / floor_s, 3))
         if state:
             row["gpu_state"], row["torch_gpu_state"] = state, t_state
         peer = (peers or {}).get((name, M))
@@ -244,9 +250,10 @@ def markdown(result: dict) -> str:
              f"over {ENERGY_S} s of further replays of ours, the SM clock (median of NVML samples every 20 ms), "
              "the board power and the energy per layer (both from the board's energy counter); `torch mJ`: the "
              "same energy of the unfused path.", "",
-             "| model | tokens | ours µs | floor µs | ours/floor | torch µs | torch/ours | vLLM/ours | rel err "
-             "| GEMM1 µs, TFLOP/s, TB/s | GEMM2 µs, TFLOP/s, TB/s | SM MHz, W, mJ | torch mJ | variant |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| model | tokens | ours µs | floor µs | ours/floor | ours/sustained floor | torch µs | torch/ours "
+             "| vLLM/ours | rel err | GEMM1 µs, TFLOP/s, TB/s | GEMM2 µs, TFLOP/s, TB/s | SM MHz, W, mJ | torch mJ "
+             "| variant |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     twins = any("twin_variant" in r for r in result["rows"])
     if twins:
         lines[-2] += " PDL-flipped twin µs | twin/ours | twin rel err |"
@@ -256,7 +263,8 @@ def markdown(result: dict) -> str:
         gtxt = [f"{gm[k]['us']:.0f}, {gm[k]['tflops']:.0f}, {gm[k]['weight_tbps']:.2f}" if k in gm else "-"
                 for k in ("glu", "down")]
         line = (f"| {r['model']} | {r['tokens']} | {r['ours_us']:.1f} | {r['floor_us']:.1f} | "
-                f"{r['ours_over_floor']:.2f} | {r['torch_us']:.1f} | {r['torch_over_ours']:.2f} | "
+                f"{r['ours_over_floor']:.2f} | {r.get('ours_over_sustained_floor', float('nan')):.2f} | "
+                f"{r['torch_us']:.1f} | {r['torch_over_ours']:.2f} | "
                 f"{r.get('vllm_over_ours', float('nan')):.2f} | {r['rel_err']:.1e} | {gtxt[0]} | {gtxt[1]} | "
                 f"{_state_text(r.get('gpu_state'))} | {_state_text(r.get('torch_gpu_state'), 'mj_per_replay')} | "
                 f"`{r['variant'].split('_', 6)[-1]}` |")
@@ -277,6 +285,11 @@ def markdown(result: dict) -> str:
         lines += ["", f"`{a}` over the served variant, both timed as the tuner times them, S A A S (same run): "
                   + "; ".join(f"{r['model']} {r['tokens']}: {r['alts'][a].get('over_ours')}"
                               for r in result["rows"] if a in r.get("alts", {}))]
+    if "geomean_ours_over_sustained_floor" in g:
+        lines += ["", f"`ours/sustained floor`: the floor with the matmul timed after {SUSTAINED_MATMUL_S:g} s of "
+                  f"matmuls ({result['matmul_sustained_tflops']:.0f} TFLOP/s{_matmul_clock(result, 'sustained')}), "
+                  "the clock a large layer runs at under the power cap; geomean "
+                  f"{g['geomean_ours_over_sustained_floor']:.2f}."]
     lines += ["", f"Geometric mean ours/floor {g['geomean_ours_over_floor']:.2f}; "
               f"geometric mean torch/ours {g['geomean_torch_over_ours']:.2f}; max rel err {g['max_rel_err']:.1e}."]
     if "geomean_torch_over_ours_energy" in g:
@@ -284,8 +297,8 @@ def markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _matmul_clock(result) -> str:
-    st = result.get("matmul_gpu_state") or {}
+def _matmul_clock(result, which: str = "") -> str:
+    st = result.get(f"matmul_{which + '_' if which else ''}gpu_state") or {}
     return f" at {st['sm_mhz']:.0f} MHz, {st.get('power_w', float('nan')):.0f} W" if "sm_mhz" in st else ""
 
 
@@ -307,20 +320,24 @@ def main():
     nvml = Nvml.of_torch_device(torch.cuda.current_device())
     rate, mm_state = matmul_rate(nvml)
     print(f"bf16 8192^3 matmul: {rate / 1e12:.0f} TFLOP/s {mm_state}", flush=True)
+    rate_s, mm_state_s = matmul_rate(nvml, warmup_s=SUSTAINED_MATMUL_S)
+    print(f"bf16 8192^3 matmul after {SUSTAINED_MATMUL_S} s: {rate_s / 1e12:.0f} TFLOP/s {mm_state_s}", flush=True)
     rows = []
     t0 = time.time()
     for name in ns.models.split(","):
         rows += bench_model(name, [int(t) for t in ns.tokens.split(",")], ns.replays, rate, store, ns.pdl,
-                            [a for a in ns.alts.split(",") if a], peers, nvml)
+                            [a for a in ns.alts.split(",") if a], peers, nvml, rate_s)
     geo = lambda xs: math.exp(statistics.mean(math.log(v) for v in xs))  # noqa: E731
     result = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "device": torch.cuda.get_device_name(),
         "command": "python3 tools/bench.py " + " ".join(sys.argv[1:]), "matmul_tflops": rate / 1e12,
         "hbm_tbps": HBM_BYTES_PER_S / 1e12, "seconds": round(time.time() - t0, 1), "matmul_gpu_state": mm_state,
+        "matmul_sustained_tflops": rate_s / 1e12, "matmul_sustained_gpu_state": mm_state_s,
         "rows": rows,
         "summary": {"geomean_ours_over_floor": geo([r["ours_over_floor"] for r in rows]),
                     "geomean_torch_over_ours": geo([r["torch_over_ours"] for r in rows]),
-                    "max_rel_err": max(r["rel_err"] for r in rows)},
+                    "max_rel_err": max(r["rel_err"] for r in rows),
+                    "geomean_ours_over_sustained_floor": geo([r["ours_over_sustained_floor"] for r in rows])},
     }
     mj = [(r["torch_gpu_state"]["mj_per_replay"], r["gpu_state"]["mj_per_replay"]) for r in rows
           if "mj_per_replay" in r.get("gpu_state", {}) and "mj_per_replay" in r.get("torch_gpu_state", {})]

@@ -46,7 +46,7 @@ ALL = [m[0] for m in MODELS]
 TOKENS = [1, 16, 256, 1024, 4096]
 INTERLEAVE = 16
 PRECISIONS = ("fp8", "fp8-block128")
-# (tag, mma, precisions, tile_m, glu (tile_n, stages), down (tile_n, stages)[, h_block]); h_block
+# (tag, mma, precisions, tile_m, glu (tile_n, stages[, tile_k]), down (tile_n, stages)[, h_block]); h_block
 # (GEMM1's output scale block, which GEMM2 reads) 64 unless given; bf16 rows are the bf16 GEMMs
 # timed beside them (tile_k 64)
 CONFIGS = [
@@ -74,6 +74,10 @@ CONFIGS = [
     ("f8c64s8", "hopws", PRECISIONS, 64, (128, 8), (128, 7)),
     ("f8c64n256", "hopws", PRECISIONS, 64, (256, 4), (256, 4), 128),
     ("f8c64n256s5", "hopws", PRECISIONS, 64, (256, 5), (256, 5), 128),
+    # GEMM1 with 256-wide k-tiles (two 128-byte atoms and two promotions per k-tile; glu (tile_n,
+    # stages, tile_k)): 256 bytes of each weight row per stage, as bf16's 128-wide k-tiles load
+    ("f8c64k256", "hopws", PRECISIONS, 64, (128, 4, 256), (128, 6)),
+    ("f8c64k256s3", "hopws", PRECISIONS, 64, (128, 3, 256), (128, 6)),
     # mma.sync (templates/warp_fp8.py): the decode regime's weight streaming
     ("f8w16", "warp", PRECISIONS, 16, (128, 6), (32, 6)),
     ("f8w16b", "warp", PRECISIONS, 16, (128, 4), (64, 6)),
@@ -89,7 +93,7 @@ CONFIGS = [
 EXPERIMENTAL = ("f8p",)
 # config -> the config it is measured against (same tiles, h scaled per 64 columns)
 VERSUS = {"f8n256h": "f8n256", "f8n256bbh": "f8n256bb", "f8w16n256h": "f8w16n256", "f8c64s8": "f8c64",
-          "f8c64n256": "f8c64", "f8c64n256s5": "f8c64"}
+          "f8c64n256": "f8c64", "f8c64n256s5": "f8c64", "f8c64k256": "f8c64", "f8c64k256s3": "f8c64"}
 
 
 def kernels(only=None):
@@ -130,7 +134,8 @@ def compile_all(out_dir: Path, arch: str, only=None) -> None:
         hb = {"h_block": v["h_block"]} if v["h_block"] != 64 else {}  # the 64-block kernels as built before
         objs = [
             (glu_cls(v["E"], v["H"], v["I"], v["k"], interleave=INTERLEAVE, tile_m=v["tile_m"],
-                     tile_n=v["glu"][0], tile_k=tk, stages=v["glu"][1], mma=v["mma"],
+                     tile_n=v["glu"][0], tile_k=v["glu"][2] if len(v["glu"]) > 2 else tk,
+                     stages=v["glu"][1], mma=v["mma"],
                      precision=v["precision"], **hb), v["glu_name"]),
             (down_cls(v["E"], v["H"], v["I"], v["k"], tile_m=v["tile_m"], tile_n=v["down"][0],
                       tile_k=tk, stages=v["down"][1], mma=v["mma"], precision=v["precision"], **hb),
