@@ -151,7 +151,8 @@ def test_fp8_variants_and_their_refusals(precision):
         assert not ok and "must divide 128" in reason, reason
 
 
-@pytest.mark.parametrize("mma", ["hopws", "hopws256", "hopws256h128", "warp", "warp256h128"])
+@pytest.mark.parametrize("mma", ["hopws", "hopws256", "hopws256h128", "hopws64x256", "hopwsk256", "warp",
+                                 "warp256h128"])
 def test_fp8_kernels_compile(tmp_path, mma):
     """The quantization kernel and both fp8 GEMMs compile on this CPU machine into libraries whose
     cubins hold fp8 wgmma (QGMMA) on the Hopper core, e4m3 mma.sync on the mma.sync one; both
@@ -172,6 +173,13 @@ def test_fp8_kernels_compile(tmp_path, mma):
     elif mma == "hopws256h128":  # block128's GEMM2 too: a part's k-tile is one weight block and one h block
         v = V.LayerVariant(128, V.GemmTiles(256, 128, 3, "hopws"), V.GemmTiles(256, 128, 3, "hopws"), h_block=128)
         want_mma = r"wgmma\.mma_async\.sync\.aligned\.m64n128k32\.f32\.e4m3\.e4m3"
+    elif mma == "hopws64x256":  # the decode tile of 256 columns: one warpgroup, promoted in two parts
+        v = V.LayerVariant(64, V.GemmTiles(256, 128, 3, "hopws"), V.GemmTiles(256, 128, 3, "hopws"), h_block=128)
+        want_mma = r"wgmma\.mma_async\.sync\.aligned\.m64n128k32\.f32\.e4m3\.e4m3"
+    elif mma == "hopwsk256":  # GEMM1's 256-wide k-tiles: two 128-byte atoms and scale blocks per k-tile
+        spec = make_spec(experts=8, top_k=2, hidden=512, intermediate=256, precision="fp8-block128")
+        v = V.LayerVariant(64, V.GemmTiles(128, 256, 3, "hopws"), V.GemmTiles(128, 128, 3, "hopws"))
+        want_mma = r"wgmma\.mma_async\.sync\.aligned\.m64n128k32\.f32\.e4m3\.e4m3"
     elif mma == "warp256h128":  # 8 lanes share a row's 128-column h block in GEMM1's epilogue
         v = V.LayerVariant(16, V.GemmTiles(256, 128, 2, "warp"), V.GemmTiles(32, 128, 2, "warp"), h_block=128)
         want_mma = r"mma\.sync\.aligned\.m16n8k32\.row\.col\.f32\.e4m3\.e4m3\.f32"
@@ -187,6 +195,14 @@ def test_fp8_kernels_compile(tmp_path, mma):
         if kv.role != "quant":
             assert re.search(want_mma, art.ptx), kv.name
         tool = cuobjdump()
+        if mma in ("hopws64x256", "hopwsk256") and kv.role != "quant" and tool:  # no spills at 64 rows either
+            cubin = tmp_path / f"{kv.role}.cubin"
+            cubin.write_bytes(art.cubin)
+            usage = subprocess.run([tool, "--dump-resource-usage", str(cubin)], capture_output=True,
+                                   text=True, check=True).stdout
+            assert "STACK:0" in usage and "LOCAL:0" in usage, usage
+            if mma == "hopws64x256":  # both parts of every K block, as at 128 rows
+                assert len(re.findall(want_mma, art.ptx)) == 8, kv.name
         if mma.startswith("hopws256") and kv.role != "quant":
             # both parts of every K block: GEMM1 one block of 4 k32 wgmmas per k-tile, GEMM2 two
             # of 2 (its h scales per 64 columns) or, with h_block 128, one of 4; B's second part
