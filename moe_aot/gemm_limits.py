@@ -267,7 +267,7 @@ def check_tiles(n, k, tile_m, tile_n, tile_k, stages, mma, warps_m, warps_n,
     if precision in FP8 and tile_k not in FP8_TILE_KS:
         return False, (f"{precision}: tile_k {tile_k} must be one of {FP8_TILE_KS} (one or two 128-byte rows "
                        f"and scale blocks per k-tile)")
-    if tile_k not in (32, 64, 128) + (FP8_TILE_KS if precision in FP8 else ()):
+    if precision not in FP8 and tile_k not in (32, 64, 128):
         return False, f"tile_k {tile_k} must be 32, 64 or 128"
     if k % tile_k:
         return False, f"K={k} not divisible by tile_k={tile_k}"

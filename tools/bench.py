@@ -191,14 +191,15 @@ def bench_model(name: str, tokens_list, replays: int, rate: float, store, pdl: b
         theirs = statistics.median(theirs)
         flops = 6 * M * spec.top_k * spec.hidden * spec.intermediate
         bytes_ = selected * 3 * spec.hidden * spec.intermediate * 2 + 2 * M * spec.hidden * 2
-        floor = max(flops / rate, bytes_ / HBM_BYTES_PER_S) * 1e6
+        floor_at = lambda r: max(flops / r, bytes_ / HBM_BYTES_PER_S) * 1e6  # noqa: E731 (µs at matmul rate r)
+        floor = floor_at(rate)
         row = {"model": name, "tokens": M, "ours_us": round(ours, 2), "floor_us": round(floor, 2),
                "torch_us": round(theirs, 2), "rel_err": err, "torch_rel_err": t_err,
                "ours_over_floor": round(ours / floor, 3), "torch_over_ours": round(theirs / ours, 3),
                "variant": layer.variant_for(M).name(spec), "experts_selected": selected}
         row["gemms"] = gemms
         if rate_sustained:  # the same floor with the matmul's rate at the clock the GPU sustains
-            floor_s = max(flops / rate_sustained, bytes_ / HBM_BYTES_PER_S) * 1e6
+            floor_s = floor_at(rate_sustained)
             row.update(floor_sustained_us=round(floor_s, 2), ours_over_sustained_floor=round(ours / floor_s, 3))
         if state:
             row["gpu_state"], row["torch_gpu_state"] = state, t_state

@@ -6,8 +6,8 @@ Nsight Compute to read the counters of exactly those kernels (not a test, not a 
         --section SpeedOfLight ... python3 tools/profile_layer.py [--train] qwen3-30b-a3b:1 mixtral-8x7b:256
 
 Each point runs two untimed forwards first (library loads, workspace), then the profiled one.
-A point is `model:tokens` (bf16) or `model:tokens:precision` (fp8, fp8-block128: the layer's
-weights quantized from the same bf16 ones, `prepare_fp8_weights`); its range is then
+A point is `model:tokens` (bf16) or `model:tokens:precision` (fp8, fp8-block128: random bf16
+weights quantized as `prepare_fp8_weights` does, harness.verify.random_weights); its range is then
 `prof_<model>_<tokens>_<precision>`.
 --train: a training step instead (fused_moe_train forward and its backward: the backward's dH, dX
 and weight-gradient kernels, `moe-aot build --backward`). `python3 tools/ncu_summary.py FILE.csv`
@@ -79,17 +79,7 @@ def main(points: list[str]) -> None:
     for (model, precision), tokens_list in by_layer.items():
         spec = make_spec(model, precision=precision, target="sm_90a")
         layer = MoeLayer(spec, store)
-        if precision == "bf16":
-            w13, w2 = random_weights(spec, layer.device)
-        else:
-            from moe_aot.runtime.layer import prepare_fp8_weights
-            E, H, I = spec.experts, spec.hidden, spec.intermediate
-            gen = torch.Generator(device=layer.device).manual_seed(0)
-            gate, up = ((torch.randn(E, I, H, device=layer.device, generator=gen) * H ** -0.5).bfloat16()
-                        for _ in range(2))
-            w2 = (torch.randn(E, H, I, device=layer.device, generator=gen) * I ** -0.5).bfloat16()
-            w13, w2 = prepare_fp8_weights(gate, up, w2, precision)
-            del gate, up
+        w13, w2 = random_weights(spec, layer.device)  # fp8: quantized from random bf16 ones
         tag = "" if precision == "bf16" else "_" + precision
         for M in tokens_list:
             x, tw, ids, out = input_sets(spec, M, layer.device, n=1)[0]
