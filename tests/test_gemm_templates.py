@@ -273,6 +273,48 @@ def test_hopws_clusters_pair_the_tiles_of_one_expert(role, tmp_path):
     assert not ok and "shared memory" in why
 
 
+@pytest.mark.parametrize("role", ["glu", "down"])
+def test_hopws_pair_warpgroup_of_padding_rows_issues_no_wgmma(role, tmp_path):
+    """2-CTA clusters (hopper_gemm._rows_live): a consumer warpgroup whose 64 rows are all padding
+    (an expert's last tile with <= 64 rows), or the cluster's duplicate tile, branches past its
+    k-tile's wgmmas and their commit, so ptxas closes no empty group with a dummy wgmma
+    (HGMMA.64x8x16 on RZ) and the one real group per k-tile stays in flight (DEPBAR.LE 1), as
+    without the skip (skip_padding=False, the kernels before 2026-12-03). Single CTAs, 64-row
+    tiles and ping-pong never skip (a single CTA's early tile breaks the lockstep its raster's L2
+    reuse needs: NOTES, nineteenth session). Rows and numerics: checked on the H200
+    (tools/check_gemm_kernels.py --ab xc2nk,xc2)."""
+    from moe_aot_templates.hopper_gemm import HopperDownGemm, HopperGluGemm
+
+    cls = HopperGluGemm if role == "glu" else HopperDownGemm
+    tool = cuobjdump()
+    sass, ptx = {}, {}
+    for skip in (True, False):
+        obj = cls(**QWEN3_30B, tile_m=128, tile_n=256, tile_k=64, stages=4, mma="hopws", cluster_m=2,
+                  skip_padding=skip)
+        assert obj.skip_padding is skip
+        compiled = cute.compile(obj, *[f for _, f in obj.fake_arguments()],
+                                options=f"--gpu-arch sm_90a --keep-ptx --keep-cubin --dump-dir {tmp_path}")
+        body = compiled.__ptx__[compiled.__ptx__.index(".entry"):]
+        ptx[skip] = body
+        assert body.count("wgmma.mma_async") == 4 and body.count("wgmma.commit_group") == 1
+        if tool is not None:
+            cubin = tmp_path / f"k{skip}.cubin"
+            cubin.write_bytes(compiled.__cubin__)
+            sass[skip] = subprocess.run([tool, "-sass", str(cubin)], capture_output=True, text=True,
+                                        check=True).stdout
+    assert not cls(**QWEN3_30B, tile_m=128, tile_n=256, tile_k=64, stages=4).skip_padding
+    assert not cls(**QWEN3_30B, tile_m=64, tile_n=256, tile_k=64, stages=5, mma="hoppp").skip_padding
+    # the skip tests the warpgroup's first row of the schedule slot and the duplicate code
+    assert len(re.findall(r"setp\.\w+\.s32", ptx[True])) > len(re.findall(r"setp\.\w+\.s32", ptx[False]))
+    if tool is None:
+        return  # the PTX checks above stand; the SASS ones need cuobjdump
+    for skip, text in sass.items():
+        hgmma = re.findall(r"HGMMA\.(\w+)", text)
+        assert hgmma == ["64x256x16"] * 4, (skip, hgmma)  # no dummy 64x8x16 group
+        assert re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, (0x\d)", text) == ["0x1", "0x0"], skip
+        assert not re.search(r"\b(STL|LDL)\b", text), skip
+
+
 @pytest.mark.parametrize("tile_m, tile_n, activation", [(128, 256, "swiglu"), (64, 128, "geglu"),
                                                         (128, 96, "swiglu")])
 def test_hopws_glu_epilogue_stores_16_byte_chunks(tile_m, tile_n, activation, tmp_path):

@@ -6,6 +6,10 @@
   --run DIR --out OUT   (GPU, needs only torch + moe_aot.runtime) load each kernel library, run it
                         on fresh random inputs with NaN-poisoned outputs for every model shape and
                         token count, print rel err ||out-ref||/||ref|| and timings, write OUT/results.json
+  --run DIR --ab A,B    (GPU) two configs side by side: the same inputs for both, both checked, then
+                        --rounds timings of each in mirrored order at the sustained clock; OUT/ab.json
+                        (a cold-L2 timing of one config after another reads the GPU's clock drift
+                        between them as well: +-10% at the power cap, 2026-12-03)
 
 Routing is built here by a small torch function with the router's semantics (the real routing
 kernel lives elsewhere): per expert its routed pairs, ascending p, at rows [off_e, off_e+count_e),
@@ -90,6 +94,9 @@ CONFIGS = [
     ("xc2ef", "hopws:c2:ef", ALL, "swiglu", 128, (256, 64, 4), (256, 64, 4), [1024, 4096, 16384]),
     ("xpp64", "hoppp", ALL, "swiglu", 64, (256, 64, 5), (256, 64, 5), [1024, 4096, 16384]),
     ("xpp64ef", "hoppp:ef", ALL, "swiglu", 64, (256, 64, 5), (256, 64, 5), [1024, 4096, 16384]),
+    # the paired tiles with every warpgroup multiplying every tile (before 2026-12-03), beside
+    # xc2 where a warpgroup whose 64 rows are all padding skips its wgmmas (--ab xc2nk,xc2)
+    ("xc2nk", "hopws:c2:nk", ALL, "swiglu", 128, (256, 64, 4), (256, 64, 4), [1024, 4096, 16384]),
     ("hc2big", "hopws:c2", ["qwen3_30b_a3b", "mixtral_8x7b"], "swiglu", 128, (256, 64, 4),
      (256, 64, 4), [16384]),
     ("hc2geglu", "hopws:c2", ["qwen3_30b_a3b"], "geglu", 128, (128, 64, 6), (192, 64, 4), [256, 4096]),
@@ -155,7 +162,8 @@ def compile_all(out_dir: Path, arch: str, only=None) -> None:
     manifest = []
     for v in variants(only):
         # "hopws:c2": cluster_m 2 (one expert's tiles paired); ":f": the fixed pairs 2j, 2j + 1;
-        # ":ef": the weights' TMA loads evict-first in L2
+        # ":ef": the weights' TMA loads evict-first in L2; ":nk": every warpgroup multiplies
+        # every tile (no skip of all-padding halves, hopper_gemm._rows_live)
         mma, *opts = v["mma"].split(":")
         if mma not in TARGET_LIMITS[arch]["mma"]:
             continue  # e.g. wgmma on sm_100a, umma on sm_90a
@@ -167,7 +175,7 @@ def compile_all(out_dir: Path, arch: str, only=None) -> None:
             if opt.startswith("c"):
                 extra["cluster_m"] = int(opt[1:])
             else:
-                extra[{"f": "pair_list", "ef": "b_evict_first"}[opt]] = opt == "ef"
+                extra[{"f": "pair_list", "ef": "b_evict_first", "nk": "skip_padding"}[opt]] = opt == "ef"
         g = glu_cls(v["E"], v["H"], v["I"], v["k"], activation=v["act"],
                     interleave=INTERLEAVE, tile_m=v["tile_m"], tile_n=v["glu"][0],
                     tile_k=v["glu"][1], stages=v["glu"][2], mma=mma, **extra)
@@ -193,34 +201,56 @@ def build_routing(topk_ids, num_experts: int, tile_m: int):
     return routing_reference(topk_ids, num_experts, tile_m)[2:]
 
 
-def run_all(kdir: Path, out_dir: Path, iters: int, tokens=None, only=None, models=None,
-            graph: bool = False) -> int:
+def _weights(v, dev, gen):
+    """Random gate / up / down weights of v's model and w13 in the prepared interleaved layout."""
     import torch
 
-    from moe_aot.runtime.library import KernelLibrary
+    e, hd, inter = v["E"], v["H"], v["I"]
+    s = 1.0 / math.sqrt(hd)
+    w_gate = (torch.randn(e, inter, hd, device=dev, generator=gen) * s).bfloat16()
+    w_up = (torch.randn(e, inter, hd, device=dev, generator=gen) * s).bfloat16()
+    # prepared layout: rows [2jg, 2jg+g) gate rows [jg, jg+g), then the matching up rows
+    g = INTERLEAVE
+    w13 = torch.stack([w_gate.view(e, inter // g, g, hd), w_up.view(e, inter // g, g, hd)],
+                      dim=2).reshape(e, 2 * inter, hd).contiguous()
+    w2 = (torch.randn(e, hd, inter, device=dev, generator=gen) / math.sqrt(inter)).bfloat16()
+    return w_gate, w_up, w13, w2
 
-    torch.backends.cuda.matmul.allow_tf32 = False
-    out_dir.mkdir(parents=True, exist_ok=True)
-    manifest = json.loads((kdir / "manifest.json").read_text())
-    if only:  # in the order given, so that two runs can time A B and then B A
-        manifest = sorted((v for v in manifest if v["tag"] in only), key=lambda v: only.index(v["tag"]))
-    if models:
-        manifest = [v for v in manifest if v["model"] in models]
-    # one model's weights at a time: variants of a model run back to back
-    order = [m[0] for m in MODELS]
-    manifest.sort(key=lambda v: order.index(v["model"]))
-    dev = torch.device("cuda")
-    results, failures = [], 0
-    gen = torch.Generator(device=dev)
-    gen.manual_seed(0)
 
-    def timed_graph(fn):
-        """Back-to-back CUDA-graph replays, warm L2, as tools/bench.py times a kernel alone."""
-        from moe_aot.harness.measure import graph_times_us
+def _inputs(v, m, dev, gen):
+    """x, the routing (top-k of random logits) and its layout at v's tile height."""
+    import torch
 
-        return sorted(graph_times_us([fn], max(iters, 20)))[max(iters, 20) // 2]
+    e, k, hd = v["E"], v["k"], v["H"]
+    x = torch.randn(m, hd, device=dev, generator=gen).bfloat16()
+    logits = torch.randn(m, e, device=dev, generator=gen)
+    topk_w, topk_ids = torch.topk(torch.softmax(logits, -1), k, dim=-1)
+    topk_w = topk_w.float().contiguous()
+    sorted_ids, tile_expert = build_routing(topk_ids, e, v["tile_m"])
+    return x, topk_w, topk_ids, sorted_ids, tile_expert
 
-    timed = cold_l2_timer(dev, iters)
+
+def _check_point(v, glu, down, weights, inputs, m):
+    """Run both kernels once on NaN-poisoned outputs and compare with the fp32 reference, every
+    row; returns the result row (timings None) and the two kernels' launch closures."""
+    import torch
+
+    k, hd, inter, tm = v["k"], v["H"], v["I"], v["tile_m"]
+    w_gate, w_up, w13, w2 = weights
+    x, topk_w, topk_ids, sorted_ids, tile_expert = inputs
+    dev = x.device
+    r = sorted_ids.numel()
+    h = torch.full((r, inter), float("nan"), dtype=torch.bfloat16, device=dev)
+    y = torch.full((m * k, hd), float("nan"), dtype=torch.bfloat16, device=dev)
+
+    tag = f"prof_{v['tag']}_{v['model']}_{m}"
+    torch.cuda.nvtx.range_push(f"{tag}_glu")
+    glu(x, w13, sorted_ids, tile_expert, h)
+    torch.cuda.nvtx.range_pop()
+    torch.cuda.nvtx.range_push(f"{tag}_down")
+    down(h, w2, sorted_ids, tile_expert, topk_w, y)
+    torch.cuda.nvtx.range_pop()
+    torch.cuda.synchronize()
 
     def rel_err(out, ref):
         out, ref = out.float(), ref.float()
@@ -237,100 +267,179 @@ def run_all(kdir: Path, out_dir: Path, iters: int, tokens=None, only=None, model
             return float("inf")
         return ((out - ref).norm(dim=1) / ref.norm(dim=1).clamp_min(1e-6)).max().item()
 
+    # fp32 reference, per expert, from the same bf16 operands
+    ids = sorted_ids.long()
+    valid = ids >= 0
+    row_expert = torch.repeat_interleave(tile_expert.long(), tm)
+    used_rows = row_expert >= 0
+    h_ref = torch.zeros(r, inter, device=dev)
+    y_ref = torch.zeros(m * k, hd, device=dev)
+    h_in = h.float()
+    for ex in torch.unique(topk_ids).tolist():
+        rows = torch.nonzero(valid & (row_expert == ex)).squeeze(1)
+        p = ids[rows]
+        xa = x[p // k].float()
+        gg = xa @ w_gate[ex].float().T
+        uu = xa @ w_up[ex].float().T
+        act = gg * torch.sigmoid(gg) if v["act"] == "swiglu" else \
+            torch.nn.functional.gelu(gg, approximate="tanh")
+        h_ref[rows] = act * uu
+        y_ref[p] = topk_w.view(-1)[p].unsqueeze(1) * (h_in[rows] @ w2[ex].float().T)
+    pad_rows = used_rows & ~valid
+    err_h = rel_err(h[valid], h_ref[valid])
+    pad_ok = bool((h[pad_rows] == 0).all().item()) if pad_rows.any() else True
+    err_y = rel_err(y, y_ref)
+    row_h, row_y = row_err(h[valid], h_ref[valid]), row_err(y, y_ref)
+    ok = err_h <= 1e-2 and pad_ok and err_y <= 1e-2 and row_h <= 3e-2 and row_y <= 3e-2
+    res = {"variant": v["tag"], "mma": v["mma"], "tile_m": tm, "glu_tiles": v["glu"],
+           "down_tiles": v["down"], "model": v["model"], "tokens": m,
+           "experts_used": int(torch.unique(topk_ids).numel()),
+           "tiles": int((tile_expert >= 0).sum()), "T": int(tile_expert.numel()),
+           "glu": {"rel_err": err_h, "padding_zero": pad_ok, "row_err_max": row_h},
+           "down": {"rel_err": err_y, "row_err_max": row_y}, "ok": ok}
+    fns = (lambda: glu(x, w13, sorted_ids, tile_expert, h),
+           lambda: down(h, w2, sorted_ids, tile_expert, topk_w, y))
+    return res, fns
+
+
+def _rates(v, res, part, us):
+    """Fill res[part]'s time and its weight-byte and useful-FLOP rates."""
+    m, k, hd, inter = res["tokens"], v["k"], v["H"], v["I"]
+    n = 2 * inter if part == "glu" else inter
+    res[part].update({"us": us, "TBps": res["experts_used"] * n * hd * 2 / us / 1e6,
+                      "TFLOPs": 2 * m * k * n * hd / us / 1e6})
+
+
+def _line(res):
+    g, d = res["glu"], res["down"]
+    return (f"{'PASS' if res['ok'] else 'FAIL'} {res['variant']:5s} {res['model']:14s} M={res['tokens']:5d} "
+            f"E_used={res['experts_used']:3d} glu err {g['rel_err']:.2e}/{g['row_err_max']:.1e} "
+            f"pad0 {g['padding_zero']} {g['us']:9.1f}us {g['TBps']:5.2f}TB/s {g['TFLOPs']:6.1f}TF | "
+            f"down err {d['rel_err']:.2e}/{d['row_err_max']:.1e} {d['us']:9.1f}us {d['TBps']:5.2f}TB/s "
+            f"{d['TFLOPs']:6.1f}TF")
+
+
+def _manifest(kdir: Path, only=None, models=None):
+    manifest = json.loads((kdir / "manifest.json").read_text())
+    if only:  # in the order given, so that two runs can time A B and then B A
+        manifest = sorted((v for v in manifest if v["tag"] in only), key=lambda v: only.index(v["tag"]))
+    if models:
+        manifest = [v for v in manifest if v["model"] in models]
+    # one model's weights at a time: variants of a model run back to back
+    order = [m[0] for m in MODELS]
+    manifest.sort(key=lambda v: order.index(v["model"]))
+    return manifest
+
+
+def run_all(kdir: Path, out_dir: Path, iters: int, tokens=None, only=None, models=None,
+            graph: bool = False) -> int:
+    import torch
+
+    from moe_aot.runtime.library import KernelLibrary
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    out_dir.mkdir(parents=True, exist_ok=True)
+    manifest = _manifest(kdir, only, models)
+    dev = torch.device("cuda")
+    results, failures = [], 0
+    gen = torch.Generator(device=dev)
+    gen.manual_seed(0)
+
+    def timed_graph(fn):
+        """Back-to-back CUDA-graph replays, warm L2, as tools/bench.py times a kernel alone."""
+        from moe_aot.harness.measure import graph_times_us
+
+        return sorted(graph_times_us([fn], max(iters, 20)))[max(iters, 20) // 2]
+
+    timed = cold_l2_timer(dev, iters)
     weights_cache = {}
     for v in manifest:
-        e, k, hd, inter, tm = v["E"], v["k"], v["H"], v["I"], v["tile_m"]
         glu = KernelLibrary.from_dir(kdir / v["glu_name"])
         down = KernelLibrary.from_dir(kdir / v["down_name"])
         key = v["model"]
         if key not in weights_cache:
             weights_cache.clear()
             torch.cuda.empty_cache()
-            s = 1.0 / math.sqrt(hd)
-            w_gate = (torch.randn(e, inter, hd, device=dev, generator=gen) * s).bfloat16()
-            w_up = (torch.randn(e, inter, hd, device=dev, generator=gen) * s).bfloat16()
-            # prepared layout: rows [2jg, 2jg+g) gate rows [jg, jg+g), then the matching up rows
-            g = INTERLEAVE
-            w13 = torch.stack([w_gate.view(e, inter // g, g, hd), w_up.view(e, inter // g, g, hd)],
-                              dim=2).reshape(e, 2 * inter, hd).contiguous()
-            w2 = (torch.randn(e, hd, inter, device=dev, generator=gen) / math.sqrt(inter)).bfloat16()
-            weights_cache[key] = (w_gate, w_up, w13, w2)
-        w_gate, w_up, w13, w2 = weights_cache[key]
+            weights_cache[key] = _weights(v, dev, gen)
         for m in v["tokens"]:
             if tokens and m not in tokens:
                 continue
-            x = torch.randn(m, hd, device=dev, generator=gen).bfloat16()
-            logits = torch.randn(m, e, device=dev, generator=gen)
-            topk_w, topk_ids = torch.topk(torch.softmax(logits, -1), k, dim=-1)
-            topk_w = topk_w.float().contiguous()
-            sorted_ids, tile_expert = build_routing(topk_ids, e, tm)
-            r = sorted_ids.numel()
-            h = torch.full((r, inter), float("nan"), dtype=torch.bfloat16, device=dev)
-            y = torch.full((m * k, hd), float("nan"), dtype=torch.bfloat16, device=dev)
-
-            tag = f"prof_{v['tag']}_{key}_{m}"
-            torch.cuda.nvtx.range_push(f"{tag}_glu")
-            glu(x, w13, sorted_ids, tile_expert, h)
-            torch.cuda.nvtx.range_pop()
-            torch.cuda.nvtx.range_push(f"{tag}_down")
-            down(h, w2, sorted_ids, tile_expert, topk_w, y)
-            torch.cuda.nvtx.range_pop()
-            torch.cuda.synchronize()
-
-            # fp32 reference, per expert, from the same bf16 operands
-            ids = sorted_ids.long()
-            valid = ids >= 0
-            row_expert = torch.repeat_interleave(tile_expert.long(), tm)
-            used_rows = row_expert >= 0
-            h_ref = torch.zeros(r, inter, device=dev)
-            y_ref = torch.zeros(m * k, hd, device=dev)
-            h_in = h.float()
-            for ex in torch.unique(topk_ids).tolist():
-                rows = torch.nonzero(valid & (row_expert == ex)).squeeze(1)
-                p = ids[rows]
-                xa = x[p // k].float()
-                gg = xa @ w_gate[ex].float().T
-                uu = xa @ w_up[ex].float().T
-                act = gg * torch.sigmoid(gg) if v["act"] == "swiglu" else \
-                    torch.nn.functional.gelu(gg, approximate="tanh")
-                h_ref[rows] = act * uu
-                y_ref[p] = topk_w.view(-1)[p].unsqueeze(1) * (h_in[rows] @ w2[ex].float().T)
-            pad_rows = used_rows & ~valid
-            err_h = rel_err(h[valid], h_ref[valid])
-            pad_ok = bool((h[pad_rows] == 0).all().item()) if pad_rows.any() else True
-            err_y = rel_err(y, y_ref)
-            row_h, row_y = row_err(h[valid], h_ref[valid]), row_err(y, y_ref)
-
-            t_glu = timed(lambda: glu(x, w13, sorted_ids, tile_expert, h))
-            t_down = timed(lambda: down(h, w2, sorted_ids, tile_expert, topk_w, y))
+            res, (f_glu, f_down) = _check_point(v, glu, down, weights_cache[key], _inputs(v, m, dev, gen), m)
+            _rates(v, res, "glu", timed(f_glu))
+            _rates(v, res, "down", timed(f_down))
             if graph:
-                g_glu = timed_graph(lambda: glu(x, w13, sorted_ids, tile_expert, h))
-                g_down = timed_graph(lambda: down(h, w2, sorted_ids, tile_expert, topk_w, y))
+                g_glu, g_down = timed_graph(f_glu), timed_graph(f_down)
                 print(f"      graph replays (warm): glu {g_glu:9.1f}us  down {g_down:9.1f}us", flush=True)
-            n_exp = int(torch.unique(topk_ids).numel())
-            mk = m * k
-            res = {"variant": v["tag"], "mma": v["mma"], "tile_m": tm, "glu_tiles": v["glu"],
-                   "down_tiles": v["down"], "model": key, "tokens": m, "experts_used": n_exp,
-                   "tiles": int((tile_expert >= 0).sum()), "T": int(tile_expert.numel()),
-                   "glu": {"rel_err": err_h, "padding_zero": pad_ok, "us": t_glu,
-                           "TBps": n_exp * 2 * inter * hd * 2 / t_glu / 1e6,
-                           "TFLOPs": 2 * mk * 2 * inter * hd / t_glu / 1e6},
-                   "down": {"rel_err": err_y, "us": t_down,
-                            "TBps": n_exp * hd * inter * 2 / t_down / 1e6,
-                            "TFLOPs": 2 * mk * hd * inter / t_down / 1e6}}
-            ok = err_h <= 1e-2 and pad_ok and err_y <= 1e-2
-            failures += not ok
-            res["glu"]["row_err_max"], res["down"]["row_err_max"] = row_h, row_y
-            ok = ok and row_h <= 3e-2 and row_y <= 3e-2
-            res["ok"] = ok
+            failures += not res["ok"]
             results.append(res)
-            print(f"{'PASS' if ok else 'FAIL'} {v['tag']:5s} {key:14s} M={m:5d} E_used={n_exp:3d} "
-                  f"glu err {err_h:.2e}/{row_h:.1e} pad0 {pad_ok} {t_glu:9.1f}us "
-                  f"{res['glu']['TBps']:5.2f}TB/s {res['glu']['TFLOPs']:6.1f}TF | "
-                  f"down err {err_y:.2e}/{row_y:.1e} {t_down:9.1f}us {res['down']['TBps']:5.2f}TB/s "
-                  f"{res['down']['TFLOPs']:6.1f}TF", flush=True)
+            print(_line(res), flush=True)
             (out_dir / "results.json").write_text(json.dumps(results, indent=1))
     print(f"{len(results) - failures}/{len(results)} passed", flush=True)
+    return 1 if failures else 0
+
+
+def run_ab(kdir: Path, out_dir: Path, pair, rounds: int, replays: int, warmup_s: float, tokens=None,
+           models=None) -> int:
+    """Two configs side by side (``pair`` = (A, B)): per model and token count both run on the
+    same inputs and routing and are checked; then ``rounds`` timings of each in mirrored order
+    (A B B A ...), each a CUDA-graph replay of GEMM1 and GEMM2 in turn after ``warmup_s`` of
+    untimed replays (the clock a sustained load runs at); per kernel the median over its
+    rounds' medians, and B / A. Writes OUT/ab.json."""
+    import statistics
+
+    import torch
+
+    from moe_aot.harness.measure import graph_times_us
+    from moe_aot.runtime.library import KernelLibrary
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    out_dir.mkdir(parents=True, exist_ok=True)
+    man = _manifest(kdir, list(pair), models)
+    by = {(v["tag"], v["model"]): v for v in man}
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev)
+    gen.manual_seed(0)
+    rows, failures = [], 0
+    for model in dict.fromkeys(v["model"] for v in man):
+        if (pair[0], model) not in by or (pair[1], model) not in by:
+            continue
+        va, vb = by[(pair[0], model)], by[(pair[1], model)]
+        if va["tile_m"] != vb["tile_m"]:
+            raise SystemExit(f"--ab: {pair} have tile heights {va['tile_m']} and {vb['tile_m']}; "
+                             "the pair must share one routing layout")
+        torch.cuda.empty_cache()
+        weights = _weights(va, dev, gen)
+        libs = {t: (KernelLibrary.from_dir(kdir / by[(t, model)]["glu_name"]),
+                    KernelLibrary.from_dir(kdir / by[(t, model)]["down_name"])) for t in pair}
+        for m in va["tokens"]:
+            if (tokens and m not in tokens) or m not in vb["tokens"]:
+                continue
+            inputs = _inputs(va, m, dev, gen)
+            res, fns = {}, {}
+            for t in pair:
+                res[t], fns[t] = _check_point(by[(t, model)], *libs[t], weights, inputs, m)
+            times = {t: ([], []) for t in pair}
+            for r in range(rounds):
+                for t in (pair if r % 2 == 0 else pair[::-1]):
+                    per = graph_times_us(list(fns[t]), 2 * replays, warmup_s)
+                    times[t][0].append(statistics.median(per[0::2]))
+                    times[t][1].append(statistics.median(per[1::2]))
+            for t in pair:
+                _rates(by[(t, model)], res[t], "glu", statistics.median(times[t][0]))
+                _rates(by[(t, model)], res[t], "down", statistics.median(times[t][1]))
+                res[t]["glu"]["rounds_us"], res[t]["down"]["rounds_us"] = times[t]
+                failures += not res[t]["ok"]
+                print(_line(res[t]), flush=True)
+            a, b = res[pair[0]], res[pair[1]]
+            row = {"model": model, "tokens": m, "tiles": a["tiles"], "a": a, "b": b,
+                   "glu_b_over_a": b["glu"]["us"] / a["glu"]["us"],
+                   "down_b_over_a": b["down"]["us"] / a["down"]["us"]}
+            rows.append(row)
+            print(f"  {pair[1]} / {pair[0]}: glu {row['glu_b_over_a']:.3f} down {row['down_b_over_a']:.3f}",
+                  flush=True)
+            (out_dir / "ab.json").write_text(json.dumps({"pair": pair, "rounds": rounds, "replays": replays,
+                                                         "warmup_s": warmup_s, "rows": rows}, indent=1))
+    print(f"{2 * len(rows) - failures}/{2 * len(rows)} passed", flush=True)
     return 1 if failures else 0
 
 
@@ -346,9 +455,21 @@ def main():
     ap.add_argument("--graph", action="store_true",
                     help="also time each kernel by back-to-back CUDA-graph replays (warm L2), as the bench does")
     ap.add_argument("--tokens", help="comma-separated token counts to run (default: each config's)")
+    ap.add_argument("--ab", metavar="A,B", help="with --run: two configs of one tile height side by side on the "
+                    "same inputs, timed in mirrored rounds at the sustained clock (run_ab)")
+    ap.add_argument("--rounds", type=int, default=4, help="--ab: timings of each config (default 4)")
+    ap.add_argument("--replays", type=int, default=20, help="--ab: graph replays of each kernel per round")
+    ap.add_argument("--warmup", type=float, default=0.3, help="--ab: seconds of untimed replays before each round")
     ns = ap.parse_args()
     if ns.compile:
         compile_all(ns.compile, ns.arch, ns.only.split(",") if ns.only else None)
+    if ns.run and ns.ab:
+        pair = ns.ab.split(",")
+        if len(pair) != 2:
+            ap.error(f"--ab takes two config tags A,B, not {ns.ab!r}")
+        sys.exit(run_ab(ns.run, ns.out, pair, ns.rounds, ns.replays, ns.warmup,
+                        [int(t) for t in ns.tokens.split(",")] if ns.tokens else None,
+                        ns.models.split(",") if ns.models else None))
     if ns.run:
         sys.exit(run_all(ns.run, ns.out, ns.iters,
                          [int(t) for t in ns.tokens.split(",")] if ns.tokens else None,
