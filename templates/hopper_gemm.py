@@ -35,7 +35,9 @@ Constraints (beyond those of ``GroupedGluGemm`` / ``GroupedDownGemm`` with mma="
   * grid min(tiles, ctas) persistent CTAs of 128 + tile_m * 2 threads (hoppp: 384).
   * cluster_m 2: hopws with 128-row tiles only. The CTA pair takes two M tiles of one expert
     wherever the expert has two left (the weight tile multicast, read once for both), else two
-    experts' last tiles (_pair_units; 10 KB of shared memory for the list).
+    experts' last tiles (_pair_units; 10 KB of shared memory for the list). A consumer
+    warpgroup whose 64 rows of the tile are all padding, or of the duplicate tile, issues no
+    wgmma (skip_padding, _rows_live); single CTAs do not skip (see __init__).
   * pdl=True: every thread waits for the previous grid before its first read.
 """
 
