@@ -65,13 +65,15 @@ TUNED = ROOT / "cache" / "tuned" / "NVIDIA_H200.jsonl"
 # 2026-12-03n: bf16 at 1024 and 4096 tokens (five presets) once a paired tile's all-padding
 # warpgroup skipped its wgmmas (every kernel rebuilt): 7 trials per study (the default, the
 # committed pick and both PDL twins, the 128-row paired tiles on both GEMMs and on GEMM2 alone,
-# one sampled), sustained timing, a confirmation round each.
+# one sampled), sustained timing, a confirmation round each. 2026-12-03o: DeepSeek-V3 and Mixtral
+# at 16384 tokens, whose picks' paired GEMM2 the skip had changed (4 trials: the default, the
+# committed pick, its PDL twin, one sampled; a round each).
 SESSIONS = ("tuning_2026-12-01", "tuning_2026-12-01b", "tuning_2026-12-01c", "tuning_2026-12-01e",
             "tuning_2026-12-01f", "tuning_2026-12-01g", "tuning_2026-12-01h", "tuning_2026-12-01i",
             "tuning_2026-12-01j", "tuning_2026-12-01l", "tuning_2026-12-02t", "tuning_2026-12-02u",
             "tuning_2026-12-02v", "tuning_2026-12-02w", "tuning_2026-12-02x", "tuning_2026-12-02z",
             "tuning_2026-12-03", "tuning_backward_2026-12-03", "tuning_2026-12-03s",
-            "tuning_backward_2026-12-03s", "tuning_2026-12-03t", "tuning_2026-12-03n")
+            "tuning_backward_2026-12-03s", "tuning_2026-12-03t", "tuning_2026-12-03n", "tuning_2026-12-03o")
 BACKWARD_BUCKETS = (1024, 4096, 16384)
 FP8_BUCKETS = (1, 16, 64, 256, 1024, 4096, 16384)
 RECORD_FILES = [ROOT / "tools" / "results" / d / "all_records.json" for d in SESSIONS]
