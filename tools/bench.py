@@ -59,6 +59,22 @@ HBM_BYTES_PER_S = 4.8e12
 SUSTAINED_MATMUL_S = 2.0  # matmuls before the sustained-clock timing of the floor's matmul (tools/matmul_clock.py)
 
 
+def floor_us(flops: float, bytes_: float, rate: float) -> float:
+    """The roofline floor (µs): the FLOPs at matmul rate `rate` (FLOP/s) or the bytes at HBM_BYTES_PER_S,
+    whichever takes longer."""
+    return max(flops / rate, bytes_ / HBM_BYTES_PER_S) * 1e6
+
+
+def run_for(fn, seconds: float) -> None:
+    """Launch fn back to back, eight at a time between syncs, for about `seconds` (untimed: the
+    load under which the GPU settles at the clock it sustains)."""
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        for _ in range(8):
+            fn()
+        torch.cuda.synchronize()
+
+
 def matmul_rate(nvml=None, warmup_s: float = 0.0) -> tuple[float, dict]:
     """FLOP/s of torch's bf16 8192^3 matmul, and the GPU's clocks and power during the timed ones;
     warmup_s > 0: after that many seconds of back-to-back matmuls (the clock the GPU sustains, as
@@ -67,11 +83,7 @@ def matmul_rate(nvml=None, warmup_s: float = 0.0) -> tuple[float, dict]:
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     for _ in range(3):
         a @ b
-    t0 = time.perf_counter()
-    while time.perf_counter() - t0 < warmup_s:
-        for _ in range(8):
-            a @ b
-        torch.cuda.synchronize()
+    run_for(lambda: a @ b, warmup_s)
     times = []
     with Sampler(nvml) if nvml else contextlib.nullcontext() as sampler:
         for _ in range(10):
@@ -191,15 +203,14 @@ def bench_model(name: str, tokens_list, replays: int, rate: float, store, pdl: b
         theirs = statistics.median(theirs)
         flops = 6 * M * spec.top_k * spec.hidden * spec.intermediate
         bytes_ = selected * 3 * spec.hidden * spec.intermediate * 2 + 2 * M * spec.hidden * 2
-        floor_at = lambda r: max(flops / r, bytes_ / HBM_BYTES_PER_S) * 1e6  # noqa: E731 (µs at matmul rate r)
-        floor = floor_at(rate)
+        floor = floor_us(flops, bytes_, rate)
         row = {"model": name, "tokens": M, "ours_us": round(ours, 2), "floor_us": round(floor, 2),
                "torch_us": round(theirs, 2), "rel_err": err, "torch_rel_err": t_err,
                "ours_over_floor": round(ours / floor, 3), "torch_over_ours": round(theirs / ours, 3),
                "variant": layer.variant_for(M).name(spec), "experts_selected": selected}
         row["gemms"] = gemms
         if rate_sustained:  # the same floor with the matmul's rate at the clock the GPU sustains
-            floor_s = floor_at(rate_sustained)
+            floor_s = floor_us(flops, bytes_, rate_sustained)
             row.update(floor_sustained_us=round(floor_s, 2), ours_over_sustained_floor=round(ours / floor_s, 3))
         if state:
             row["gpu_state"], row["torch_gpu_state"] = state, t_state

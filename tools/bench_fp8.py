@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench import HBM_BYTES_PER_S, SUSTAINED_MATMUL_S, graph_time_us, matmul_rate  # noqa: E402
+from bench import SUSTAINED_MATMUL_S, floor_us, graph_time_us, matmul_rate, run_for  # noqa: E402
 
 from moe_aot.gemm_limits import FP8, SCALE_BLOCK  # noqa: E402
 from moe_aot.harness.measure import graph_times_us, input_sets  # noqa: E402
@@ -54,11 +54,7 @@ def fp8_matmul_rate(warmup_s: float = 0.0) -> float:
     one = torch.ones((), device="cuda")
     for _ in range(3):
         torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
-    t0 = time.perf_counter()
-    while time.perf_counter() - t0 < warmup_s:
-        for _ in range(8):
-            torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
-        torch.cuda.synchronize()
+    run_for(lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16), warmup_s)
     times = []
     for _ in range(10):
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -126,7 +122,7 @@ def bench_model(name, tokens_list, replays, rate8, store, rate8_sustained) -> li
                      "variant": layer.variant_for(M).name(layer.spec),
                      "kernels": kernel_times(layer, M, replays, layer.spec, selected, eb)}
             if p != "bf16":
-                floor, floor_s = (max(flops / r, bytes_ / HBM_BYTES_PER_S) * 1e6 for r in (rate8, rate8_sustained))
+                floor, floor_s = floor_us(flops, bytes_, rate8), floor_us(flops, bytes_, rate8_sustained)
                 entry.update(floor_us=round(floor, 2), over_floor=round(t / floor, 3),
                              floor_sustained_us=round(floor_s, 2), over_sustained_floor=round(t / floor_s, 3),
                              bf16_over_this=round(times["bf16"] / t, 3))
