@@ -63,7 +63,7 @@ def toolchain_key(target: str) -> str:
 TEMPLATES = {
     ("routing", None): ("routing", "MoeRouting"),
     ("combine", None): ("routing", "MoeCombine"),
-    ("quant", None): ("quant", "QuantizeFp8"),
+    ("routing", "quant"): ("routing", "MoeRoutingQuant"),  # fp8: x quantized in the same launch
     ("glu_bwd", None): ("glu_backward", "GluBackward"),
     ("dh", None): ("hopper_bwd", "HopperDhGemm"),
     ("dx", None): ("hopper_bwd", "HopperDxGemm"),
@@ -91,9 +91,11 @@ TEMPLATES = {
 
 
 def template_family(kv: KernelVariant) -> str | None:
+    kw = kv.kwargs()
+    if kv.role == "routing":
+        return "quant" if "quant" in kw else None
     if kv.role not in ("glu", "down", "glu_train"):
         return None
-    kw = kv.kwargs()
     precision = kw.get("precision", "bf16")
     if precision in W4:
         return "w4"

@@ -33,17 +33,18 @@ TARGET_LIMITS = {
 }
 TARGET_LIMITS = limits.with_standins(TARGET_LIMITS)  # a stand-in is sized as its model (GB10's 48 SMs)
 INTERLEAVE = 16  # gate/up rows alternate in blocks of this many rows in the prepared w13
-# The precision registry: the kernel roles of a layer in launch order (fp8 quantizes x in a
-# kernel of its own before GEMM1), and which MMA families a target offers that precision (the
-# templates' rules for it: gemm_limits.check_fp8).
+# The precision registry: the kernel roles of a layer in launch order, and which MMA families a
+# target offers that precision (the templates' rules for it: gemm_limits.check_fp8). fp8's routing
+# launch also quantizes x for GEMM1 (QUANT_IN_ROUTING: templates/routing.py MoeRoutingQuant).
 PRECISION_ROLES = {"bf16": ("routing", "glu", "down", "combine"),
-                   "fp8": ("routing", "quant", "glu", "down", "combine"),
-                   "fp8-block128": ("routing", "quant", "glu", "down", "combine"),
+                   "fp8": ("routing", "glu", "down", "combine"),
+                   "fp8-block128": ("routing", "glu", "down", "combine"),
                    "mxfp4-w": ("routing", "glu", "down", "combine"),
                    # block-scaled: x quantized by templates/blockscale_quant.py ("bsquant"), h by GEMM1
                    "mxfp8": ("routing", "bsquant", "glu", "down", "combine"),
                    "nvfp4": ("routing", "bsquant", "glu", "down", "combine"),
                    "w4a8-mx": ("routing", "bsquant", "glu", "down", "combine")}  # x to mxfp8, weights mxfp4
+QUANT_IN_ROUTING = limits.FP8
 PRECISION_MMAS = {"bf16": None, "fp8": limits.FP8_MMAS, "fp8-block128": limits.FP8_MMAS,  # None: all
                   "mxfp4-w": limits.W4_MMAS, "mxfp8": limits.BS_MMAS, "nvfp4": limits.BS_MMAS,
                   "w4a8-mx": limits.BS_MMAS}
@@ -180,7 +181,7 @@ class LayerVariant:
         return twin if can_implement(spec, twin)[0] else None
 
     def kernels(self, spec: LayerSpec) -> list[KernelVariant]:
-        """The layer's kernels in launch order: routing, (fp8: the quantization of x,) GEMM1,
+        """The layer's kernels in launch order: routing (fp8: with x's quantization), GEMM1,
         GEMM2, combine (PRECISION_ROLES)."""
         a, p, s = arch_tag(spec.target), spec.precision_tag, spec.shape_tag
         e, k, h, i = spec.experts, spec.top_k, spec.hidden, spec.intermediate
@@ -193,10 +194,13 @@ class LayerVariant:
         # a stand-in target's block-scaled GEMMs emulate the MMA its arch lacks (its name is in a)
         standin = (("standin", True),) if spec.target in limits.STANDINS and spec.precision in limits.BLOCKSCALED \
             else ()
+        # fp8: the routing launch quantizes x too (named by what it quantizes to)
+        q, qp = ((f"_q{p}h{h}", (("quant", (h, spec.precision)),)) if spec.precision in QUANT_IN_ROUTING
+                 else ("", ()))
         out = [
-            KernelVariant("routing", f"moe_route_{a}_e{e}k{k}_m{m}_c{self.route_cluster}{x}",
-                          (("num_experts", e), ("top_k", k), ("tile_m", m), ("cluster_size", self.route_cluster))
-                          + pdl),
+            KernelVariant("routing", f"moe_route_{a}_e{e}k{k}_m{m}_c{self.route_cluster}{q}{x}",
+                          (("num_experts", e), ("top_k", k), ("tile_m", m)) + qp
+                          + (("cluster_size", self.route_cluster),) + pdl),
             KernelVariant(
                 "glu", f"moe_glu_{a}_{p}_{s}_{spec.activation}_t{m}x{g.tile_n}x{g.tile_k}_s{g.stages}_{g.mma}"
                        f"{_c(g)}_g{INTERLEAVE}{hb}{x}",
@@ -210,9 +214,6 @@ class LayerVariant:
             KernelVariant("combine", f"moe_combine_{a}_{p}_e{e}k{k}h{h}{x}",
                           (("num_experts", e), ("hidden", h), ("top_k", k)) + pdl),
         ]
-        if "quant" in PRECISION_ROLES[spec.precision]:
-            out.insert(1, KernelVariant("quant", f"moe_quant_{a}_{p}_h{h}",
-                                        (("hidden", h), ("precision", spec.precision))))
         if "bsquant" in PRECISION_ROLES[spec.precision]:
             # x's rows K-padded as GEMM1 reads them (sm_120 family; tcgen05 reads K unpadded)
             hp = limits.bs_stored_k(spec.target, h)

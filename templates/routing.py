@@ -2,6 +2,8 @@
 
 `MoeRouting` turns `topk_ids` into per-expert counts, tile-padded offsets, the expert-sorted
 permutation and the tile -> expert map, on the GPU with no host synchronisation.
+`MoeRoutingQuant` (the fp8 layers) is the same routing whose launch also quantizes x for GEMM1:
+CTAs past the routing cluster run templates/quant.py's rows over x, beside the routing.
 `MoeCombine` sums the K expert outputs of each token (already scaled by the routing weights).
 """
 
@@ -18,9 +20,16 @@ from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.memory import SmemAllocator
 
+from .quant import GROUP, RowQuantFp8, can_quantize, fake_quant_arguments
+
 _WARP = 32
 # Shared memory a CTA may use everywhere we target (sm_121 has 99 KiB, sm_90 227 KiB).
 _SMEM_BUDGET = 96 * 1024
+# MoeRoutingQuant: the CTAs that quantize x are at most this many; each group of quant.GROUP
+# threads takes one row (8 per 1024-thread CTA), and loops only past 8 * _QUANT_CTAS rows: small
+# CTAs balance themselves over the SMs the routing cluster leaves free (a capped grid whose every
+# CTA loops would leave its last wave's CTAs a whole share of rows behind)
+_QUANT_CTAS = 4096
 
 
 @dsl_user_op
@@ -76,6 +85,7 @@ class MoeRouting:
                  num_threads: int = 1024, unroll: int = 8, cluster_size: int = 1,
                  pdl: bool = False):
         self.num_experts = num_experts
+        self.quant = None  # MoeRoutingQuant: (hidden, precision)
         self.pdl = bool(pdl)  # let the next kernel (GEMM1, launched as a dependent) launch early
         self.top_k = top_k
         self.tile_m = tile_m
@@ -98,6 +108,11 @@ class MoeRouting:
 
     @cute.kernel
     def kernel(self, ids: cute.Tensor, g_counts: cute.Tensor, g_offsets: cute.Tensor,
+               g_sorted: cute.Tensor, g_tile_expert: cute.Tensor):
+        self._route(ids, g_counts, g_offsets, g_sorted, g_tile_expert)
+
+    @cute.jit
+    def _route(self, ids: cute.Tensor, g_counts: cute.Tensor, g_offsets: cute.Tensor,
                g_sorted: cute.Tensor, g_tile_expert: cute.Tensor):
         E = self.num_experts
         NW = self.num_warps
@@ -303,6 +318,14 @@ class MoeRouting:
         if 4 * (self.num_warps * self.hist_stride + 4 * E + 1) > _SMEM_BUDGET:
             return False, (f"num_experts={E} needs more than {_SMEM_BUDGET} bytes of shared memory "
                            f"for the per-warp histogram of {nt} threads")
+        if self.quant:
+            if len(self.quant) != 2:
+                return False, f"quant must be (hidden, precision), got {self.quant!r}"
+            ok, reason = can_quantize(*self.quant)
+            if not ok:
+                return False, f"quant: {reason}"
+            if nt % GROUP:
+                return False, f"quant: num_threads must be a multiple of {GROUP} (a row per {GROUP} threads), got {nt}"
         return True, ""
 
     def fake_arguments(self):
@@ -319,8 +342,66 @@ class MoeRouting:
                                                         assumed_align=4)),
             ("sorted_ids", make_fake_compact_tensor(i32, (r,), assumed_align=4)),
             ("tile_expert", make_fake_compact_tensor(i32, (t,), assumed_align=4)),
-            ("stream", make_fake_stream()),
-        ]
+        ] + (fake_quant_arguments(*self.quant) if self.quant else []) + [("stream", make_fake_stream())]
+
+
+class MoeRoutingQuant(MoeRouting):
+    """MoeRouting whose launch also quantizes the layer's input for the fp8 GEMMs.
+
+    ``quant=(hidden, precision)``, precision "fp8" or "fp8-block128": `__call__` takes the
+    routing's arguments, then x [M, hidden] bf16, xq [M, hidden] e4m3 and xs (fp8: [M];
+    fp8-block128: [M, hidden/128]), x quantized as templates/quant.py describes. The grid is the
+    routing cluster followed by Q more CTAs (a multiple of cluster_size, at most _QUANT_CTAS, none
+    beyond what M needs), whose num_threads / 128 groups quantize rows q * groups + g, then every
+    (Q * groups)-th row after it. x's quantization does not depend on the routing, so both run at
+    once, and GEMM1 waits for one grid where it waited for two launches. Constraints: those of
+    MoeRouting, num_threads a multiple of 128; x and xq 16-byte aligned rows.
+    """
+
+    def __init__(self, num_experts: int, top_k: int, tile_m: int, quant: tuple = (),
+                 num_threads: int = 1024, unroll: int = 8, cluster_size: int = 1, pdl: bool = False):
+        super().__init__(num_experts, top_k, tile_m, num_threads=num_threads, unroll=unroll,
+                         cluster_size=cluster_size, pdl=pdl)
+        self.quant = tuple(quant)
+        self.rows = RowQuantFp8(*self.quant) if self.can_implement()[0] else None
+        self.groups = num_threads // GROUP  # rows in flight per quant CTA
+
+    @cute.jit
+    def __call__(self, topk_ids: cute.Tensor, expert_counts: cute.Tensor,
+                 expert_offsets: cute.Tensor, sorted_ids: cute.Tensor, tile_expert: cute.Tensor,
+                 x: cute.Tensor, xq: cute.Tensor, xs: cute.Tensor, stream: cuda.CUstream):
+        num_pairs = cute.size(topk_ids)
+        flat_ids = cute.make_tensor(topk_ids.iterator, cute.make_layout(num_pairs))
+        C = self.cluster_size
+        need = (cute.size(x, mode=[0]) + self.groups - 1) // self.groups
+        grid = C + (cutlass.min(need, _QUANT_CTAS) + C - 1) // C * C
+        self.kernel_q(flat_ids, expert_counts, expert_offsets, sorted_ids, tile_expert, x, xq, xs).launch(
+            grid=[grid, 1, 1], block=[self.num_threads, 1, 1], cluster=[C, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel_q(self, ids: cute.Tensor, g_counts: cute.Tensor, g_offsets: cute.Tensor,
+                 g_sorted: cute.Tensor, g_tile_expert: cute.Tensor, mX: cute.Tensor, mXq: cute.Tensor,
+                 mXs: cute.Tensor):
+        cta, _, _ = cute.arch.block_idx()
+        red = SmemAllocator().allocate_array(Float32, self.num_threads // _WARP, byte_alignment=16)
+        # whole clusters take one branch: the cluster's barriers stay among the routing CTAs
+        if cta < self.cluster_size:
+            self._route(ids, g_counts, g_offsets, g_sorted, g_tile_expert)
+        else:
+            if cutlass.const_expr(self.pdl):
+                cute.arch.griddepcontrol_launch_dependents()  # (as _route's CTAs do)
+            self._quantize(mX, mXq, mXs, cta - self.cluster_size, red)
+
+    @cute.jit
+    def _quantize(self, mX, mXq, mXs, q, red):
+        """Quant CTA q: group g (named barrier 1 + g, 4 words of ``red``) quantizes rows
+        q * groups + g, then every (quant CTAs * groups)-th row after it."""
+        tid, _, _ = cute.arch.thread_idx()
+        nctas, _, _ = cute.arch.grid_dim()
+        g = tid // GROUP
+        stride = (nctas - self.cluster_size) * self.groups
+        for row in range(q * self.groups + g, cute.size(mX, mode=[0]), stride):
+            self.rows.row(mX, mXq, mXs, row, tid % GROUP, red + g * (GROUP // _WARP), 1 + g)
 
 
 class MoeCombine:

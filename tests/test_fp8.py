@@ -154,7 +154,7 @@ def test_fp8_variants_and_their_refusals(precision):
 @pytest.mark.parametrize("mma", ["hopws", "hopws256", "hopws256h128", "hopws64x256", "hopwsk256", "warp",
                                  "warp256h128"])
 def test_fp8_kernels_compile(tmp_path, mma):
-    """The quantization kernel and both fp8 GEMMs compile on this CPU machine into libraries whose
+    """The routing launch that quantizes x and both fp8 GEMMs compile on this CPU machine into libraries whose
     cubins hold fp8 wgmma (QGMMA) on the Hopper core, e4m3 mma.sync on the mma.sync one; both
     take the same arguments. With h scaled per 128 columns (h_block 128), GEMM2 waits for its
     wgmmas and promotes once per k-tile and part, half as often as with 64."""
@@ -188,14 +188,14 @@ def test_fp8_kernels_compile(tmp_path, mma):
         want_mma = r"mma\.sync\.aligned\.m16n8k32\.row\.col\.f32\.e4m3\.e4m3\.f32"
     assert V.can_implement(spec, v)[0]
     for kv in v.kernels(spec):
-        if kv.role not in ("quant", "glu", "down") or (kv.role == "quant" and mma == "warp"):
+        if kv.role not in ("routing", "glu", "down") or (kv.role == "routing" and mma == "warp"):
             continue
         art = compile_kernel(build_template(kv), "sm_90a", kv.name)
         assert art.library[:4] == b"\x7fELF"
-        if kv.role != "quant":
+        if kv.role != "routing":
             assert re.search(want_mma, art.ptx), kv.name
         tool = cuobjdump()
-        if mma in ("hopws64x256", "hopwsk256") and kv.role != "quant" and tool:  # no spills at 64 rows either
+        if mma in ("hopws64x256", "hopwsk256") and kv.role != "routing" and tool:  # no spills at 64 rows either
             cubin = tmp_path / f"{kv.role}.cubin"
             cubin.write_bytes(art.cubin)
             usage = subprocess.run([tool, "--dump-resource-usage", str(cubin)], capture_output=True,
@@ -203,7 +203,7 @@ def test_fp8_kernels_compile(tmp_path, mma):
             assert "STACK:0" in usage and "LOCAL:0" in usage, usage
             if mma == "hopws64x256":  # both parts of every K block, as at 128 rows
                 assert len(re.findall(want_mma, art.ptx)) == 8, kv.name
-        if mma.startswith("hopws256") and kv.role != "quant":
+        if mma.startswith("hopws256") and kv.role != "routing":
             # both parts of every K block: GEMM1 one block of 4 k32 wgmmas per k-tile, GEMM2 two
             # of 2 (its h scales per 64 columns) or, with h_block 128, one of 4; B's second part
             # 16 KB into the stage
@@ -232,7 +232,8 @@ def test_fp8_kernels_compile(tmp_path, mma):
         if kv.role in ("glu", "down"):  # hs [R, I / h_block], R dynamic
             hs = next(a for a in art.meta["args"] if a["name"] == "hs")
             assert hs["static_shape"] == [None, spec.intermediate // v.h_block], hs
-        want = {"quant": ["x", "xq", "xs"], "glu": ["x", "xs", "w13", "w13s", "sorted_ids", "tile_expert", "h", "hs"],
+        want = {"routing": ["topk_ids", "expert_counts", "expert_offsets", "sorted_ids", "tile_expert", "x", "xq",
+                            "xs"], "glu": ["x", "xs", "w13", "w13s", "sorted_ids", "tile_expert", "h", "hs"],
                 "down": ["h", "hs", "w2", "w2s", "sorted_ids", "tile_expert", "topk_weights", "y"]}[kv.role]
         assert names[:len(want)] == want, names
 
@@ -280,7 +281,7 @@ def test_h_block_is_the_layers_both_gemms_take_it_and_names_say_it():
         assert new[role].name != old[role].name and "_h128" in new[role].name, new[role].name
         assert new[role].kwargs()["h_block"] == 128 and "h_block" not in old[role].kwargs()
         assert not re.search(r"_h\d", old[role].name)  # 64: named and built as before
-    for role in ("routing", "quant", "combine"):
+    for role in ("routing", "combine"):
         assert new[role] == old[role] and new[role].params == old[role].params
     assert twin.name(spec).endswith("_h128") and V.LayerVariant.parse(twin.name(spec)) == twin
     pdl = twin.pdl_twin()

@@ -5,6 +5,7 @@ Numerics on the GPU: tools/check_routing_kernels.py (compile here, run there).
 """
 import importlib.util
 import random
+import re
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,7 @@ import pytest
 cute = pytest.importorskip("cutlass.cute")
 torch = pytest.importorskip("torch")
 
-from moe_aot_templates.routing import MoeCombine, MoeRouting  # noqa: E402
+from moe_aot_templates.routing import MoeCombine, MoeRouting, MoeRoutingQuant  # noqa: E402
 
 _CHECK = Path(__file__).resolve().parents[1] / "tools" / "check_routing_kernels.py"
 _spec = importlib.util.spec_from_file_location("check_routing_kernels", _CHECK)
@@ -40,6 +41,35 @@ def test_routing_cluster16_compiles_for_hopper():
     obj = MoeRouting(256, 8, 128, cluster_size=16)
     assert obj.can_implement("sm_90a")[0]
     assert _compile(obj, "sm_90a") is not None
+
+
+@pytest.mark.parametrize("arch,cluster", [("sm_90a", 1), ("sm_90a", 16), ("sm_121a", 1)])
+@pytest.mark.parametrize("precision", ["fp8", "fp8-block128"])
+def test_routing_that_quantizes_x_compiles(arch, cluster, precision, tmp_path):
+    """The fp8 layers' routing launch: the routing's arguments then x, xq, xs; its quant CTAs
+    read x by 16-byte loads, write e4m3 by cvt, and reduce a token's amax (fp8) through one named
+    barrier per 128-thread group (bar.sync 1..8 of 128 threads; never the whole CTA's)."""
+    obj = MoeRoutingQuant(256, 8, 128, quant=(7168, precision), cluster_size=cluster, pdl=True)
+    assert obj.can_implement(arch) == (True, "")
+    assert [n for n, _ in obj.fake_arguments()] == [
+        "topk_ids", "expert_counts", "expert_offsets", "sorted_ids", "tile_expert", "x", "xq", "xs", "stream"]
+    ptx = cute.compile(obj, *[f for _, f in obj.fake_arguments()],
+                       options=f"--gpu-arch {arch} --keep-ptx --dump-dir {tmp_path}").__ptx__
+    assert "ld.global.v4" in ptx and "cvt.rn.satfinite.e4m3x2.f32" in ptx
+    assert "griddepcontrol.launch_dependents" in ptx and "griddepcontrol.wait" not in ptx
+    named = re.findall(r"bar\.sync\s+(%r\d+),\s*128;", ptx)  # the group's id, a register
+    assert (len(named) == 2) == (precision == "fp8") and (len(named) == 0) == (precision != "fp8"), named
+
+
+@pytest.mark.parametrize("kwargs,word", [
+    (dict(quant=(7168, "bf16")), "precision"),
+    (dict(quant=(2880, "fp8")), "multiple of 128"),
+    (dict(quant=(2048, "fp8"), num_threads=96), "num_threads must be a multiple of 128"),
+    (dict(quant=(2048,)), "(hidden, precision)"),
+])
+def test_routing_that_quantizes_x_refusals(kwargs, word):
+    ok, why = MoeRoutingQuant(128, 8, 64, **kwargs).can_implement()
+    assert not ok and word in why, why
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_121a"])

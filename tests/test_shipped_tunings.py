@@ -68,12 +68,17 @@ TUNED = ROOT / "cache" / "tuned" / "NVIDIA_H200.jsonl"
 # one sampled), sustained timing, a confirmation round each. 2026-12-03o: DeepSeek-V3 and Mixtral
 # at 16384 tokens, whose picks' paired GEMM2 the skip had changed (4 trials: the default, the
 # committed pick, its PDL twin, one sampled; a round each).
+# 2026-12-04: fp8 and fp8-block128 at all seven buckets of the four fp8 models once the routing
+# launch quantized x (every fp8 layer's routing kernel changed, so every fp8 pick's binaries did):
+# 2 trials per study (the default and the committed pick, or its PDL twin where the pick is the
+# default), sustained timing, a confirmation round each.
 SESSIONS = ("tuning_2026-12-01", "tuning_2026-12-01b", "tuning_2026-12-01c", "tuning_2026-12-01e",
             "tuning_2026-12-01f", "tuning_2026-12-01g", "tuning_2026-12-01h", "tuning_2026-12-01i",
             "tuning_2026-12-01j", "tuning_2026-12-01l", "tuning_2026-12-02t", "tuning_2026-12-02u",
             "tuning_2026-12-02v", "tuning_2026-12-02w", "tuning_2026-12-02x", "tuning_2026-12-02z",
             "tuning_2026-12-03", "tuning_backward_2026-12-03", "tuning_2026-12-03s",
-            "tuning_backward_2026-12-03s", "tuning_2026-12-03t", "tuning_2026-12-03n", "tuning_2026-12-03o")
+            "tuning_backward_2026-12-03s", "tuning_2026-12-03t", "tuning_2026-12-03n", "tuning_2026-12-03o",
+            "tuning_2026-12-04")
 BACKWARD_BUCKETS = (1024, 4096, 16384)
 FP8_BUCKETS = (1, 16, 64, 256, 1024, 4096, 16384)
 RECORD_FILES = [ROOT / "tools" / "results" / d / "all_records.json" for d in SESSIONS]

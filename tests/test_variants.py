@@ -65,6 +65,8 @@ def _name_tokens(kv) -> dict:
         tokens["hidden"] = f"h{p['hidden']}"
     if "intermediate" in p:
         tokens["intermediate"] = f"i{p['intermediate']}"
+    if "quant" in p:  # fp8's routing quantizes x: to what, and of which width
+        tokens["quant"] = f"_q{p['quant'][1].replace('-', '')}h{p['quant'][0]}"
     if kv.role == "routing":
         tokens["tile_m"] = f"_m{p['tile_m']}_"
     elif "tile_n" in p:

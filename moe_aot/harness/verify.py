@@ -96,13 +96,20 @@ def check_stages(layer: MoeLayer, x, w13, w2, topk_weights, topk_ids) -> list[di
     dev = dict(device=x.device, dtype=torch.int32)
     bufs = [torch.full((spec.experts,), 0x7FFFFFFF, **dev), torch.full((spec.experts + 1,), 0x7FFFFFFF, **dev),
             torch.full((T * v.tile_m,), 0x7FFFFFFF, **dev), torch.full((T,), 0x7FFFFFFF, **dev)]
-    route(topk_ids, *bufs)
+    xq_xs = ()
+    if spec.precision in FP8:  # the routing launch quantizes x too: into poisoned (NaN) buffers
+        blk = fp8_format.x_block(spec.precision)
+        xq_xs = (torch.full((M, spec.hidden), 0x7F, dtype=torch.uint8, device=x.device).view(fp8_format.E4M3),
+                 torch.full((M,) if blk is None else (M, spec.hidden // blk), float("nan"), device=x.device))
+        route(topk_ids, *bufs, x, *xq_xs)
+    else:
+        route(topk_ids, *bufs)
     ref = routing_reference(topk_ids, spec.experts, v.tile_m)
     same = all(torch.equal(a, b) for a, b in zip(bufs, ref))
     rows.append({"stage": "routing", "rel_err": 0.0 if same else 1.0, "ok": same, "variant": v.name(spec)})
     counts, offsets, sorted_ids, tile_expert = ref  # GEMM1 is checked on exact routing
     if spec.precision in FP8:
-        rows.append(_check_glu_fp8(layer, x, w13, sorted_ids, tile_expert, offsets, v))
+        rows.append(_check_glu_fp8(layer, x, *xq_xs, w13, sorted_ids, tile_expert, offsets, v))
     else:
         rows.append(_check_glu(layer, x, w13, topk_ids, sorted_ids, tile_expert, offsets, v, glu))
     out = torch.full((M, spec.hidden), float("nan"), device=x.device, dtype=torch.bfloat16)
@@ -162,17 +169,15 @@ def _check_glu(layer, x, w13, topk_ids, sorted_ids, tile_expert, offsets, v, glu
 FP8_H_ROW_TOLERANCE = 5e-2  # a value past a rounding midpoint is one e4m3 step (6-12%) off
 
 
-def _check_glu_fp8(layer, x, w13, sorted_ids, tile_expert, offsets, v) -> dict:
-    """The quantization kernel and GEMM1 of an fp8 layer: x's e4m3 values and scales against
-    torch's quantization of x, then GEMM1's dequantized output against the fp32 GEMM1 + GLU of
-    exactly what it read (the kernel's own xq, xs and the weights), quantized the same way."""
+def _check_glu_fp8(layer, x, xq, xs, w13, sorted_ids, tile_expert, offsets, v) -> dict:
+    """x's quantization (done by the routing launch: xq, xs) and GEMM1 of an fp8 layer: x's e4m3
+    values and scales against torch's quantization of x, then GEMM1's dequantized output against
+    the fp32 GEMM1 + GLU of exactly what it read (the kernel's own xq, xs and the weights),
+    quantized the same way."""
     spec = layer.spec
-    M, R = x.shape[0], sorted_ids.numel()
-    _, libs = layer.role_kernels(M)
+    R = sorted_ids.numel()
+    _, libs = layer.role_kernels(x.shape[0])
     blk = fp8_format.x_block(spec.precision)
-    xq = torch.full((M, spec.hidden), 0x7F, dtype=torch.uint8, device=x.device).view(fp8_format.E4M3)  # NaN
-    xs = torch.full((M,) if blk is None else (M, spec.hidden // blk), float("nan"), device=x.device)
-    libs["quant"](x, xq, xs)
     q_ref, s_ref = fp8.quantize_x(x, spec.precision)
     e_q = rel_err(fp8.dequantize_rows(xq, xs, blk), fp8.dequantize_rows(q_ref, s_ref, blk))
     h = torch.full((R, spec.intermediate), 0x7F, dtype=torch.uint8, device=x.device).view(fp8_format.E4M3)
@@ -188,7 +193,9 @@ def _check_glu_fp8(layer, x, w13, sorted_ids, tile_expert, offsets, v) -> dict:
     pad = used & ~valid
     pad_ok = bool((h[pad].float() == 0).all()) if pad.any() else True
     e, er = rel_err(got, want), row_rel_err(got, want)
+    same = torch.equal(xq.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(xs, s_ref)
     return {"stage": "glu", "rel_err": e, "row_rel_err": er, "pad_rows_zero": pad_ok, "quant_rel_err": e_q,
+            "x_bytes_equal": same,
             "ok": e <= TOLERANCE and er <= FP8_H_ROW_TOLERANCE and pad_ok and e_q <= TOLERANCE,
             "variant": v.name(spec)}
 

@@ -32,6 +32,7 @@ from ..spec import LayerSpec, make_spec, value_class
 from ..variants import (
     BWD_TILE_M,
     INTERLEAVE,
+    QUANT_IN_ROUTING,
     LayerVariant,
     backward_kernels,
     bucket_for,
@@ -209,8 +210,8 @@ class MoeLayer:
         return lib
 
     def kernels(self, tokens: int):
-        """(variant, routing, GEMM1, GEMM2, combine) for this token count (fp8: the quantization
-        kernel is ``role_kernels(tokens)["quant"]``)."""
+        """(variant, routing, GEMM1, GEMM2, combine) for this token count (fp8: the routing
+        also quantizes x, and takes x, xq and xs after its own arguments)."""
         v, libs = self.role_kernels(tokens)
         return v, libs["routing"], libs["glu"], libs["down"], libs["combine"]
 
@@ -478,7 +479,7 @@ class MoeLayer:
 
     # the caller's tensors in each fp8 kernel's arguments: (role, argument index, which);
     # everything else is the workspace's, fixed by the token count
-    _FP8_CALLER_ARGS = (("routing", 0, "ids"), ("quant", 0, "x"), ("glu", 2, "w13"), ("glu", 3, "w13s"),
+    _FP8_CALLER_ARGS = (("routing", 0, "ids"), ("routing", 5, "x"), ("glu", 2, "w13"), ("glu", 3, "w13s"),
                         ("down", 2, "w2"), ("down", 3, "w2s"), ("down", 6, "tw"), ("combine", 1, "ids"),
                         ("combine", 2, "out"))
 
@@ -496,7 +497,7 @@ class MoeLayer:
         return v, libs, ws.sorted_ids[:R], ws.tile_expert[:T], R
 
     def _forward_fp8(self, x, w13, w2, topk_weights, topk_ids, out, workspace):
-        """routing -> quantization of x -> GEMM1 (e4m3 h) -> GEMM2 -> combine. The first call at
+        """routing with x's quantization (one launch) -> GEMM1 (e4m3 h) -> GEMM2 -> combine. The first call at
         a size launches with the kernels' own contract checks and keeps the filled argument
         structs; later calls re-run check_inputs and swap the caller's data pointers, without
         choosing the variant or naming its kernels again."""
@@ -518,8 +519,7 @@ class MoeLayer:
                                       f"(Workspace.allocate(spec, max_tokens, device))")
         v, libs, sorted_ids, tile_expert, R = self._first_call_views(M, ws, ws.hq)
         xq, xs, hq, hs, y = ws.xq[:M], ws.xs[:M], ws.hq[:R], ws.h_scales(R, v.h_block), ws.y[: M * K]
-        args = {"routing": (topk_ids, ws.counts, ws.offsets, sorted_ids, tile_expert),
-                "quant": (x, xq, xs),
+        args = {"routing": (topk_ids, ws.counts, ws.offsets, sorted_ids, tile_expert, x, xq, xs),
                 "glu": (xq, xs, w13[0], w13[1], sorted_ids, tile_expert, hq, hs),
                 "down": (hq, hs, w2[0], w2[1], sorted_ids, tile_expert, topk_weights, y),
                 "combine": (y, topk_ids, out)}
@@ -712,8 +712,16 @@ class MoeLayer:
         dev = dict(dtype=torch.int32, device=self.device)
         bufs = (torch.empty(self.spec.experts, **dev), torch.empty(self.spec.experts + 1, **dev),
                 torch.empty(T * v.tile_m, **dev), torch.empty(T, **dev))
-        route(topk_ids, *bufs)
+        route(topk_ids, *bufs, *self._quant_scratch(M))
         return bufs
+
+    def _quant_scratch(self, M: int) -> tuple:
+        """fp8 layers, whose routing launch also quantizes x: a zero x [M, H] and room for its
+        quantization, for a caller that wants the routing alone; () otherwise."""
+        if self.spec.precision not in QUANT_IN_ROUTING:
+            return ()
+        ws = Workspace.allocate(self.spec, M, self.device)
+        return torch.zeros(M, self.spec.hidden, dtype=torch.bfloat16, device=self.device), ws.xq[:M], ws.xs[:M]
 
 
 _LAYERS: dict[tuple, MoeLayer] = {}

@@ -1,0 +1,201 @@
+#!/usr/bin/env python3
+"""The fp8 layers' routing launch that also quantizes x (templates/routing.py MoeRoutingQuant)
+against the two launches it replaces (MoeRouting, then templates/quant.py QuantizeFp8), side by
+side on one GPU.
+
+  --compile DIR          (CPU, needs the DSL) compile both forms for sm_90a into DIR/<name>/
+  --run DIR --out OUT    (GPU, torch + moe_aot, no DSL) per model, precision and token count:
+                         fresh random x and routing (distinct top-k ids, ~10% of them invalid),
+                         outputs poisoned; checks the fused launch's routing buffers against the
+                         routing reference exactly and its xq / xs byte for byte against both the
+                         separate kernel's and torch's quantization of the same x; then times a
+                         CUDA graph of the two launches (A) against one of the fused launch (B), in
+                         mirrored rounds (A B B A ...), each round the mean of 50 replays after
+                         10 untimed ones; writes OUT/route_quant.json and OUT/route_quant.md
+
+The routing runs in a 1-CTA cluster up to 256 tokens and a 16-CTA one above, as the layer's
+defaults do; tile_m 128.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+# (name, E, top_k, H): the fp8-capable presets (H a multiple of 128)
+MODELS = [("qwen3_30b_a3b", 128, 8, 2048), ("qwen3_235b", 128, 8, 4096), ("deepseek_v3", 256, 8, 7168),
+          ("mixtral_8x7b", 8, 2, 4096)]
+PRECISIONS = ("fp8", "fp8-block128")
+TOKENS = (1, 16, 256, 1024, 4096, 16384)
+TILE_M = 128
+ROUNDS = 3  # mirrored: 2 * ROUNDS timings of each form
+
+
+def cluster_for(tokens: int) -> int:
+    return 1 if tokens <= 256 else 16
+
+
+def names(model, e, k, h, prec, c):
+    p = prec.replace("-", "")
+    return {"route": f"route_e{e}k{k}_c{c}", "quant": f"quant_{p}_h{h}", "fused": f"routeq_{model}_{p}_c{c}"}
+
+
+def do_compile(out_dir: Path, arch: str) -> None:
+    from moe_aot_templates.quant import QuantizeFp8
+    from moe_aot_templates.routing import MoeRouting, MoeRoutingQuant
+
+    from moe_aot.kernel_build import compile_kernel
+
+    jobs = {}
+    for model, e, k, h in MODELS:
+        for prec in PRECISIONS:
+            for c in sorted({cluster_for(t) for t in TOKENS}):
+                n = names(model, e, k, h, prec, c)
+                jobs[n["route"]] = MoeRouting(e, k, TILE_M, cluster_size=c)
+                jobs[n["quant"]] = QuantizeFp8(h, prec)
+                jobs[n["fused"]] = MoeRoutingQuant(e, k, TILE_M, quant=(h, prec), cluster_size=c)
+    for name, obj in jobs.items():
+        t0 = time.perf_counter()
+        art = compile_kernel(obj, arch, name)
+        art.write_dir(out_dir / name)
+        for ptx in (out_dir / name).glob("*.ptx"):
+            ptx.unlink()  # kept small for the trip to the GPU machine
+        print(f"{name:36s} {time.perf_counter() - t0:5.1f}s", flush=True)
+
+
+def do_run(lib_dir: Path, out_dir: Path, tokens, models) -> int:
+    import torch
+
+    from moe_aot.harness import fp8 as fp8_ref
+    from moe_aot.harness.reference import routing_reference
+    from moe_aot.layout import max_tiles
+    from moe_aot.runtime.library import KernelLibrary
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev)
+    gen.manual_seed(int(time.time()))
+    libs = {}
+
+    def lib(name):
+        if name not in libs:
+            libs[name] = KernelLibrary.from_dir(lib_dir / name)
+        return libs[name]
+
+    res = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "device": torch.cuda.get_device_name(),
+           "command": " ".join(sys.argv), "rows": [], "failures": []}
+    lines = []
+
+    def say(msg):
+        print(msg, flush=True)
+        lines.append(msg)
+
+    for model, e, k, h in MODELS:
+        if models and model not in models:
+            continue
+        for prec in PRECISIONS:
+            blk = 128 if prec == "fp8-block128" else None
+            for m in tokens:
+                n = names(model, e, k, h, prec, cluster_for(m))
+                route, quant, fused = lib(n["route"]), lib(n["quant"]), lib(n["fused"])
+                x = torch.randn(m, h, device=dev, dtype=torch.bfloat16, generator=gen) * 3
+                ids = torch.rand(m, e, device=dev, generator=gen).argsort(dim=1)[:, :k].int()
+                bad = torch.rand(m, k, device=dev, generator=gen) < 0.1
+                ids = torch.where(bad, torch.full_like(ids, -1), ids).contiguous()
+                t = max_tiles(m, k, e, TILE_M)
+
+                def bufs():
+                    i32 = dict(device=dev, dtype=torch.int32)
+                    return [torch.full((e,), 0x7FFFFFFF, **i32), torch.full((e + 1,), 0x7FFFFFFF, **i32),
+                            torch.full((t * TILE_M,), 0x7FFFFFFF, **i32), torch.full((t,), 0x7FFFFFFF, **i32),
+                            torch.full((m, h), 0x7F, dtype=torch.uint8, device=dev).view(torch.float8_e4m3fn),
+                            torch.full((m,) if blk is None else (m, h // blk), float("nan"), device=dev)]
+
+                a, b = bufs(), bufs()  # A: two launches; B: the fused one
+                route(ids, *a[:4])
+                quant(x, *a[4:])
+                fused(ids, *b[:4], x, *b[4:])
+                ref = routing_reference(ids, e, TILE_M, t)
+                q_ref, s_ref = fp8_ref.quantize_x(x, prec)
+                u8 = torch.uint8
+                checks = {
+                    "routing_exact": all(torch.equal(g, r) for g, r in zip(b[:4], ref)),
+                    "xq_equals_separate": torch.equal(b[4].view(u8), a[4].view(u8)) and torch.equal(b[5], a[5]),
+                    "xq_equals_torch": torch.equal(b[4].view(u8), q_ref.view(u8)) and torch.equal(b[5], s_ref),
+                }
+                ok = checks["routing_exact"] and checks["xq_equals_separate"]
+                graphs = {}
+                for form in ("A", "B"):
+                    s = torch.cuda.Stream()
+                    s.wait_stream(torch.cuda.current_stream())
+                    with torch.cuda.stream(s):
+                        g = torch.cuda.CUDAGraph()
+                        with torch.cuda.graph(g, stream=s):
+                            if form == "A":
+                                route(ids, *a[:4])
+                                quant(x, *a[4:])
+                            else:
+                                fused(ids, *b[:4], x, *b[4:])
+                    torch.cuda.current_stream().wait_stream(s)
+                    graphs[form] = g
+                times = {"A": [], "B": []}
+                for form in ["A", "B", "B", "A"] * ROUNDS:
+                    g = graphs[form]
+                    for _ in range(10):
+                        g.replay()
+                    t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    t0.record()
+                    for _ in range(50):
+                        g.replay()
+                    t1.record()
+                    t1.synchronize()
+                    times[form].append(t0.elapsed_time(t1) * 1e3 / 50)
+                med = {f: sorted(v)[len(v) // 2] for f, v in times.items()}
+                row = {"model": model, "precision": prec, "tokens": m, "cluster": cluster_for(m), **checks,
+                       "two_launches_us": round(med["A"], 2), "fused_us": round(med["B"], 2),
+                       "fused_over_two": round(med["B"] / med["A"], 3), "rounds_us": times}
+                res["rows"].append(row)
+                if not ok:
+                    res["failures"].append(f"{model} {prec} {m}: {checks}")
+                say(f"{'ok  ' if ok else 'FAIL'} {model:14s} {prec:13s} {m:6d} c{cluster_for(m):<2d} "
+                    f"two launches {med['A']:7.2f} us  fused {med['B']:7.2f} us  ({med['B'] / med['A']:.3f})  "
+                    f"{checks}")
+    (out_dir / "route_quant.json").write_text(json.dumps(res, indent=1))
+    md = [f"# Routing + x quantization: one launch against two ({res['device']}, {res['date']})", "",
+          f"Command: `{res['command']}`. Medians of {2 * ROUNDS} mirrored rounds, each the mean of 50 "
+          "CUDA-graph replays (µs).", "",
+          "| model | precision | tokens | cluster | two launches | fused | fused / two | xq = separate | xq = torch |",
+          "|---|---|---|---|---|---|---|---|---|"]
+    for r in res["rows"]:
+        md.append(f"| {r['model']} | {r['precision']} | {r['tokens']} | {r['cluster']} | {r['two_launches_us']} | "
+                  f"{r['fused_us']} | {r['fused_over_two']} | {r['xq_equals_separate']} | {r['xq_equals_torch']} |")
+    (out_dir / "route_quant.md").write_text("\n".join(md) + "\n")
+    say(f"{len(res['rows'])} rows, {len(res['failures'])} failures")
+    return 1 if res["failures"] else 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--compile", type=Path)
+    ap.add_argument("--arch", default="sm_90a")
+    ap.add_argument("--run", type=Path)
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--tokens", default=",".join(map(str, TOKENS)))
+    ap.add_argument("--models", default="", help="comma-separated subset of " + ", ".join(m[0] for m in MODELS))
+    a = ap.parse_args()
+    if a.compile:
+        do_compile(a.compile, a.arch)
+        return 0
+    if a.run and a.out:
+        return do_run(a.run, a.out, [int(t) for t in a.tokens.split(",")], [m for m in a.models.split(",") if m])
+    ap.error("give --compile DIR, or --run DIR --out OUT")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
