@@ -12,7 +12,9 @@ all captured in CUDA graphs and replayed.
 
 Per point: the forward alone and forward + backward for both (backward = the difference), their
 ratio, the floor of forward + backward (3x the forward's FLOPs over the bf16 matmul rate measured
-in the run, or 3x the selected experts' weight bytes over 4.8 TB/s), the activation bytes autograd
+in the run, or 3x the selected experts' weight bytes over 4.8 TB/s) and the backward's (2x each),
+the backward's also at the matmul rate after SUSTAINED_MATMUL_S of matmuls (`sust.`: the clock the
+H200 holds at its power cap, as tools/bench.py's column), for ours and torch's, the activation bytes autograd
 saves for the backward (saved_tensors_hooks, the weights not counted) for both, and the relative
 difference between ours and torch's gradients (both bf16). Build the database with
 `moe-aot build --backward` so that the backward finds its compiled GLU kernel and the forward its
@@ -36,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-from bench import graph_time_us, matmul_rate, torch_unfused  # noqa: E402
+from bench import SUSTAINED_MATMUL_S, floor_us, graph_time_us, matmul_rate, torch_unfused  # noqa: E402
 
 from moe_aot.harness.reference import glu_fn, rel_err  # noqa: E402
 from moe_aot.harness.verify import random_routing  # noqa: E402
@@ -45,7 +47,6 @@ from moe_aot.integrations.functional import prepare_fused_bias, prepare_fused_ga
 from moe_aot.spec import make_spec  # noqa: E402
 
 DEV = torch.device("cuda")
-HBM = 4.8e12
 
 
 def saved_bytes(fn, weights=()) -> int:
@@ -89,7 +90,7 @@ def _path(name, spec, M, fwd, leaves, grad, replays, weights, profile):
     return {"fwd": t_fwd, "step": t_step, "saved": saved_bytes(fwd, weights)}, sample
 
 
-def point(spec, M, replays, rate, gen, profile=False, wgrad=False):
+def point(spec, M, replays, rate, gen, profile=False, wgrad=False, sustained=None):
     """Both paths on the same inputs, one after the other (so that DeepSeek-V3's weights and
     gradients fit beside only one path's)."""
     H, I, E, K = spec.hidden, spec.intermediate, spec.experts, spec.top_k
@@ -149,9 +150,11 @@ def point(spec, M, replays, rate, gen, profile=False, wgrad=False):
     ref_g[2] = prepare_fused_gate_up(ref_g[2])  # gate rows first -> the kernels' interleave, to compare
     diffs = {n: rel_err(a, b.float()) for n, a, b in zip(("x", "topk_weights", "w13", "w2"), ours_g, ref_g)}
     flops = 6 * M * K * H * I
-    selected = min(E, M * K)
-    floor_step = max(3 * flops / rate, 3 * selected * 3 * H * I * 2 / HBM) * 1e6
-    row = {"tokens": M, "ours_fwd": ours["fwd"], "torch_fwd": ref["fwd"], "ours_step": ours["step"],
+    weight_bytes = min(E, M * K) * 3 * H * I * 2
+    floor_step = floor_us(3 * flops, 3 * weight_bytes, rate)  # the backward: 2x FLOPs and weight bytes
+    row = {"floor_bwd_us": floor_us(2 * flops, 2 * weight_bytes, rate),
+           "floor_bwd_sustained_us": floor_us(2 * flops, 2 * weight_bytes, sustained or rate),
+           "tokens": M, "ours_fwd": ours["fwd"], "torch_fwd": ref["fwd"], "ours_step": ours["step"],
            "torch_step": ref["step"], "ours_bwd": ours["step"] - ours["fwd"], "torch_bwd": ref["step"] - ref["fwd"],
            "floor_step_us": floor_step, "saved_bytes_ours": ours["saved"], "saved_bytes_torch": ref["saved"],
            "recompute_fwd": recompute["fwd"], "recompute_step": recompute["step"],
@@ -179,12 +182,13 @@ def main():
     ns = ap.parse_args()
     ns.out.mkdir(parents=True, exist_ok=True)
     rate = matmul_rate()[0]
+    sustained = matmul_rate(warmup_s=SUSTAINED_MATMUL_S)[0]
     rows, gen = [], torch.Generator(device=DEV).manual_seed(0)
     for model in ns.models.split(","):
         spec = make_spec(model, target="sm_90a")
         for M in [int(t) for t in ns.tokens.split(",")]:
             t0 = time.perf_counter()
-            r = point(spec, M, ns.replays, rate, gen, ns.profile, ns.wgrad)
+            r = point(spec, M, ns.replays, rate, gen, ns.profile, ns.wgrad, sustained)
             r["model"] = model
             rows.append(r)
             print(f"{model:16s} {M:6d} step ours {r['ours_step']:9.1f} torch-GEMMs {r['recompute_step']:9.1f} "
@@ -204,29 +208,40 @@ def main():
             torch.cuda.empty_cache()
             (ns.out / "bench_backward_h200.json").write_text(json.dumps(
                 {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "device": torch.cuda.get_device_name(),
-                 "matmul_tflops": rate / 1e12, "command": " ".join(sys.argv), "rows": rows}, indent=1))
+                 "matmul_tflops": rate / 1e12, "matmul_sustained_tflops": sustained / 1e12,
+                 "command": " ".join(sys.argv), "rows": rows}, indent=1))
     geo = lambda k: math.exp(sum(math.log(r[k]) for r in rows) / len(rows))  # noqa: E731
     lines = [f"# Training step of the fused MoE layer on {torch.cuda.get_device_name()} "
              f"({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})", "",
              f"Command: `python3 tools/bench_backward.py {' '.join(sys.argv[1:])}`; bf16 matmul rate {rate / 1e12:.0f} "
-             "TFLOP/s. µs, medians of CUDA-graph replays; ours = fused_moe_train (pre-activations kept, the "
+             f"TFLOP/s, {sustained / 1e12:.0f} after {SUSTAINED_MATMUL_S:.0f} s of matmuls (`sust.`). "
+             "µs, medians of CUDA-graph replays; ours = fused_moe_train (pre-activations kept, the "
              "backward's compiled dH/dX where the database has them: column 'fused'), torch GEMMs = the same with "
              "every backward GEMM torch's, torch = autograd through the unfused path.", "",
              "| model | tokens | fused | fwd+bwd ours | torch GEMMs | torch | torch/ours | bwd ours | torch GEMMs "
-             "| torch | torch/ours | step floor | step ours/floor | activations saved MiB ours / torch "
-             "| grad diff | backward variant |", "|" + "---|" * 16]
+             "| torch | torch/ours | step floor | step ours/floor | bwd floor | bwd ours/floor [sust.] "
+             "| bwd torch/floor [sust.] | activations saved MiB ours / torch "
+             "| grad diff | backward variant |", "|" + "---|" * 19]
     for r in rows:
         lines.append(f"| {r['model']} | {r['tokens']} | {r['fused_gemms']} | {r['ours_step']:.0f} | "
                      f"{r['recompute_step']:.0f} | "
                      f"{r['torch_step']:.0f} | {r['step_speedup']:.2f} | {r['ours_bwd']:.0f} | "
                      f"{r['recompute_bwd']:.0f} | {r['torch_bwd']:.0f} | {r['bwd_speedup']:.2f} | "
                      f"{r['floor_step_us']:.0f} | {r['ours_step'] / r['floor_step_us']:.2f} | "
+                     f"{r['floor_bwd_us']:.0f} | {r['ours_bwd'] / r['floor_bwd_us']:.2f} "
+                     f"[{r['ours_bwd'] / r['floor_bwd_sustained_us']:.2f}] | "
+                     f"{r['torch_bwd'] / r['floor_bwd_us']:.2f} [{r['torch_bwd'] / r['floor_bwd_sustained_us']:.2f}] | "
                      f"{r['saved_bytes_ours'] / 2**20:.0f} / {r['saved_bytes_torch'] / 2**20:.0f} | "
                      f"{max(r['grad_rel_diff'].values()):.1e} | "
                      f"`{(r.get('bwd_variant') or '-').split('_dh')[-1]}` |")
     rc = lambda k: math.exp(sum(math.log(r[f"torch_{k}"] / r[f"recompute_{k}"]) for r in rows) / len(rows))  # noqa: E731
+    ratio = lambda a, b: math.exp(sum(math.log(r[a] / r[b]) for r in rows) / len(rows))  # noqa: E731
     lines += ["", f"Geometric means: fwd+bwd torch/ours {geo('step_speedup'):.2f}, backward torch/ours "
-              f"{geo('bwd_speedup'):.2f}; with the backward's GEMMs all torch's {rc('step'):.2f} and {rc('bwd'):.2f}."]
+              f"{geo('bwd_speedup'):.2f}; with the backward's GEMMs all torch's {rc('step'):.2f} and {rc('bwd'):.2f}. "
+              f"Backward over its floor: ours {ratio('ours_bwd', 'floor_bwd_us'):.2f} "
+              f"[{ratio('ours_bwd', 'floor_bwd_sustained_us'):.2f} sustained], torch "
+              f"{ratio('torch_bwd', 'floor_bwd_us'):.2f} [{ratio('torch_bwd', 'floor_bwd_sustained_us'):.2f}]: a "
+              "backward k times faster than torch's runs at (torch's ratio) / k of the floor."]
     wrows = [r for r in rows if "wgrad_step" in r]
     if wrows:
         lines += ["", "Ours with the compiled weight-gradient GEMMs always and never (same run; µs, torch/ours; "
