@@ -273,20 +273,23 @@ def moe_backward_fused(kern, grad_out, x, w13, w2, topk_weights, topk_ids, activ
         ds = torch.cat((dout, zero)).index_select(0, tok)
         dw13 = gmm_k(da.t(), xs, ends)
         dw2 = gmm_k(ds.t(), hw, ends)
-    if b2 is not None and ds is None:
-        ds = torch.cat((dout, zero)).index_select(0, tok)
-    dwr = dwp.sum(1)
-    if b2 is not None:  # <dO_m, b2_e> of the bias term of y_p
-        rows_expert = tile_expert.clamp(min=0).repeat_interleave(m)
-        dwr = dwr + (ds * b2.index_select(0, rows_expert)).sum(1, dtype=torch.float32)
     dtw = torch.zeros(P + 1, dtype=torch.float32, device=dev)
-    dtw.index_copy_(0, pair, dwr)  # padding rows all land on slot P, dropped
-    dtw = dtw[:P].view(M, K).to(topk_weights.dtype)
+    dtw.index_copy_(0, pair, dwp.sum(1))  # padding rows all land on slot P, dropped
+    dtw = dtw[:P].view(M, K)
     db13 = None if b13 is None else _sums(da, ends).to(b13.dtype)
     db2 = None
     if b2 is not None:
-        w = torch.cat((tw.view(-1), tw.new_zeros(1))).index_select(0, pair).to(ds.dtype)
-        db2 = _sums(ds * w.view(R, 1), ends).to(b2.dtype)
+        # the bias term of y_p = w_p (h W2_e^T + b2_e): <dO_m, b2_e> into dtopk_weights and
+        # sum_p w_p dO_m into db2_e, from dO itself by two [M, E]-sized products rather than from
+        # gathered [R, H] copies of its rows (gpt-oss at 16384 tokens: ~1.2 ms of ncu time less)
+        live = (ids >= 0) & (ids < E)
+        e = ids.clamp(0, E - 1).long()
+        dtw = dtw + torch.where(live, (dout @ b2.t()).gather(1, e).float(), 0.0)
+        a = torch.zeros(M, E, dtype=torch.float32, device=dev)  # a[m, e]: token m's routing weight on e
+        for k in range(K):  # one target per row and step: the sums' order is fixed
+            a.scatter_add_(1, e[:, k:k + 1], torch.where(live[:, k:k + 1], tw[:, k:k + 1], 0.0))
+        db2 = (a.to(wdt).t() @ dout).to(b2.dtype)
+    dtw = dtw.to(topk_weights.dtype)
     return dx.to(x.dtype), dw13, dw2, dtw, db13, db2
 
 
