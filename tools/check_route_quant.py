@@ -146,33 +146,15 @@ def do_run(lib_dir: Path, out_dir: Path, tokens, models) -> int:
                     "xq_equals_torch": torch.equal(b[4].view(u8), q_ref.view(u8)) and torch.equal(b[5], s_ref),
                 }
                 ok = checks["routing_exact"] and checks["xq_equals_separate"]
-                graphs = {}
-                for form in ("A", "B"):
-                    s = torch.cuda.Stream()
-                    s.wait_stream(torch.cuda.current_stream())
-                    with torch.cuda.stream(s):
-                        g = torch.cuda.CUDAGraph()
-                        with torch.cuda.graph(g, stream=s):
-                            if form == "A":
-                                route(ids, *a[:4])
-                                quant(x, *a[4:])
-                            else:
-                                fused(ids, *b[:4], x, *b[4:])
-                    torch.cuda.current_stream().wait_stream(s)
-                    graphs[form] = g
-                times = {"A": [], "B": []}
-                for form in ["A", "B", "B", "A"] * ROUNDS:
-                    g = graphs[form]
-                    for _ in range(10):
-                        g.replay()
-                    t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    t0.record()
-                    for _ in range(50):
-                        g.replay()
-                    t1.record()
-                    t1.synchronize()
-                    times[form].append(t0.elapsed_time(t1) * 1e3 / 50)
-                med = {f: sorted(v)[len(v) // 2] for f, v in times.items()}
+
+                def two():
+                    route(ids, *a[:4])
+                    quant(x, *a[4:])
+
+                def one():
+                    fused(ids, *b[:4], x, *b[4:])
+
+                med, times = mirrored_us({"A": graph_of(two), "B": graph_of(one)}, ROUNDS, 50)
                 row = {"model": model, "precision": prec, "tokens": m, "cluster": cluster_for(m), **checks,
                        "two_launches_us": round(med["A"], 2), "fused_us": round(med["B"], 2),
                        "fused_over_two": round(med["B"] / med["A"], 3), "rounds_us": times}
@@ -182,18 +164,22 @@ def do_run(lib_dir: Path, out_dir: Path, tokens, models) -> int:
                 say(f"{'ok  ' if ok else 'FAIL'} {model:14s} {prec:13s} {m:6d} c{cluster_for(m):<2d} "
                     f"two launches {med['A']:7.2f} us  fused {med['B']:7.2f} us  ({med['B'] / med['A']:.3f})  "
                     f"{checks}")
-    (out_dir / "route_quant.json").write_text(json.dumps(res, indent=1))
-    md = [f"# Routing + x quantization: one launch against two ({res['device']}, {res['date']})", "",
-          f"Command: `{res['command']}`. Medians of {2 * ROUNDS} mirrored rounds, each the mean of 50 "
-          "CUDA-graph replays (µs).", "",
-          "| model | precision | tokens | cluster | two launches | fused | fused / two | xq = separate | xq = torch |",
-          "|---|---|---|---|---|---|---|---|---|"]
-    for r in res["rows"]:
-        md.append(f"| {r['model']} | {r['precision']} | {r['tokens']} | {r['cluster']} | {r['two_launches_us']} | "
-                  f"{r['fused_us']} | {r['fused_over_two']} | {r['xq_equals_separate']} | {r['xq_equals_torch']} |")
-    (out_dir / "route_quant.md").write_text("\n".join(md) + "\n")
+    write_results(out_dir / "route_quant", res, "Routing + x quantization: one launch against two",
+                  f"Medians of {2 * ROUNDS} mirrored rounds, each the mean of 50 CUDA-graph replays (µs).",
+                  {"model": "model", "precision": "precision", "tokens": "tokens", "cluster": "cluster",
+                   "two launches": "two_launches_us", "fused": "fused_us", "fused / two": "fused_over_two",
+                   "xq = separate": "xq_equals_separate", "xq = torch": "xq_equals_torch"})
     say(f"{len(res['rows'])} rows, {len(res['failures'])} failures")
     return 1 if res["failures"] else 0
+
+
+def write_results(stem: Path, res: dict, title: str, note: str, columns: dict) -> None:
+    """stem.json (everything) and stem.md: a table of res["rows"], one column per (header, key)."""
+    stem.with_suffix(".json").write_text(json.dumps(res, indent=1))
+    md = [f"# {title} ({res['device']}, {res['date']})", "", f"Command: `{res['command']}`. {note}", "",
+          "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    md += ["| " + " | ".join(str(r[k]) for k in columns.values()) + " |" for r in res["rows"]]
+    stem.with_suffix(".md").write_text("\n".join(md) + "\n")
 
 
 def graph_of(fn):
@@ -292,17 +278,12 @@ def do_layer(lib_dir: Path, out_dir: Path, tokens, models) -> int:
                       f"{med['B']:9.2f} us  ({med['B'] / med['A']:.4f})  {v.name(spec)[-60:]}", flush=True)
             w13 = w2 = None  # freed before the next precision's weights
             torch.cuda.empty_cache()
-    (out_dir / "layer_ab.json").write_text(json.dumps(res, indent=1))
-    md = [f"# The fp8 layer: routing with x's quantization against routing then quantization "
-          f"({res['device']}, {res['date']})", "",
-          f"Command: `{res['command']}`. The served pick both ways, same inputs; medians of {2 * ROUNDS} "
-          "mirrored rounds, each the mean of 20 CUDA-graph replays (µs).", "",
-          "| model | precision | tokens | before (5 launches) | now (4) | now / before | outputs equal |",
-          "|---|---|---|---|---|---|---|"]
-    for r in res["rows"]:
-        md.append(f"| {r['model']} | {r['precision']} | {r['tokens']} | {r['before_us']} | {r['now_us']} | "
-                  f"{r['now_over_before']} | {r['outputs_equal']} |")
-    (out_dir / "layer_ab.md").write_text("\n".join(md) + "\n")
+    write_results(out_dir / "layer_ab", res,
+                  "The fp8 layer: routing with x's quantization against routing then quantization",
+                  f"The served pick both ways, same inputs; medians of {2 * ROUNDS} mirrored rounds, each the "
+                  "mean of 20 CUDA-graph replays (µs).",
+                  {"model": "model", "precision": "precision", "tokens": "tokens", "before (5 launches)": "before_us",
+                   "now (4)": "now_us", "now / before": "now_over_before", "outputs equal": "outputs_equal"})
     print(f"{len(res['rows'])} rows, {len(res['failures'])} failures")
     return 1 if res["failures"] else 0
 
