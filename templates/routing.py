@@ -85,7 +85,6 @@ class MoeRouting:
                  num_threads: int = 1024, unroll: int = 8, cluster_size: int = 1,
                  pdl: bool = False):
         self.num_experts = num_experts
-        self.quant = None  # MoeRoutingQuant: (hidden, precision)
         self.pdl = bool(pdl)  # let the next kernel (GEMM1, launched as a dependent) launch early
         self.top_k = top_k
         self.tile_m = tile_m
@@ -318,14 +317,6 @@ class MoeRouting:
         if 4 * (self.num_warps * self.hist_stride + 4 * E + 1) > _SMEM_BUDGET:
             return False, (f"num_experts={E} needs more than {_SMEM_BUDGET} bytes of shared memory "
                            f"for the per-warp histogram of {nt} threads")
-        if self.quant:
-            if len(self.quant) != 2:
-                return False, f"quant must be (hidden, precision), got {self.quant!r}"
-            ok, reason = can_quantize(*self.quant)
-            if not ok:
-                return False, f"quant: {reason}"
-            if nt % GROUP:
-                return False, f"quant: num_threads must be a multiple of {GROUP} (a row per {GROUP} threads), got {nt}"
         return True, ""
 
     def fake_arguments(self):
@@ -342,7 +333,8 @@ class MoeRouting:
                                                         assumed_align=4)),
             ("sorted_ids", make_fake_compact_tensor(i32, (r,), assumed_align=4)),
             ("tile_expert", make_fake_compact_tensor(i32, (t,), assumed_align=4)),
-        ] + (fake_quant_arguments(*self.quant) if self.quant else []) + [("stream", make_fake_stream())]
+            ("stream", make_fake_stream()),
+        ]
 
 
 class MoeRoutingQuant(MoeRouting):
@@ -365,6 +357,27 @@ class MoeRoutingQuant(MoeRouting):
         self.quant = tuple(quant)
         self.rows = RowQuantFp8(*self.quant) if self.can_implement()[0] else None
         self.groups = num_threads // GROUP  # rows in flight per quant CTA
+
+    def can_implement(self, arch: str | None = None) -> tuple[bool, str]:
+        """MoeRouting's limits, then x's quantization: (hidden, precision) as quant.can_quantize
+        takes them, a row per GROUP threads."""
+        ok, reason = super().can_implement(arch)
+        if not ok:
+            return ok, reason
+        if len(self.quant) != 2:
+            return False, f"quant must be (hidden, precision), got {self.quant!r}"
+        ok, reason = can_quantize(*self.quant)
+        if not ok:
+            return False, f"quant: {reason}"
+        if self.num_threads % GROUP:
+            return False, (f"quant: num_threads must be a multiple of {GROUP} (a row per {GROUP} threads), "
+                           f"got {self.num_threads}")
+        return True, ""
+
+    def fake_arguments(self):
+        """MoeRouting's, then x, xq and xs (M dynamic), then the stream."""
+        named = super().fake_arguments()
+        return named[:-1] + fake_quant_arguments(*self.quant) + named[-1:]
 
     @cute.jit
     def __call__(self, topk_ids: cute.Tensor, expert_counts: cute.Tensor,

@@ -720,8 +720,12 @@ class MoeLayer:
         quantization, for a caller that wants the routing alone; () otherwise."""
         if self.spec.precision not in QUANT_IN_ROUTING:
             return ()
-        ws = Workspace.allocate(self.spec, M, self.device)
-        return torch.zeros(M, self.spec.hidden, dtype=torch.bfloat16, device=self.device), ws.xq[:M], ws.xs[:M]
+        from . import fp8
+
+        H, blk = self.spec.hidden, fp8.x_block(self.spec.precision)
+        return (torch.zeros(M, H, dtype=torch.bfloat16, device=self.device),
+                torch.empty(M, H, dtype=fp8.E4M3, device=self.device),
+                torch.empty((M,) if blk is None else (M, H // blk), dtype=torch.float32, device=self.device))
 
 
 _LAYERS: dict[tuple, MoeLayer] = {}
