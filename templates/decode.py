@@ -1,86 +1,122 @@
 """The whole MoE layer for a few tokens in one cooperative launch (decode; not selectable yet).
 
-At 1-3 tokens the layer streams 8-16 experts' weights once and does almost no arithmetic, and
+At 1-4 tokens the layer streams 8-32 experts' weights once and does almost no arithmetic, and
 the four-kernel path pays routing, a combine and three launch gaps on top (Qwen3-30B, 1 token:
-30 us against a 15.7 us floor). ``MoeDecode`` does routing, GEMM1 + GLU, GEMM2 + routing weight
-and the top-k combine in one persistent grid of ``ctas`` CTAs, separated by two grid-wide
-barriers (the launch is cooperative, so all CTAs are resident):
+30 us against a 15.7 us floor). ``MoeDecode`` computes GEMM1 + GLU, GEMM2 + routing weight and
+the top-k combine in one persistent grid of ``ctas`` CTAs (one per SM, all resident: the launch
+is cooperative). Each CTA is one producer warp and ``warps`` consumer warps around a ring of
+``stages`` shared-memory stages:
 
-1. every CTA stages the pairs' expert ids and weights and the tokens' rows of x in shared memory;
-   work unit (pair p, block j of ``interleave`` gate + ``interleave`` up rows) runs only on the
-   first pair of its expert's group (up to max_tokens pairs routed to one expert share one pass
-   over its weights) and computes, per pair of the group, the 2*interleave dot products
-   (warp-per-row, 16-byte loads, fp32 sums, shuffle reduction), then h = act(gate) * up in bf16;
-2. unit (p, block of 32 rows of w2) computes y[q, rows] = h[q] . w2_e[rows] in fp32 for the pairs
-   q of that expert;
-3. out[m] = sum_k topk_weights[m, k] * y[m*K + k] (ids outside [0, E) contribute nothing).
+* the producer streams weight rows into the ring with 1-D bulk copies (``cp.async.bulk``, the
+  DSL's ``CopyBulkG2SOp``), ``warps`` row segments per stage, each stage's bytes announced on its
+  full mbarrier; it never waits for the consumers' arithmetic, only for a free stage, so the
+  weight stream runs on across units and across the two phases;
+* phase 1, unit (expert group, block of ``warps`` h columns): consumer warp w owns h column
+  c = block * warps + w and reads its gate row and its up row (two stages per row segment, the
+  rows ``interleave`` apart in w13's interleaved order), dot products against x (in shared
+  memory) for each token of the group, then h[q, c] = GLU(gate, up) in bf16;
+* phase 2, unit (block of ``warps`` output columns, every group): warp w owns output column
+  c and reads row c of each group's w2, dot products against the group's h rows, which the
+  producer copies into the same stage; the warp sums topk_weight * y over the groups in group
+  order (deterministic) and writes out[m, c]: the combine needs no third pass.
 
-No routing buffers, no padding. The barrier is a counter and a generation word in ``bar``
-(int32[2], zero when allocated): the last CTA to arrive resets the counter and advances the
-generation, so it is reused by every launch without a reset (CUDA-graph safe).
+Between the phases a grid barrier: the consumers of each CTA arrive (a counter and a generation
+word in ``bar``, int32[2], zero when allocated; the last CTA to arrive resets the counter and
+advances the generation, so it is reused by every launch without a reset: CUDA-graph safe). Only
+the producers wait on it, and only before copying h: each has already filled its ring with its
+first phase-2 weight segments, so the barrier's latency overlaps the weight stream.
+
+Groups: the pairs of one expert, up to ``max_tokens`` of them in pair order (more than one group
+only if a token repeats an expert), read the expert's rows once. Ids outside [0, E) contribute
+nothing; a token with no valid pair gets zeros.
 
 Constraints:
-  * sm_90a (cooperative launch; the plain loads and shuffles would also run on sm_80+).
-  * tokens M in [1, max_tokens]; hidden and intermediate multiples of 8; intermediate a multiple
-    of ``interleave`` (16); shared memory max_tokens * hidden * 2 B for x plus 4 KB.
-  * h [max_tokens * top_k, intermediate] bf16, y [max_tokens * top_k, hidden] fp32 and bar
-    int32[2] are the caller's workspace; every element read is written first in the same launch.
+  * sm_90a (bulk copies, mbarrier transaction counts, cooperative launch).
+  * tokens M in [1, max_tokens]; hidden and intermediate multiples of 8; ``interleave`` a
+    multiple of ``warps``, intermediate of ``interleave``, hidden of ``warps``.
+  * h [max_tokens * top_k, intermediate] bf16 and bar int32[2] are the caller's workspace; every
+    element of h read is written first in the same launch.
+  * bias=True (gpt-oss): b13 [E, 2I] bf16 (interleaved as w13's rows), b2 [E, H] bf16.
 """
+
+from typing import Optional
 
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Int64, const_expr
+from cutlass.cute.nvgpu import cpasync
 from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
+
+from moe_aot import gemm_limits as limits
 
 from .grouped_gemm import glu_act
 
 _WARP = 32
 _VEC = 8  # bf16 per 16-byte load
+_SMEM = 227 * 1024  # shared memory per CTA on sm_90a
+MAX_STAGES = 10
+
+
+def _segment(length: int, most: int) -> int:
+    """The longest multiple of 8 that divides ``length`` and is at most ``most`` elements."""
+    best = 0
+    for d in range(_VEC, min(length, most) + 1, _VEC):
+        if length % d == 0:
+            best = d
+    return best
 
 
 class MoeDecode:
     def __init__(self, num_experts: int, hidden: int, intermediate: int, top_k: int,
                  activation: str = "swiglu", interleave: int = 16, max_tokens: int = 4,
-                 num_threads: int = 256, ctas: int = 132):
+                 warps: int = 8, stages: int = 0, seg_bytes: int = 2048, ctas: int = 132, bias: bool = False):
         ok, why = self.can_implement(num_experts, hidden, intermediate, top_k, activation, interleave,
-                                     max_tokens, num_threads, ctas)
+                                     max_tokens, warps, stages, seg_bytes, ctas)
         if not ok:
             raise ValueError(why)
         self.num_experts, self.hidden, self.intermediate, self.top_k = num_experts, hidden, intermediate, top_k
         self.activation, self.interleave, self.max_tokens = activation, interleave, max_tokens
-        self.threads, self.ctas = num_threads, ctas
-        self.warps = num_threads // _WARP
+        self.warps, self.ctas, self.bias = warps, ctas, bool(bias)
+        self.threads = (warps + 1) * _WARP  # warps consumers, then the producer warp
         self.pairs = max_tokens * top_k
-        self.rows1 = 2 * interleave  # w13 rows per phase-1 unit
-        self.rows2 = 32  # w2 rows (output columns) per phase-2 unit
-        # 16-byte chunks per lane of one row, and rows whose chunks are all in flight at once
-        self.ch1 = -(-hidden // _VEC // _WARP)
-        self.ch2 = -(-intermediate // _VEC // _WARP)
-        # rows per warp whose loads are all in flight at once: up to 32 chunks (128 registers)
-        self.inflight1 = self._inflight(self.rows1 // self.warps, self.ch1)
-        self.inflight2 = self._inflight(self.rows2 // self.warps, self.ch2)
+        self.seg1, self.seg2 = _segment(hidden, seg_bytes // 2), _segment(intermediate, seg_bytes // 2)
+        self.stage_elems, self.x_elems, self.stages = self._layout(hidden, intermediate, max_tokens, warps, stages,
+                                                                   seg_bytes)
 
     @staticmethod
-    def _inflight(rows_per_warp: int, chunks: int) -> int:
-        n = max(1, min(rows_per_warp, 32 // chunks))
-        while rows_per_warp % n:
-            n -= 1
-        return n
+    def _layout(hidden, intermediate, max_tokens, warps, stages, seg_bytes):
+        """(bf16 elements per stage, bf16 elements of x, stages): a phase-1 stage holds ``warps``
+        row segments of w13 (each at most seg_bytes, one bulk copy), a phase-2 stage ``warps`` of
+        w2 plus max_tokens segments of h."""
+        seg1, seg2 = _segment(hidden, seg_bytes // 2), _segment(intermediate, seg_bytes // 2)
+        elems = max(warps * seg1, (warps + max_tokens) * seg2)
+        elems = -(-elems // 64) * 64  # 128-byte aligned stages
+        x_elems = -(-max_tokens * hidden // 64) * 64
+        room = _SMEM - 2 * x_elems - 2048  # barriers and the group tables
+        fit = room // (2 * elems)
+        return elems, x_elems, (min(fit, MAX_STAGES) if stages == 0 else stages)
 
-    @staticmethod
-    def can_implement(num_experts, hidden, intermediate, top_k, activation="swiglu", interleave=16,
-                      max_tokens=4, num_threads=256, ctas=132, arch=None):
-        if activation not in ("swiglu", "geglu"):
-            return False, f"activation {activation!r} must be 'swiglu' or 'geglu'"
-        if hidden % _VEC or intermediate % interleave or interleave % 8:
-            return False, f"hidden {hidden} must be a multiple of 8 and intermediate {intermediate} of {interleave}"
-        if not 1 <= max_tokens <= 8 or max_tokens * top_k > num_threads:
-            return False, f"max_tokens {max_tokens} must be in 1..8 with max_tokens*top_k <= {num_threads}"
-        if num_threads % _WARP or (2 * interleave) % (num_threads // _WARP) or 32 % (num_threads // _WARP):
-            return False, f"{num_threads} threads: the warps must divide the {2 * interleave} and 32 rows of a unit"
-        if max_tokens * hidden * 2 + 4096 > 96 * 1024:
-            return False, f"x of {max_tokens} tokens ({max_tokens * hidden * 2} B) does not fit shared memory"
+    @classmethod
+    def can_implement(cls, num_experts, hidden, intermediate, top_k, activation="swiglu", interleave=16,
+                      max_tokens=4, warps=8, stages=0, seg_bytes=2048, ctas=132, arch=None):
+        if activation not in ("swiglu", "geglu", "swigluoai"):
+            return False, f"activation {activation!r} must be 'swiglu', 'geglu' or 'swigluoai'"
+        if hidden % _VEC or intermediate % _VEC:
+            return False, f"hidden {hidden} and intermediate {intermediate} must be multiples of 8"
+        if warps not in (4, 8, 16) or interleave % warps or intermediate % interleave or hidden % warps:
+            return False, (f"warps {warps} must be 4, 8 or 16 and divide interleave {interleave} and hidden "
+                           f"{hidden}, and interleave divide intermediate {intermediate}")
+        if not 1 <= max_tokens <= 8 or max_tokens * top_k > 64:
+            return False, f"max_tokens {max_tokens} must be in 1..8 with max_tokens*top_k <= 64"
+        if not 1 <= ctas <= 1024:
+            return False, f"ctas {ctas} must be in 1..1024"
+        if seg_bytes % 16 or seg_bytes < 16:
+            return False, f"seg_bytes {seg_bytes} must be a positive multiple of 16"
+        _, _, fit = cls._layout(hidden, intermediate, max_tokens, warps, 0, seg_bytes)
+        if fit < 2 or stages > fit or (stages and stages < 2):
+            return False, (f"{max(stages, 2)} stages of weight segments and x of {max_tokens} tokens do not fit "
+                           f"shared memory ({fit} stages fit)")
         if arch is not None and arch != "sm_90a":
             return False, f"the cooperative decode kernel is built for sm_90a, not {arch}"
         return True, ""
@@ -88,7 +124,7 @@ class MoeDecode:
     def fake_arguments(self):
         m = cute.sym_int32(symbol="M")
         e, hd, i, k, p = self.num_experts, self.hidden, self.intermediate, self.top_k, self.pairs
-        return [
+        args = [
             ("x", make_fake_tensor(BFloat16, (m, hd), (hd, 1), assumed_align=16)),
             ("w13", make_fake_tensor(BFloat16, (e, 2 * i, hd), (2 * i * hd, hd, 1), assumed_align=16)),
             ("w2", make_fake_tensor(BFloat16, (e, hd, i), (hd * i, i, 1), assumed_align=16)),
@@ -96,186 +132,318 @@ class MoeDecode:
             ("topk_ids", make_fake_tensor(Int32, (m, k), (k, 1), assumed_align=16)),
             ("out", make_fake_tensor(BFloat16, (m, hd), (hd, 1), assumed_align=16)),
             ("h", make_fake_tensor(BFloat16, (p, i), (i, 1), assumed_align=16)),
-            ("y", make_fake_tensor(Float32, (p, hd), (hd, 1), assumed_align=16)),
             ("bar", make_fake_tensor(Int32, (2,), (1,), assumed_align=16)),
-            ("stream", make_fake_stream()),
         ]
+        if self.bias:
+            args += [("b13", make_fake_tensor(BFloat16, (e, 2 * i), (2 * i, 1), assumed_align=16)),
+                     ("b2", make_fake_tensor(BFloat16, (e, hd), (hd, 1), assumed_align=16))]
+        else:
+            args += [("b13", None), ("b2", None)]
+        return args + [("stream", make_fake_stream())]
 
     @cute.jit
     def __call__(self, x: cute.Tensor, w13: cute.Tensor, w2: cute.Tensor, topk_weights: cute.Tensor,
-                 topk_ids: cute.Tensor, out: cute.Tensor, h: cute.Tensor, y: cute.Tensor,
-                 bar: cute.Tensor, stream: cuda.CUstream):
-        self.kernel(x, w13, w2, topk_weights, topk_ids, out, h, y, bar).launch(
+                 topk_ids: cute.Tensor, out: cute.Tensor, h: cute.Tensor, bar: cute.Tensor,
+                 b13: Optional[cute.Tensor], b2: Optional[cute.Tensor], stream: cuda.CUstream):
+        self.kernel(x, w13, w2, topk_weights, topk_ids, out, h, bar, b13, b2).launch(
             grid=[self.ctas, 1, 1], block=[self.threads, 1, 1], stream=stream, cooperative=True)
 
     # ------------------------------------------------------------------ device helpers
     @cute.jit
-    def _weight_row(self, mW, e, row, rows: int, n: int):
-        """Row ``row`` of expert ``e`` of an [E, rows, n] weight tensor, addressed in 64 bits
-        (E * rows * n exceeds 2**31 elements for DeepSeek-V3)."""
-        base = (mW.iterator + (Int64(e) * rows + row) * n).align(16)  # n % 8 == 0
-        return cute.make_tensor(base, cute.make_layout(n))
+    def _gmem_row(self, mW, e, row, rows: int, n: int, col, length: int):
+        """``length`` elements from column ``col`` of row ``row`` of expert ``e`` of an [E, rows, n]
+        tensor, addressed in 64 bits (E * rows * n exceeds 2**31 elements for DeepSeek-V3)."""
+        base = (mW.iterator + (Int64(e) * rows + row) * n + col).align(16)
+        return cute.make_tensor(base, cute.make_layout(length))
 
     @cute.jit
-    def _grid_sync(self, bar, tidx):
-        """All CTAs of the (cooperative, hence resident) grid meet here; writes before it are
-        visible to every CTA after it."""
-        cute.arch.sync_threads()
-        if tidx == 0:
-            count, gen = bar.iterator, bar.iterator + 1
-            cute.arch.fence_acq_rel_gpu()
-            seen = cute.arch.load(gen, Int32, sem="acquire", scope="gpu")
-            old = cute.arch.atomic_add(count, Int32(1), sem="acq_rel", scope="gpu")
-            if old == self.ctas - 1:
-                cute.arch.atomic_exch(count, Int32(0), sem="relaxed", scope="gpu")
-                cute.arch.atomic_add(gen, Int32(1), sem="release", scope="gpu")
-            else:
-                now = cute.arch.load(gen, Int32, sem="acquire", scope="gpu")
-                while now == seen:
-                    now = cute.arch.load(gen, Int32, sem="acquire", scope="gpu")
-            cute.arch.fence_acq_rel_gpu()
-        cute.arch.sync_threads()
+    def _smem_vec(self, ptr, offset, length: int):
+        return cute.make_tensor((ptr + offset).align(16), cute.make_layout(length))
 
     @cute.jit
-    def _lead(self, s_ids, p):
-        """Expert of pair p if p leads a group, else -1. The pairs of one expert are taken in
-        groups of max_tokens in pair order (more than one group only if a token repeats an
-        expert); the first pair of each group computes the whole group. Invalid ids: -1."""
-        e = s_ids[p]
-        before = Int32(0)
-        for q in range(p):
-            if s_ids[q] == e:
-                before = before + 1
-        if before % self.max_tokens != 0:
-            e = Int32(-1)
-        return e
+    def _dots(self, row, length: int, lane, vec_of, slots, acc):
+        """acc[m] += this lane's share of <row, vec_of(m)> for every filled slot m (fp32)."""
+        nch = -(-length // (_VEC * _WARP))
+        for i in cutlass.range_constexpr(nch):
+            c = lane + i * _WARP
+            if const_expr((i + 1) * _WARP * _VEC <= length) or c * _VEC < length:
+                w = cute.local_tile(row, (_VEC,), (c,)).load().to(Float32)
+                for m in cutlass.range_constexpr(self.max_tokens):
+                    if slots[m] >= 0:
+                        v = cute.local_tile(vec_of(m), (_VEC,), (c,)).load().to(Float32)
+                        acc[m] = acc[m] + (w * v).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
 
     @cute.jit
-    def _slot_pair(self, s_ids, p, e, slot: int, P):
-        """The pair in group slot ``slot`` of the group led by pair p (expert e), or -1."""
-        q = Int32(-1)
-        seen = Int32(0)
-        for r in range(p, P):
-            if s_ids[r] == e:
-                if seen == slot:
-                    q = r
-                seen = seen + 1
-        return q
+    def _glu(self, g, u):
+        """h of one column from fp32 scalars (grouped_gemm.glu's rule, for scalars)."""
+        if const_expr(self.activation == "swigluoai"):
+            lim = Float32(limits.SWIGLUOAI_LIMIT)
+            gc, uc = g, u
+            if gc > lim:
+                gc = lim
+            if uc > lim:
+                uc = lim
+            if uc < -lim:
+                uc = -lim
+            sig = cute.math.rcp(1.0 + cute.math.exp(-limits.SWIGLUOAI_ALPHA * gc, fastmath=True), fastmath=True)
+            return (uc + 1.0) * (gc * sig)
+        else:
+            return glu_act(g, self.activation) * u
 
     @cute.jit
-    def _dots(self, rows, n, chunks, lane, vec_of, s_dot, cols, tok_pairs):
-        """s_dot[m, cols[r]] = <rows[r], vec_of(m, pair, chunk)> for every filled group slot m:
-        one warp per row, several rows per warp at once. Every chunk of every row is loaded
-        before any is used (all in flight), then each slot's vector chunk is loaded once and
-        multiplied into every row's sum."""
-        nr = len(rows)
-        w = cute.make_rmem_tensor(cute.make_layout((_VEC, chunks, nr)), BFloat16)
-        for r in cutlass.range_constexpr(nr):
-            for i in cutlass.range_constexpr(chunks):
-                c = lane + i * _WARP
-                if const_expr((i + 1) * _WARP * _VEC <= n) or c * _VEC < n:
-                    w[None, i, r].store(cute.local_tile(rows[r], (_VEC,), (c,)).load())
-        acc = cute.make_rmem_tensor(cute.make_layout(nr), Float32)
+    def _group_slots(self, s_slot, gi, slots):
         for m in cutlass.range_constexpr(self.max_tokens):
-            if tok_pairs[m] >= 0:
-                acc.fill(0.0)
-                for i in cutlass.range_constexpr(chunks):
-                    c = lane + i * _WARP
-                    if const_expr((i + 1) * _WARP * _VEC <= n) or c * _VEC < n:
-                        v = vec_of(m, tok_pairs[m], c)
-                        for r in cutlass.range_constexpr(nr):
-                            prod = w[None, i, r].load().to(Float32) * v
-                            acc[r] = acc[r] + prod.reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
-                for r in cutlass.range_constexpr(nr):
-                    total = cute.arch.warp_reduction(acc[r], lambda a, b: a + b)
-                    if lane == 0:
-                        s_dot[m, cols[r]] = total
+            slots[m] = s_slot[gi, m]
 
     # ------------------------------------------------------------------ the kernel
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mW13: cute.Tensor, mW2: cute.Tensor, mTopkW: cute.Tensor,
-               mIds: cute.Tensor, mOut: cute.Tensor, mH: cute.Tensor, mY: cute.Tensor, mBar: cute.Tensor):
+               mIds: cute.Tensor, mOut: cute.Tensor, mH: cute.Tensor, mBar: cute.Tensor,
+               mB13: Optional[cute.Tensor], mB2: Optional[cute.Tensor]):
         tidx, _, _ = cute.arch.thread_idx()
         bid, _, _ = cute.arch.block_idx()
         warp = cute.arch.make_warp_uniform(tidx // _WARP)
         lane = cute.arch.lane_idx()
         M = cute.size(mX, mode=[0])
-        K, H, I, g = self.top_k, self.hidden, self.intermediate, self.interleave
+        K, H, I, g, W, MT = self.top_k, self.hidden, self.intermediate, self.interleave, self.warps, self.max_tokens
+        S, SE, seg1, seg2 = self.stages, self.stage_elems, self.seg1, self.seg2
         P = M * K
+        C = self.ctas
+        nseg1, nseg2 = H // seg1, I // seg2
+        blocks1 = I // W  # phase-1 units per group
+        units2 = H // W  # phase-2 units
 
         alloc = cutlass.memory.SmemAllocator()
+        ring = alloc.allocate_array(BFloat16, S * SE, byte_alignment=128)
+        s_x = cute.make_tensor(alloc.allocate_array(BFloat16, self.x_elems, byte_alignment=128),
+                               cute.make_layout((MT, H), stride=(H, 1)))
+        full = alloc.allocate_array(Int64, S, byte_alignment=8)
+        empty = alloc.allocate_array(Int64, S, byte_alignment=8)
         s_ids = cute.make_tensor(alloc.allocate_array(Int32, self.pairs, byte_alignment=16),
                                  cute.make_layout(self.pairs))
-        s_dot = cute.make_tensor(alloc.allocate_array(Float32, self.max_tokens * self.rows1, byte_alignment=16),
-                                 cute.make_layout((self.max_tokens, self.rows1), stride=(self.rows1, 1)))
-        s_x = cute.make_tensor(alloc.allocate_array(BFloat16, self.max_tokens * H, byte_alignment=16),
-                               cute.make_layout((self.max_tokens, H), stride=(H, 1)))
-        if tidx < P:
-            e = mIds[tidx // K, tidx % K]
-            if e < 0 or e >= self.num_experts:
-                e = Int32(-1)
+        s_lead = cute.make_tensor(alloc.allocate_array(Int32, self.pairs, byte_alignment=16),
+                                  cute.make_layout(self.pairs))
+        s_exp = cute.make_tensor(alloc.allocate_array(Int32, self.pairs, byte_alignment=16),
+                                 cute.make_layout(self.pairs))
+        s_slot = cute.make_tensor(alloc.allocate_array(Int32, self.pairs * MT, byte_alignment=16),
+                                  cute.make_layout((self.pairs, MT), stride=(MT, 1)))
+
+        # prologue: barriers, the generation this launch's grid barrier waits to pass, x, pair ids
+        seen = Int32(0)
+        if tidx == 0:
+            for s in cutlass.range_constexpr(S):
+                cute.arch.mbarrier_init(full + s, 1)
+                cute.arch.mbarrier_init(empty + s, W * _WARP)
+            cute.arch.mbarrier_init_fence()
+        if warp == W:
+            seen = cute.arch.load(mBar.iterator + 1, Int32, sem="acquire", scope="gpu")
+        if tidx < self.pairs:
+            e = Int32(-1)
+            if tidx < P:
+                e = mIds[tidx // K, tidx % K]
+                if e < 0 or e >= self.num_experts:
+                    e = Int32(-1)
             s_ids[tidx] = e
         for c in range(tidx, M * (H // _VEC), self.threads):
             m, cc = c // (H // _VEC), c % (H // _VEC)
-            cute.local_tile(s_x[m, None], (_VEC,), (cc,)).store(
-                cute.local_tile(mX[m, None], (_VEC,), (cc,)).load())
+            cute.local_tile(s_x[m, None], (_VEC,), (cc,)).store(cute.local_tile(mX[m, None], (_VEC,), (cc,)).load())
         cute.arch.sync_threads()
-
-        # phase 1: h[q] = act(x[m] . gate_e) * (x[m] . up_e), one unit per (pair, interleave block)
-        nb1 = I // g
-        rows_per_warp = self.rows1 // self.warps
-        tok_pairs = cute.make_rmem_tensor(cute.make_layout(self.max_tokens), Int32)
-        for u in range(bid, P * nb1, self.ctas):
-            p, j = u // nb1, u % nb1
-            e = self._lead(s_ids, p)
+        # a pair leads a group if it is the first, the (max_tokens+1)-th, ... pair of its expert
+        if tidx < self.pairs:
+            e = s_ids[tidx]
+            lead = Int32(0)
             if e >= 0:
-                for m in cutlass.range_constexpr(self.max_tokens):
-                    tok_pairs[m] = self._slot_pair(s_ids, p, e, m, P)
-                for r0 in cutlass.range_constexpr(0, rows_per_warp, self.inflight1):
-                    cols = [warp * rows_per_warp + r for r in range(r0, r0 + self.inflight1)]
-                    self._dots([self._weight_row(mW13, e, j * self.rows1 + c, 2 * I, H) for c in cols], H,
-                               self.ch1, lane,
-                               lambda m, q, c: cute.local_tile(s_x[q // K, None], (_VEC,), (c,)).load().to(Float32),
-                               s_dot, cols, tok_pairs)
-                cute.arch.sync_threads()
-                if tidx < self.max_tokens * g:
-                    m, c = tidx // g, tidx % g
-                    q = tok_pairs[m]
-                    if q >= 0:
-                        gate, up = s_dot[m, c], s_dot[m, g + c]
-                        mH[q, j * g + c] = BFloat16(glu_act(gate, self.activation) * up)
-                cute.arch.sync_threads()
-        self._grid_sync(mBar, tidx)
+                before = Int32(0)
+                for q in range(tidx):
+                    if s_ids[q] == e:
+                        before = before + 1
+                if before % MT == 0:
+                    lead = Int32(1)
+            s_lead[tidx] = lead
+        cute.arch.sync_threads()
+        if tidx < self.pairs:
+            if s_lead[tidx] != 0:
+                e = s_ids[tidx]
+                gi = Int32(0)
+                for q in range(tidx):
+                    gi = gi + s_lead[q]
+                s_exp[gi] = e
+                seen_pairs = Int32(0)
+                for m in cutlass.range_constexpr(MT):
+                    s_slot[gi, m] = Int32(-1)
+                for r in range(tidx, self.pairs):
+                    if s_ids[r] == e and seen_pairs < MT:
+                        s_slot[gi, seen_pairs] = r
+                        seen_pairs = seen_pairs + 1
+        cute.arch.sync_threads()
+        n_groups = Int32(0)
+        for q in range(self.pairs):
+            n_groups = n_groups + s_lead[q]
+        n1 = n_groups * blocks1  # phase-1 units of the grid
+        slots = cute.make_rmem_tensor(cute.make_layout(MT), Int32)
 
-        # phase 2: y[q, rows] = h[q] . w2_e[rows], 32 output columns per unit
-        nb2 = H // self.rows2
-        rows2_per_warp = self.rows2 // self.warps
-        for u in range(bid, P * nb2, self.ctas):
-            p, j = u // nb2, u % nb2
-            e = self._lead(s_ids, p)
-            if e >= 0:
-                for m in cutlass.range_constexpr(self.max_tokens):
-                    tok_pairs[m] = self._slot_pair(s_ids, p, e, m, P)
-                for r0 in cutlass.range_constexpr(0, rows2_per_warp, self.inflight2):
-                    cols = [warp * rows2_per_warp + r for r in range(r0, r0 + self.inflight2)]
-                    self._dots([self._weight_row(mW2, e, j * self.rows2 + c, H, I) for c in cols], I,
-                               self.ch2, lane,
-                               lambda m, q, c: cute.local_tile(mH[q, None], (_VEC,), (c,)).load().to(Float32),
-                               s_dot, cols, tok_pairs)
-                cute.arch.sync_threads()
-                if tidx < self.max_tokens * self.rows2:
-                    m, c = tidx // self.rows2, tidx % self.rows2
-                    q = tok_pairs[m]
-                    if q >= 0:
-                        mY[q, j * self.rows2 + c] = s_dot[m, c]
-                cute.arch.sync_threads()
-        self._grid_sync(mBar, tidx)
+        if warp == W:
+            # ------------------------------------------------ the producer warp
+            atom1 = cute.make_copy_atom(cpasync.CopyBulkG2SOp(), BFloat16, num_bits_per_copy=seg1 * 16)
+            atom2 = cute.make_copy_atom(cpasync.CopyBulkG2SOp(), BFloat16, num_bits_per_copy=seg2 * 16)
+            idx = Int32(0)
+            phase = Int32(0)
+            for u in range(bid, n1, C):
+                gi, blk = u // blocks1, u % blocks1
+                e = s_exp[gi]
+                c0 = blk * W
+                gate0 = (c0 // g) * 2 * g + c0 % g
+                for s in range(nseg1):
+                    for half in cutlass.range_constexpr(2):
+                        cute.arch.mbarrier_wait(empty + idx, phase ^ 1)
+                        if lane == 0:
+                            cute.arch.mbarrier_arrive_and_expect_tx(full + idx, W * seg1 * 2)
+                        cute.arch.sync_warp()
+                        if lane < W:
+                            cute.copy(atom1, self._gmem_row(mW13, e, gate0 + half * g + lane, 2 * I, H, s * seg1, seg1),
+                                      self._smem_vec(ring, idx * SE + lane * seg1, seg1), mbar_ptr=full + idx)
+                        idx = idx + 1
+                        if idx == S:
+                            idx = Int32(0)
+                            phase = phase ^ 1
+            # phase 2: this CTA's stages in (unit, group, segment) order; h only after the barrier
+            per_unit = n_groups * nseg2
+            n2 = Int32(0)
+            if bid < units2:
+                n2 = ((units2 - 1 - bid) // C + 1) * per_unit
+            pend = n2
+            if pend > S:
+                pend = Int32(S)
+            first = idx
+            for j in range(n2):
+                v = bid + (j // per_unit) * C
+                gi, s = (j % per_unit) // nseg2, j % nseg2
+                e = s_exp[gi]
+                self._group_slots(s_slot, gi, slots)
+                nvalid = Int32(0)
+                for m in cutlass.range_constexpr(MT):
+                    if slots[m] >= 0:
+                        nvalid = nvalid + 1
+                if j == pend:
+                    # the first `pend` stages hold their weight segments; wait for h, then fill in h
+                    if lane == 0:
+                        now = cute.arch.load(mBar.iterator + 1, Int32, sem="acquire", scope="gpu")
+                        while now == seen:
+                            now = cute.arch.load(mBar.iterator + 1, Int32, sem="acquire", scope="gpu")
+                    cute.arch.sync_warp()
+                    cute.arch.fence_proxy("async.global")
+                    for jj in range(pend):
+                        self._copy_h(atom2, mH, ring, full, s_slot, (first + jj) % S, (jj % per_unit) // nseg2,
+                                     jj % nseg2, lane)
+                cute.arch.mbarrier_wait(empty + idx, phase ^ 1)
+                if lane == 0:
+                    cute.arch.mbarrier_arrive_and_expect_tx(full + idx, (W + nvalid) * seg2 * 2)
+                cute.arch.sync_warp()
+                if lane < W:
+                    cute.copy(atom2, self._gmem_row(mW2, e, v * W + lane, H, I, s * seg2, seg2),
+                              self._smem_vec(ring, idx * SE + lane * seg2, seg2), mbar_ptr=full + idx)
+                if j >= pend:
+                    self._copy_h(atom2, mH, ring, full, s_slot, idx, gi, s, lane)
+                idx = idx + 1
+                if idx == S:
+                    idx = Int32(0)
+                    phase = phase ^ 1
+            if n2 > 0 and n2 == pend:
+                # fewer stages than the ring: all of them wait for h here
+                if lane == 0:
+                    now = cute.arch.load(mBar.iterator + 1, Int32, sem="acquire", scope="gpu")
+                    while now == seen:
+                        now = cute.arch.load(mBar.iterator + 1, Int32, sem="acquire", scope="gpu")
+                cute.arch.sync_warp()
+                cute.arch.fence_proxy("async.global")
+                for jj in range(pend):
+                    self._copy_h(atom2, mH, ring, full, s_slot, (first + jj) % S, (jj % per_unit) // nseg2,
+                                 jj % nseg2, lane)
+        else:
+            # ------------------------------------------------ the consumer warps
+            acc_g = cute.make_rmem_tensor(cute.make_layout(MT), Float32)
+            acc_u = cute.make_rmem_tensor(cute.make_layout(MT), Float32)
+            idx = Int32(0)
+            phase = Int32(0)
+            for u in range(bid, n1, C):
+                gi, blk = u // blocks1, u % blocks1
+                e = s_exp[gi]
+                self._group_slots(s_slot, gi, slots)
+                acc_g.fill(0.0)
+                acc_u.fill(0.0)
+                for s in range(nseg1):
+                    for half in cutlass.range_constexpr(2):
+                        cute.arch.mbarrier_wait(full + idx, phase)
+                        row = self._smem_vec(ring, idx * SE + warp * seg1, seg1)
+                        xs = lambda m, s=s: cute.make_tensor(  # noqa: E731
+                            (s_x.iterator + (slots[m] // K) * H + s * seg1).align(16), cute.make_layout(seg1))
+                        self._dots(row, seg1, lane, xs, slots, acc_g if half == 0 else acc_u)
+                        cute.arch.mbarrier_arrive(empty + idx)
+                        idx = idx + 1
+                        if idx == S:
+                            idx = Int32(0)
+                            phase = phase ^ 1
+                c = blk * W + warp
+                gate_row = (c // g) * 2 * g + c % g
+                for m in cutlass.range_constexpr(MT):
+                    gs = cute.arch.warp_reduction(acc_g[m], lambda a, b: a + b)
+                    us = cute.arch.warp_reduction(acc_u[m], lambda a, b: a + b)
+                    if lane == 0 and slots[m] >= 0:
+                        if const_expr(self.bias):
+                            gs = gs + mB13[e, gate_row].to(Float32)
+                            us = us + mB13[e, gate_row + g].to(Float32)
+                        mH[slots[m], c] = BFloat16(self._glu(gs, us))
+            # h is read by other CTAs' bulk copies (the async proxy) after the grid barrier
+            cute.arch.fence_proxy("async.global")
+            cute.arch.barrier(barrier_id=1, number_of_threads=W * _WARP)
+            if tidx == 0:
+                cute.arch.fence_acq_rel_gpu()
+                old = cute.arch.atomic_add(mBar.iterator, Int32(1), sem="acq_rel", scope="gpu")
+                if old == C - 1:
+                    cute.arch.atomic_exch(mBar.iterator, Int32(0), sem="relaxed", scope="gpu")
+                    cute.arch.atomic_add(mBar.iterator + 1, Int32(1), sem="release", scope="gpu")
+            # phase 2: out[:, c] = sum over groups of topk_weight * (h . w2_e[c] (+ b2_e[c]))
+            acc = acc_g
+            tot = cute.make_rmem_tensor(cute.make_layout(MT), Float32)
+            for v in range(bid, units2, C):
+                c = v * W + warp
+                tot.fill(0.0)
+                for gi in range(n_groups):
+                    e = s_exp[gi]
+                    self._group_slots(s_slot, gi, slots)
+                    acc.fill(0.0)
+                    for s in range(nseg2):
+                        cute.arch.mbarrier_wait(full + idx, phase)
+                        row = self._smem_vec(ring, idx * SE + warp * seg2, seg2)
+                        hs = lambda m, idx=idx: self._smem_vec(ring, idx * SE + (W + m) * seg2, seg2)  # noqa: E731
+                        self._dots(row, seg2, lane, hs, slots, acc)
+                        cute.arch.mbarrier_arrive(empty + idx)
+                        idx = idx + 1
+                        if idx == S:
+                            idx = Int32(0)
+                            phase = phase ^ 1
+                    for m in cutlass.range_constexpr(MT):
+                        y = cute.arch.warp_reduction(acc[m], lambda a, b: a + b)
+                        q = slots[m]
+                        if q >= 0:
+                            if const_expr(self.bias):
+                                y = y + mB2[e, c].to(Float32)
+                            y = y * mTopkW[q // K, q % K]
+                            for t in cutlass.range_constexpr(MT):
+                                if q // K == t:
+                                    tot[t] = tot[t] + y
+                if lane == 0:
+                    for t in cutlass.range_constexpr(MT):
+                        if t < M:
+                            mOut[t, c] = BFloat16(tot[t])
 
-        # phase 3: the top-k combine
-        for idx in range(bid * self.threads + tidx, M * H, self.ctas * self.threads):
-            m, c = idx // H, idx % H
-            acc = Float32(0.0)
-            for k in cutlass.range_constexpr(self.top_k):
-                if s_ids[m * K + k] >= 0:
-                    acc = acc + mTopkW[m, k] * mY[m * K + k, c]
-            mOut[m, c] = BFloat16(acc)
+    @cute.jit
+    def _copy_h(self, atom, mH, ring, full, s_slot, st, gi, s, lane):
+        """Lane warps + m copies segment s of group gi's slot m of h into ring stage ``st``."""
+        W, MT, SE, seg2 = self.warps, self.max_tokens, self.stage_elems, self.seg2
+        if lane >= W and lane < W + MT:
+            q = s_slot[gi, lane - W]
+            if q >= 0:
+                cute.copy(atom, cute.make_tensor((mH.iterator + Int64(q) * self.intermediate + s * seg2).align(16),
+                                                 cute.make_layout(seg2)),
+                          self._smem_vec(ring, st * SE + lane * seg2, seg2), mbar_ptr=full + st)

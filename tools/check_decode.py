@@ -33,7 +33,8 @@ def compile_all(out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     for model in MODELS:
         s = make_spec(model)
-        obj = MoeDecode(s.experts, s.hidden, s.intermediate, s.top_k, s.activation, max_tokens=MAX_TOKENS)
+        obj = MoeDecode(s.experts, s.hidden, s.intermediate, s.top_k, s.activation, max_tokens=MAX_TOKENS,
+                        bias=s.bias)
         art = compile_kernel(obj, "sm_90a", f"moe_decode_{model.replace('-', '_')}")
         art.write_dir(out / model)
         print(f"{model:16} compile {art.meta['timing_s']['compile']:.2f}s cubin {len(art.cubin)} B", flush=True)
@@ -43,9 +44,9 @@ def run_all(kdir: Path, out: Path, replays: int, profile: bool = False) -> int:
     import torch
 
     from moe_aot.harness.measure import graph_times_us, input_sets
-    from moe_aot.harness.reference import moe_reference, rel_err, row_rel_err
-    from moe_aot.harness.verify import random_weights
-    from moe_aot.runtime.layer import MoeLayer
+    from moe_aot.harness.reference import rel_err, row_rel_err
+    from moe_aot.harness.verify import layer_reference, random_weights
+    from moe_aot.runtime.layer import MoeLayer, split_biases
     from moe_aot.runtime.library import KernelLibrary
     from moe_aot.runtime.store import KernelStore
     from moe_aot.spec import make_spec
@@ -58,21 +59,27 @@ def run_all(kdir: Path, out: Path, replays: int, profile: bool = False) -> int:
         dec = KernelLibrary.from_dir(kdir / model)
         layer = MoeLayer(spec, store)
         dev = layer.device
-        w13, w2 = random_weights(spec, dev)
+        w13, w2 = random_weights(spec, dev)  # bias layers: (weights, biases) pairs
+        bw13, b13, bw2, b2 = split_biases(spec, w13, w2)
         P = MAX_TOKENS * spec.top_k
         h = torch.empty(P, spec.intermediate, device=dev, dtype=torch.bfloat16)
-        y = torch.empty(P, spec.hidden, device=dev, dtype=torch.float32)
         bar = torch.zeros(2, device=dev, dtype=torch.int32)
         for M in range(1, MAX_TOKENS + 1):
             sets = input_sets(spec, M, dev)
             errs = []
-            for x, tw, ids, o in sets[:2]:
+            # two random routings, then edge routings on set 0's x: ids outside [0, E) at the
+            # first and last pair (those pairs contribute nothing), and every token on the same
+            # experts (groups of M tokens sharing one pass over each expert's rows)
+            x0, tw0, ids0, o0 = sets[0]
+            bad = ids0.clone()
+            bad[0, 0], bad[-1, -1] = -1, spec.experts
+            same = ids0[:1].expand(M, -1).contiguous()
+            for x, tw, ids, o in [*sets[:2], (x0, tw0, bad, o0), (x0, tw0, same, o0)]:
                 o.fill_(float("nan"))
                 h.fill_(float("nan"))
-                y.fill_(float("nan"))
-                dec(x, w13, w2, tw, ids, o, h, y, bar)
+                dec(x, bw13, bw2, tw, ids, o, h, bar, *((b13, b2) if spec.bias else ()))
                 torch.cuda.synchronize()
-                ref = moe_reference(x, w13, w2, tw, ids, spec.activation)
+                ref = layer_reference(spec, x, w13, w2, tw, ids)
                 errs.append((rel_err(o, ref), row_rel_err(o, ref)))
             err = max(e for e, _ in errs)
             row = max(r for _, r in errs)
@@ -80,7 +87,7 @@ def run_all(kdir: Path, out: Path, replays: int, profile: bool = False) -> int:
             if profile:  # one more launch in an NVTX range for Nsight Compute, no timing
                 x, tw, ids, o = sets[0]
                 torch.cuda.nvtx.range_push(f"prof_decode_{model}_{M}")
-                dec(x, w13, w2, tw, ids, o, h, y, bar)
+                dec(x, bw13, bw2, tw, ids, o, h, bar, *((b13, b2) if spec.bias else ()))
                 torch.cuda.nvtx.range_pop()
                 torch.cuda.synchronize()
                 rows.append({"model": model, "tokens": M, "rel_err": err, "ok": ok})
@@ -90,7 +97,8 @@ def run_all(kdir: Path, out: Path, replays: int, profile: bool = False) -> int:
                    "barrier_generation": int(bar[1].item()), "barrier_count": int(bar[0].item())}
             if ok:
                 t_dec = statistics.median(graph_times_us(
-                    [lambda s=s, w=(w13, w2): dec(s[0], *w, s[1], s[2], s[3], h, y, bar) for s in sets], replays))
+                    [lambda s=s: dec(s[0], bw13, bw2, s[1], s[2], s[3], h, bar, *((b13, b2) if spec.bias else ()))
+                     for s in sets], replays))
                 ws = layer.workspace(M)
                 t_layer = statistics.median(graph_times_us(
                     [lambda s=s, w=(w13, w2): layer.forward(s[0], *w, s[1], s[2], out=s[3], workspace=ws)
