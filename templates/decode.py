@@ -162,7 +162,8 @@ class MoeDecode:
 
     @cute.jit
     def _dots(self, row, length: int, lane, vec_of, slots, acc):
-        """acc[m] += this lane's share of <row, vec_of(m)> for every filled slot m (fp32)."""
+        """acc[:, m] += this lane's 8-wide share of row * vec_of(m), elementwise in fp32, for every
+        filled slot m (reduced once per row by _finish: no add chain per chunk)."""
         nch = -(-length // (_VEC * _WARP))
         for i in cutlass.range_constexpr(nch):
             c = lane + i * _WARP
@@ -171,7 +172,13 @@ class MoeDecode:
                 for m in cutlass.range_constexpr(self.max_tokens):
                     if slots[m] >= 0:
                         v = cute.local_tile(vec_of(m), (_VEC,), (c,)).load().to(Float32)
-                        acc[m] = acc[m] + (w * v).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+                        acc[None, m].store(acc[None, m].load() + w * v)
+
+    @cute.jit
+    def _finish(self, acc, m):
+        """The whole row's dot product for slot m, in every lane of the warp."""
+        part = acc[None, m].load().reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+        return cute.arch.warp_reduction(part, lambda a, b: a + b)
 
     @cute.jit
     def _glu(self, g, u):
@@ -361,8 +368,8 @@ class MoeDecode:
                                  jj % nseg2, lane)
         else:
             # ------------------------------------------------ the consumer warps
-            acc_g = cute.make_rmem_tensor(cute.make_layout(MT), Float32)
-            acc_u = cute.make_rmem_tensor(cute.make_layout(MT), Float32)
+            acc_g = cute.make_rmem_tensor(cute.make_layout((_VEC, MT)), Float32)
+            acc_u = cute.make_rmem_tensor(cute.make_layout((_VEC, MT)), Float32)
             idx = Int32(0)
             phase = Int32(0)
             for u in range(bid, n1, C):
@@ -386,8 +393,8 @@ class MoeDecode:
                 c = blk * W + warp
                 gate_row = (c // g) * 2 * g + c % g
                 for m in cutlass.range_constexpr(MT):
-                    gs = cute.arch.warp_reduction(acc_g[m], lambda a, b: a + b)
-                    us = cute.arch.warp_reduction(acc_u[m], lambda a, b: a + b)
+                    gs = self._finish(acc_g, m)
+                    us = self._finish(acc_u, m)
                     if lane == 0 and slots[m] >= 0:
                         if const_expr(self.bias):
                             gs = gs + mB13[e, gate_row].to(Float32)
@@ -423,7 +430,7 @@ class MoeDecode:
                             idx = Int32(0)
                             phase = phase ^ 1
                     for m in cutlass.range_constexpr(MT):
-                        y = cute.arch.warp_reduction(acc[m], lambda a, b: a + b)
+                        y = self._finish(acc, m)
                         q = slots[m]
                         if q >= 0:
                             if const_expr(self.bias):

@@ -24,7 +24,7 @@ MODELS = ["qwen3-30b-a3b", "qwen3-235b-a22b", "gpt-oss-120b", "deepseek-v3", "mi
 MAX_TOKENS = 4
 
 
-def compile_all(out: Path) -> None:
+def compile_all(out: Path, **kw) -> None:
     from moe_aot_templates.decode import MoeDecode
 
     from moe_aot.kernel_build import compile_kernel
@@ -34,7 +34,7 @@ def compile_all(out: Path) -> None:
     for model in MODELS:
         s = make_spec(model)
         obj = MoeDecode(s.experts, s.hidden, s.intermediate, s.top_k, s.activation, max_tokens=MAX_TOKENS,
-                        bias=s.bias)
+                        bias=s.bias, **kw)
         art = compile_kernel(obj, "sm_90a", f"moe_decode_{model.replace('-', '_')}")
         art.write_dir(out / model)
         print(f"{model:16} compile {art.meta['timing_s']['compile']:.2f}s cubin {len(art.cubin)} B", flush=True)
@@ -124,11 +124,13 @@ def main():
     ap.add_argument("--run", metavar="DIR", type=Path)
     ap.add_argument("--out", type=Path, default=Path("decode_check_out"))
     ap.add_argument("--replays", type=int, default=200)
+    ap.add_argument("--warps", type=int, default=8, help="--compile: consumer warps (rows per stage)")
+    ap.add_argument("--seg-bytes", type=int, default=2048, help="--compile: bytes per row segment (bulk copy)")
     ap.add_argument("--profile", action="store_true", help="one launch per model at 1 token in an NVTX range "
                     "(prof_decode_<model>_1) for ncu, no timing")
     ns = ap.parse_args()
     if ns.compile:
-        compile_all(ns.compile)
+        compile_all(ns.compile, warps=ns.warps, seg_bytes=ns.seg_bytes)
     if ns.run:
         sys.exit(run_all(ns.run, ns.out, ns.replays, ns.profile))
     if not ns.compile and not ns.run:
