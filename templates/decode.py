@@ -161,18 +161,25 @@ class MoeDecode:
         return cute.make_tensor((ptr + offset).align(16), cute.make_layout(length))
 
     @cute.jit
-    def _dots(self, row, length: int, lane, vec_of, slots, acc):
-        """acc[:, m] += this lane's 8-wide share of row * vec_of(m), elementwise in fp32, for every
-        filled slot m (reduced once per row by _finish: no add chain per chunk)."""
+    def _dots(self, row, length: int, lane, vec_of, nvalid, acc):
+        """acc[:, m] += this lane's 8-wide share of row * vec_of(m), elementwise in fp32, for the
+        filled slots m < nvalid (a group's filled slots come first); reduced once per row by
+        _finish. The row's chunks are loaded and converted once, then each slot's vector is
+        streamed against them: one branch per slot, no add chain."""
         nch = -(-length // (_VEC * _WARP))
+        w = cute.make_rmem_tensor(cute.make_layout((_VEC, nch)), Float32)
         for i in cutlass.range_constexpr(nch):
             c = lane + i * _WARP
             if const_expr((i + 1) * _WARP * _VEC <= length) or c * _VEC < length:
-                w = cute.local_tile(row, (_VEC,), (c,)).load().to(Float32)
-                for m in cutlass.range_constexpr(self.max_tokens):
-                    if slots[m] >= 0:
-                        v = cute.local_tile(vec_of(m), (_VEC,), (c,)).load().to(Float32)
-                        acc[None, m].store(acc[None, m].load() + w * v)
+                w[None, i].store(cute.local_tile(row, (_VEC,), (c,)).load().to(Float32))
+        for m in cutlass.range_constexpr(self.max_tokens):
+            if m < nvalid:
+                vec = vec_of(m)
+                for i in cutlass.range_constexpr(nch):
+                    c = lane + i * _WARP
+                    if const_expr((i + 1) * _WARP * _VEC <= length) or c * _VEC < length:
+                        v = cute.local_tile(vec, (_VEC,), (c,)).load().to(Float32)
+                        acc[None, m].store(acc[None, m].load() + w[None, i].load() * v)
 
     @cute.jit
     def _finish(self, acc, m):
@@ -199,8 +206,13 @@ class MoeDecode:
 
     @cute.jit
     def _group_slots(self, s_slot, gi, slots):
+        """Group gi's pairs into ``slots`` (filled slots first, then -1); returns how many."""
+        n = Int32(0)
         for m in cutlass.range_constexpr(self.max_tokens):
             slots[m] = s_slot[gi, m]
+            if slots[m] >= 0:
+                n = n + 1
+        return n
 
     # ------------------------------------------------------------------ the kernel
     @cute.kernel
@@ -326,11 +338,7 @@ class MoeDecode:
                 v = bid + (j // per_unit) * C
                 gi, s = (j % per_unit) // nseg2, j % nseg2
                 e = s_exp[gi]
-                self._group_slots(s_slot, gi, slots)
-                nvalid = Int32(0)
-                for m in cutlass.range_constexpr(MT):
-                    if slots[m] >= 0:
-                        nvalid = nvalid + 1
+                nvalid = self._group_slots(s_slot, gi, slots)
                 if j == pend:
                     # the first `pend` stages hold their weight segments; wait for h, then fill in h
                     if lane == 0:
@@ -375,7 +383,7 @@ class MoeDecode:
             for u in range(bid, n1, C):
                 gi, blk = u // blocks1, u % blocks1
                 e = s_exp[gi]
-                self._group_slots(s_slot, gi, slots)
+                nvalid = self._group_slots(s_slot, gi, slots)
                 acc_g.fill(0.0)
                 acc_u.fill(0.0)
                 for s in range(nseg1):
@@ -384,7 +392,7 @@ class MoeDecode:
                         row = self._smem_vec(ring, idx * SE + warp * seg1, seg1)
                         xs = lambda m, s=s: cute.make_tensor(  # noqa: E731
                             (s_x.iterator + (slots[m] // K) * H + s * seg1).align(16), cute.make_layout(seg1))
-                        self._dots(row, seg1, lane, xs, slots, acc_g if half == 0 else acc_u)
+                        self._dots(row, seg1, lane, xs, nvalid, acc_g if half == 0 else acc_u)
                         cute.arch.mbarrier_arrive(empty + idx)
                         idx = idx + 1
                         if idx == S:
@@ -417,13 +425,13 @@ class MoeDecode:
                 tot.fill(0.0)
                 for gi in range(n_groups):
                     e = s_exp[gi]
-                    self._group_slots(s_slot, gi, slots)
+                    nvalid = self._group_slots(s_slot, gi, slots)
                     acc.fill(0.0)
                     for s in range(nseg2):
                         cute.arch.mbarrier_wait(full + idx, phase)
                         row = self._smem_vec(ring, idx * SE + warp * seg2, seg2)
                         hs = lambda m, idx=idx: self._smem_vec(ring, idx * SE + (W + m) * seg2, seg2)  # noqa: E731
-                        self._dots(row, seg2, lane, hs, slots, acc)
+                        self._dots(row, seg2, lane, hs, nvalid, acc)
                         cute.arch.mbarrier_arrive(empty + idx)
                         idx = idx + 1
                         if idx == S:
