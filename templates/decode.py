@@ -182,6 +182,14 @@ class MoeDecode:
                         acc[None, m].store(acc[None, m].load() + w[None, i].load() * v)
 
     @cute.jit
+    def _release(self, bar, lane):
+        """The warp is done reading the stage: one arrival on its empty barrier, after the warp's
+        lanes have met (256 arrivals on one barrier word per stage serialize)."""
+        cute.arch.sync_warp()
+        if lane == 0:
+            cute.arch.mbarrier_arrive(bar)
+
+    @cute.jit
     def _finish(self, acc, m):
         """The whole row's dot product for slot m, in every lane of the warp."""
         part = acc[None, m].load().reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
@@ -252,7 +260,7 @@ class MoeDecode:
         if tidx == 0:
             for s in cutlass.range_constexpr(S):
                 cute.arch.mbarrier_init(full + s, 1)
-                cute.arch.mbarrier_init(empty + s, W * _WARP)
+                cute.arch.mbarrier_init(empty + s, W)  # one arrival per consumer warp
             cute.arch.mbarrier_init_fence()
         if warp == W:
             seen = cute.arch.load(mBar.iterator + 1, Int32, sem="acquire", scope="gpu")
@@ -393,7 +401,7 @@ class MoeDecode:
                         xs = lambda m, s=s: cute.make_tensor(  # noqa: E731
                             (s_x.iterator + (slots[m] // K) * H + s * seg1).align(16), cute.make_layout(seg1))
                         self._dots(row, seg1, lane, xs, nvalid, acc_g if half == 0 else acc_u)
-                        cute.arch.mbarrier_arrive(empty + idx)
+                        self._release(empty + idx, lane)
                         idx = idx + 1
                         if idx == S:
                             idx = Int32(0)
@@ -432,7 +440,7 @@ class MoeDecode:
                         row = self._smem_vec(ring, idx * SE + warp * seg2, seg2)
                         hs = lambda m, idx=idx: self._smem_vec(ring, idx * SE + (W + m) * seg2, seg2)  # noqa: E731
                         self._dots(row, seg2, lane, hs, nvalid, acc)
-                        cute.arch.mbarrier_arrive(empty + idx)
+                        self._release(empty + idx, lane)
                         idx = idx + 1
                         if idx == S:
                             idx = Int32(0)
