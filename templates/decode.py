@@ -86,14 +86,14 @@ class MoeDecode:
 
     @staticmethod
     def _layout(hidden, intermediate, max_tokens, warps, stages, seg_bytes):
-        """(bf16 elements per stage, bf16 elements of x, stages): a phase-1 stage holds ``warps``
+        """(bf16 elements per stage, fp32 elements of x, stages): a phase-1 stage holds ``warps``
         row segments of w13 (each at most seg_bytes, one bulk copy), a phase-2 stage ``warps`` of
         w2 plus max_tokens segments of h."""
         seg1, seg2 = _segment(hidden, seg_bytes // 2), _segment(intermediate, seg_bytes // 2)
         elems = max(warps * seg1, (warps + max_tokens) * seg2)
         elems = -(-elems // 64) * 64  # 128-byte aligned stages
-        x_elems = -(-max_tokens * hidden // 64) * 64
-        room = _SMEM - 2 * x_elems - 2048  # barriers and the group tables
+        x_elems = -(-max_tokens * hidden // 32) * 32  # fp32
+        room = _SMEM - 4 * x_elems - 2048  # barriers and the group tables
         fit = room // (2 * elems)
         return elems, x_elems, (min(fit, MAX_STAGES) if stages == 0 else stages)
 
@@ -242,7 +242,7 @@ class MoeDecode:
 
         alloc = cutlass.memory.SmemAllocator()
         ring = alloc.allocate_array(BFloat16, S * SE, byte_alignment=128)
-        s_x = cute.make_tensor(alloc.allocate_array(BFloat16, self.x_elems, byte_alignment=128),
+        s_x = cute.make_tensor(alloc.allocate_array(Float32, self.x_elems, byte_alignment=128),
                                cute.make_layout((MT, H), stride=(H, 1)))
         full = alloc.allocate_array(Int64, S, byte_alignment=8)
         empty = alloc.allocate_array(Int64, S, byte_alignment=8)
@@ -273,7 +273,8 @@ class MoeDecode:
             s_ids[tidx] = e
         for c in range(tidx, M * (H // _VEC), self.threads):
             m, cc = c // (H // _VEC), c % (H // _VEC)
-            cute.local_tile(s_x[m, None], (_VEC,), (cc,)).store(cute.local_tile(mX[m, None], (_VEC,), (cc,)).load())
+            cute.local_tile(s_x[m, None], (_VEC,), (cc,)).store(
+                cute.local_tile(mX[m, None], (_VEC,), (cc,)).load().to(Float32))
         cute.arch.sync_threads()
         # a pair leads a group if it is the first, the (max_tokens+1)-th, ... pair of its expert
         if tidx < self.pairs:

@@ -33,14 +33,13 @@ def compile_all(out: Path, **kw) -> None:
     out.mkdir(parents=True, exist_ok=True)
     for model in MODELS:
         s = make_spec(model)
-        obj = MoeDecode(s.experts, s.hidden, s.intermediate, s.top_k, s.activation, max_tokens=MAX_TOKENS,
-                        bias=s.bias, **kw)
+        obj = MoeDecode(s.experts, s.hidden, s.intermediate, s.top_k, s.activation, bias=s.bias, **kw)
         art = compile_kernel(obj, "sm_90a", f"moe_decode_{model.replace('-', '_')}")
         art.write_dir(out / model)
         print(f"{model:16} compile {art.meta['timing_s']['compile']:.2f}s cubin {len(art.cubin)} B", flush=True)
 
 
-def run_all(kdir: Path, out: Path, replays: int, profile: bool = False) -> int:
+def run_all(kdir: Path, out: Path, replays: int, profile: bool = False, max_tokens: int = MAX_TOKENS) -> int:
     import torch
 
     from moe_aot.harness.measure import graph_times_us, input_sets
@@ -61,10 +60,10 @@ def run_all(kdir: Path, out: Path, replays: int, profile: bool = False) -> int:
         dev = layer.device
         w13, w2 = random_weights(spec, dev)  # bias layers: (weights, biases) pairs
         bw13, b13, bw2, b2 = split_biases(spec, w13, w2)
-        P = MAX_TOKENS * spec.top_k
+        P = max_tokens * spec.top_k
         h = torch.empty(P, spec.intermediate, device=dev, dtype=torch.bfloat16)
         bar = torch.zeros(2, device=dev, dtype=torch.int32)
-        for M in range(1, MAX_TOKENS + 1):
+        for M in range(1, max_tokens + 1):
             sets = input_sets(spec, M, dev)
             errs = []
             # two random routings, then edge routings on set 0's x: ids outside [0, E) at the
@@ -124,15 +123,17 @@ def main():
     ap.add_argument("--run", metavar="DIR", type=Path)
     ap.add_argument("--out", type=Path, default=Path("decode_check_out"))
     ap.add_argument("--replays", type=int, default=200)
+    ap.add_argument("--max-tokens", type=int, default=MAX_TOKENS, help="tokens per launch the kernels are "
+                    "compiled for (--compile) / checked at (--run: 1..this)")
     ap.add_argument("--warps", type=int, default=8, help="--compile: consumer warps (rows per stage)")
     ap.add_argument("--seg-bytes", type=int, default=2048, help="--compile: bytes per row segment (bulk copy)")
     ap.add_argument("--profile", action="store_true", help="one launch per model at 1 token in an NVTX range "
                     "(prof_decode_<model>_1) for ncu, no timing")
     ns = ap.parse_args()
     if ns.compile:
-        compile_all(ns.compile, warps=ns.warps, seg_bytes=ns.seg_bytes)
+        compile_all(ns.compile, max_tokens=ns.max_tokens, warps=ns.warps, seg_bytes=ns.seg_bytes)
     if ns.run:
-        sys.exit(run_all(ns.run, ns.out, ns.replays, ns.profile))
+        sys.exit(run_all(ns.run, ns.out, ns.replays, ns.profile, ns.max_tokens))
     if not ns.compile and not ns.run:
         ap.error("give --compile DIR and/or --run DIR")
 

@@ -274,6 +274,8 @@ def main():
                     help="tools/check_decode.py on the one-launch decode kernels compiled into DIR "
                          "(several: DIR1,DIR2, each timed beside the layer)")
     ap.add_argument("--decode-profile", action="store_true", help="with --decode: ncu of one launch per model")
+    ap.add_argument("--decode-args", default="", help="with --decode: extra check_decode.py --run arguments "
+                    "(e.g. --max-tokens 1)")
     ap.add_argument("--sanitize", default=None, metavar="MODELS",
                     help="compute-sanitizer memcheck over tools/sanitize_check.py for these presets "
                          "(model[:precision], e.g. deepseek-v3:fp8-block128)")
@@ -463,7 +465,7 @@ def main():
     if ns.decode is not None:
         summary["decode"] = {}
         for i, kdir in enumerate(ns.decode.split(",")):
-            cmd = [sys.executable, "tools/check_decode.py", "--run", kdir, "--out", str(out / f"decode{i}")]
+            cmd = [sys.executable, "tools/check_decode.py", "--run", kdir, "--out", str(out / f"decode{i}"), *ns.decode_args.split()]
             rc, log, secs = sh(cmd, log=out / f"decode{i}.log", env=env, timeout=300)
             summary["decode"][kdir] = {"rc": rc, "seconds": round(secs, 1)}
             print(log[-2500:], flush=True)
@@ -473,7 +475,7 @@ def main():
                    "--page", "details", *[a for sec in NCU_SECTIONS for a in ("--section", sec)],
                    "--metrics", ",".join(NCU_METRICS), "--log-file", str(out / "ncu_decode.csv"),
                    sys.executable, "tools/check_decode.py", "--run", kdir, "--out", str(out / "decode_prof"),
-                   "--profile"]
+                   "--profile", *ns.decode_args.split()]
             rc, log, secs = sh(cmd, env=env, timeout=300)
             summary["decode"]["ncu"] = {"rc": rc, "seconds": round(secs, 1)}
             print("ncu decode", rc, log[-800:] if rc else "", flush=True)
