@@ -465,7 +465,8 @@ def main():
     if ns.decode is not None:
         summary["decode"] = {}
         for i, kdir in enumerate(ns.decode.split(",")):
-            cmd = [sys.executable, "tools/check_decode.py", "--run", kdir, "--out", str(out / f"decode{i}"), *ns.decode_args.split()]
+            cmd = [sys.executable, "tools/check_decode.py", "--run", kdir, "--out", str(out / f"decode{i}"),
+                   *ns.decode_args.split()]
             rc, log, secs = sh(cmd, log=out / f"decode{i}.log", env=env, timeout=300)
             summary["decode"][kdir] = {"rc": rc, "seconds": round(secs, 1)}
             print(log[-2500:], flush=True)
