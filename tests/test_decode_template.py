@@ -1,6 +1,6 @@
 """CPU tests of the one-launch decode kernel (templates/decode.py): it compiles for the model
-shapes with a reusable grid barrier and no local-memory arrays of weights, and refuses what it
-cannot do. Numerics are checked on the GPU by tools/check_decode.py."""
+shapes with bulk-copy weight streaming, a reusable grid barrier and the combine in registers, and
+refuses what it cannot do. Numerics are checked on the GPU by tools/check_decode.py."""
 import pytest
 
 cute = pytest.importorskip("cutlass.cute")
@@ -8,27 +8,35 @@ cute = pytest.importorskip("cutlass.cute")
 from moe_aot_templates.decode import MoeDecode  # noqa: E402
 
 
-@pytest.mark.parametrize("shape", [(128, 2048, 768, 8), (128, 2880, 2880, 4)])
-def test_decode_compiles_with_a_grid_barrier(shape, tmp_path):
-    e, h, i, k = shape
-    obj = MoeDecode(e, h, i, k, max_tokens=4)
-    names = [n for n, _ in obj.fake_arguments()]
-    assert names == ["x", "w13", "w2", "topk_weights", "topk_ids", "out", "h", "y", "bar", "stream"]
-    ptx = cute.compile(obj, *[f for _, f in obj.fake_arguments()],
+@pytest.mark.parametrize("shape", [(128, 2048, 768, 8, False), (128, 2880, 2880, 4, True)])
+def test_decode_compiles_with_bulk_copies_and_a_grid_barrier(shape, tmp_path):
+    e, h, i, k, bias = shape
+    obj = MoeDecode(e, h, i, k, activation="swigluoai" if bias else "swiglu", max_tokens=4, bias=bias)
+    args = obj.fake_arguments()
+    assert [n for n, _ in args] == ["x", "w13", "w2", "topk_weights", "topk_ids", "out", "h", "bar", "b13", "b2",
+                                    "stream"]
+    assert all((f is None) != bias for n, f in args if n in ("b13", "b2"))
+    ptx = cute.compile(obj, *[f for _, f in args],
                        options=f"--gpu-arch sm_90a --keep-ptx --dump-dir {tmp_path}").__ptx__
     body = ptx[ptx.index(".entry"):]
-    assert "atom.global.acq_rel.add" in body and "ld.acquire.gpu" in body  # the barrier: arrive, wait
-    assert "shfl.sync.bfly" in body and "ld.global.v4" in body  # warp-per-row, 16-byte weight loads
-    # 2880 = 11.25 chunks of 256 per row: the tail chunk is predicated, not read past the row
-    assert obj.ch1 == -(-h // 256)
+    assert "atom.global.acq_rel.add" in body and "ld.acquire.gpu" in body  # the grid barrier: arrive, wait
+    assert "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes" in body  # the weight stream
+    assert "mbarrier.try_wait" in body and "shfl.sync.bfly" in body
+    assert "fence.proxy.async.global" in body  # h: written by threads, read by other CTAs' bulk copies
+    # every row segment is one bulk copy of at most 2 KB that divides the row
+    assert h % obj.seg1 == 0 and i % obj.seg2 == 0 and max(obj.seg1, obj.seg2) * 2 <= 2048
+    assert obj.seg1 == (1024 if h == 2048 else 960)  # 2880 = 3 x 960: the tail chunk of a lane is predicated
+    assert obj.stages >= 2
 
 
 def test_decode_refusals():
     ok, why = MoeDecode.can_implement(128, 2048, 768, 8, activation="relu")
     assert not ok and "activation" in why
-    ok, why = MoeDecode.can_implement(128, 2048, 768, 8, max_tokens=16, num_threads=64)
+    ok, why = MoeDecode.can_implement(128, 2048, 768, 8, max_tokens=16)
     assert not ok and "max_tokens" in why
-    ok, why = MoeDecode.can_implement(128, 7168, 2048, 8, max_tokens=8)
+    ok, why = MoeDecode.can_implement(128, 2048, 768, 8, warps=5)
+    assert not ok and "warps" in why
+    ok, why = MoeDecode.can_implement(128, 7168, 2048, 8, max_tokens=8)  # x alone: 229 KB of fp32
     assert not ok and "shared memory" in why
     ok, why = MoeDecode.can_implement(128, 2048, 768, 8, arch="sm_121a")
     assert not ok and "sm_90a" in why
