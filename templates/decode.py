@@ -93,7 +93,8 @@ class MoeDecode:
         elems = max(warps * seg1, (warps + max_tokens) * seg2)
         elems = -(-elems // 64) * 64  # 128-byte aligned stages
         x_elems = -(-max_tokens * hidden // 32) * 32  # fp32
-        room = _SMEM - 4 * x_elems - 2048  # barriers and the group tables
+        acc = 2 * warps * _WARP * max_tokens * 4 if max_tokens > 1 else 0  # slot accumulators (_dots)
+        room = _SMEM - 4 * x_elems - acc - 2048  # barriers and the group tables
         fit = room // (2 * elems)
         return elems, x_elems, (min(fit, MAX_STAGES) if stages == 0 else stages)
 
@@ -162,24 +163,56 @@ class MoeDecode:
 
     @cute.jit
     def _dots(self, row, length: int, lane, vec_of, nvalid, acc):
-        """acc[:, m] += this lane's 8-wide share of row * vec_of(m), elementwise in fp32, for the
-        filled slots m < nvalid (a group's filled slots come first); reduced once per row by
-        _finish. The row's chunks are loaded and converted once, then each slot's vector is
-        streamed against them: one branch per slot, no add chain."""
+        """Add this lane's share of <row, vec_of(m)> to slot m's accumulator for the group's
+        filled slots m < nvalid (filled slots come first; nvalid >= 1), in fp32; _finish reduces
+        each row once. The row's chunks are loaded and converted once, then each slot's vector
+        (fp32 x, or bf16 h) is streamed against them. One slot (max_tokens 1): acc is 8 registers
+        per lane. More: the slots are a loop over nvalid with acc in shared memory (one float per
+        lane and slot): unrolled per-slot branches get if-converted, and every slot's unpack and
+        FFMAs then issue predicated whatever the token count (NOTES, 2026-12-04 decode call 4)."""
         nch = -(-length // (_VEC * _WARP))
         w = cute.make_rmem_tensor(cute.make_layout((_VEC, nch)), Float32)
         for i in cutlass.range_constexpr(nch):
             c = lane + i * _WARP
             if const_expr((i + 1) * _WARP * _VEC <= length) or c * _VEC < length:
                 w[None, i].store(cute.local_tile(row, (_VEC,), (c,)).load().to(Float32))
-        for m in cutlass.range_constexpr(self.max_tokens):
-            if m < nvalid:
+        if const_expr(self.max_tokens == 1):
+            vec = vec_of(0)
+            for i in cutlass.range_constexpr(nch):
+                c = lane + i * _WARP
+                if const_expr((i + 1) * _WARP * _VEC <= length) or c * _VEC < length:
+                    v = cute.local_tile(vec, (_VEC,), (c,)).load().to(Float32)
+                    acc[None, 0].store(acc[None, 0].load() + w[None, i].load() * v)
+        else:
+            for m in range(nvalid):
                 vec = vec_of(m)
+                part = cute.make_rmem_tensor(cute.make_layout(_VEC), Float32)
+                part.fill(0.0)
                 for i in cutlass.range_constexpr(nch):
                     c = lane + i * _WARP
                     if const_expr((i + 1) * _WARP * _VEC <= length) or c * _VEC < length:
                         v = cute.local_tile(vec, (_VEC,), (c,)).load().to(Float32)
-                        acc[None, m].store(acc[None, m].load() + w[None, i].load() * v)
+                        part.store(part.load() + w[None, i].load() * v)
+                acc[m] = acc[m] + part.load().reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+
+    @cute.jit
+    def _acc(self, s_acc, which: int, warp, lane):
+        """Slot accumulators ``which`` (0: gate / y, 1: up) of this lane: registers for one slot,
+        else this lane's row of s_acc."""
+        if const_expr(self.max_tokens == 1):
+            return cute.make_rmem_tensor(cute.make_layout((_VEC, 1)), Float32)
+        else:
+            MT = self.max_tokens
+            return cute.make_tensor(s_acc.iterator + ((which * self.warps + warp) * _WARP + lane) * MT,
+                                    cute.make_layout(MT))
+
+    @cute.jit
+    def _zero(self, acc):
+        if const_expr(self.max_tokens == 1):
+            acc.fill(0.0)
+        else:
+            for m in cutlass.range_constexpr(self.max_tokens):
+                acc[m] = Float32(0.0)
 
     @cute.jit
     def _release(self, bar, lane):
@@ -192,7 +225,10 @@ class MoeDecode:
     @cute.jit
     def _finish(self, acc, m):
         """The whole row's dot product for slot m, in every lane of the warp."""
-        part = acc[None, m].load().reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+        if const_expr(self.max_tokens == 1):
+            part = acc[None, m].load().reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+        else:
+            part = acc[m]
         return cute.arch.warp_reduction(part, lambda a, b: a + b)
 
     @cute.jit
@@ -254,6 +290,10 @@ class MoeDecode:
                                  cute.make_layout(self.pairs))
         s_slot = cute.make_tensor(alloc.allocate_array(Int32, self.pairs * MT, byte_alignment=16),
                                   cute.make_layout((self.pairs, MT), stride=(MT, 1)))
+        # per-lane slot accumulators of the consumer warps (more than one slot: see _dots)
+        s_acc = cute.make_tensor(alloc.allocate_array(Float32, 2 * W * _WARP * MT if MT > 1 else 4,
+                                                      byte_alignment=16),
+                                 cute.make_layout(2 * W * _WARP * MT if MT > 1 else 4))
 
         # prologue: barriers, the generation this launch's grid barrier waits to pass, x, pair ids
         seen = Int32(0)
@@ -385,22 +425,22 @@ class MoeDecode:
                                  jj % nseg2, lane)
         else:
             # ------------------------------------------------ the consumer warps
-            acc_g = cute.make_rmem_tensor(cute.make_layout((_VEC, MT)), Float32)
-            acc_u = cute.make_rmem_tensor(cute.make_layout((_VEC, MT)), Float32)
+            acc_g = self._acc(s_acc, 0, warp, lane)
+            acc_u = self._acc(s_acc, 1, warp, lane)
             idx = Int32(0)
             phase = Int32(0)
             for u in range(bid, n1, C):
                 gi, blk = u // blocks1, u % blocks1
                 e = s_exp[gi]
                 nvalid = self._group_slots(s_slot, gi, slots)
-                acc_g.fill(0.0)
-                acc_u.fill(0.0)
+                self._zero(acc_g)
+                self._zero(acc_u)
                 for s in range(nseg1):
                     for half in cutlass.range_constexpr(2):
                         cute.arch.mbarrier_wait(full + idx, phase)
                         row = self._smem_vec(ring, idx * SE + warp * seg1, seg1)
-                        xs = lambda m, s=s: cute.make_tensor(  # noqa: E731
-                            (s_x.iterator + (slots[m] // K) * H + s * seg1).align(16), cute.make_layout(seg1))
+                        xs = lambda m, s=s, gi=gi: cute.make_tensor(  # noqa: E731
+                            (s_x.iterator + (s_slot[gi, m] // K) * H + s * seg1).align(16), cute.make_layout(seg1))
                         self._dots(row, seg1, lane, xs, nvalid, acc_g if half == 0 else acc_u)
                         self._release(empty + idx, lane)
                         idx = idx + 1
@@ -435,7 +475,7 @@ class MoeDecode:
                 for gi in range(n_groups):
                     e = s_exp[gi]
                     nvalid = self._group_slots(s_slot, gi, slots)
-                    acc.fill(0.0)
+                    self._zero(acc)
                     for s in range(nseg2):
                         cute.arch.mbarrier_wait(full + idx, phase)
                         row = self._smem_vec(ring, idx * SE + warp * seg2, seg2)
