@@ -39,7 +39,8 @@ def compile_all(out: Path, **kw) -> None:
         print(f"{model:16} compile {art.meta['timing_s']['compile']:.2f}s cubin {len(art.cubin)} B", flush=True)
 
 
-def run_all(kdir: Path, out: Path, replays: int, profile: bool = False, max_tokens: int = MAX_TOKENS) -> int:
+def run_all(kdir: Path, out: Path, replays: int, profile: bool = False, max_tokens: int = MAX_TOKENS,
+            models: list[str] = MODELS) -> int:
     import torch
 
     from moe_aot.harness.measure import graph_times_us, input_sets
@@ -53,7 +54,7 @@ def run_all(kdir: Path, out: Path, replays: int, profile: bool = False, max_toke
     out.mkdir(parents=True, exist_ok=True)
     store = KernelStore()
     rows, failures = [], 0
-    for model in MODELS:
+    for model in models:
         spec = make_spec(model, target="sm_90a")
         dec = KernelLibrary.from_dir(kdir / model)
         layer = MoeLayer(spec, store)
@@ -125,6 +126,7 @@ def main():
     ap.add_argument("--replays", type=int, default=200)
     ap.add_argument("--max-tokens", type=int, default=MAX_TOKENS, help="tokens per launch the kernels are "
                     "compiled for (--compile) / checked at (--run: 1..this)")
+    ap.add_argument("--models", default=",".join(MODELS), help="--run: comma-separated presets")
     ap.add_argument("--warps", type=int, default=8, help="--compile: consumer warps (rows per stage)")
     ap.add_argument("--seg-bytes", type=int, default=2048, help="--compile: bytes per row segment (bulk copy)")
     ap.add_argument("--profile", action="store_true", help="one launch per model at 1 token in an NVTX range "
@@ -133,7 +135,7 @@ def main():
     if ns.compile:
         compile_all(ns.compile, max_tokens=ns.max_tokens, warps=ns.warps, seg_bytes=ns.seg_bytes)
     if ns.run:
-        sys.exit(run_all(ns.run, ns.out, ns.replays, ns.profile, ns.max_tokens))
+        sys.exit(run_all(ns.run, ns.out, ns.replays, ns.profile, ns.max_tokens, ns.models.split(",")))
     if not ns.compile and not ns.run:
         ap.error("give --compile DIR and/or --run DIR")
 
