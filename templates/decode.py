@@ -56,6 +56,10 @@ _WARP = 32
 _VEC = 8  # bf16 per 16-byte load
 _SMEM = 227 * 1024  # shared memory per CTA on sm_90a
 MAX_STAGES = 10
+# How the producer fills a stage: "bulk", one warp whose lanes issue one 1-D bulk copy per row
+# segment (transaction bytes on the full barrier); "cpasync", four warps whose threads issue 16-byte
+# cp.async copies of the stage and arrive on the full barrier when their copies land (noinc).
+PRODUCERS = {"bulk": 1, "cpasync": 4}
 
 
 def _segment(length: int, most: int) -> int:
@@ -70,7 +74,10 @@ def _segment(length: int, most: int) -> int:
 class MoeDecode:
     def __init__(self, num_experts: int, hidden: int, intermediate: int, top_k: int,
                  activation: str = "swiglu", interleave: int = 16, max_tokens: int = 4,
-                 warps: int = 8, stages: int = 0, seg_bytes: int = 2048, ctas: int = 132, bias: bool = False):
+                 warps: int = 8, stages: int = 0, seg_bytes: int = 2048, ctas: int = 132, bias: bool = False,
+                 producer: str = "bulk"):
+        if producer not in PRODUCERS:
+            raise ValueError(f"producer {producer!r} must be one of {sorted(PRODUCERS)}")
         ok, why = self.can_implement(num_experts, hidden, intermediate, top_k, activation, interleave,
                                      max_tokens, warps, stages, seg_bytes, ctas)
         if not ok:
@@ -78,7 +85,8 @@ class MoeDecode:
         self.num_experts, self.hidden, self.intermediate, self.top_k = num_experts, hidden, intermediate, top_k
         self.activation, self.interleave, self.max_tokens = activation, interleave, max_tokens
         self.warps, self.ctas, self.bias = warps, ctas, bool(bias)
-        self.threads = (warps + 1) * _WARP  # warps consumers, then the producer warp
+        self.producer, self.pwarps = producer, PRODUCERS[producer]
+        self.threads = (warps + self.pwarps) * _WARP  # warps consumers, then the producer warp(s)
         self.pairs = max_tokens * top_k
         self.seg1, self.seg2 = _segment(hidden, seg_bytes // 2), _segment(intermediate, seg_bytes // 2)
         self.stage_elems, self.x_elems, self.stages = self._layout(hidden, intermediate, max_tokens, warps, stages,
@@ -299,10 +307,10 @@ class MoeDecode:
         seen = Int32(0)
         if tidx == 0:
             for s in cutlass.range_constexpr(S):
-                cute.arch.mbarrier_init(full + s, 1)
+                cute.arch.mbarrier_init(full + s, 1 if const_expr(self.producer == "bulk") else self.pwarps * _WARP)
                 cute.arch.mbarrier_init(empty + s, W)  # one arrival per consumer warp
             cute.arch.mbarrier_init_fence()
-        if warp == W:
+        if warp >= W:
             seen = cute.arch.load(mBar.iterator + 1, Int32, sem="acquire", scope="gpu")
         if tidx < self.pairs:
             e = Int32(-1)
@@ -350,10 +358,9 @@ class MoeDecode:
         n1 = n_groups * blocks1  # phase-1 units of the grid
         slots = cute.make_rmem_tensor(cute.make_layout(MT), Int32)
 
-        if warp == W:
-            # ------------------------------------------------ the producer warp
-            atom1 = cute.make_copy_atom(cpasync.CopyBulkG2SOp(), BFloat16, num_bits_per_copy=seg1 * 16)
-            atom2 = cute.make_copy_atom(cpasync.CopyBulkG2SOp(), BFloat16, num_bits_per_copy=seg2 * 16)
+        if warp >= W:
+            # ------------------------------------------------ the producer warp(s)
+            pt = tidx - W * _WARP  # producer thread
             idx = Int32(0)
             phase = Int32(0)
             for u in range(bid, n1, C):
@@ -364,12 +371,9 @@ class MoeDecode:
                 for s in range(nseg1):
                     for half in cutlass.range_constexpr(2):
                         cute.arch.mbarrier_wait(empty + idx, phase ^ 1)
-                        if lane == 0:
-                            cute.arch.mbarrier_arrive_and_expect_tx(full + idx, W * seg1 * 2)
-                        cute.arch.sync_warp()
-                        if lane < W:
-                            cute.copy(atom1, self._gmem_row(mW13, e, gate0 + half * g + lane, 2 * I, H, s * seg1, seg1),
-                                      self._smem_vec(ring, idx * SE + lane * seg1, seg1), mbar_ptr=full + idx)
+                        self._open(full + idx, W * seg1 * 2, lane)
+                        self._rows(mW13, e, gate0 + half * g, 2 * I, H, s * seg1, seg1, ring, idx, full, pt)
+                        self._close(full + idx)
                         idx = idx + 1
                         if idx == S:
                             idx = Int32(0)
@@ -390,39 +394,20 @@ class MoeDecode:
                 nvalid = self._group_slots(s_slot, gi, slots)
                 if j == pend:
                     # the first `pend` stages hold their weight segments; wait for h, then fill in h
-                    if lane == 0:
-                        now = cute.arch.load(mBar.iterator + 1, Int32, sem="acquire", scope="gpu")
-                        while now == seen:
-                            now = cute.arch.load(mBar.iterator + 1, Int32, sem="acquire", scope="gpu")
-                    cute.arch.sync_warp()
-                    cute.arch.fence_proxy("async.global")
-                    for jj in range(pend):
-                        self._copy_h(atom2, mH, ring, full, s_slot, (first + jj) % S, (jj % per_unit) // nseg2,
-                                     jj % nseg2, lane)
+                    self._pending_h(mBar, seen, mH, ring, full, s_slot, first, pend, per_unit, pt)
                 cute.arch.mbarrier_wait(empty + idx, phase ^ 1)
-                if lane == 0:
-                    cute.arch.mbarrier_arrive_and_expect_tx(full + idx, (W + nvalid) * seg2 * 2)
-                cute.arch.sync_warp()
-                if lane < W:
-                    cute.copy(atom2, self._gmem_row(mW2, e, v * W + lane, H, I, s * seg2, seg2),
-                              self._smem_vec(ring, idx * SE + lane * seg2, seg2), mbar_ptr=full + idx)
+                self._open(full + idx, (W + nvalid) * seg2 * 2, lane)
+                self._rows(mW2, e, v * W, H, I, s * seg2, seg2, ring, idx, full, pt)
                 if j >= pend:
-                    self._copy_h(atom2, mH, ring, full, s_slot, idx, gi, s, lane)
+                    self._copy_h(mH, ring, full, s_slot, idx, gi, s, nvalid, pt)
+                    self._close(full + idx)
                 idx = idx + 1
                 if idx == S:
                     idx = Int32(0)
                     phase = phase ^ 1
             if n2 > 0 and n2 == pend:
                 # fewer stages than the ring: all of them wait for h here
-                if lane == 0:
-                    now = cute.arch.load(mBar.iterator + 1, Int32, sem="acquire", scope="gpu")
-                    while now == seen:
-                        now = cute.arch.load(mBar.iterator + 1, Int32, sem="acquire", scope="gpu")
-                cute.arch.sync_warp()
-                cute.arch.fence_proxy("async.global")
-                for jj in range(pend):
-                    self._copy_h(atom2, mH, ring, full, s_slot, (first + jj) % S, (jj % per_unit) // nseg2,
-                                 jj % nseg2, lane)
+                self._pending_h(mBar, seen, mH, ring, full, s_slot, first, pend, per_unit, pt)
         else:
             # ------------------------------------------------ the consumer warps
             acc_g = self._acc(s_acc, 0, warp, lane)
@@ -502,12 +487,82 @@ class MoeDecode:
                             mOut[t, c] = BFloat16(tot[t])
 
     @cute.jit
-    def _copy_h(self, atom, mH, ring, full, s_slot, st, gi, s, lane):
-        """Lane warps + m copies segment s of group gi's slot m of h into ring stage ``st``."""
-        W, MT, SE, seg2 = self.warps, self.max_tokens, self.stage_elems, self.seg2
-        if lane >= W and lane < W + MT:
-            q = s_slot[gi, lane - W]
-            if q >= 0:
-                cute.copy(atom, cute.make_tensor((mH.iterator + Int64(q) * self.intermediate + s * seg2).align(16),
+    def _open(self, bar, nbytes, lane):
+        """bulk: announce the stage's bytes on its full barrier (one arrival) before the copies."""
+        if const_expr(self.producer == "bulk"):
+            if lane == 0:
+                cute.arch.mbarrier_arrive_and_expect_tx(bar, nbytes)
+            cute.arch.sync_warp()
+
+    @cute.jit
+    def _close(self, bar):
+        """cpasync: each producer thread arrives on the full barrier once its copies have landed."""
+        if const_expr(self.producer == "cpasync"):
+            cute.arch.cp_async_mbarrier_arrive_noinc(bar)
+
+    @cute.jit
+    def _rows(self, mW, e, row0, rows: int, n: int, col, length: int, ring, st, full, pt):
+        """Copy ``length`` elements from column ``col`` of rows row0 .. row0 + warps - 1 of expert e
+        of an [E, rows, n] weight tensor into ring stage ``st`` (row r at r * length)."""
+        W, SE = self.warps, self.stage_elems
+        if const_expr(self.producer == "bulk"):
+            atom = cute.make_copy_atom(cpasync.CopyBulkG2SOp(), BFloat16, num_bits_per_copy=length * 16)
+            if pt < W:
+                cute.copy(atom, self._gmem_row(mW, e, row0 + pt, rows, n, col, length),
+                          self._smem_vec(ring, st * SE + pt * length, length), mbar_ptr=full + st)
+        else:
+            atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), BFloat16,
+                                       num_bits_per_copy=128)
+            per_row = length // _VEC
+            for c in range(pt, W * per_row, self.pwarps * _WARP):
+                r, cc = c // per_row, c % per_row
+                cute.copy(atom, self._gmem_row(mW, e, row0 + r, rows, n, col + cc * _VEC, _VEC),
+                          self._smem_vec(ring, st * SE + r * length + cc * _VEC, _VEC))
+
+    @cute.jit
+    def _copy_h(self, mH, ring, full, s_slot, st, gi, s, nvalid, pt):
+        """Copy segment s of h's row of each filled slot m of group gi into ring stage ``st``
+        (after the weights' ``warps`` row segments)."""
+        W, SE, seg2, I = self.warps, self.stage_elems, self.seg2, self.intermediate
+        base = st * SE + W * seg2
+        if const_expr(self.producer == "bulk"):
+            atom = cute.make_copy_atom(cpasync.CopyBulkG2SOp(), BFloat16, num_bits_per_copy=seg2 * 16)
+            if pt >= W and pt < W + nvalid:
+                q = s_slot[gi, pt - W]
+                cute.copy(atom, cute.make_tensor((mH.iterator + Int64(q) * I + s * seg2).align(16),
                                                  cute.make_layout(seg2)),
-                          self._smem_vec(ring, st * SE + lane * seg2, seg2), mbar_ptr=full + st)
+                          self._smem_vec(ring, base + (pt - W) * seg2, seg2), mbar_ptr=full + st)
+        else:
+            atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), BFloat16,
+                                       num_bits_per_copy=128)
+            per_row = seg2 // _VEC
+            for c in range(pt, nvalid * per_row, self.pwarps * _WARP):
+                m, cc = c // per_row, c % per_row
+                q = s_slot[gi, m]
+                cute.copy(atom, cute.make_tensor((mH.iterator + Int64(q) * I + s * seg2 + cc * _VEC).align(16),
+                                                 cute.make_layout(_VEC)),
+                          self._smem_vec(ring, base + m * seg2 + cc * _VEC, _VEC))
+
+    @cute.jit
+    def _pending_h(self, mBar, seen, mH, ring, full, s_slot, first, pend, per_unit, pt):
+        """Wait for the grid barrier (h is complete), then copy h into the ``pend`` phase-2 stages
+        from ``first`` on, whose weight segments were issued before it, and close them."""
+        S, nseg2 = self.stages, self.intermediate // self.seg2
+        if pt == 0:
+            now = cute.arch.load(mBar.iterator + 1, Int32, sem="acquire", scope="gpu")
+            while now == seen:
+                now = cute.arch.load(mBar.iterator + 1, Int32, sem="acquire", scope="gpu")
+        if const_expr(self.producer == "bulk"):
+            cute.arch.sync_warp()
+        else:
+            cute.arch.barrier(barrier_id=2, number_of_threads=self.pwarps * _WARP)
+        cute.arch.fence_proxy("async.global")
+        for jj in range(pend):
+            st = (first + jj) % S
+            gi = (jj % per_unit) // nseg2
+            nvalid = Int32(0)
+            for m in cutlass.range_constexpr(self.max_tokens):
+                if s_slot[gi, m] >= 0:
+                    nvalid = nvalid + 1
+            self._copy_h(mH, ring, full, s_slot, st, gi, jj % nseg2, nvalid, pt)
+            self._close(full + st)

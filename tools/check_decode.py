@@ -129,11 +129,13 @@ def main():
     ap.add_argument("--models", default=",".join(MODELS), help="--run: comma-separated presets")
     ap.add_argument("--warps", type=int, default=8, help="--compile: consumer warps (rows per stage)")
     ap.add_argument("--seg-bytes", type=int, default=2048, help="--compile: bytes per row segment (bulk copy)")
+    ap.add_argument("--producer", default="bulk", help="--compile: bulk (1-D bulk copies) or cpasync")
     ap.add_argument("--profile", action="store_true", help="one launch per model at 1 token in an NVTX range "
                     "(prof_decode_<model>_1) for ncu, no timing")
     ns = ap.parse_args()
     if ns.compile:
-        compile_all(ns.compile, max_tokens=ns.max_tokens, warps=ns.warps, seg_bytes=ns.seg_bytes)
+        compile_all(ns.compile, max_tokens=ns.max_tokens, warps=ns.warps, seg_bytes=ns.seg_bytes,
+                    producer=ns.producer)
     if ns.run:
         sys.exit(run_all(ns.run, ns.out, ns.replays, ns.profile, ns.max_tokens, ns.models.split(",")))
     if not ns.compile and not ns.run:
