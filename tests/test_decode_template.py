@@ -29,6 +29,22 @@ def test_decode_compiles_with_bulk_copies_and_a_grid_barrier(shape, tmp_path):
     assert obj.stages >= 2
 
 
+@pytest.mark.parametrize("max_tokens", [1, 4])
+def test_decode_cpasync_producer_compiles(max_tokens, tmp_path):
+    """The four-warp cp.async producer: 16-byte copies that arrive on the full barrier when they
+    land (no transaction counts, no bulk copies); one slot keeps its accumulators in registers,
+    more use shared memory (no local memory either way)."""
+    obj = MoeDecode(128, 2048, 768, 8, max_tokens=max_tokens, producer="cpasync")
+    assert obj.threads == (8 + 4) * 32
+    ptx = cute.compile(obj, *[f for _, f in obj.fake_arguments()],
+                       options=f"--gpu-arch sm_90a --keep-ptx --dump-dir {tmp_path}").__ptx__
+    body = ptx[ptx.index(".entry"):]
+    assert "cp.async.cg.shared.global" in body and "cp.async.mbarrier.arrive.noinc" in body
+    assert "cp.async.bulk" not in body and "expect_tx" not in body
+    assert "bar.sync" in body or "barrier.sync" in body  # the producer warps meet after the grid barrier
+    assert ".local" not in body
+
+
 def test_decode_refusals():
     ok, why = MoeDecode.can_implement(128, 2048, 768, 8, activation="relu")
     assert not ok and "activation" in why
@@ -42,3 +58,5 @@ def test_decode_refusals():
     assert not ok and "sm_90a" in why
     with pytest.raises(ValueError, match="hidden"):
         MoeDecode(128, 2050, 768, 8)
+    with pytest.raises(ValueError, match="producer"):
+        MoeDecode(128, 2048, 768, 8, producer="tma")
