@@ -513,44 +513,37 @@ class MoeDecode:
     def _rows(self, mW, e, row0, rows: int, n: int, col, length: int, ring, st, full, pt):
         """Copy ``length`` elements from column ``col`` of rows row0 .. row0 + warps - 1 of expert e
         of an [E, rows, n] weight tensor into ring stage ``st`` (row r at r * length)."""
-        W, SE = self.warps, self.stage_elems
-        if const_expr(self.producer == "bulk"):
-            atom = cute.make_copy_atom(cpasync.CopyBulkG2SOp(), BFloat16, num_bits_per_copy=length * 16)
-            if pt < W:
-                cute.copy(atom, self._gmem_row(mW, e, row0 + pt, rows, n, col, length),
-                          self._smem_vec(ring, st * SE + pt * length, length), mbar_ptr=full + st)
-        else:
-            atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), BFloat16,
-                                       num_bits_per_copy=128)
-            per_row = length // _VEC
-            for c in range(pt, W * per_row, self.pwarps * _WARP):
-                r, cc = c // per_row, c % per_row
-                cute.copy(atom, self._gmem_row(mW, e, row0 + r, rows, n, col + cc * _VEC, _VEC),
-                          self._smem_vec(ring, st * SE + r * length + cc * _VEC, _VEC))
+        self._copy_rows(lambda r: self._gmem_row(mW, e, row0 + r, rows, n, col, length).iterator,
+                        self.warps, length, ring, st, st * self.stage_elems, full, pt, 0)
 
     @cute.jit
     def _copy_h(self, mH, ring, full, s_slot, st, gi, s, nvalid, pt):
         """Copy segment s of h's row of each filled slot m of group gi into ring stage ``st``
         (after the weights' ``warps`` row segments)."""
         W, SE, seg2, I = self.warps, self.stage_elems, self.seg2, self.intermediate
-        base = st * SE + W * seg2
+        self._copy_rows(lambda m: (mH.iterator + Int64(s_slot[gi, m]) * I + s * seg2).align(16),
+                        nvalid, seg2, ring, st, st * SE + W * seg2, full, pt, W)
+
+    @cute.jit
+    def _copy_rows(self, src_of, count, length: int, ring, st, base, full, pt, first_lane: int):
+        """Copy ``count`` rows of ``length`` bf16 (row r from gmem pointer src_of(r)) to ring
+        elements base + r * length of stage ``st``: "bulk", one bulk copy per row from lane
+        first_lane + r (completing on the stage's full barrier); "cpasync", 16-byte copies spread
+        over the producer threads."""
         if const_expr(self.producer == "bulk"):
-            atom = cute.make_copy_atom(cpasync.CopyBulkG2SOp(), BFloat16, num_bits_per_copy=seg2 * 16)
-            if pt >= W and pt < W + nvalid:
-                q = s_slot[gi, pt - W]
-                cute.copy(atom, cute.make_tensor((mH.iterator + Int64(q) * I + s * seg2).align(16),
-                                                 cute.make_layout(seg2)),
-                          self._smem_vec(ring, base + (pt - W) * seg2, seg2), mbar_ptr=full + st)
+            atom = cute.make_copy_atom(cpasync.CopyBulkG2SOp(), BFloat16, num_bits_per_copy=length * 16)
+            if pt >= first_lane and pt < first_lane + count:
+                r = pt - first_lane
+                cute.copy(atom, cute.make_tensor(src_of(r), cute.make_layout(length)),
+                          self._smem_vec(ring, base + r * length, length), mbar_ptr=full + st)
         else:
             atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), BFloat16,
                                        num_bits_per_copy=128)
-            per_row = seg2 // _VEC
-            for c in range(pt, nvalid * per_row, self.pwarps * _WARP):
-                m, cc = c // per_row, c % per_row
-                q = s_slot[gi, m]
-                cute.copy(atom, cute.make_tensor((mH.iterator + Int64(q) * I + s * seg2 + cc * _VEC).align(16),
-                                                 cute.make_layout(_VEC)),
-                          self._smem_vec(ring, base + m * seg2 + cc * _VEC, _VEC))
+            per_row = length // _VEC
+            for c in range(pt, count * per_row, self.pwarps * _WARP):
+                r, cc = c // per_row, c % per_row
+                cute.copy(atom, cute.make_tensor((src_of(r) + cc * _VEC).align(16), cute.make_layout(_VEC)),
+                          self._smem_vec(ring, base + r * length + cc * _VEC, _VEC))
 
     @cute.jit
     def _pending_h(self, mBar, seen, mH, ring, full, s_slot, first, pend, per_unit, pt):
