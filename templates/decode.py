@@ -232,6 +232,15 @@ class MoeDecode:
                 acc[m] = Float32(0.0)
 
     @cute.jit
+    def _advance(self, idx, phase):
+        """The next ring stage and its phase parity (producer and consumers walk the ring alike)."""
+        idx = idx + 1
+        if idx == self.stages:
+            idx = Int32(0)
+            phase = phase ^ 1
+        return idx, phase
+
+    @cute.jit
     def _release(self, bar, lane):
         """The warp is done reading the stage: one arrival on its empty barrier, after the warp's
         lanes have met (256 arrivals on one barrier word per stage serialize)."""
@@ -383,10 +392,7 @@ class MoeDecode:
                         self._open(full + idx, W * seg1 * 2, lane)
                         self._rows(mW13, e, gate0 + half * g, 2 * I, H, s * seg1, seg1, ring, idx, full, pt)
                         self._close(full + idx)
-                        idx = idx + 1
-                        if idx == S:
-                            idx = Int32(0)
-                            phase = phase ^ 1
+                        idx, phase = self._advance(idx, phase)
             # phase 2: this CTA's stages in (unit, group, segment) order; h only after the barrier
             per_unit = n_groups * nseg2
             n2 = Int32(0)
@@ -403,20 +409,17 @@ class MoeDecode:
                 nvalid = self._group_slots(s_slot, gi, slots)
                 if j == pend:
                     # the first `pend` stages hold their weight segments; wait for h, then fill in h
-                    self._pending_h(mBar, seen, mH, ring, full, s_slot, first, pend, per_unit, pt)
+                    self._pending_h(mBar, seen, mH, ring, full, s_slot, slots, first, pend, per_unit, pt)
                 cute.arch.mbarrier_wait(empty + idx, phase ^ 1)
                 self._open(full + idx, (W + nvalid) * seg2 * 2, lane)
                 self._rows(mW2, e, v * W, H, I, s * seg2, seg2, ring, idx, full, pt)
                 if j >= pend:
                     self._copy_h(mH, ring, full, s_slot, idx, gi, s, nvalid, pt)
                     self._close(full + idx)
-                idx = idx + 1
-                if idx == S:
-                    idx = Int32(0)
-                    phase = phase ^ 1
+                idx, phase = self._advance(idx, phase)
             if n2 > 0 and n2 == pend:
                 # fewer stages than the ring: all of them wait for h here
-                self._pending_h(mBar, seen, mH, ring, full, s_slot, first, pend, per_unit, pt)
+                self._pending_h(mBar, seen, mH, ring, full, s_slot, slots, first, pend, per_unit, pt)
         else:
             # ------------------------------------------------ the consumer warps
             acc_g = self._acc(s_acc, 0, warp, lane)
@@ -437,10 +440,7 @@ class MoeDecode:
                             (s_x.iterator + (s_slot[gi, m] // K) * H + s * seg1).align(16), cute.make_layout(seg1))
                         self._dots(row, seg1, lane, xs, nvalid, acc_g if half == 0 else acc_u)
                         self._release(empty + idx, lane)
-                        idx = idx + 1
-                        if idx == S:
-                            idx = Int32(0)
-                            phase = phase ^ 1
+                        idx, phase = self._advance(idx, phase)
                 c = blk * W + warp
                 gate_row = (c // g) * 2 * g + c % g
                 for m in cutlass.range_constexpr(MT):
@@ -476,10 +476,7 @@ class MoeDecode:
                         hs = lambda m, idx=idx: self._smem_vec(ring, idx * SE + (W + m) * seg2, seg2)  # noqa: E731
                         self._dots(row, seg2, lane, hs, nvalid, acc)
                         self._release(empty + idx, lane)
-                        idx = idx + 1
-                        if idx == S:
-                            idx = Int32(0)
-                            phase = phase ^ 1
+                        idx, phase = self._advance(idx, phase)
                     for m in cutlass.range_constexpr(MT):
                         y = self._finish(acc, m)
                         q = slots[m]
@@ -546,7 +543,7 @@ class MoeDecode:
                           self._smem_vec(ring, base + r * length + cc * _VEC, _VEC))
 
     @cute.jit
-    def _pending_h(self, mBar, seen, mH, ring, full, s_slot, first, pend, per_unit, pt):
+    def _pending_h(self, mBar, seen, mH, ring, full, s_slot, slots, first, pend, per_unit, pt):
         """Wait for the grid barrier (h is complete), then copy h into the ``pend`` phase-2 stages
         from ``first`` on, whose weight segments were issued before it, and close them."""
         S, nseg2 = self.stages, self.intermediate // self.seg2
@@ -562,9 +559,6 @@ class MoeDecode:
         for jj in range(pend):
             st = (first + jj) % S
             gi = (jj % per_unit) // nseg2
-            nvalid = Int32(0)
-            for m in cutlass.range_constexpr(self.max_tokens):
-                if s_slot[gi, m] >= 0:
-                    nvalid = nvalid + 1
+            nvalid = self._group_slots(s_slot, gi, slots)
             self._copy_h(mH, ring, full, s_slot, st, gi, jj % nseg2, nvalid, pt)
             self._close(full + st)
