@@ -61,6 +61,7 @@ def run_all(kdir: Path, out: Path, replays: int, profile: bool = False, max_toke
         dev = layer.device
         w13, w2 = random_weights(spec, dev)  # bias layers: (weights, biases) pairs
         bw13, b13, bw2, b2 = split_biases(spec, w13, w2)
+        biases = (b13, b2) if spec.bias else ()  # the kernel's last operands where it has them
         P = max_tokens * spec.top_k
         h = torch.empty(P, spec.intermediate, device=dev, dtype=torch.bfloat16)
         bar = torch.zeros(2, device=dev, dtype=torch.int32)
@@ -77,7 +78,7 @@ def run_all(kdir: Path, out: Path, replays: int, profile: bool = False, max_toke
             for x, tw, ids, o in [*sets[:2], (x0, tw0, bad, o0), (x0, tw0, same, o0)]:
                 o.fill_(float("nan"))
                 h.fill_(float("nan"))
-                dec(x, bw13, bw2, tw, ids, o, h, bar, *((b13, b2) if spec.bias else ()))
+                dec(x, bw13, bw2, tw, ids, o, h, bar, *biases)
                 torch.cuda.synchronize()
                 ref = layer_reference(spec, x, w13, w2, tw, ids)
                 errs.append((rel_err(o, ref), row_rel_err(o, ref)))
@@ -87,7 +88,7 @@ def run_all(kdir: Path, out: Path, replays: int, profile: bool = False, max_toke
             if profile:  # one more launch in an NVTX range for Nsight Compute, no timing
                 x, tw, ids, o = sets[0]
                 torch.cuda.nvtx.range_push(f"prof_decode_{model}_{M}")
-                dec(x, bw13, bw2, tw, ids, o, h, bar, *((b13, b2) if spec.bias else ()))
+                dec(x, bw13, bw2, tw, ids, o, h, bar, *biases)
                 torch.cuda.nvtx.range_pop()
                 torch.cuda.synchronize()
                 rows.append({"model": model, "tokens": M, "rel_err": err, "ok": ok})
@@ -97,8 +98,7 @@ def run_all(kdir: Path, out: Path, replays: int, profile: bool = False, max_toke
                    "barrier_generation": int(bar[1].item()), "barrier_count": int(bar[0].item())}
             if ok:
                 t_dec = statistics.median(graph_times_us(
-                    [lambda s=s: dec(s[0], bw13, bw2, s[1], s[2], s[3], h, bar, *((b13, b2) if spec.bias else ()))
-                     for s in sets], replays))
+                    [lambda s=s: dec(s[0], bw13, bw2, s[1], s[2], s[3], h, bar, *biases) for s in sets], replays))
                 ws = layer.workspace(M)
                 t_layer = statistics.median(graph_times_us(
                     [lambda s=s, w=(w13, w2): layer.forward(s[0], *w, s[1], s[2], out=s[3], workspace=ws)
@@ -129,7 +129,8 @@ def main():
     ap.add_argument("--models", default=",".join(MODELS), help="--run: comma-separated presets")
     ap.add_argument("--warps", type=int, default=8, help="--compile: consumer warps (rows per stage)")
     ap.add_argument("--seg-bytes", type=int, default=2048, help="--compile: bytes per row segment (bulk copy)")
-    ap.add_argument("--producer", default="bulk", help="--compile: bulk (1-D bulk copies) or cpasync")
+    ap.add_argument("--producer", default="bulk", choices=["bulk", "cpasync"],
+                    help="--compile: 1-D bulk copies from one warp, or cp.async from four")
     ap.add_argument("--profile", action="store_true", help="one launch per model at 1 token in an NVTX range "
                     "(prof_decode_<model>_1) for ncu, no timing")
     ns = ap.parse_args()
