@@ -28,6 +28,16 @@ advances the generation, so it is reused by every launch without a reset: CUDA-g
 the producers wait on it, and only before copying h: each has already filled its ring with its
 first phase-2 weight segments, so the barrier's latency overlaps the weight stream.
 
+Weights: bf16, or e4m3 with the fp8 layer's scales (``precision`` "fp8": w13s [E, 2] for the
+gate and up rows, w2s [E], applied to each finished dot product; "fp8-block128": DeepSeek-V3's
+128x128 blocks, w13s [E, 2I/128, H/128] in runtime/fp8.py's interleaved-by-block order, w2s
+[E, H/128, I/128], each lane's 16-weight chunk summed and then scaled by its block's scale, which
+the lane reads from global memory before it waits for the stage). A lane loads 16 bytes of a row
+at a time (8 bf16 or 16 e4m3, converted to fp32 via cvt e4m3x2 -> f16x2); x and h stay bf16 /
+fp32 in both: no tensor core runs here, so quantizing them as the fp8 layer's GEMMs do would cost
+accuracy and instructions and save nothing. The fp8 kernel's reference is therefore the bf16
+layer's on the dequantized weights (tools/check_decode.py).
+
 Groups: the pairs of one expert, up to ``max_tokens`` of them in pair order (more than one group
 only if a token repeats an expert), read the expert's rows once. Ids outside [0, E) contribute
 nothing; a token with no valid pair gets zeros. x is held in fp32 (only weights are unpacked);
@@ -36,13 +46,14 @@ filled slots with per-lane accumulators in shared memory (see _dots).
 
 Measured (H200, 2026-12-04, tools/check_decode.py; NOTES "twenty-first session"): correct at 1-4
 tokens for the five presets, memcheck clean; at 1 token the bulk producer with one slot runs at
-0.83-0.97x the four-kernel layer's speed (DRAM 55-77% of peak). The cp.async producer is compiled
-and not yet run on a GPU.
+0.83-0.97x the four-kernel layer's speed (DRAM 55-77% of peak). The cp.async producer and the
+fp8 weights are compiled and not yet run on a GPU.
 
 Constraints:
   * sm_90a (bulk copies, mbarrier transaction counts, cooperative launch).
-  * tokens M in [1, max_tokens]; hidden and intermediate multiples of 8; ``interleave`` a
-    multiple of ``warps``, intermediate of ``interleave``, hidden of ``warps``.
+  * tokens M in [1, max_tokens]; hidden and intermediate multiples of 8 (fp8: 16; fp8-block128:
+    128); ``interleave`` a multiple of ``warps``, intermediate of ``interleave``, hidden of
+    ``warps``.
   * h [max_tokens * top_k, intermediate] bf16 and bar int32[2] are the caller's workspace; every
     element of h read is written first in the same launch.
   * bias=True (gpt-oss): b13 [E, 2I] bf16 (interleaved as w13's rows), b2 [E, H] bf16.
@@ -53,7 +64,7 @@ from typing import Optional
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float32, Int32, Int64, const_expr
+from cutlass import BFloat16, Float8E4M3FN, Float32, Int32, Int64, Uint8, const_expr
 from cutlass.cute.nvgpu import cpasync
 from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
 
@@ -62,19 +73,26 @@ from moe_aot import gemm_limits as limits
 from .grouped_gemm import glu_act
 
 _WARP = 32
-_VEC = 8  # bf16 per 16-byte load
+_VEC = 8  # elements per fp32 vector step of _dots (one 16-byte load of bf16)
+_CHUNK = 16  # bytes of weights a lane loads at a time
 _SMEM = 227 * 1024  # shared memory per CTA on sm_90a
 MAX_STAGES = 10
 # How the producer fills a stage: "bulk", one warp whose lanes issue one 1-D bulk copy per row
 # segment (transaction bytes on the full barrier); "cpasync", four warps whose threads issue 16-byte
 # cp.async copies of the stage and arrive on the full barrier when their copies land (noinc).
 PRODUCERS = {"bulk": 1, "cpasync": 4}
+# Weight formats: bf16, or e4m3 with the fp8 layer's scales (gemm_limits: "fp8" one fp32 scale per
+# expert for gate, up and down; "fp8-block128" one per 128x128 block). Only the weights are fp8:
+# x and h stay bf16 / fp32 (no tensor cores run here, so quantizing them would cost accuracy and
+# instructions for nothing).
+PRECISIONS = ("bf16",) + limits.FP8
+SB = limits.SCALE_BLOCK
 
 
-def _segment(length: int, most: int) -> int:
-    """The longest multiple of 8 that divides ``length`` and is at most ``most`` elements."""
+def _segment(length: int, most: int, step: int) -> int:
+    """The longest multiple of ``step`` that divides ``length`` and is at most ``most`` elements."""
     best = 0
-    for d in range(_VEC, min(length, most) + 1, _VEC):
+    for d in range(step, min(length, most) + 1, step):
         if length % d == 0:
             best = d
     return best
@@ -84,44 +102,65 @@ class MoeDecode:
     def __init__(self, num_experts: int, hidden: int, intermediate: int, top_k: int,
                  activation: str = "swiglu", interleave: int = 16, max_tokens: int = 4,
                  warps: int = 8, stages: int = 0, seg_bytes: int = 2048, ctas: int = 132, bias: bool = False,
-                 producer: str = "bulk"):
+                 producer: str = "bulk", precision: str = "bf16"):
         if producer not in PRODUCERS:
             raise ValueError(f"producer {producer!r} must be one of {sorted(PRODUCERS)}")
         ok, why = self.can_implement(num_experts, hidden, intermediate, top_k, activation, interleave,
-                                     max_tokens, warps, stages, seg_bytes, ctas)
+                                     max_tokens, warps, stages, seg_bytes, ctas, precision=precision)
         if not ok:
             raise ValueError(why)
         self.num_experts, self.hidden, self.intermediate, self.top_k = num_experts, hidden, intermediate, top_k
         self.activation, self.interleave, self.max_tokens = activation, interleave, max_tokens
         self.warps, self.ctas, self.bias = warps, ctas, bool(bias)
         self.producer, self.pwarps = producer, PRODUCERS[producer]
+        self.precision, self.fp8, self.block = precision, precision in limits.FP8, precision == "fp8-block128"
+        self.wdt = Float8E4M3FN if self.fp8 else BFloat16
+        self.wvec = _CHUNK // self._wbytes(precision)  # weight elements per 16-byte load
         self.threads = (warps + self.pwarps) * _WARP  # warps consumers, then the producer warp(s)
         self.pairs = max_tokens * top_k
-        self.seg1, self.seg2 = _segment(hidden, seg_bytes // 2), _segment(intermediate, seg_bytes // 2)
-        self.stage_elems, self.x_elems, self.stages = self._layout(hidden, intermediate, max_tokens, warps, stages,
-                                                                   seg_bytes)
+        self.seg1, self.seg2 = self._segments(hidden, intermediate, seg_bytes, precision)
+        self.stage_bytes, self.x_elems, self.stages = self._layout(hidden, intermediate, max_tokens, warps, stages,
+                                                                   seg_bytes, precision)
 
     @staticmethod
-    def _layout(hidden, intermediate, max_tokens, warps, stages, seg_bytes):
-        """(bf16 elements per stage, fp32 elements of x, stages): a phase-1 stage holds ``warps``
-        row segments of w13 (each at most seg_bytes, one bulk copy), a phase-2 stage ``warps`` of
-        w2 plus max_tokens segments of h."""
-        seg1, seg2 = _segment(hidden, seg_bytes // 2), _segment(intermediate, seg_bytes // 2)
-        elems = max(warps * seg1, (warps + max_tokens) * seg2)
-        elems = -(-elems // 64) * 64  # 128-byte aligned stages
+    def _wbytes(precision):
+        return 1 if precision in limits.FP8 else 2
+
+    @classmethod
+    def _segments(cls, hidden, intermediate, seg_bytes, precision):
+        """Weight elements per row segment of w13 (of H) and of w2 (of I): one copy of at most
+        seg_bytes that divides the row, in whole 16-byte loads."""
+        wb = cls._wbytes(precision)
+        return (_segment(hidden, seg_bytes // wb, _CHUNK // wb), _segment(intermediate, seg_bytes // wb, _CHUNK // wb))
+
+    @classmethod
+    def _layout(cls, hidden, intermediate, max_tokens, warps, stages, seg_bytes, precision="bf16"):
+        """(bytes per stage, fp32 elements of x, stages): a phase-1 stage holds ``warps`` row
+        segments of w13, a phase-2 stage ``warps`` of w2 plus max_tokens segments of h (bf16)."""
+        seg1, seg2 = cls._segments(hidden, intermediate, seg_bytes, precision)
+        wb = cls._wbytes(precision)
+        nbytes = max(warps * seg1 * wb, warps * seg2 * wb + max_tokens * seg2 * 2)
+        nbytes = -(-nbytes // 128) * 128  # 128-byte aligned stages
         x_elems = -(-max_tokens * hidden // 32) * 32  # fp32
         acc = 2 * warps * _WARP * max_tokens * 4 if max_tokens > 1 else 0  # slot accumulators (_dots)
         room = _SMEM - 4 * x_elems - acc - 2048  # barriers and the group tables
-        fit = room // (2 * elems)
-        return elems, x_elems, (min(fit, MAX_STAGES) if stages == 0 else stages)
+        fit = room // nbytes
+        return nbytes, x_elems, (min(fit, MAX_STAGES) if stages == 0 else stages)
 
     @classmethod
     def can_implement(cls, num_experts, hidden, intermediate, top_k, activation="swiglu", interleave=16,
-                      max_tokens=4, warps=8, stages=0, seg_bytes=2048, ctas=132, arch=None):
+                      max_tokens=4, warps=8, stages=0, seg_bytes=2048, ctas=132, arch=None, precision="bf16"):
+        if precision not in PRECISIONS:
+            return False, f"precision {precision!r} must be one of {PRECISIONS}"
         if activation not in ("swiglu", "geglu", "swigluoai"):
             return False, f"activation {activation!r} must be 'swiglu', 'geglu' or 'swigluoai'"
-        if hidden % _VEC or intermediate % _VEC:
-            return False, f"hidden {hidden} and intermediate {intermediate} must be multiples of 8"
+        step = _CHUNK // cls._wbytes(precision)
+        if hidden % step or intermediate % step:
+            return False, (f"hidden {hidden} and intermediate {intermediate} must be multiples of {step} "
+                           f"({precision}: whole 16-byte loads)")
+        if precision == "fp8-block128" and (hidden % SB or intermediate % SB or SB % interleave):
+            return False, (f"fp8-block128: hidden {hidden} and intermediate {intermediate} must be multiples of "
+                           f"{SB} and interleave {interleave} divide it (the 128x128 scale blocks)")
         if warps not in (4, 8, 16) or interleave % warps or intermediate % interleave or hidden % warps:
             return False, (f"warps {warps} must be 4, 8 or 16 and divide interleave {interleave} and hidden "
                            f"{hidden}, and interleave divide intermediate {intermediate}")
@@ -131,7 +170,7 @@ class MoeDecode:
             return False, f"ctas {ctas} must be in 1..1024"
         if seg_bytes % 16 or seg_bytes < 16:
             return False, f"seg_bytes {seg_bytes} must be a positive multiple of 16"
-        _, _, fit = cls._layout(hidden, intermediate, max_tokens, warps, 0, seg_bytes)
+        _, _, fit = cls._layout(hidden, intermediate, max_tokens, warps, 0, seg_bytes, precision)
         if fit < 2 or stages > fit or (stages and stages < 2):
             return False, (f"{max(stages, 2)} stages of weight segments and x of {max_tokens} tokens do not fit "
                            f"shared memory ({fit} stages fit)")
@@ -142,10 +181,22 @@ class MoeDecode:
     def fake_arguments(self):
         m = cute.sym_int32(symbol="M")
         e, hd, i, k, p = self.num_experts, self.hidden, self.intermediate, self.top_k, self.pairs
+        wdt = self.wdt
+        if self.block:
+            w13s = make_fake_tensor(Float32, (e, 2 * i // SB, hd // SB), (2 * i // SB * (hd // SB), hd // SB, 1),
+                                    assumed_align=4)
+            w2s = make_fake_tensor(Float32, (e, hd // SB, i // SB), (hd // SB * (i // SB), i // SB, 1), assumed_align=4)
+        elif self.fp8:
+            w13s = make_fake_tensor(Float32, (e, 2), (2, 1), assumed_align=4)
+            w2s = make_fake_tensor(Float32, (e,), (1,), assumed_align=4)
+        else:
+            w13s = w2s = None
         args = [
             ("x", make_fake_tensor(BFloat16, (m, hd), (hd, 1), assumed_align=16)),
-            ("w13", make_fake_tensor(BFloat16, (e, 2 * i, hd), (2 * i * hd, hd, 1), assumed_align=16)),
-            ("w2", make_fake_tensor(BFloat16, (e, hd, i), (hd * i, i, 1), assumed_align=16)),
+            ("w13", make_fake_tensor(wdt, (e, 2 * i, hd), (2 * i * hd, hd, 1), assumed_align=16)),
+            ("w13s", w13s),
+            ("w2", make_fake_tensor(wdt, (e, hd, i), (hd * i, i, 1), assumed_align=16)),
+            ("w2s", w2s),
             ("topk_weights", make_fake_tensor(Float32, (m, k), (k, 1), assumed_align=16)),
             ("topk_ids", make_fake_tensor(Int32, (m, k), (k, 1), assumed_align=16)),
             ("out", make_fake_tensor(BFloat16, (m, hd), (hd, 1), assumed_align=16)),
@@ -160,10 +211,11 @@ class MoeDecode:
         return args + [("stream", make_fake_stream())]
 
     @cute.jit
-    def __call__(self, x: cute.Tensor, w13: cute.Tensor, w2: cute.Tensor, topk_weights: cute.Tensor,
-                 topk_ids: cute.Tensor, out: cute.Tensor, h: cute.Tensor, bar: cute.Tensor,
-                 b13: Optional[cute.Tensor], b2: Optional[cute.Tensor], stream: cuda.CUstream):
-        self.kernel(x, w13, w2, topk_weights, topk_ids, out, h, bar, b13, b2).launch(
+    def __call__(self, x: cute.Tensor, w13: cute.Tensor, w13s: Optional[cute.Tensor], w2: cute.Tensor,
+                 w2s: Optional[cute.Tensor], topk_weights: cute.Tensor, topk_ids: cute.Tensor, out: cute.Tensor,
+                 h: cute.Tensor, bar: cute.Tensor, b13: Optional[cute.Tensor], b2: Optional[cute.Tensor],
+                 stream: cuda.CUstream):
+        self.kernel(x, w13, w13s, w2, w2s, topk_weights, topk_ids, out, h, bar, b13, b2).launch(
             grid=[self.ctas, 1, 1], block=[self.threads, 1, 1], stream=stream, cooperative=True)
 
     # ------------------------------------------------------------------ device helpers
@@ -175,42 +227,78 @@ class MoeDecode:
         return cute.make_tensor(base, cute.make_layout(length))
 
     @cute.jit
-    def _smem_vec(self, ptr, offset, length: int):
-        return cute.make_tensor((ptr + offset).align(16), cute.make_layout(length))
+    def _smem_vec(self, ring, offset, length: int, dtype):
+        """``length`` elements of ``dtype`` at byte ``offset`` (a multiple of 16) of the ring."""
+        return cute.make_tensor(cute.recast_ptr((ring + offset).align(16), dtype=dtype), cute.make_layout(length))
 
     @cute.jit
-    def _dots(self, row, length: int, lane, vec_of, nvalid, acc):
-        """Add this lane's share of <row, vec_of(m)> to slot m's accumulator for the group's
-        filled slots m < nvalid (filled slots come first; nvalid >= 1), in fp32; _finish reduces
-        each row once. The row's chunks are loaded and converted once, then each slot's vector
-        (fp32 x, or bf16 h) is streamed against them. One slot (max_tokens 1): acc is 8 registers
-        per lane. More: the slots are a loop over nvalid with acc in shared memory (one float per
-        lane and slot): unrolled per-slot branches get if-converted, and every slot's unpack and
-        FFMAs then issue predicated whatever the token count (NOTES, 2026-12-04 decode call 4)."""
-        nch = -(-length // (_VEC * _WARP))
-        w = cute.make_rmem_tensor(cute.make_layout((_VEC, nch)), Float32)
+    def _block_scales(self, mS, e, srow, col, length: int, lane):
+        """fp8-block128: the scale of each of this lane's 16-element weight chunks of a row
+        segment (``length`` elements from column ``col``) in scale row ``srow`` of expert e, loaded
+        before the consumer waits for the stage (the warps of a CTA share the row block, so all but
+        the first read hit L1)."""
+        V = self.wvec
+        nch = -(-length // (V * _WARP))
+        sc = cute.make_rmem_tensor(cute.make_layout(nch), Float32)
         for i in cutlass.range_constexpr(nch):
             c = lane + i * _WARP
-            if const_expr((i + 1) * _WARP * _VEC <= length) or c * _VEC < length:
-                w[None, i].store(cute.local_tile(row, (_VEC,), (c,)).load().to(Float32))
+            if const_expr((i + 1) * _WARP * V <= length) or c * V < length:
+                sc[i] = mS[e, srow, (col + c * V) // SB]
+        return sc
+
+    @cute.jit
+    def _dots(self, row, length: int, lane, vec_of, nvalid, acc, sc):
+        """Add this lane's share of <row, vec_of(m)> to slot m's accumulator for the group's
+        filled slots m < nvalid (filled slots come first; nvalid >= 1), in fp32; _finish reduces
+        each row once. The row's 16-byte chunks (8 bf16 or 16 e4m3 weights) are loaded and
+        converted once, then each slot's vector (fp32 x, or bf16 h) is streamed against them, 8
+        elements at a time; with block scales (sc, one per chunk) each chunk's products are summed
+        and then scaled. One slot (max_tokens 1): acc is 8 registers per lane. More: the slots are
+        a loop over nvalid with acc in shared memory (one float per lane and slot): unrolled
+        per-slot branches get if-converted, and every slot's unpack and FFMAs then issue predicated
+        whatever the token count (NOTES, 2026-12-04 decode call 4)."""
+        V = self.wvec
+        nch = -(-length // (V * _WARP))
+        w = cute.make_rmem_tensor(cute.make_layout((V, nch)), Float32)
+        for i in cutlass.range_constexpr(nch):
+            c = lane + i * _WARP
+            if const_expr((i + 1) * _WARP * V <= length) or c * V < length:
+                w[None, i].store(cute.local_tile(row, (V,), (c,)).load().to(Float32))
         if const_expr(self.max_tokens == 1):
             vec = vec_of(0)
             for i in cutlass.range_constexpr(nch):
                 c = lane + i * _WARP
-                if const_expr((i + 1) * _WARP * _VEC <= length) or c * _VEC < length:
-                    v = cute.local_tile(vec, (_VEC,), (c,)).load().to(Float32)
-                    acc[None, 0].store(acc[None, 0].load() + w[None, i].load() * v)
+                if const_expr((i + 1) * _WARP * V <= length) or c * V < length:
+                    self._chunk(w, i, vec, c, acc[None, 0], sc)
         else:
+            part = cute.make_rmem_tensor(cute.make_layout(_VEC), Float32)
             for m in range(nvalid):
                 vec = vec_of(m)
-                part = cute.make_rmem_tensor(cute.make_layout(_VEC), Float32)
                 part.fill(0.0)
                 for i in cutlass.range_constexpr(nch):
                     c = lane + i * _WARP
-                    if const_expr((i + 1) * _WARP * _VEC <= length) or c * _VEC < length:
-                        v = cute.local_tile(vec, (_VEC,), (c,)).load().to(Float32)
-                        part.store(part.load() + w[None, i].load() * v)
+                    if const_expr((i + 1) * _WARP * V <= length) or c * V < length:
+                        self._chunk(w, i, vec, c, part, sc)
                 acc[m] = acc[m] + part.load().reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+
+    @cute.jit
+    def _chunk(self, w, i: int, vec, c, dst, sc):
+        """dst (8 fp32) += the products of weight chunk i (w's column i) and the matching elements
+        of vec (chunk c of the row segment), times the chunk's block scale where there is one."""
+        V = self.wvec
+        if const_expr(self.block):
+            t = cute.make_rmem_tensor(cute.make_layout(_VEC), Float32)
+            t.fill(0.0)
+            for j in cutlass.range_constexpr(V // _VEC):
+                wv = cute.make_tensor(w.iterator + (i * V + j * _VEC), cute.make_layout(_VEC)).load()
+                v = cute.local_tile(vec, (_VEC,), (c * (V // _VEC) + j,)).load().to(Float32)
+                t.store(t.load() + wv * v)
+            dst.store(dst.load() + t.load() * sc[i])
+        else:
+            for j in cutlass.range_constexpr(V // _VEC):
+                wv = cute.make_tensor(w.iterator + (i * V + j * _VEC), cute.make_layout(_VEC)).load()
+                v = cute.local_tile(vec, (_VEC,), (c * (V // _VEC) + j,)).load().to(Float32)
+                dst.store(dst.load() + wv * v)
 
     @cute.jit
     def _acc(self, s_acc, which: int, warp, lane):
@@ -286,16 +374,17 @@ class MoeDecode:
 
     # ------------------------------------------------------------------ the kernel
     @cute.kernel
-    def kernel(self, mX: cute.Tensor, mW13: cute.Tensor, mW2: cute.Tensor, mTopkW: cute.Tensor,
-               mIds: cute.Tensor, mOut: cute.Tensor, mH: cute.Tensor, mBar: cute.Tensor,
-               mB13: Optional[cute.Tensor], mB2: Optional[cute.Tensor]):
+    def kernel(self, mX: cute.Tensor, mW13: cute.Tensor, mW13s: Optional[cute.Tensor], mW2: cute.Tensor,
+               mW2s: Optional[cute.Tensor], mTopkW: cute.Tensor, mIds: cute.Tensor, mOut: cute.Tensor,
+               mH: cute.Tensor, mBar: cute.Tensor, mB13: Optional[cute.Tensor], mB2: Optional[cute.Tensor]):
         tidx, _, _ = cute.arch.thread_idx()
         bid, _, _ = cute.arch.block_idx()
         warp = cute.arch.make_warp_uniform(tidx // _WARP)
         lane = cute.arch.lane_idx()
         M = cute.size(mX, mode=[0])
         K, H, I, g, W, MT = self.top_k, self.hidden, self.intermediate, self.interleave, self.warps, self.max_tokens
-        S, SE, seg1, seg2 = self.stages, self.stage_elems, self.seg1, self.seg2
+        S, SBy, seg1, seg2 = self.stages, self.stage_bytes, self.seg1, self.seg2
+        wb, wdt = _CHUNK // self.wvec, self.wdt  # bytes per weight element, its type
         P = M * K
         C = self.ctas
         nseg1, nseg2 = H // seg1, I // seg2
@@ -303,7 +392,7 @@ class MoeDecode:
         units2 = H // W  # phase-2 units
 
         alloc = cutlass.memory.SmemAllocator()
-        ring = alloc.allocate_array(BFloat16, S * SE, byte_alignment=128)
+        ring = alloc.allocate_array(Uint8, S * SBy, byte_alignment=128)
         s_x = cute.make_tensor(alloc.allocate_array(Float32, self.x_elems, byte_alignment=128),
                                cute.make_layout((MT, H), stride=(H, 1)))
         full = alloc.allocate_array(Int64, S, byte_alignment=8)
@@ -389,7 +478,7 @@ class MoeDecode:
                 for s in range(nseg1):
                     for half in cutlass.range_constexpr(2):
                         cute.arch.mbarrier_wait(empty + idx, phase ^ 1)
-                        self._open(full + idx, W * seg1 * 2, lane)
+                        self._open(full + idx, W * seg1 * wb, lane)
                         self._rows(mW13, e, gate0 + half * g, 2 * I, H, s * seg1, seg1, ring, idx, full, pt)
                         self._close(full + idx)
                         idx, phase = self._advance(idx, phase)
@@ -411,7 +500,7 @@ class MoeDecode:
                     # the first `pend` stages hold their weight segments; wait for h, then fill in h
                     self._pending_h(mBar, seen, mH, ring, full, s_slot, slots, first, pend, per_unit, pt)
                 cute.arch.mbarrier_wait(empty + idx, phase ^ 1)
-                self._open(full + idx, (W + nvalid) * seg2 * 2, lane)
+                self._open(full + idx, W * seg2 * wb + nvalid * seg2 * 2, lane)
                 self._rows(mW2, e, v * W, H, I, s * seg2, seg2, ring, idx, full, pt)
                 if j >= pend:
                     self._copy_h(mH, ring, full, s_slot, idx, gi, s, nvalid, pt)
@@ -432,13 +521,19 @@ class MoeDecode:
                 nvalid = self._group_slots(s_slot, gi, slots)
                 self._zero(acc_g)
                 self._zero(acc_u)
+                sg, su = Float32(1.0), Float32(1.0)  # fp8: the expert's gate and up scales
+                if const_expr(self.fp8 and not self.block):
+                    sg, su = mW13s[e, 0], mW13s[e, 1]
                 for s in range(nseg1):
                     for half in cutlass.range_constexpr(2):
+                        sc = None
+                        if const_expr(self.block):  # gate rows' block row 2b, up rows' 2b + 1
+                            sc = self._block_scales(mW13s, e, 2 * (blk * W // SB) + half, s * seg1, seg1, lane)
                         cute.arch.mbarrier_wait(full + idx, phase)
-                        row = self._smem_vec(ring, idx * SE + warp * seg1, seg1)
+                        row = self._smem_vec(ring, idx * SBy + warp * seg1 * wb, seg1, wdt)
                         xs = lambda m, s=s, gi=gi: cute.make_tensor(  # noqa: E731
                             (s_x.iterator + (s_slot[gi, m] // K) * H + s * seg1).align(16), cute.make_layout(seg1))
-                        self._dots(row, seg1, lane, xs, nvalid, acc_g if half == 0 else acc_u)
+                        self._dots(row, seg1, lane, xs, nvalid, acc_g if half == 0 else acc_u, sc)
                         self._release(empty + idx, lane)
                         idx, phase = self._advance(idx, phase)
                 c = blk * W + warp
@@ -446,6 +541,8 @@ class MoeDecode:
                 for m in cutlass.range_constexpr(MT):
                     gs = self._finish(acc_g, m)
                     us = self._finish(acc_u, m)
+                    if const_expr(self.fp8 and not self.block):
+                        gs, us = gs * sg, us * su
                     if lane == 0 and slots[m] >= 0:
                         if const_expr(self.bias):
                             gs = gs + mB13[e, gate_row].to(Float32)
@@ -470,15 +567,24 @@ class MoeDecode:
                     e = s_exp[gi]
                     nvalid = self._group_slots(s_slot, gi, slots)
                     self._zero(acc)
+                    sd = Float32(1.0)  # fp8: the expert's down scale
+                    if const_expr(self.fp8 and not self.block):
+                        sd = mW2s[e]
                     for s in range(nseg2):
+                        sc = None
+                        if const_expr(self.block):
+                            sc = self._block_scales(mW2s, e, v * W // SB, s * seg2, seg2, lane)
                         cute.arch.mbarrier_wait(full + idx, phase)
-                        row = self._smem_vec(ring, idx * SE + warp * seg2, seg2)
-                        hs = lambda m, idx=idx: self._smem_vec(ring, idx * SE + (W + m) * seg2, seg2)  # noqa: E731
-                        self._dots(row, seg2, lane, hs, nvalid, acc)
+                        row = self._smem_vec(ring, idx * SBy + warp * seg2 * wb, seg2, wdt)
+                        hs = lambda m, idx=idx: self._smem_vec(  # noqa: E731
+                            ring, idx * SBy + W * seg2 * wb + m * seg2 * 2, seg2, BFloat16)
+                        self._dots(row, seg2, lane, hs, nvalid, acc, sc)
                         self._release(empty + idx, lane)
                         idx, phase = self._advance(idx, phase)
                     for m in cutlass.range_constexpr(MT):
                         y = self._finish(acc, m)
+                        if const_expr(self.fp8 and not self.block):
+                            y = y * sd
                         q = slots[m]
                         if q >= 0:
                             if const_expr(self.bias):
@@ -509,38 +615,41 @@ class MoeDecode:
     @cute.jit
     def _rows(self, mW, e, row0, rows: int, n: int, col, length: int, ring, st, full, pt):
         """Copy ``length`` elements from column ``col`` of rows row0 .. row0 + warps - 1 of expert e
-        of an [E, rows, n] weight tensor into ring stage ``st`` (row r at r * length)."""
+        of an [E, rows, n] weight tensor into ring stage ``st`` (row r at r * length elements)."""
         self._copy_rows(lambda r: self._gmem_row(mW, e, row0 + r, rows, n, col, length).iterator,
-                        self.warps, length, ring, st, st * self.stage_elems, full, pt, 0)
+                        self.warps, length, self.wdt, ring, st, st * self.stage_bytes, full, pt, 0)
 
     @cute.jit
     def _copy_h(self, mH, ring, full, s_slot, st, gi, s, nvalid, pt):
         """Copy segment s of h's row of each filled slot m of group gi into ring stage ``st``
         (after the weights' ``warps`` row segments)."""
-        W, SE, seg2, I = self.warps, self.stage_elems, self.seg2, self.intermediate
+        W, seg2, I = self.warps, self.seg2, self.intermediate
+        wbytes = W * seg2 * (_CHUNK // self.wvec)
         self._copy_rows(lambda m: (mH.iterator + Int64(s_slot[gi, m]) * I + s * seg2).align(16),
-                        nvalid, seg2, ring, st, st * SE + W * seg2, full, pt, W)
+                        nvalid, seg2, BFloat16, ring, st, st * self.stage_bytes + wbytes, full, pt, W)
 
     @cute.jit
-    def _copy_rows(self, src_of, count, length: int, ring, st, base, full, pt, first_lane: int):
-        """Copy ``count`` rows of ``length`` bf16 (row r from gmem pointer src_of(r)) to ring
-        elements base + r * length of stage ``st``: "bulk", one bulk copy per row from lane
-        first_lane + r (completing on the stage's full barrier); "cpasync", 16-byte copies spread
-        over the producer threads."""
+    def _copy_rows(self, src_of, count, length: int, dtype, ring, st, base, full, pt, first_lane: int):
+        """Copy ``count`` rows of ``length`` ``dtype`` elements (row r from gmem pointer src_of(r))
+        to ring bytes base + r * (the row's bytes) of stage ``st``: "bulk", one bulk copy per row
+        from lane first_lane + r (completing on the stage's full barrier); "cpasync", 16-byte copies
+        spread over the producer threads."""
+        nbytes = length * dtype.width // 8
         if const_expr(self.producer == "bulk"):
-            atom = cute.make_copy_atom(cpasync.CopyBulkG2SOp(), BFloat16, num_bits_per_copy=length * 16)
+            atom = cute.make_copy_atom(cpasync.CopyBulkG2SOp(), dtype, num_bits_per_copy=length * dtype.width)
             if pt >= first_lane and pt < first_lane + count:
                 r = pt - first_lane
                 cute.copy(atom, cute.make_tensor(src_of(r), cute.make_layout(length)),
-                          self._smem_vec(ring, base + r * length, length), mbar_ptr=full + st)
+                          self._smem_vec(ring, base + r * nbytes, length, dtype), mbar_ptr=full + st)
         else:
-            atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), BFloat16,
+            ev = _CHUNK * 8 // dtype.width  # elements per 16-byte copy
+            atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), dtype,
                                        num_bits_per_copy=128)
-            per_row = length // _VEC
+            per_row = nbytes // _CHUNK
             for c in range(pt, count * per_row, self.pwarps * _WARP):
                 r, cc = c // per_row, c % per_row
-                cute.copy(atom, cute.make_tensor((src_of(r) + cc * _VEC).align(16), cute.make_layout(_VEC)),
-                          self._smem_vec(ring, base + r * length + cc * _VEC, _VEC))
+                cute.copy(atom, cute.make_tensor((src_of(r) + cc * ev).align(16), cute.make_layout(ev)),
+                          self._smem_vec(ring, base + r * nbytes + cc * _CHUNK, ev, dtype))
 
     @cute.jit
     def _pending_h(self, mBar, seen, mH, ring, full, s_slot, slots, first, pend, per_unit, pt):

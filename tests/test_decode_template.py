@@ -13,9 +13,10 @@ def test_decode_compiles_with_bulk_copies_and_a_grid_barrier(shape, tmp_path):
     e, h, i, k, bias = shape
     obj = MoeDecode(e, h, i, k, activation="swigluoai" if bias else "swiglu", max_tokens=4, bias=bias)
     args = obj.fake_arguments()
-    assert [n for n, _ in args] == ["x", "w13", "w2", "topk_weights", "topk_ids", "out", "h", "bar", "b13", "b2",
-                                    "stream"]
+    assert [n for n, _ in args] == ["x", "w13", "w13s", "w2", "w2s", "topk_weights", "topk_ids", "out", "h", "bar",
+                                    "b13", "b2", "stream"]
     assert all((f is None) != bias for n, f in args if n in ("b13", "b2"))
+    assert all(f is None for n, f in args if n in ("w13s", "w2s"))  # bf16: no scales
     ptx = cute.compile(obj, *[f for _, f in args],
                        options=f"--gpu-arch sm_90a --keep-ptx --dump-dir {tmp_path}").__ptx__
     body = ptx[ptx.index(".entry"):]
@@ -45,6 +46,29 @@ def test_decode_cpasync_producer_compiles(max_tokens, tmp_path):
     assert ".local" not in body
 
 
+@pytest.mark.parametrize("precision", ["fp8", "fp8-block128"])
+def test_decode_fp8_weights_compile(precision, tmp_path):
+    """e4m3 weights with the fp8 layer's scales: 16 weights per 16-byte load and segment step,
+    converted by cvt e4m3x2 -> f16x2, x and h kept unquantized; block scales read from global
+    memory (per expert and matrix: three scalars), no local memory."""
+    import re
+
+    obj = MoeDecode(256, 7168, 2048, 8, max_tokens=1, precision=precision)
+    assert obj.wvec == 16 and obj.seg1 % 16 == 0 and 7168 % obj.seg1 == 0 and obj.seg1 <= 2048
+    args = dict(obj.fake_arguments())
+    assert args["w13"].element_type.width == 8 and args["h"].element_type.width == 16
+    want = {"fp8": ((256, 2), (256,)), "fp8-block128": ((256, 32, 56), (256, 56, 16))}[precision]
+    assert (tuple(args["w13s"].shape), tuple(args["w2s"].shape)) == want
+    # a phase-2 stage: 8 rows of 2048 e4m3 plus one h row of 2048 bf16
+    assert obj.stage_bytes == 8 * 2048 + 2048 * 2 and obj.stages >= 3
+    ptx = cute.compile(obj, *[f for f in args.values()],
+                       options=f"--gpu-arch sm_90a --keep-ptx --dump-dir {tmp_path}").__ptx__
+    body = ptx[ptx.index(".entry"):]
+    assert "cvt.rn.f16x2.e4m3x2" in body and "cp.async.bulk.shared::cluster.global" in body
+    assert ".local" not in body
+    assert len(re.findall(r"ld\.global\.b32", body)) >= 2  # the scales
+
+
 def test_decode_refusals():
     ok, why = MoeDecode.can_implement(128, 2048, 768, 8, activation="relu")
     assert not ok and "activation" in why
@@ -60,3 +84,10 @@ def test_decode_refusals():
         MoeDecode(128, 2050, 768, 8)
     with pytest.raises(ValueError, match="producer"):
         MoeDecode(128, 2048, 768, 8, producer="tma")
+    ok, why = MoeDecode.can_implement(128, 2048, 768, 8, precision="nvfp4")
+    assert not ok and "precision" in why
+    ok, why = MoeDecode.can_implement(128, 2056, 768, 8, precision="fp8")  # 2056 = 8 * 257: not whole 16-B loads
+    assert not ok and "multiples of 16" in why
+    ok, why = MoeDecode.can_implement(128, 2880, 2880, 4, precision="fp8-block128")
+    assert not ok and "128" in why
+    assert MoeDecode.can_implement(128, 2880, 2880, 4, precision="fp8")[0]  # per-expert scales: any 16-multiple

@@ -3,11 +3,16 @@
 and time it beside the four-kernel layer the database serves, in the same run.
 
   --compile DIR              (CPU, needs the DSL) compile MoeDecode for the five models into DIR/<model>/
+                             (--precision fp8 / fp8-block128: the models the fp8 layer takes)
   --run DIR --out OUT        (GPU, torch + the runtime) for 1-4 tokens: NaN-poisoned output and
                              workspace, whole-output and worst-row error against moe_reference on
                              fresh inputs (twice, so the reusable grid barrier is exercised), then
-                             CUDA-graph replay times of MoeDecode and of MoeLayer (MOE_AOT_DB's picks)
-                             over the same input sets; writes OUT/decode.json
+                             CUDA-graph replay times of MoeDecode and of MoeLayer (MOE_AOT_DB's picks,
+                             same precision) over the same input sets; writes OUT/decode.json
+
+fp8: the kernel reads e4m3 weights with the fp8 layer's scales and keeps x and h in bf16 / fp32,
+so its reference is moe_reference on the dequantized weights; the error against the fp8 layer's
+own reference (x and h quantized as its kernels do) is reported beside it, for information.
 """
 from __future__ import annotations
 
@@ -24,23 +29,54 @@ MODELS = ["qwen3-30b-a3b", "qwen3-235b-a22b", "gpt-oss-120b", "deepseek-v3", "mi
 MAX_TOKENS = 4
 
 
-def compile_all(out: Path, **kw) -> None:
+def _specs(precision: str, models: list[str]):
+    """(model, spec) of the models the layer builds in this precision (fp8: not gpt-oss, H = 2880)."""
+    from moe_aot.spec import SpecError, make_spec
+
+    out = []
+    for model in models:
+        try:
+            out.append((model, make_spec(model, precision=precision, target="sm_90a")))
+        except SpecError as exc:
+            print(f"{model:16} skipped: {exc}", flush=True)
+    return out
+
+
+def compile_all(out: Path, precision: str = "bf16", **kw) -> None:
     from moe_aot_templates.decode import MoeDecode
 
     from moe_aot.kernel_build import compile_kernel
-    from moe_aot.spec import make_spec
 
     out.mkdir(parents=True, exist_ok=True)
-    for model in MODELS:
-        s = make_spec(model)
-        obj = MoeDecode(s.experts, s.hidden, s.intermediate, s.top_k, s.activation, bias=s.bias, **kw)
+    (out / "build.json").write_text(json.dumps({"precision": precision, **kw}, indent=1))
+    for model, s in _specs(precision, MODELS):
+        obj = MoeDecode(s.experts, s.hidden, s.intermediate, s.top_k, s.activation, bias=s.bias,
+                        precision=precision, **kw)
         art = compile_kernel(obj, "sm_90a", f"moe_decode_{model.replace('-', '_')}")
         art.write_dir(out / model)
         print(f"{model:16} compile {art.meta['timing_s']['compile']:.2f}s cubin {len(art.cubin)} B", flush=True)
 
 
+def _fp8_weight_reference(spec, x, q13, s13, q2, s2, tw, ids):
+    """moe_reference on the dequantized weights of the experts the routing uses (x, h unquantized)."""
+    import torch
+
+    from moe_aot.harness.fp8 import dequantize_w2, dequantize_w13
+    from moe_aot.harness.reference import moe_reference
+    from moe_aot.variants import INTERLEAVE
+
+    valid = (ids >= 0) & (ids < spec.experts)
+    used = torch.unique(ids[valid]).tolist()
+    compact = torch.full_like(ids, -1)
+    for j, e in enumerate(used):
+        compact[ids == e] = j
+    w13 = torch.stack([dequantize_w13(q13, s13, spec.precision, e, INTERLEAVE) for e in used])
+    w2 = torch.stack([dequantize_w2(q2, s2, spec.precision, e) for e in used])
+    return moe_reference(x, w13, w2, tw, compact, spec.activation, INTERLEAVE)
+
+
 def run_all(kdir: Path, out: Path, replays: int, profile: bool = False, max_tokens: int = MAX_TOKENS,
-            models: list[str] = MODELS) -> int:
+            models: list[str] = MODELS, precision: str = "bf16") -> int:
     import torch
 
     from moe_aot.harness.measure import graph_times_us, input_sets
@@ -49,25 +85,30 @@ def run_all(kdir: Path, out: Path, replays: int, profile: bool = False, max_toke
     from moe_aot.runtime.layer import MoeLayer, split_biases
     from moe_aot.runtime.library import KernelLibrary
     from moe_aot.runtime.store import KernelStore
-    from moe_aot.spec import make_spec
 
     out.mkdir(parents=True, exist_ok=True)
     store = KernelStore()
     rows, failures = [], 0
-    for model in models:
-        spec = make_spec(model, target="sm_90a")
+    for model, spec in _specs(precision, models):
         dec = KernelLibrary.from_dir(kdir / model)
         layer = MoeLayer(spec, store)
         dev = layer.device
-        w13, w2 = random_weights(spec, dev)  # bias layers: (weights, biases) pairs
-        bw13, b13, bw2, b2 = split_biases(spec, w13, w2)
-        biases = (b13, b2) if spec.bias else ()  # the kernel's last operands where it has them
+        w13, w2 = random_weights(spec, dev)  # bias layers: (weights, biases); fp8: (e4m3, scales) pairs
+        if spec.precision == "bf16":
+            bw13, b13, bw2, b2 = split_biases(spec, w13, w2)
+            wargs = (bw13, bw2)
+            biases = (b13, b2) if spec.bias else ()  # the kernel's last operands where it has them
+            reference = lambda x, tw, ids, a=w13, b=w2: layer_reference(spec, x, a, b, tw, ids)  # noqa: E731
+        else:
+            wargs = (w13[0], w13[1], w2[0], w2[1])
+            biases = ()
+            reference = lambda x, tw, ids, a=wargs: _fp8_weight_reference(spec, x, *a, tw, ids)  # noqa: E731
         P = max_tokens * spec.top_k
         h = torch.empty(P, spec.intermediate, device=dev, dtype=torch.bfloat16)
         bar = torch.zeros(2, device=dev, dtype=torch.int32)
         for M in range(1, max_tokens + 1):
             sets = input_sets(spec, M, dev)
-            errs = []
+            errs, err_math = [], None
             # two random routings, then edge routings on set 0's x: ids outside [0, E) at the
             # first and last pair (those pairs contribute nothing), and every token on the same
             # experts (groups of M tokens sharing one pass over each expert's rows)
@@ -78,27 +119,30 @@ def run_all(kdir: Path, out: Path, replays: int, profile: bool = False, max_toke
             for x, tw, ids, o in [*sets[:2], (x0, tw0, bad, o0), (x0, tw0, same, o0)]:
                 o.fill_(float("nan"))
                 h.fill_(float("nan"))
-                dec(x, bw13, bw2, tw, ids, o, h, bar, *biases)
+                dec(x, *wargs, tw, ids, o, h, bar, *biases)
                 torch.cuda.synchronize()
-                ref = layer_reference(spec, x, w13, w2, tw, ids)
+                ref = reference(x, tw, ids)
                 errs.append((rel_err(o, ref), row_rel_err(o, ref)))
+                if err_math is None and spec.precision != "bf16":  # against the fp8 layer's math
+                    err_math = rel_err(o, layer_reference(spec, x, w13, w2, tw, ids))
             err = max(e for e, _ in errs)
             row = max(r for _, r in errs)
             ok = err <= 1e-2 and row <= 3e-2
             if profile:  # one more launch in an NVTX range for Nsight Compute, no timing
                 x, tw, ids, o = sets[0]
                 torch.cuda.nvtx.range_push(f"prof_decode_{model}_{M}")
-                dec(x, bw13, bw2, tw, ids, o, h, bar, *biases)
+                dec(x, *wargs, tw, ids, o, h, bar, *biases)
                 torch.cuda.nvtx.range_pop()
                 torch.cuda.synchronize()
                 rows.append({"model": model, "tokens": M, "rel_err": err, "ok": ok})
                 failures += not ok
                 break
-            res = {"model": model, "tokens": M, "rel_err": err, "row_rel_err": row, "ok": ok,
+            res = {"model": model, "precision": spec.precision, "tokens": M, "rel_err": err, "row_rel_err": row,
+                   "rel_err_vs_layer_math": err_math, "ok": ok,
                    "barrier_generation": int(bar[1].item()), "barrier_count": int(bar[0].item())}
             if ok:
                 t_dec = statistics.median(graph_times_us(
-                    [lambda s=s: dec(s[0], bw13, bw2, s[1], s[2], s[3], h, bar, *biases) for s in sets], replays))
+                    [lambda s=s: dec(s[0], *wargs, s[1], s[2], s[3], h, bar, *biases) for s in sets], replays))
                 ws = layer.workspace(M)
                 t_layer = statistics.median(graph_times_us(
                     [lambda s=s, w=(w13, w2): layer.forward(s[0], *w, s[1], s[2], out=s[3], workspace=ws)
@@ -108,11 +152,11 @@ def run_all(kdir: Path, out: Path, replays: int, profile: bool = False, max_toke
                            layer_over_decode=round(t_layer / t_dec, 3), layer_variant=layer.variant_for(M).name(spec))
             failures += not ok
             rows.append(res)
-            print(f"{'PASS' if ok else 'FAIL'} {model:16} M={M} err {err:.2e} row {row:.2e} "
+            print(f"{'PASS' if ok else 'FAIL'} {model:16} {spec.precision} M={M} err {err:.2e} row {row:.2e} "
                   f"decode {res.get('decode_us')} us  layer {res.get('layer_us')} us  "
                   f"layer/decode {res.get('layer_over_decode')}", flush=True)
             (out / "decode.json").write_text(json.dumps(rows, indent=1))
-        del w13, w2
+        del w13, w2, reference
         torch.cuda.empty_cache()
     print(f"{len(rows) - failures}/{len(rows)} passed", flush=True)
     return 1 if failures else 0
@@ -131,14 +175,23 @@ def main():
     ap.add_argument("--seg-bytes", type=int, default=2048, help="--compile: bytes per row segment (bulk copy)")
     ap.add_argument("--producer", default="bulk", choices=["bulk", "cpasync"],
                     help="--compile: 1-D bulk copies from one warp, or cp.async from four")
+    ap.add_argument("--precision", default=None, choices=["bf16", "fp8", "fp8-block128"],
+                    help="--compile: weights in bf16 (default), or e4m3 with the fp8 layer's scales; --run "
+                    "takes the precision the directory was compiled for (its build.json)")
     ap.add_argument("--profile", action="store_true", help="one launch per model at 1 token in an NVTX range "
                     "(prof_decode_<model>_1) for ncu, no timing")
     ns = ap.parse_args()
     if ns.compile:
-        compile_all(ns.compile, max_tokens=ns.max_tokens, warps=ns.warps, seg_bytes=ns.seg_bytes,
-                    producer=ns.producer)
+        compile_all(ns.compile, ns.precision or "bf16", max_tokens=ns.max_tokens, warps=ns.warps,
+                    seg_bytes=ns.seg_bytes, producer=ns.producer)
     if ns.run:
-        sys.exit(run_all(ns.run, ns.out, ns.replays, ns.profile, ns.max_tokens, ns.models.split(",")))
+        meta = ns.run / "build.json"
+        built = json.loads(meta.read_text())["precision"] if meta.exists() else "bf16"
+        if ns.precision not in (None, built):
+            ap.error(f"--precision {ns.precision}: {ns.run} holds {built} kernels (its build.json)")
+        ns.precision = built
+        sys.exit(run_all(ns.run, ns.out, ns.replays, ns.profile, ns.max_tokens, ns.models.split(","),
+                         ns.precision))
     if not ns.compile and not ns.run:
         ap.error("give --compile DIR and/or --run DIR")
 
