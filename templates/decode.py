@@ -363,6 +363,21 @@ class MoeDecode:
             return glu_act(g, self.activation) * u
 
     @cute.jit
+    def _load_x(self, mX, s_x, M, tidx):
+        """The consumer warps copy x into shared memory as fp32: each thread's 16-byte loads of a
+        row are unrolled, so they are in flight together (one memory latency per token, not one
+        per load); the producer is streaming meanwhile."""
+        H, n = self.hidden, self.warps * _WARP
+        nx = H // _VEC
+        for m in range(M):
+            for j in cutlass.range_constexpr(-(-nx // n)):
+                cc = tidx + j * n
+                if const_expr((j + 1) * n <= nx) or cc < nx:
+                    cute.local_tile(s_x[m, None], (_VEC,), (cc,)).store(
+                        cute.local_tile(mX[m, None], (_VEC,), (cc,)).load().to(Float32))
+        cute.arch.barrier(barrier_id=1, number_of_threads=n)
+
+    @cute.jit
     def _group_slots(self, s_slot, gi, slots):
         """Group gi's pairs into ``slots`` (filled slots first, then -1); returns how many."""
         n = Int32(0)
@@ -410,7 +425,8 @@ class MoeDecode:
                                                       byte_alignment=16),
                                  cute.make_layout(2 * W * _WARP * MT if MT > 1 else 4))
 
-        # prologue: barriers, the generation this launch's grid barrier waits to pass, x, pair ids
+        # prologue: barriers, the generation this launch's grid barrier waits to pass, pair ids
+        # (x is loaded by the consumers afterwards, while the producer already streams)
         seen = Int32(0)
         if tidx == 0:
             for s in cutlass.range_constexpr(S):
@@ -426,10 +442,6 @@ class MoeDecode:
                 if e < 0 or e >= self.num_experts:
                     e = Int32(-1)
             s_ids[tidx] = e
-        for c in range(tidx, M * (H // _VEC), self.threads):
-            m, cc = c // (H // _VEC), c % (H // _VEC)
-            cute.local_tile(s_x[m, None], (_VEC,), (cc,)).store(
-                cute.local_tile(mX[m, None], (_VEC,), (cc,)).load().to(Float32))
         cute.arch.sync_threads()
         # a pair leads a group if it is the first, the (max_tokens+1)-th, ... pair of its expert
         if tidx < self.pairs:
@@ -511,6 +523,7 @@ class MoeDecode:
                 self._pending_h(mBar, seen, mH, ring, full, s_slot, slots, first, pend, per_unit, pt)
         else:
             # ------------------------------------------------ the consumer warps
+            self._load_x(mX, s_x, M, tidx)
             acc_g = self._acc(s_acc, 0, warp, lane)
             acc_u = self._acc(s_acc, 1, warp, lane)
             idx = Int32(0)
