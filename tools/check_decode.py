@@ -76,7 +76,7 @@ def _fp8_weight_reference(spec, x, q13, s13, q2, s2, tw, ids):
 
 
 def run_all(kdir: Path, out: Path, replays: int, profile: bool = False, max_tokens: int = MAX_TOKENS,
-            models: list[str] = MODELS, precision: str = "bf16") -> int:
+            models: list[str] = MODELS, precision: str = "bf16", built_tokens: int = MAX_TOKENS) -> int:
     import torch
 
     from moe_aot.harness.measure import graph_times_us, input_sets
@@ -103,7 +103,7 @@ def run_all(kdir: Path, out: Path, replays: int, profile: bool = False, max_toke
             wargs = (w13[0], w13[1], w2[0], w2[1])
             biases = ()
             reference = lambda x, tw, ids, a=wargs: _fp8_weight_reference(spec, x, *a, tw, ids)  # noqa: E731
-        P = max_tokens * spec.top_k
+        P = built_tokens * spec.top_k  # h as the kernels were compiled for
         h = torch.empty(P, spec.intermediate, device=dev, dtype=torch.bfloat16)
         bar = torch.zeros(2, device=dev, dtype=torch.int32)
         for M in range(1, max_tokens + 1):
@@ -168,8 +168,9 @@ def main():
     ap.add_argument("--run", metavar="DIR", type=Path)
     ap.add_argument("--out", type=Path, default=Path("decode_check_out"))
     ap.add_argument("--replays", type=int, default=200)
-    ap.add_argument("--max-tokens", type=int, default=MAX_TOKENS, help="tokens per launch the kernels are "
-                    "compiled for (--compile) / checked at (--run: 1..this)")
+    ap.add_argument("--max-tokens", type=int, default=None, help="tokens per launch the kernels are "
+                    f"compiled for (--compile, default {MAX_TOKENS}) / checked at (--run: 1..this, default the "
+                    "directory's)")
     ap.add_argument("--models", default=",".join(MODELS), help="--run: comma-separated presets")
     ap.add_argument("--warps", type=int, default=8, help="--compile: consumer warps (rows per stage)")
     ap.add_argument("--seg-bytes", type=int, default=2048, help="--compile: bytes per row segment (bulk copy)")
@@ -182,16 +183,18 @@ def main():
                     "(prof_decode_<model>_1) for ncu, no timing")
     ns = ap.parse_args()
     if ns.compile:
-        compile_all(ns.compile, ns.precision or "bf16", max_tokens=ns.max_tokens, warps=ns.warps,
+        compile_all(ns.compile, ns.precision or "bf16", max_tokens=ns.max_tokens or MAX_TOKENS, warps=ns.warps,
                     seg_bytes=ns.seg_bytes, producer=ns.producer)
     if ns.run:
         meta = ns.run / "build.json"
-        built = json.loads(meta.read_text())["precision"] if meta.exists() else "bf16"
-        if ns.precision not in (None, built):
-            ap.error(f"--precision {ns.precision}: {ns.run} holds {built} kernels (its build.json)")
-        ns.precision = built
+        build = json.loads(meta.read_text()) if meta.exists() else {"precision": "bf16", "max_tokens": MAX_TOKENS}
+        if ns.precision not in (None, build["precision"]):
+            ap.error(f"--precision {ns.precision}: {ns.run} holds {build['precision']} kernels (its build.json)")
+        if ns.max_tokens is not None and not 1 <= ns.max_tokens <= build["max_tokens"]:
+            ap.error(f"--max-tokens {ns.max_tokens}: {ns.run}'s kernels take 1..{build['max_tokens']} tokens")
+        ns.precision, ns.max_tokens = build["precision"], ns.max_tokens or build["max_tokens"]
         sys.exit(run_all(ns.run, ns.out, ns.replays, ns.profile, ns.max_tokens, ns.models.split(","),
-                         ns.precision))
+                         ns.precision, build["max_tokens"]))
     if not ns.compile and not ns.run:
         ap.error("give --compile DIR and/or --run DIR")
 

@@ -275,7 +275,7 @@ def main():
                          "(several: DIR1,DIR2, each timed beside the layer)")
     ap.add_argument("--decode-profile", action="store_true", help="with --decode: ncu of one launch per model")
     ap.add_argument("--decode-args", default="", help="with --decode: extra check_decode.py --run arguments "
-                    "(e.g. --max-tokens 1)")
+                    "(e.g. --max-tokens 1; by default each directory is checked at 1..the tokens it was compiled for)")
     ap.add_argument("--sanitize", default=None, metavar="MODELS",
                     help="compute-sanitizer memcheck over tools/sanitize_check.py for these presets "
                          "(model[:precision], e.g. deepseek-v3:fp8-block128)")
