@@ -87,6 +87,12 @@ PRODUCERS = {"bulk": 1, "cpasync": 4}
 # instructions for nothing).
 PRECISIONS = ("bf16",) + limits.FP8
 SB = limits.SCALE_BLOCK
+# timeline=True (a measuring build, never served): each CTA writes the %globaltimer (ns) of these
+# events into tl[cta, event] (int64 [ctas, 16], zeroed by the caller; events a CTA does not reach
+# stay 0). Written by thread 0 (consumer warp 0) or producer thread 0.
+TIMELINE = ("entry", "tables", "producer_first_issue", "x_loaded", "first_stage_full", "phase1_done",
+            "barrier_passed", "phase2_first_full", "end")
+TIMELINE_COLS = 16
 
 
 def _segment(length: int, most: int, step: int) -> int:
@@ -102,7 +108,7 @@ class MoeDecode:
     def __init__(self, num_experts: int, hidden: int, intermediate: int, top_k: int,
                  activation: str = "swiglu", interleave: int = 16, max_tokens: int = 4,
                  warps: int = 8, stages: int = 0, seg_bytes: int = 2048, ctas: int = 132, bias: bool = False,
-                 producer: str = "bulk", precision: str = "bf16"):
+                 producer: str = "bulk", precision: str = "bf16", timeline: bool = False):
         if producer not in PRODUCERS:
             raise ValueError(f"producer {producer!r} must be one of {sorted(PRODUCERS)}")
         ok, why = self.can_implement(num_experts, hidden, intermediate, top_k, activation, interleave,
@@ -111,7 +117,7 @@ class MoeDecode:
             raise ValueError(why)
         self.num_experts, self.hidden, self.intermediate, self.top_k = num_experts, hidden, intermediate, top_k
         self.activation, self.interleave, self.max_tokens = activation, interleave, max_tokens
-        self.warps, self.ctas, self.bias = warps, ctas, bool(bias)
+        self.warps, self.ctas, self.bias, self.timeline = warps, ctas, bool(bias), bool(timeline)
         self.producer, self.pwarps = producer, PRODUCERS[producer]
         self.precision, self.fp8, self.block = precision, precision in limits.FP8, precision == "fp8-block128"
         self.wdt = Float8E4M3FN if self.fp8 else BFloat16
@@ -208,14 +214,16 @@ class MoeDecode:
                      ("b2", make_fake_tensor(BFloat16, (e, hd), (hd, 1), assumed_align=16))]
         else:
             args += [("b13", None), ("b2", None)]
+        tl = make_fake_tensor(Int64, (self.ctas, TIMELINE_COLS), (TIMELINE_COLS, 1), assumed_align=16)
+        args += [("tl", tl if self.timeline else None)]
         return args + [("stream", make_fake_stream())]
 
     @cute.jit
     def __call__(self, x: cute.Tensor, w13: cute.Tensor, w13s: Optional[cute.Tensor], w2: cute.Tensor,
                  w2s: Optional[cute.Tensor], topk_weights: cute.Tensor, topk_ids: cute.Tensor, out: cute.Tensor,
                  h: cute.Tensor, bar: cute.Tensor, b13: Optional[cute.Tensor], b2: Optional[cute.Tensor],
-                 stream: cuda.CUstream):
-        self.kernel(x, w13, w13s, w2, w2s, topk_weights, topk_ids, out, h, bar, b13, b2).launch(
+                 tl: Optional[cute.Tensor], stream: cuda.CUstream):
+        self.kernel(x, w13, w13s, w2, w2s, topk_weights, topk_ids, out, h, bar, b13, b2, tl).launch(
             grid=[self.ctas, 1, 1], block=[self.threads, 1, 1], stream=stream, cooperative=True)
 
     # ------------------------------------------------------------------ device helpers
@@ -363,6 +371,12 @@ class MoeDecode:
             return glu_act(g, self.activation) * u
 
     @cute.jit
+    def _mark(self, mTl, bid, event: str):
+        """timeline builds: the global timer at ``event`` (TIMELINE) for this CTA."""
+        if const_expr(self.timeline):
+            mTl[bid, TIMELINE.index(event)] = cute.arch.globaltimer()
+
+    @cute.jit
     def _load_x(self, mX, s_x, M, tidx):
         """The consumer warps copy x into shared memory as fp32: each thread's 16-byte loads of a
         row are unrolled, so they are in flight together (one memory latency per token, not one
@@ -391,7 +405,8 @@ class MoeDecode:
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mW13: cute.Tensor, mW13s: Optional[cute.Tensor], mW2: cute.Tensor,
                mW2s: Optional[cute.Tensor], mTopkW: cute.Tensor, mIds: cute.Tensor, mOut: cute.Tensor,
-               mH: cute.Tensor, mBar: cute.Tensor, mB13: Optional[cute.Tensor], mB2: Optional[cute.Tensor]):
+               mH: cute.Tensor, mBar: cute.Tensor, mB13: Optional[cute.Tensor], mB2: Optional[cute.Tensor],
+               mTl: Optional[cute.Tensor]):
         tidx, _, _ = cute.arch.thread_idx()
         bid, _, _ = cute.arch.block_idx()
         warp = cute.arch.make_warp_uniform(tidx // _WARP)
@@ -429,6 +444,7 @@ class MoeDecode:
         # (x is loaded by the consumers afterwards, while the producer already streams)
         seen = Int32(0)
         if tidx == 0:
+            self._mark(mTl, bid, "entry")
             for s in cutlass.range_constexpr(S):
                 cute.arch.mbarrier_init(full + s, 1 if const_expr(self.producer == "bulk") else self.pwarps * _WARP)
                 cute.arch.mbarrier_init(empty + s, W)  # one arrival per consumer warp
@@ -476,6 +492,8 @@ class MoeDecode:
             n_groups = n_groups + s_lead[q]
         n1 = n_groups * blocks1  # phase-1 units of the grid
         slots = cute.make_rmem_tensor(cute.make_layout(MT), Int32)
+        if tidx == 0:
+            self._mark(mTl, bid, "tables")
 
         if warp >= W:
             # ------------------------------------------------ the producer warp(s)
@@ -492,6 +510,9 @@ class MoeDecode:
                         cute.arch.mbarrier_wait(empty + idx, phase ^ 1)
                         self._open(full + idx, W * seg1 * wb, lane)
                         self._rows(mW13, e, gate0 + half * g, 2 * I, H, s * seg1, seg1, ring, idx, full, pt)
+                        if const_expr(self.timeline and half == 0):
+                            if pt == 0 and u == bid and s == 0:
+                                self._mark(mTl, bid, "producer_first_issue")
                         self._close(full + idx)
                         idx, phase = self._advance(idx, phase)
             # phase 2: this CTA's stages in (unit, group, segment) order; h only after the barrier
@@ -510,7 +531,7 @@ class MoeDecode:
                 nvalid = self._group_slots(s_slot, gi, slots)
                 if j == pend:
                     # the first `pend` stages hold their weight segments; wait for h, then fill in h
-                    self._pending_h(mBar, seen, mH, ring, full, s_slot, slots, first, pend, per_unit, pt)
+                    self._pending_h(mBar, seen, mH, ring, full, s_slot, slots, first, pend, per_unit, pt, mTl, bid)
                 cute.arch.mbarrier_wait(empty + idx, phase ^ 1)
                 self._open(full + idx, W * seg2 * wb + nvalid * seg2 * 2, lane)
                 self._rows(mW2, e, v * W, H, I, s * seg2, seg2, ring, idx, full, pt)
@@ -520,10 +541,12 @@ class MoeDecode:
                 idx, phase = self._advance(idx, phase)
             if n2 > 0 and n2 == pend:
                 # fewer stages than the ring: all of them wait for h here
-                self._pending_h(mBar, seen, mH, ring, full, s_slot, slots, first, pend, per_unit, pt)
+                self._pending_h(mBar, seen, mH, ring, full, s_slot, slots, first, pend, per_unit, pt, mTl, bid)
         else:
             # ------------------------------------------------ the consumer warps
             self._load_x(mX, s_x, M, tidx)
+            if tidx == 0:
+                self._mark(mTl, bid, "x_loaded")
             acc_g = self._acc(s_acc, 0, warp, lane)
             acc_u = self._acc(s_acc, 1, warp, lane)
             idx = Int32(0)
@@ -543,6 +566,9 @@ class MoeDecode:
                         if const_expr(self.block):  # gate rows' block row 2b, up rows' 2b + 1
                             sc = self._block_scales(mW13s, e, 2 * (blk * W // SB) + half, s * seg1, seg1, lane)
                         cute.arch.mbarrier_wait(full + idx, phase)
+                        if const_expr(self.timeline and half == 0):
+                            if tidx == 0 and u == bid and s == 0:
+                                self._mark(mTl, bid, "first_stage_full")
                         row = self._smem_vec(ring, idx * SBy + warp * seg1 * wb, seg1, wdt)
                         xs = lambda m, s=s, gi=gi: cute.make_tensor(  # noqa: E731
                             (s_x.iterator + (s_slot[gi, m] // K) * H + s * seg1).align(16), cute.make_layout(seg1))
@@ -565,6 +591,7 @@ class MoeDecode:
             cute.arch.fence_proxy("async.global")
             cute.arch.barrier(barrier_id=1, number_of_threads=W * _WARP)
             if tidx == 0:
+                self._mark(mTl, bid, "phase1_done")
                 cute.arch.fence_acq_rel_gpu()
                 old = cute.arch.atomic_add(mBar.iterator, Int32(1), sem="acq_rel", scope="gpu")
                 if old == C - 1:
@@ -588,6 +615,9 @@ class MoeDecode:
                         if const_expr(self.block):
                             sc = self._block_scales(mW2s, e, v * W // SB, s * seg2, seg2, lane)
                         cute.arch.mbarrier_wait(full + idx, phase)
+                        if const_expr(self.timeline):
+                            if tidx == 0 and v == bid and gi == 0 and s == 0:
+                                self._mark(mTl, bid, "phase2_first_full")
                         row = self._smem_vec(ring, idx * SBy + warp * seg2 * wb, seg2, wdt)
                         hs = lambda m, idx=idx: self._smem_vec(  # noqa: E731
                             ring, idx * SBy + W * seg2 * wb + m * seg2 * 2, seg2, BFloat16)
@@ -610,6 +640,8 @@ class MoeDecode:
                     for t in cutlass.range_constexpr(MT):
                         if t < M:
                             mOut[t, c] = BFloat16(tot[t])
+            if tidx == 0:
+                self._mark(mTl, bid, "end")
 
     @cute.jit
     def _open(self, bar, nbytes, lane):
@@ -665,7 +697,7 @@ class MoeDecode:
                           self._smem_vec(ring, base + r * nbytes + cc * _CHUNK, ev, dtype))
 
     @cute.jit
-    def _pending_h(self, mBar, seen, mH, ring, full, s_slot, slots, first, pend, per_unit, pt):
+    def _pending_h(self, mBar, seen, mH, ring, full, s_slot, slots, first, pend, per_unit, pt, mTl, bid):
         """Wait for the grid barrier (h is complete), then copy h into the ``pend`` phase-2 stages
         from ``first`` on, whose weight segments were issued before it, and close them."""
         S, nseg2 = self.stages, self.intermediate // self.seg2
@@ -673,6 +705,7 @@ class MoeDecode:
             now = cute.arch.load(mBar.iterator + 1, Int32, sem="acquire", scope="gpu")
             while now == seen:
                 now = cute.arch.load(mBar.iterator + 1, Int32, sem="acquire", scope="gpu")
+            self._mark(mTl, bid, "barrier_passed")
         if const_expr(self.producer == "bulk"):
             cute.arch.sync_warp()
         else:

@@ -14,7 +14,7 @@ def test_decode_compiles_with_bulk_copies_and_a_grid_barrier(shape, tmp_path):
     obj = MoeDecode(e, h, i, k, activation="swigluoai" if bias else "swiglu", max_tokens=4, bias=bias)
     args = obj.fake_arguments()
     assert [n for n, _ in args] == ["x", "w13", "w13s", "w2", "w2s", "topk_weights", "topk_ids", "out", "h", "bar",
-                                    "b13", "b2", "stream"]
+                                    "b13", "b2", "tl", "stream"]
     assert all((f is None) != bias for n, f in args if n in ("b13", "b2"))
     assert all(f is None for n, f in args if n in ("w13s", "w2s"))  # bf16: no scales
     ptx = cute.compile(obj, *[f for _, f in args],
@@ -67,6 +67,28 @@ def test_decode_fp8_weights_compile(precision, tmp_path):
     assert "cvt.rn.f16x2.e4m3x2" in body and "cp.async.bulk.shared::cluster.global" in body
     assert ".local" not in body
     assert len(re.findall(r"ld\.global\.b32", body)) >= 2  # the scales
+
+
+def test_decode_timeline_build_records_every_event(tmp_path):
+    """timeline=True adds tl [ctas, 16] int64 (last) and a %globaltimer read per event; a build
+    without it has no tl argument and reads no timer."""
+    from moe_aot_templates.decode import TIMELINE, TIMELINE_COLS
+
+    for timeline in (False, True):
+        obj = MoeDecode(128, 2048, 768, 8, max_tokens=1, timeline=timeline)
+        args = obj.fake_arguments()
+        assert [n for n, _ in args][-2:] == ["tl", "stream"]
+        tl = dict(args)["tl"]
+        assert (tl is None) != timeline
+        (tmp_path / str(timeline)).mkdir()
+        ptx = cute.compile(obj, *[f for _, f in args],
+                           options=f"--gpu-arch sm_90a --keep-ptx --dump-dir {tmp_path / str(timeline)}").__ptx__
+        body = ptx[ptx.index(".entry"):]
+        if timeline:
+            assert tuple(tl.shape) == (obj.ctas, TIMELINE_COLS) and len(TIMELINE) <= TIMELINE_COLS
+            assert body.count("%globaltimer") >= len(TIMELINE)
+        else:
+            assert "globaltimer" not in body
 
 
 def test_decode_refusals():

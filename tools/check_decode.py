@@ -43,15 +43,18 @@ def _specs(precision: str, models: list[str]):
 
 
 def compile_all(out: Path, precision: str = "bf16", **kw) -> None:
-    from moe_aot_templates.decode import MoeDecode
+    from moe_aot_templates.decode import TIMELINE, MoeDecode
 
     from moe_aot.kernel_build import compile_kernel
 
     out.mkdir(parents=True, exist_ok=True)
-    (out / "build.json").write_text(json.dumps({"precision": precision, **kw}, indent=1))
     for model, s in _specs(precision, MODELS):
         obj = MoeDecode(s.experts, s.hidden, s.intermediate, s.top_k, s.activation, bias=s.bias,
                         precision=precision, **kw)
+        build = {"precision": precision, "ctas": obj.ctas, **kw}
+        if kw.get("timeline"):  # the run machine has no DSL: the event names travel with the build
+            build["events"] = list(TIMELINE)
+        (out / "build.json").write_text(json.dumps(build, indent=1))
         art = compile_kernel(obj, "sm_90a", f"moe_decode_{model.replace('-', '_')}")
         art.write_dir(out / model)
         print(f"{model:16} compile {art.meta['timing_s']['compile']:.2f}s cubin {len(art.cubin)} B", flush=True)
@@ -75,8 +78,30 @@ def _fp8_weight_reference(spec, x, q13, s13, q2, s2, tw, ids):
     return moe_reference(x, w13, w2, tw, compact, spec.activation, INTERLEAVE)
 
 
+def _timeline(call, sets, tl, events: list[str], launches: int = 20) -> dict:
+    """Per event of a timeline build (templates/decode.py TIMELINE, as its build.json names them):
+    [earliest, median, latest] over the CTAs that reach it, in µs after the launch's first CTA
+    entry; medians over ``launches`` eager launches per input set (each after the previous one)."""
+    import torch
+
+    per = {ev: [] for ev in events}
+    for _ in range(launches):
+        for x, tw, ids, o in sets:
+            tl.zero_()
+            call(x, tw, ids, o)
+            torch.cuda.synchronize()
+            t = tl.cpu()
+            t0 = t[:, 0][t[:, 0] > 0].min()
+            for k, ev in enumerate(events):
+                v = (t[:, k][t[:, k] > 0] - t0).double() / 1e3
+                if v.numel():
+                    per[ev].append((v.min().item(), v.median().item(), v.max().item()))
+    return {ev: [round(statistics.median(r[j] for r in rs), 2) for j in range(3)] for ev, rs in per.items() if rs}
+
+
 def run_all(kdir: Path, out: Path, replays: int, profile: bool = False, max_tokens: int = MAX_TOKENS,
-            models: list[str] = MODELS, precision: str = "bf16", built_tokens: int = MAX_TOKENS) -> int:
+            models: list[str] = MODELS, precision: str = "bf16", built_tokens: int = MAX_TOKENS,
+            timeline: tuple[int, list[str]] | None = None) -> int:
     import torch
 
     from moe_aot.harness.measure import graph_times_us, input_sets
@@ -106,6 +131,9 @@ def run_all(kdir: Path, out: Path, replays: int, profile: bool = False, max_toke
         P = built_tokens * spec.top_k  # h as the kernels were compiled for
         h = torch.empty(P, spec.intermediate, device=dev, dtype=torch.bfloat16)
         bar = torch.zeros(2, device=dev, dtype=torch.int32)
+        # timeline builds take tl [ctas, 16] int64 last
+        extra = (torch.zeros(timeline[0], 16, device=dev, dtype=torch.int64),) if timeline else ()
+        call = lambda x, tw, ids, o, a=wargs, b=biases: dec(x, *a, tw, ids, o, h, bar, *b, *extra)  # noqa: E731
         for M in range(1, max_tokens + 1):
             sets = input_sets(spec, M, dev)
             errs, err_math = [], None
@@ -119,7 +147,7 @@ def run_all(kdir: Path, out: Path, replays: int, profile: bool = False, max_toke
             for x, tw, ids, o in [*sets[:2], (x0, tw0, bad, o0), (x0, tw0, same, o0)]:
                 o.fill_(float("nan"))
                 h.fill_(float("nan"))
-                dec(x, *wargs, tw, ids, o, h, bar, *biases)
+                call(x, tw, ids, o)
                 torch.cuda.synchronize()
                 ref = reference(x, tw, ids)
                 errs.append((rel_err(o, ref), row_rel_err(o, ref)))
@@ -131,7 +159,7 @@ def run_all(kdir: Path, out: Path, replays: int, profile: bool = False, max_toke
             if profile:  # one more launch in an NVTX range for Nsight Compute, no timing
                 x, tw, ids, o = sets[0]
                 torch.cuda.nvtx.range_push(f"prof_decode_{model}_{M}")
-                dec(x, *wargs, tw, ids, o, h, bar, *biases)
+                call(x, tw, ids, o)
                 torch.cuda.nvtx.range_pop()
                 torch.cuda.synchronize()
                 rows.append({"model": model, "tokens": M, "rel_err": err, "ok": ok})
@@ -142,7 +170,7 @@ def run_all(kdir: Path, out: Path, replays: int, profile: bool = False, max_toke
                    "barrier_generation": int(bar[1].item()), "barrier_count": int(bar[0].item())}
             if ok:
                 t_dec = statistics.median(graph_times_us(
-                    [lambda s=s: dec(s[0], *wargs, s[1], s[2], s[3], h, bar, *biases) for s in sets], replays))
+                    [lambda s=s, c=call: c(*s) for s in sets], replays))
                 ws = layer.workspace(M)
                 t_layer = statistics.median(graph_times_us(
                     [lambda s=s, w=(w13, w2): layer.forward(s[0], *w, s[1], s[2], out=s[3], workspace=ws)
@@ -150,13 +178,17 @@ def run_all(kdir: Path, out: Path, replays: int, profile: bool = False, max_toke
                     replays))
                 res.update(decode_us=round(t_dec, 2), layer_us=round(t_layer, 2),
                            layer_over_decode=round(t_layer / t_dec, 3), layer_variant=layer.variant_for(M).name(spec))
+                if extra:
+                    res["timeline_us"] = _timeline(call, sets, extra[0], timeline[1])
+                    print("  timeline (first CTA / median / last, us): " + "  ".join(
+                        f"{ev} {'/'.join(f'{t:.1f}' for t in v)}" for ev, v in res["timeline_us"].items()), flush=True)
             failures += not ok
             rows.append(res)
             print(f"{'PASS' if ok else 'FAIL'} {model:16} {spec.precision} M={M} err {err:.2e} row {row:.2e} "
                   f"decode {res.get('decode_us')} us  layer {res.get('layer_us')} us  "
                   f"layer/decode {res.get('layer_over_decode')}", flush=True)
             (out / "decode.json").write_text(json.dumps(rows, indent=1))
-        del w13, w2, reference
+        del w13, w2, reference, call
         torch.cuda.empty_cache()
     print(f"{len(rows) - failures}/{len(rows)} passed", flush=True)
     return 1 if failures else 0
@@ -179,12 +211,14 @@ def main():
     ap.add_argument("--precision", default=None, choices=["bf16", "fp8", "fp8-block128"],
                     help="--compile: weights in bf16 (default), or e4m3 with the fp8 layer's scales; --run "
                     "takes the precision the directory was compiled for (its build.json)")
+    ap.add_argument("--timeline", action="store_true", help="--compile: a measuring build whose CTAs record "
+                    "the global timer at each step (templates/decode.py TIMELINE); --run reports it per point")
     ap.add_argument("--profile", action="store_true", help="one launch per model at 1 token in an NVTX range "
                     "(prof_decode_<model>_1) for ncu, no timing")
     ns = ap.parse_args()
     if ns.compile:
         compile_all(ns.compile, ns.precision or "bf16", max_tokens=ns.max_tokens or MAX_TOKENS, warps=ns.warps,
-                    seg_bytes=ns.seg_bytes, producer=ns.producer)
+                    seg_bytes=ns.seg_bytes, producer=ns.producer, timeline=ns.timeline)
     if ns.run:
         meta = ns.run / "build.json"
         build = json.loads(meta.read_text()) if meta.exists() else {"precision": "bf16", "max_tokens": MAX_TOKENS}
@@ -194,7 +228,8 @@ def main():
             ap.error(f"--max-tokens {ns.max_tokens}: {ns.run}'s kernels take 1..{build['max_tokens']} tokens")
         ns.precision, ns.max_tokens = build["precision"], ns.max_tokens or build["max_tokens"]
         sys.exit(run_all(ns.run, ns.out, ns.replays, ns.profile, ns.max_tokens, ns.models.split(","),
-                         ns.precision, build["max_tokens"]))
+                         ns.precision, build["max_tokens"],
+                         (build["ctas"], build["events"]) if build.get("timeline") else None))
     if not ns.compile and not ns.run:
         ap.error("give --compile DIR and/or --run DIR")
 
