@@ -27,6 +27,12 @@ word in ``bar``, int32[2], zero when allocated; the last CTA to arrive resets th
 advances the generation, so it is reused by every launch without a reset: CUDA-graph safe). Only
 the producers wait on it, and only before copying h: each has already filled its ring with its
 first phase-2 weight segments, so the barrier's latency overlaps the weight stream.
+With sync="group" (a build option, measured against the barrier) there is no barrier between
+the phases: each phase-1 unit, once its h columns are written, adds one to its expert group's
+counter (two banks of counters in ``bar`` used by alternate launches; CTA 0 clears the bank the
+next launch will use, and the last CTA to end advances the generation that selects it), and the
+producer copies a group's h as soon as that group's count is complete, so the consumers start
+phase 2 on the first groups while the last ones are still being computed elsewhere.
 
 Weights: bf16, or e4m3 with the fp8 layer's scales (``precision`` "fp8": w13s [E, 2] for the
 gate and up rows, w2s [E], applied to each finished dot product; "fp8-block128": DeepSeek-V3's
@@ -65,8 +71,10 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float8E4M3FN, Float32, Int32, Int64, Uint8, const_expr
+from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync
 from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
+from cutlass.cutlass_dsl import dsl_user_op
 
 from moe_aot import gemm_limits as limits
 
@@ -93,6 +101,18 @@ SB = limits.SCALE_BLOCK
 TIMELINE = ("entry", "tables", "producer_first_issue", "x_loaded", "first_stage_full", "phase1_done",
             "barrier_passed", "phase2_first_full", "end")
 TIMELINE_COLS = 16
+# How the producers learn that h is complete: "grid", one grid barrier after phase 1 (bar int32[2]);
+# "group", a counter per expert group that each phase-1 unit bumps when its h columns are written,
+# so the producer copies a group's h as soon as that group is done (bar int32[2 + 2 * pairs]: the
+# end-of-launch counter and generation, then two banks of group counters used by alternate launches).
+SYNCS = ("grid", "group")
+_SPIN_LIMIT = 1 << 26  # polls of a group counter before the kernel traps (a broken count, not a hang)
+
+
+@dsl_user_op
+def _trap(*, loc=None, ip=None):
+    llvm.inline_asm(None, [], "trap;", "", has_side_effects=True, is_align_stack=False,
+                    asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
 
 
 def _segment(length: int, most: int, step: int) -> int:
@@ -108,9 +128,12 @@ class MoeDecode:
     def __init__(self, num_experts: int, hidden: int, intermediate: int, top_k: int,
                  activation: str = "swiglu", interleave: int = 16, max_tokens: int = 4,
                  warps: int = 8, stages: int = 0, seg_bytes: int = 2048, ctas: int = 132, bias: bool = False,
-                 producer: str = "bulk", precision: str = "bf16", timeline: bool = False):
+                 producer: str = "bulk", precision: str = "bf16", timeline: bool = False, sync: str = "grid"):
         if producer not in PRODUCERS:
             raise ValueError(f"producer {producer!r} must be one of {sorted(PRODUCERS)}")
+        if sync not in SYNCS:
+            raise ValueError(f"sync {sync!r} must be one of {SYNCS}")
+        self.sync = sync
         ok, why = self.can_implement(num_experts, hidden, intermediate, top_k, activation, interleave,
                                      max_tokens, warps, stages, seg_bytes, ctas, precision=precision)
         if not ok:
@@ -124,6 +147,7 @@ class MoeDecode:
         self.wvec = _CHUNK // self._wbytes(precision)  # weight elements per 16-byte load
         self.threads = (warps + self.pwarps) * _WARP  # warps consumers, then the producer warp(s)
         self.pairs = max_tokens * top_k
+        self.bar_words = 2 if sync == "grid" else 2 + 2 * self.pairs
         self.seg1, self.seg2 = self._segments(hidden, intermediate, seg_bytes, precision)
         self.stage_bytes, self.x_elems, self.stages = self._layout(hidden, intermediate, max_tokens, warps, stages,
                                                                    seg_bytes, precision)
@@ -207,7 +231,7 @@ class MoeDecode:
             ("topk_ids", make_fake_tensor(Int32, (m, k), (k, 1), assumed_align=16)),
             ("out", make_fake_tensor(BFloat16, (m, hd), (hd, 1), assumed_align=16)),
             ("h", make_fake_tensor(BFloat16, (p, i), (i, 1), assumed_align=16)),
-            ("bar", make_fake_tensor(Int32, (2,), (1,), assumed_align=16)),
+            ("bar", make_fake_tensor(Int32, (self.bar_words,), (1,), assumed_align=16)),
         ]
         if self.bias:
             args += [("b13", make_fake_tensor(BFloat16, (e, 2 * i), (2 * i, 1), assumed_align=16)),
@@ -371,6 +395,51 @@ class MoeDecode:
             return glu_act(g, self.activation) * u
 
     @cute.jit
+    def _arrive(self, mBar, word: int, tidx, total: int = 0, mTl=None, bid=None):
+        """The consumer warps' h writes (or work) are done: fence them for other CTAs' bulk copies
+        (the async proxy), meet, and add one to bar[word]; with ``total``, the arrival that
+        completes it resets the counter and advances the generation bar[1] (reusable, graph-safe)."""
+        W = self.warps
+        cute.arch.fence_proxy("async.global")
+        cute.arch.barrier(barrier_id=1, number_of_threads=W * _WARP)
+        if tidx == 0:
+            if const_expr(mTl is not None):
+                self._mark(mTl, bid, "phase1_done")
+            cute.arch.fence_acq_rel_gpu()
+            old = cute.arch.atomic_add(mBar.iterator + word, Int32(1), sem="acq_rel", scope="gpu")
+            if const_expr(total > 0):
+                if old == total - 1:
+                    cute.arch.atomic_exch(mBar.iterator + word, Int32(0), sem="relaxed", scope="gpu")
+                    cute.arch.atomic_add(mBar.iterator + 1, Int32(1), sem="release", scope="gpu")
+
+    @cute.jit
+    def _await_groups(self, mBar, seen, gi, ready, pt, mTl, bid):
+        """sync="group": before h of group gi is copied, wait (producer thread 0 polling) until
+        every group up to gi has all its phase-1 units counted; returns the new known prefix."""
+        if gi >= ready:
+            if pt == 0:
+                blocks1 = self.intermediate // self.warps
+                base = 2 + (seen & 1) * self.pairs
+                k = ready
+                while k <= gi:
+                    polls = Int32(0)
+                    now = cute.arch.load(mBar.iterator + base + k, Int32, sem="acquire", scope="gpu")
+                    while now < blocks1 and polls < _SPIN_LIMIT:
+                        now = cute.arch.load(mBar.iterator + base + k, Int32, sem="acquire", scope="gpu")
+                        polls = polls + 1
+                    if now < blocks1:
+                        _trap()
+                    k = k + 1
+                self._mark(mTl, bid, "barrier_passed")
+            if const_expr(self.producer == "bulk"):
+                cute.arch.sync_warp()
+            else:
+                cute.arch.barrier(barrier_id=2, number_of_threads=self.pwarps * _WARP)
+            cute.arch.fence_proxy("async.global")
+            ready = gi + 1
+        return ready
+
+    @cute.jit
     def _mark(self, mTl, bid, event: str):
         """timeline builds: the global timer at ``event`` (TIMELINE) for this CTA."""
         if const_expr(self.timeline):
@@ -449,7 +518,14 @@ class MoeDecode:
                 cute.arch.mbarrier_init(full + s, 1 if const_expr(self.producer == "bulk") else self.pwarps * _WARP)
                 cute.arch.mbarrier_init(empty + s, W)  # one arrival per consumer warp
             cute.arch.mbarrier_init_fence()
-        if warp >= W:
+        if const_expr(self.sync == "group"):
+            # the generation only moves when every CTA of the previous launch has ended: one value
+            # for the whole launch; this launch counts in bank seen % 2, and CTA 0 clears the
+            # other, which the previous launch used and the next one will
+            seen = cute.arch.load(mBar.iterator + 1, Int32, sem="acquire", scope="gpu")
+            if bid == 0 and tidx < self.pairs:
+                mBar[2 + (1 - (seen & 1)) * self.pairs + tidx] = Int32(0)
+        elif warp >= W:
             seen = cute.arch.load(mBar.iterator + 1, Int32, sem="acquire", scope="gpu")
         if tidx < self.pairs:
             e = Int32(-1)
@@ -524,6 +600,7 @@ class MoeDecode:
             if pend > S:
                 pend = Int32(S)
             first = idx
+            ready = Int32(0)  # sync="group": groups 0 .. ready-1 are known complete
             for j in range(n2):
                 v = bid + (j // per_unit) * C
                 gi, s = (j % per_unit) // nseg2, j % nseg2
@@ -531,17 +608,21 @@ class MoeDecode:
                 nvalid = self._group_slots(s_slot, gi, slots)
                 if j == pend:
                     # the first `pend` stages hold their weight segments; wait for h, then fill in h
-                    self._pending_h(mBar, seen, mH, ring, full, s_slot, slots, first, pend, per_unit, pt, mTl, bid)
+                    ready = self._pending_h(mBar, seen, mH, ring, full, s_slot, slots, first, pend, per_unit, pt,
+                                            mTl, bid, ready)
                 cute.arch.mbarrier_wait(empty + idx, phase ^ 1)
                 self._open(full + idx, W * seg2 * wb + nvalid * seg2 * 2, lane)
                 self._rows(mW2, e, v * W, H, I, s * seg2, seg2, ring, idx, full, pt)
                 if j >= pend:
+                    if const_expr(self.sync == "group"):
+                        ready = self._await_groups(mBar, seen, gi, ready, pt, mTl, bid)
                     self._copy_h(mH, ring, full, s_slot, idx, gi, s, nvalid, pt)
                     self._close(full + idx)
                 idx, phase = self._advance(idx, phase)
             if n2 > 0 and n2 == pend:
                 # fewer stages than the ring: all of them wait for h here
-                self._pending_h(mBar, seen, mH, ring, full, s_slot, slots, first, pend, per_unit, pt, mTl, bid)
+                self._pending_h(mBar, seen, mH, ring, full, s_slot, slots, first, pend, per_unit, pt, mTl, bid,
+                                ready)
         else:
             # ------------------------------------------------ the consumer warps
             self._load_x(mX, s_x, M, tidx)
@@ -587,16 +668,13 @@ class MoeDecode:
                             gs = gs + mB13[e, gate_row].to(Float32)
                             us = us + mB13[e, gate_row + g].to(Float32)
                         mH[slots[m], c] = BFloat16(self._glu(gs, us))
-            # h is read by other CTAs' bulk copies (the async proxy) after the grid barrier
-            cute.arch.fence_proxy("async.global")
-            cute.arch.barrier(barrier_id=1, number_of_threads=W * _WARP)
-            if tidx == 0:
+                if const_expr(self.sync == "group"):  # this unit's h columns of group gi are written
+                    self._arrive(mBar, 2 + (seen & 1) * self.pairs + gi, tidx)
+            if const_expr(self.sync == "grid"):
+                # h is read by other CTAs' bulk copies (the async proxy) after the grid barrier
+                self._arrive(mBar, 0, tidx, C, mTl, bid)
+            elif tidx == 0:
                 self._mark(mTl, bid, "phase1_done")
-                cute.arch.fence_acq_rel_gpu()
-                old = cute.arch.atomic_add(mBar.iterator, Int32(1), sem="acq_rel", scope="gpu")
-                if old == C - 1:
-                    cute.arch.atomic_exch(mBar.iterator, Int32(0), sem="relaxed", scope="gpu")
-                    cute.arch.atomic_add(mBar.iterator + 1, Int32(1), sem="release", scope="gpu")
             # phase 2: out[:, c] = sum over groups of topk_weight * (h . w2_e[c] (+ b2_e[c]))
             acc = acc_g
             tot = cute.make_rmem_tensor(cute.make_layout(MT), Float32)
@@ -642,6 +720,9 @@ class MoeDecode:
                             mOut[t, c] = BFloat16(tot[t])
             if tidx == 0:
                 self._mark(mTl, bid, "end")
+            if const_expr(self.sync == "group"):
+                # the last CTA to end advances the generation (the next launch's bank)
+                self._arrive(mBar, 0, tidx, C)
 
     @cute.jit
     def _open(self, bar, nbytes, lane):
@@ -697,23 +778,28 @@ class MoeDecode:
                           self._smem_vec(ring, base + r * nbytes + cc * _CHUNK, ev, dtype))
 
     @cute.jit
-    def _pending_h(self, mBar, seen, mH, ring, full, s_slot, slots, first, pend, per_unit, pt, mTl, bid):
-        """Wait for the grid barrier (h is complete), then copy h into the ``pend`` phase-2 stages
-        from ``first`` on, whose weight segments were issued before it, and close them."""
+    def _pending_h(self, mBar, seen, mH, ring, full, s_slot, slots, first, pend, per_unit, pt, mTl, bid, ready):
+        """Copy h into the ``pend`` phase-2 stages from ``first`` on, whose weight segments were
+        issued before h was known complete, and close them: after the grid barrier ("grid"), or
+        group by group as each completes ("group"). Returns the known-complete group prefix."""
         S, nseg2 = self.stages, self.intermediate // self.seg2
-        if pt == 0:
-            now = cute.arch.load(mBar.iterator + 1, Int32, sem="acquire", scope="gpu")
-            while now == seen:
+        if const_expr(self.sync == "grid"):
+            if pt == 0:
                 now = cute.arch.load(mBar.iterator + 1, Int32, sem="acquire", scope="gpu")
-            self._mark(mTl, bid, "barrier_passed")
-        if const_expr(self.producer == "bulk"):
-            cute.arch.sync_warp()
-        else:
-            cute.arch.barrier(barrier_id=2, number_of_threads=self.pwarps * _WARP)
-        cute.arch.fence_proxy("async.global")
+                while now == seen:
+                    now = cute.arch.load(mBar.iterator + 1, Int32, sem="acquire", scope="gpu")
+                self._mark(mTl, bid, "barrier_passed")
+            if const_expr(self.producer == "bulk"):
+                cute.arch.sync_warp()
+            else:
+                cute.arch.barrier(barrier_id=2, number_of_threads=self.pwarps * _WARP)
+            cute.arch.fence_proxy("async.global")
         for jj in range(pend):
             st = (first + jj) % S
             gi = (jj % per_unit) // nseg2
+            if const_expr(self.sync == "group"):
+                ready = self._await_groups(mBar, seen, gi, ready, pt, mTl, bid)
             nvalid = self._group_slots(s_slot, gi, slots)
             self._copy_h(mH, ring, full, s_slot, st, gi, jj % nseg2, nvalid, pt)
             self._close(full + st)
+        return ready

@@ -30,8 +30,8 @@ EVENTS = ["entry", "tables", "phase1_done", "end"]
 class _Decode:
     """MoeDecode's contract in torch (see templates/decode.py), for one spec."""
 
-    def __init__(self, spec, timeline: bool, calls: list):
-        self.spec, self.timeline, self.calls = spec, timeline, calls
+    def __init__(self, spec, state: dict):
+        self.spec, self.timeline, self.calls, self.state = spec, state["timeline"], state["calls"], state
 
     def __call__(self, *args):
         s = self.spec
@@ -45,10 +45,11 @@ class _Decode:
             w13, w2 = dequantize_w13(q13, s13, s.precision), dequantize_w2(q2, s2, s.precision)
         assert len(bias) == (2 if s.bias else 0)
         assert h.shape[0] % ids.shape[1] == 0 and h.shape[0] >= ids.numel() and bar.dtype == torch.int32
+        assert bar.numel() == (2 if self.state["sync"] == "grid" else 2 + 2 * h.shape[0])
         self.calls.append(ids.shape[0])
         ref = moe_reference(x, w13.float(), w2.float(), tw, ids, s.activation, 16, *bias)
         out.copy_(ref.to(out.dtype))
-        bar[1] += 1
+        bar[1] += 0 if self.state["stuck"] else 1
         if tl is not None:  # every CTA reaches every event, 1 us apart, the first CTA 0.5 us early
             tl.zero_()
             tl[:, :len(EVENTS)] = 10_000 + 1000 * torch.arange(len(EVENTS))
@@ -76,10 +77,10 @@ def fakes(monkeypatch):
     import moe_aot.runtime.library as library
     import moe_aot.runtime.store as store
 
-    state = {"specs": [], "timeline": False, "calls": []}
+    state = {"specs": [], "timeline": False, "calls": [], "sync": "grid", "stuck": False}
     monkeypatch.setattr(check_decode, "_specs", lambda precision, models: state["specs"])
     monkeypatch.setattr(library.KernelLibrary, "from_dir", staticmethod(
-        lambda path: _Decode(dict(state["specs"])[path.name], state["timeline"], state["calls"])))
+        lambda path: _Decode(dict(state["specs"])[path.name], state)))
     monkeypatch.setattr(layer_mod, "MoeLayer", _Layer)
     monkeypatch.setattr(store, "KernelStore", lambda: None)
     monkeypatch.setattr(measure, "graph_times_us", lambda fns, replays: [f() or 10.0 for f in fns])
@@ -128,6 +129,23 @@ def test_timeline_builds_report_each_event(fakes, tmp_path, monkeypatch):
     (row,) = json.loads((tmp_path / "o" / "decode.json").read_text())
     # [first CTA, median, last] in us after the first CTA's entry
     assert row["timeline_us"] == {ev: [k, k + 0.5, k + 0.5] for k, ev in enumerate(EVENTS)}
+
+
+@pytest.mark.parametrize("sync, stuck", [("group", False), ("grid", True)])
+def test_the_barrier_words_are_sized_and_checked(sync, stuck, fakes, tmp_path, monkeypatch):
+    """sync="group" builds get bar [2 + 2 * pairs]; a launch that leaves the generation where it
+    was (a barrier that did not complete) fails the point."""
+    fakes["specs"], fakes["sync"], fakes["stuck"] = [("tiny", _tiny("bf16"))], sync, stuck
+    kdir = tmp_path / "k"
+    (kdir / "tiny").mkdir(parents=True)
+    (kdir / "build.json").write_text(json.dumps({"precision": "bf16", "max_tokens": 2, "ctas": 4, "sync": sync}))
+    monkeypatch.setattr(sys, "argv", ["check_decode.py", "--run", str(kdir), "--out", str(tmp_path / "o"),
+                                      "--replays", "1"])
+    with pytest.raises(SystemExit) as done:
+        check_decode.main()
+    rows = json.loads((tmp_path / "o" / "decode.json").read_text())
+    assert done.value.code == (1 if stuck else 0)
+    assert all(r["ok"] != stuck and r["barrier_ok"] != stuck for r in rows)
 
 
 def test_run_refuses_what_the_build_cannot_do(tmp_path, monkeypatch, capsys):

@@ -91,6 +91,23 @@ def test_decode_timeline_build_records_every_event(tmp_path):
             assert "globaltimer" not in body
 
 
+@pytest.mark.parametrize("producer", ["bulk", "cpasync"])
+def test_decode_group_sync_compiles(producer, tmp_path):
+    """sync="group": bar holds the end-of-launch counter and generation plus two banks of per-group
+    counters; phase-1 units arrive on their group's counter, the producer polls (bounded: a count
+    that never completes traps instead of hanging), and the generation moves at the launch's end."""
+    obj = MoeDecode(128, 2048, 768, 8, max_tokens=4, producer=producer, sync="group")
+    args = dict(obj.fake_arguments())
+    assert tuple(args["bar"].shape) == (2 + 2 * 4 * 8,)
+    ptx = cute.compile(obj, *args.values(),
+                       options=f"--gpu-arch sm_90a --keep-ptx --dump-dir {tmp_path}").__ptx__
+    body = ptx[ptx.index(".entry"):]
+    assert "trap;" in body and "atom.global.acq_rel.add" in body and "ld.acquire.gpu" in body
+    assert "fence.proxy.async.global" in body and ".local" not in body
+    with pytest.raises(ValueError, match="sync"):
+        MoeDecode(128, 2048, 768, 8, sync="none")
+
+
 def test_decode_refusals():
     ok, why = MoeDecode.can_implement(128, 2048, 768, 8, activation="relu")
     assert not ok and "activation" in why

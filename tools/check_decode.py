@@ -101,7 +101,7 @@ def _timeline(call, sets, tl, events: list[str], launches: int = 20) -> dict:
 
 def run_all(kdir: Path, out: Path, replays: int, profile: bool = False, max_tokens: int = MAX_TOKENS,
             models: list[str] = MODELS, precision: str = "bf16", built_tokens: int = MAX_TOKENS,
-            timeline: tuple[int, list[str]] | None = None) -> int:
+            timeline: tuple[int, list[str]] | None = None, sync: str = "grid") -> int:
     import torch
 
     from moe_aot.harness.measure import graph_times_us, input_sets
@@ -130,7 +130,8 @@ def run_all(kdir: Path, out: Path, replays: int, profile: bool = False, max_toke
             reference = lambda x, tw, ids, a=wargs: _fp8_weight_reference(spec, x, *a, tw, ids)  # noqa: E731
         P = built_tokens * spec.top_k  # h as the kernels were compiled for
         h = torch.empty(P, spec.intermediate, device=dev, dtype=torch.bfloat16)
-        bar = torch.zeros(2, device=dev, dtype=torch.int32)
+        # the grid barrier's counter and generation (sync="group": then two banks of group counters)
+        bar = torch.zeros(2 if sync == "grid" else 2 + 2 * P, device=dev, dtype=torch.int32)
         # timeline builds take tl [ctas, 16] int64 last
         extra = (torch.zeros(timeline[0], 16, device=dev, dtype=torch.int64),) if timeline else ()
         call = lambda x, tw, ids, o, a=wargs, b=biases: dec(x, *a, tw, ids, o, h, bar, *b, *extra)  # noqa: E731
@@ -144,6 +145,7 @@ def run_all(kdir: Path, out: Path, replays: int, profile: bool = False, max_toke
             bad = ids0.clone()
             bad[0, 0], bad[-1, -1] = -1, spec.experts
             same = ids0[:1].expand(M, -1).contiguous()
+            gen0 = int(bar[1].item())
             for x, tw, ids, o in [*sets[:2], (x0, tw0, bad, o0), (x0, tw0, same, o0)]:
                 o.fill_(float("nan"))
                 h.fill_(float("nan"))
@@ -155,7 +157,10 @@ def run_all(kdir: Path, out: Path, replays: int, profile: bool = False, max_toke
                     err_math = rel_err(o, layer_reference(spec, x, w13, w2, tw, ids))
             err = max(e for e, _ in errs)
             row = max(r for _, r in errs)
-            ok = err <= 1e-2 and row <= 3e-2
+            # every launch ends with its counter back at zero and the generation one further
+            # (the barrier / end-of-launch counter is reusable without a reset: CUDA-graph safe)
+            synced = int(bar[0].item()) == 0 and int(bar[1].item()) - gen0 == 4
+            ok = err <= 1e-2 and row <= 3e-2 and synced
             if profile:  # one more launch in an NVTX range for Nsight Compute, no timing
                 x, tw, ids, o = sets[0]
                 torch.cuda.nvtx.range_push(f"prof_decode_{model}_{M}")
@@ -166,7 +171,7 @@ def run_all(kdir: Path, out: Path, replays: int, profile: bool = False, max_toke
                 failures += not ok
                 break
             res = {"model": model, "precision": spec.precision, "tokens": M, "rel_err": err, "row_rel_err": row,
-                   "rel_err_vs_layer_math": err_math, "ok": ok,
+                   "rel_err_vs_layer_math": err_math, "ok": ok, "barrier_ok": synced,
                    "barrier_generation": int(bar[1].item()), "barrier_count": int(bar[0].item())}
             if ok:
                 t_dec = statistics.median(graph_times_us(
@@ -211,6 +216,8 @@ def main():
     ap.add_argument("--precision", default=None, choices=["bf16", "fp8", "fp8-block128"],
                     help="--compile: weights in bf16 (default), or e4m3 with the fp8 layer's scales; --run "
                     "takes the precision the directory was compiled for (its build.json)")
+    ap.add_argument("--sync", default="grid", choices=["grid", "group"], help="--compile: h complete after one "
+                    "grid barrier, or per expert group (templates/decode.py SYNCS)")
     ap.add_argument("--timeline", action="store_true", help="--compile: a measuring build whose CTAs record "
                     "the global timer at each step (templates/decode.py TIMELINE); --run reports it per point")
     ap.add_argument("--profile", action="store_true", help="one launch per model at 1 token in an NVTX range "
@@ -218,7 +225,7 @@ def main():
     ns = ap.parse_args()
     if ns.compile:
         compile_all(ns.compile, ns.precision or "bf16", max_tokens=ns.max_tokens or MAX_TOKENS, warps=ns.warps,
-                    seg_bytes=ns.seg_bytes, producer=ns.producer, timeline=ns.timeline)
+                    seg_bytes=ns.seg_bytes, producer=ns.producer, timeline=ns.timeline, sync=ns.sync)
     if ns.run:
         meta = ns.run / "build.json"
         build = json.loads(meta.read_text()) if meta.exists() else {"precision": "bf16", "max_tokens": MAX_TOKENS}
@@ -229,7 +236,8 @@ def main():
         ns.precision, ns.max_tokens = build["precision"], ns.max_tokens or build["max_tokens"]
         sys.exit(run_all(ns.run, ns.out, ns.replays, ns.profile, ns.max_tokens, ns.models.split(","),
                          ns.precision, build["max_tokens"],
-                         (build["ctas"], build["events"]) if build.get("timeline") else None))
+                         (build["ctas"], build["events"]) if build.get("timeline") else None,
+                         build.get("sync", "grid")))
     if not ns.compile and not ns.run:
         ap.error("give --compile DIR and/or --run DIR")
 
