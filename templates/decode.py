@@ -431,13 +431,19 @@ class MoeDecode:
                         _trap()
                     k = k + 1
                 self._mark(mTl, bid, "barrier_passed")
-            if const_expr(self.producer == "bulk"):
-                cute.arch.sync_warp()
-            else:
-                cute.arch.barrier(barrier_id=2, number_of_threads=self.pwarps * _WARP)
-            cute.arch.fence_proxy("async.global")
+            self._producers_see_h()
             ready = gi + 1
         return ready
+
+    @cute.jit
+    def _producers_see_h(self):
+        """After producer thread 0 has seen h complete: the producer threads meet, then order their
+        coming bulk / cp.async reads of h after it (the async proxy)."""
+        if const_expr(self.producer == "bulk"):
+            cute.arch.sync_warp()
+        else:
+            cute.arch.barrier(barrier_id=2, number_of_threads=self.pwarps * _WARP)
+        cute.arch.fence_proxy("async.global")
 
     @cute.jit
     def _mark(self, mTl, bid, event: str):
@@ -789,11 +795,7 @@ class MoeDecode:
                 while now == seen:
                     now = cute.arch.load(mBar.iterator + 1, Int32, sem="acquire", scope="gpu")
                 self._mark(mTl, bid, "barrier_passed")
-            if const_expr(self.producer == "bulk"):
-                cute.arch.sync_warp()
-            else:
-                cute.arch.barrier(barrier_id=2, number_of_threads=self.pwarps * _WARP)
-            cute.arch.fence_proxy("async.global")
+            self._producers_see_h()
         for jj in range(pend):
             st = (first + jj) % S
             gi = (jj % per_unit) // nseg2
