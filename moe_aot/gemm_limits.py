@@ -862,3 +862,85 @@ def check_bs_umma(role, precision, n, k, tile_m, tile_n, tile_k, stages, arch=No
         if need > cap:
             return False, f"{precision} umma: needs {need} B of shared memory per block, {arch} allows {cap}"
     return True, ""
+
+
+# The one-launch decode kernel (templates/decode.py; measured, not served yet): its rules here, so
+# that a variant of it can be checked without the DSL.
+DECODE_ARCH = "sm_90a"  # bulk copies, mbarrier transaction counts, cooperative launch
+DECODE_PRECISIONS = ("bf16",) + FP8  # weights; x and h stay bf16 / fp32
+DECODE_WARPS = (4, 8, 16)  # consumer warps: h / output columns per unit
+# the producer warps of each way of filling a stage: "bulk", one warp of 1-D bulk copies (transaction
+# bytes on the full barrier); "cpasync", four warps of 16-byte cp.async arriving when theirs land
+DECODE_PRODUCERS = {"bulk": 1, "cpasync": 4}
+DECODE_SYNCS = ("grid", "group")  # h complete: one grid barrier, or a counter per expert group
+DECODE_MAX_STAGES = 10
+DECODE_CHUNK = 16  # bytes of a weight row a lane loads at a time
+DECODE_MAX_PAIRS = 64
+
+
+def decode_weight_bytes(precision: str) -> int:
+    return 1 if precision in FP8 else 2
+
+
+def decode_segments(hidden, intermediate, seg_bytes, precision="bf16") -> tuple[int, int]:
+    """Weight elements per row segment of w13 (of H) and of w2 (of I): the longest that divides the
+    row, fits seg_bytes and is made of whole 16-byte loads (0 where none does)."""
+    wb = decode_weight_bytes(precision)
+    step = DECODE_CHUNK // wb
+
+    def seg(length):
+        return max((d for d in range(step, min(length, seg_bytes // wb) + 1, step) if length % d == 0), default=0)
+
+    return seg(hidden), seg(intermediate)
+
+
+def decode_layout(hidden, intermediate, max_tokens, warps, stages, seg_bytes, precision="bf16"):
+    """(bytes per ring stage, fp32 elements of x, stages): a phase-1 stage holds ``warps`` row
+    segments of w13, a phase-2 stage ``warps`` of w2 plus max_tokens segments of h (bf16); stages=0
+    takes as many as shared memory holds (at most DECODE_MAX_STAGES)."""
+    seg1, seg2 = decode_segments(hidden, intermediate, seg_bytes, precision)
+    wb = decode_weight_bytes(precision)
+    nbytes = max(warps * seg1 * wb, warps * seg2 * wb + max_tokens * seg2 * 2, 1)
+    nbytes = -(-nbytes // 128) * 128  # 128-byte aligned stages
+    x_elems = -(-max_tokens * hidden // 32) * 32  # fp32
+    acc = 2 * warps * 32 * max_tokens * 4 if max_tokens > 1 else 0  # per-lane slot accumulators
+    room = SMEM_CAPACITY[DECODE_ARCH] - 4 * x_elems - acc - 2048  # barriers and the group tables
+    fit = room // nbytes
+    return nbytes, x_elems, (min(fit, DECODE_MAX_STAGES) if stages == 0 else stages)
+
+
+def check_decode(num_experts, hidden, intermediate, top_k, activation="swiglu", interleave=16, max_tokens=4,
+                 warps=8, stages=0, seg_bytes=2048, ctas=132, arch=None, precision="bf16", producer="bulk",
+                 sync="grid") -> tuple[bool, str]:
+    """(ok, reason) of a one-launch decode kernel for this layer and these choices."""
+    if precision not in DECODE_PRECISIONS:
+        return False, f"precision {precision!r} must be one of {DECODE_PRECISIONS}"
+    if producer not in DECODE_PRODUCERS:
+        return False, f"producer {producer!r} must be one of {sorted(DECODE_PRODUCERS)}"
+    if sync not in DECODE_SYNCS:
+        return False, f"sync {sync!r} must be one of {DECODE_SYNCS}"
+    if activation not in ACTIVATIONS:
+        return False, f"activation {activation!r} must be one of {ACTIVATIONS}"
+    step = DECODE_CHUNK // decode_weight_bytes(precision)
+    if hidden % step or intermediate % step:
+        return False, (f"hidden {hidden} and intermediate {intermediate} must be multiples of {step} "
+                       f"({precision}: whole 16-byte loads)")
+    if precision == "fp8-block128" and (hidden % SCALE_BLOCK or intermediate % SCALE_BLOCK or SCALE_BLOCK % interleave):
+        return False, (f"fp8-block128: hidden {hidden} and intermediate {intermediate} must be multiples of "
+                       f"{SCALE_BLOCK} and interleave {interleave} divide it (the 128x128 scale blocks)")
+    if warps not in DECODE_WARPS or interleave % warps or intermediate % interleave or hidden % warps:
+        return False, (f"warps {warps} must be one of {DECODE_WARPS} and divide interleave {interleave} and hidden "
+                       f"{hidden}, and interleave divide intermediate {intermediate}")
+    if not 1 <= max_tokens <= 8 or max_tokens * top_k > DECODE_MAX_PAIRS:
+        return False, f"max_tokens {max_tokens} must be in 1..8 with max_tokens*top_k <= {DECODE_MAX_PAIRS}"
+    if not 1 <= ctas <= 1024:
+        return False, f"ctas {ctas} must be in 1..1024"
+    if seg_bytes % 16 or seg_bytes < 16:
+        return False, f"seg_bytes {seg_bytes} must be a positive multiple of 16"
+    _, _, fit = decode_layout(hidden, intermediate, max_tokens, warps, 0, seg_bytes, precision)
+    if fit < 2 or stages > fit or (stages and stages < 2):
+        return False, (f"{max(stages, 2)} stages of weight segments and x of {max_tokens} tokens do not fit "
+                       f"shared memory ({fit} stages fit)")
+    if arch is not None and arch != DECODE_ARCH:
+        return False, f"the cooperative decode kernel is built for {DECODE_ARCH}, not {arch}"
+    return True, ""

@@ -82,18 +82,11 @@ from .grouped_gemm import glu_act
 
 _WARP = 32
 _VEC = 8  # elements per fp32 vector step of _dots (one 16-byte load of bf16)
-_CHUNK = 16  # bytes of weights a lane loads at a time
-_SMEM = 227 * 1024  # shared memory per CTA on sm_90a
-MAX_STAGES = 10
-# How the producer fills a stage: "bulk", one warp whose lanes issue one 1-D bulk copy per row
-# segment (transaction bytes on the full barrier); "cpasync", four warps whose threads issue 16-byte
-# cp.async copies of the stage and arrive on the full barrier when their copies land (noinc).
-PRODUCERS = {"bulk": 1, "cpasync": 4}
-# Weight formats: bf16, or e4m3 with the fp8 layer's scales (gemm_limits: "fp8" one fp32 scale per
-# expert for gate, up and down; "fp8-block128" one per 128x128 block). Only the weights are fp8:
-# x and h stay bf16 / fp32 (no tensor cores run here, so quantizing them would cost accuracy and
-# instructions for nothing).
-PRECISIONS = ("bf16",) + limits.FP8
+_CHUNK = limits.DECODE_CHUNK  # bytes of a weight row a lane loads at a time
+# the rules (precisions, producers, syncs, segments, the ring's layout) are gemm_limits' (DSL-free)
+PRODUCERS = limits.DECODE_PRODUCERS
+PRECISIONS = limits.DECODE_PRECISIONS
+SYNCS = limits.DECODE_SYNCS
 SB = limits.SCALE_BLOCK
 # timeline=True (a measuring build, never served): each CTA writes the %globaltimer (ns) of these
 # events into tl[cta, event] (int64 [ctas, 16], zeroed by the caller; events a CTA does not reach
@@ -101,11 +94,10 @@ SB = limits.SCALE_BLOCK
 TIMELINE = ("entry", "tables", "producer_first_issue", "x_loaded", "first_stage_full", "phase1_done",
             "barrier_passed", "phase2_first_full", "end")
 TIMELINE_COLS = 16
-# How the producers learn that h is complete: "grid", one grid barrier after phase 1 (bar int32[2]);
-# "group", a counter per expert group that each phase-1 unit bumps when its h columns are written,
-# so the producer copies a group's h as soon as that group is done (bar int32[2 + 2 * pairs]: the
-# end-of-launch counter and generation, then two banks of group counters used by alternate launches).
-SYNCS = ("grid", "group")
+# sync: how the producers learn that h is complete: "grid", one grid barrier after phase 1 (bar
+# int32[2]); "group", a counter per expert group that each phase-1 unit bumps when its h columns are
+# written, so the producer copies a group's h as soon as that group is done (bar int32[2 + 2 * pairs]:
+# the end-of-launch counter and generation, then two banks of group counters for alternate launches).
 _SPIN_LIMIT = 1 << 26  # polls of a group counter before the kernel traps (a broken count, not a hang)
 
 
@@ -115,98 +107,31 @@ def _trap(*, loc=None, ip=None):
                     asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
 
 
-def _segment(length: int, most: int, step: int) -> int:
-    """The longest multiple of ``step`` that divides ``length`` and is at most ``most`` elements."""
-    best = 0
-    for d in range(step, min(length, most) + 1, step):
-        if length % d == 0:
-            best = d
-    return best
-
-
 class MoeDecode:
     def __init__(self, num_experts: int, hidden: int, intermediate: int, top_k: int,
                  activation: str = "swiglu", interleave: int = 16, max_tokens: int = 4,
                  warps: int = 8, stages: int = 0, seg_bytes: int = 2048, ctas: int = 132, bias: bool = False,
                  producer: str = "bulk", precision: str = "bf16", timeline: bool = False, sync: str = "grid"):
-        if producer not in PRODUCERS:
-            raise ValueError(f"producer {producer!r} must be one of {sorted(PRODUCERS)}")
-        if sync not in SYNCS:
-            raise ValueError(f"sync {sync!r} must be one of {SYNCS}")
-        self.sync = sync
         ok, why = self.can_implement(num_experts, hidden, intermediate, top_k, activation, interleave,
-                                     max_tokens, warps, stages, seg_bytes, ctas, precision=precision)
+                                     max_tokens, warps, stages, seg_bytes, ctas, precision=precision,
+                                     producer=producer, sync=sync)
         if not ok:
             raise ValueError(why)
         self.num_experts, self.hidden, self.intermediate, self.top_k = num_experts, hidden, intermediate, top_k
         self.activation, self.interleave, self.max_tokens = activation, interleave, max_tokens
-        self.warps, self.ctas, self.bias, self.timeline = warps, ctas, bool(bias), bool(timeline)
+        self.warps, self.ctas, self.bias, self.timeline, self.sync = warps, ctas, bool(bias), bool(timeline), sync
         self.producer, self.pwarps = producer, PRODUCERS[producer]
         self.precision, self.fp8, self.block = precision, precision in limits.FP8, precision == "fp8-block128"
         self.wdt = Float8E4M3FN if self.fp8 else BFloat16
-        self.wvec = _CHUNK // self._wbytes(precision)  # weight elements per 16-byte load
+        self.wvec = _CHUNK // limits.decode_weight_bytes(precision)  # weight elements per 16-byte load
         self.threads = (warps + self.pwarps) * _WARP  # warps consumers, then the producer warp(s)
         self.pairs = max_tokens * top_k
         self.bar_words = 2 if sync == "grid" else 2 + 2 * self.pairs
-        self.seg1, self.seg2 = self._segments(hidden, intermediate, seg_bytes, precision)
-        self.stage_bytes, self.x_elems, self.stages = self._layout(hidden, intermediate, max_tokens, warps, stages,
-                                                                   seg_bytes, precision)
+        self.seg1, self.seg2 = limits.decode_segments(hidden, intermediate, seg_bytes, precision)
+        self.stage_bytes, self.x_elems, self.stages = limits.decode_layout(hidden, intermediate, max_tokens, warps,
+                                                                           stages, seg_bytes, precision)
 
-    @staticmethod
-    def _wbytes(precision):
-        return 1 if precision in limits.FP8 else 2
-
-    @classmethod
-    def _segments(cls, hidden, intermediate, seg_bytes, precision):
-        """Weight elements per row segment of w13 (of H) and of w2 (of I): one copy of at most
-        seg_bytes that divides the row, in whole 16-byte loads."""
-        wb = cls._wbytes(precision)
-        return (_segment(hidden, seg_bytes // wb, _CHUNK // wb), _segment(intermediate, seg_bytes // wb, _CHUNK // wb))
-
-    @classmethod
-    def _layout(cls, hidden, intermediate, max_tokens, warps, stages, seg_bytes, precision="bf16"):
-        """(bytes per stage, fp32 elements of x, stages): a phase-1 stage holds ``warps`` row
-        segments of w13, a phase-2 stage ``warps`` of w2 plus max_tokens segments of h (bf16)."""
-        seg1, seg2 = cls._segments(hidden, intermediate, seg_bytes, precision)
-        wb = cls._wbytes(precision)
-        nbytes = max(warps * seg1 * wb, warps * seg2 * wb + max_tokens * seg2 * 2)
-        nbytes = -(-nbytes // 128) * 128  # 128-byte aligned stages
-        x_elems = -(-max_tokens * hidden // 32) * 32  # fp32
-        acc = 2 * warps * _WARP * max_tokens * 4 if max_tokens > 1 else 0  # slot accumulators (_dots)
-        room = _SMEM - 4 * x_elems - acc - 2048  # barriers and the group tables
-        fit = room // nbytes
-        return nbytes, x_elems, (min(fit, MAX_STAGES) if stages == 0 else stages)
-
-    @classmethod
-    def can_implement(cls, num_experts, hidden, intermediate, top_k, activation="swiglu", interleave=16,
-                      max_tokens=4, warps=8, stages=0, seg_bytes=2048, ctas=132, arch=None, precision="bf16"):
-        if precision not in PRECISIONS:
-            return False, f"precision {precision!r} must be one of {PRECISIONS}"
-        if activation not in ("swiglu", "geglu", "swigluoai"):
-            return False, f"activation {activation!r} must be 'swiglu', 'geglu' or 'swigluoai'"
-        step = _CHUNK // cls._wbytes(precision)
-        if hidden % step or intermediate % step:
-            return False, (f"hidden {hidden} and intermediate {intermediate} must be multiples of {step} "
-                           f"({precision}: whole 16-byte loads)")
-        if precision == "fp8-block128" and (hidden % SB or intermediate % SB or SB % interleave):
-            return False, (f"fp8-block128: hidden {hidden} and intermediate {intermediate} must be multiples of "
-                           f"{SB} and interleave {interleave} divide it (the 128x128 scale blocks)")
-        if warps not in (4, 8, 16) or interleave % warps or intermediate % interleave or hidden % warps:
-            return False, (f"warps {warps} must be 4, 8 or 16 and divide interleave {interleave} and hidden "
-                           f"{hidden}, and interleave divide intermediate {intermediate}")
-        if not 1 <= max_tokens <= 8 or max_tokens * top_k > 64:
-            return False, f"max_tokens {max_tokens} must be in 1..8 with max_tokens*top_k <= 64"
-        if not 1 <= ctas <= 1024:
-            return False, f"ctas {ctas} must be in 1..1024"
-        if seg_bytes % 16 or seg_bytes < 16:
-            return False, f"seg_bytes {seg_bytes} must be a positive multiple of 16"
-        _, _, fit = cls._layout(hidden, intermediate, max_tokens, warps, 0, seg_bytes, precision)
-        if fit < 2 or stages > fit or (stages and stages < 2):
-            return False, (f"{max(stages, 2)} stages of weight segments and x of {max_tokens} tokens do not fit "
-                           f"shared memory ({fit} stages fit)")
-        if arch is not None and arch != "sm_90a":
-            return False, f"the cooperative decode kernel is built for sm_90a, not {arch}"
-        return True, ""
+    can_implement = staticmethod(limits.check_decode)
 
     def fake_arguments(self):
         m = cute.sym_int32(symbol="M")
