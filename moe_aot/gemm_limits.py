@@ -913,14 +913,11 @@ def check_decode(num_experts, hidden, intermediate, top_k, activation="swiglu", 
                  warps=8, stages=0, seg_bytes=2048, ctas=132, arch=None, precision="bf16", producer="bulk",
                  sync="grid") -> tuple[bool, str]:
     """(ok, reason) of a one-launch decode kernel for this layer and these choices."""
-    if precision not in DECODE_PRECISIONS:
-        return False, f"precision {precision!r} must be one of {DECODE_PRECISIONS}"
-    if producer not in DECODE_PRODUCERS:
-        return False, f"producer {producer!r} must be one of {sorted(DECODE_PRODUCERS)}"
-    if sync not in DECODE_SYNCS:
-        return False, f"sync {sync!r} must be one of {DECODE_SYNCS}"
-    if activation not in ACTIVATIONS:
-        return False, f"activation {activation!r} must be one of {ACTIVATIONS}"
+    for name, value, allowed in (("precision", precision, DECODE_PRECISIONS),
+                                 ("producer", producer, tuple(DECODE_PRODUCERS)),
+                                 ("sync", sync, DECODE_SYNCS), ("activation", activation, ACTIVATIONS)):
+        if value not in allowed:
+            return False, f"{name} {value!r} must be one of {allowed}"
     step = DECODE_CHUNK // decode_weight_bytes(precision)
     if hidden % step or intermediate % step:
         return False, (f"hidden {hidden} and intermediate {intermediate} must be multiples of {step} "
