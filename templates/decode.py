@@ -210,10 +210,12 @@ class MoeDecode:
         each row once. The row's 16-byte chunks (8 bf16 or 16 e4m3 weights) are loaded and
         converted once, then each slot's vector (fp32 x, or bf16 h) is streamed against them, 8
         elements at a time; with block scales (sc, one per chunk) each chunk's products are summed
-        and then scaled. One slot (max_tokens 1): acc is 8 registers per lane. More: the slots are
-        a loop over nvalid with acc in shared memory (one float per lane and slot): unrolled
-        per-slot branches get if-converted, and every slot's unpack and FFMAs then issue predicated
-        whatever the token count (NOTES, 2026-12-04 decode call 4)."""
+        and then scaled. acc is (8 registers per lane, this lane's row of slot accumulators in shared
+        memory or None; see _acc). A group of one filled slot (always at max_tokens 1, and most
+        groups at a few tokens over many experts) accumulates in the registers; a group of more
+        loops over its slots with the accumulators in shared memory (one float per lane and slot):
+        unrolled per-slot branches get if-converted, and every slot's unpack and FFMAs then issue
+        predicated whatever the token count (NOTES, 2026-12-04 decode call 4)."""
         V = self.wvec
         nch = -(-length // (V * _WARP))
         w = cute.make_rmem_tensor(cute.make_layout((V, nch)), Float32)
@@ -221,22 +223,31 @@ class MoeDecode:
             c = lane + i * _WARP
             if const_expr((i + 1) * _WARP * V <= length) or c * V < length:
                 w[None, i].store(cute.local_tile(row, (V,), (c,)).load().to(Float32))
+        racc, sacc = acc
         if const_expr(self.max_tokens == 1):
-            vec = vec_of(0)
-            for i in cutlass.range_constexpr(nch):
-                c = lane + i * _WARP
-                if const_expr((i + 1) * _WARP * V <= length) or c * V < length:
-                    self._chunk(w, i, vec, c, acc[None, 0], sc)
+            self._dots_one(w, nch, length, lane, vec_of(0), racc, sc)
         else:
-            part = cute.make_rmem_tensor(cute.make_layout(_VEC), Float32)
-            for m in range(nvalid):
-                vec = vec_of(m)
-                part.fill(0.0)
-                for i in cutlass.range_constexpr(nch):
-                    c = lane + i * _WARP
-                    if const_expr((i + 1) * _WARP * V <= length) or c * V < length:
-                        self._chunk(w, i, vec, c, part, sc)
-                acc[m] = acc[m] + part.load().reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+            if nvalid == 1:
+                self._dots_one(w, nch, length, lane, vec_of(0), racc, sc)
+            else:
+                part = cute.make_rmem_tensor(cute.make_layout(_VEC), Float32)
+                for m in range(nvalid):
+                    vec = vec_of(m)
+                    part.fill(0.0)
+                    for i in cutlass.range_constexpr(nch):
+                        c = lane + i * _WARP
+                        if const_expr((i + 1) * _WARP * V <= length) or c * V < length:
+                            self._chunk(w, i, vec, c, part, sc)
+                    sacc[m] = sacc[m] + part.load().reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+
+    @cute.jit
+    def _dots_one(self, w, nch: int, length: int, lane, vec, racc, sc):
+        """One slot's share of _dots, into the register accumulators."""
+        V = self.wvec
+        for i in cutlass.range_constexpr(nch):
+            c = lane + i * _WARP
+            if const_expr((i + 1) * _WARP * V <= length) or c * V < length:
+                self._chunk(w, i, vec, c, racc[None, 0], sc)
 
     @cute.jit
     def _chunk(self, w, i: int, vec, c, dst, sc):
@@ -259,22 +270,23 @@ class MoeDecode:
 
     @cute.jit
     def _acc(self, s_acc, which: int, warp, lane):
-        """Slot accumulators ``which`` (0: gate / y, 1: up) of this lane: registers for one slot,
-        else this lane's row of s_acc."""
+        """Accumulators ``which`` (0: gate / y, 1: up) of this lane: (8 registers for a group of one
+        filled slot, this lane's row of s_acc for groups of more; None at max_tokens 1)."""
+        racc = cute.make_rmem_tensor(cute.make_layout((_VEC, 1)), Float32)
         if const_expr(self.max_tokens == 1):
-            return cute.make_rmem_tensor(cute.make_layout((_VEC, 1)), Float32)
+            return racc, None
         else:
             MT = self.max_tokens
-            return cute.make_tensor(s_acc.iterator + ((which * self.warps + warp) * _WARP + lane) * MT,
-                                    cute.make_layout(MT))
+            return racc, cute.make_tensor(s_acc.iterator + ((which * self.warps + warp) * _WARP + lane) * MT,
+                                          cute.make_layout(MT))
 
     @cute.jit
     def _zero(self, acc):
-        if const_expr(self.max_tokens == 1):
-            acc.fill(0.0)
-        else:
+        racc, sacc = acc
+        racc.fill(0.0)
+        if const_expr(self.max_tokens > 1):
             for m in cutlass.range_constexpr(self.max_tokens):
-                acc[m] = Float32(0.0)
+                sacc[m] = Float32(0.0)
 
     @cute.jit
     def _advance(self, idx, phase):
@@ -294,12 +306,16 @@ class MoeDecode:
             cute.arch.mbarrier_arrive(bar)
 
     @cute.jit
-    def _finish(self, acc, m):
+    def _finish(self, acc, m: int, nvalid):
         """The whole row's dot product for slot m, in every lane of the warp."""
+        racc, sacc = acc
         if const_expr(self.max_tokens == 1):
-            part = acc[None, m].load().reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+            part = racc[None, 0].load().reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
         else:
-            part = acc[m]
+            part = sacc[m]
+            if const_expr(m == 0):
+                if nvalid == 1:
+                    part = racc[None, 0].load().reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
         return cute.arch.warp_reduction(part, lambda a, b: a + b)
 
     @cute.jit
@@ -590,8 +606,8 @@ class MoeDecode:
                 c = blk * W + warp
                 gate_row = (c // g) * 2 * g + c % g
                 for m in cutlass.range_constexpr(MT):
-                    gs = self._finish(acc_g, m)
-                    us = self._finish(acc_u, m)
+                    gs = self._finish(acc_g, m, nvalid)
+                    us = self._finish(acc_u, m, nvalid)
                     if const_expr(self.fp8 and not self.block):
                         gs, us = gs * sg, us * su
                     if lane == 0 and slots[m] >= 0:
@@ -634,7 +650,7 @@ class MoeDecode:
                         self._release(empty + idx, lane)
                         idx, phase = self._advance(idx, phase)
                     for m in cutlass.range_constexpr(MT):
-                        y = self._finish(acc, m)
+                        y = self._finish(acc, m, nvalid)
                         if const_expr(self.fp8 and not self.block):
                             y = y * sd
                         q = slots[m]
