@@ -48,12 +48,15 @@ Groups: the pairs of one expert, up to ``max_tokens`` of them in pair order (mor
 only if a token repeats an expert), read the expert's rows once. Ids outside [0, E) contribute
 nothing; a token with no valid pair gets zeros. x is held in fp32 (only weights are unpacked);
 a kernel for one token keeps its accumulators in registers, one for more loops over each group's
-filled slots with per-lane accumulators in shared memory (see _dots).
+filled slots with per-lane accumulators in shared memory where a group has more than one (see
+_dots).
 
 Measured (H200, 2026-12-04, tools/check_decode.py; NOTES "twenty-first session"): correct at 1-4
 tokens for the five presets, memcheck clean; at 1 token the bulk producer with one slot runs at
-0.83-0.97x the four-kernel layer's speed (DRAM 55-77% of peak). The cp.async producer and the
-fp8 weights are compiled and not yet run on a GPU.
+0.83-0.97x the four-kernel layer's speed (DRAM 55-77% of peak). Not yet run on a GPU (twenty-second
+session, no device lent): the cp.async producer, fp8 weights, x loaded by the consumers after the
+prologue, sync="group", timeline builds, and the register path of one-slot groups in multi-token
+builds.
 
 Constraints:
   * sm_90a (bulk copies, mbarrier transaction counts, cooperative launch).
