@@ -126,7 +126,8 @@ class MoeDecode:
         self.producer, self.pwarps = producer, PRODUCERS[producer]
         self.precision, self.fp8, self.block = precision, precision in limits.FP8, precision == "fp8-block128"
         self.wdt = Float8E4M3FN if self.fp8 else BFloat16
-        self.wvec = _CHUNK // limits.decode_weight_bytes(precision)  # weight elements per 16-byte load
+        self.wbytes = limits.decode_weight_bytes(precision)  # bytes per weight element
+        self.wvec = _CHUNK // self.wbytes  # weight elements per 16-byte load
         self.threads = (warps + self.pwarps) * _WARP  # warps consumers, then the producer warp(s)
         self.pairs = max_tokens * top_k
         self.bar_words = 2 if sync == "grid" else 2 + 2 * self.pairs
@@ -228,29 +229,25 @@ class MoeDecode:
                 w[None, i].store(cute.local_tile(row, (V,), (c,)).load().to(Float32))
         racc, sacc = acc
         if const_expr(self.max_tokens == 1):
-            self._dots_one(w, nch, length, lane, vec_of(0), racc, sc)
+            self._dots_one(w, nch, length, lane, vec_of(0), racc[None, 0], sc)
         else:
             if nvalid == 1:
-                self._dots_one(w, nch, length, lane, vec_of(0), racc, sc)
+                self._dots_one(w, nch, length, lane, vec_of(0), racc[None, 0], sc)
             else:
                 part = cute.make_rmem_tensor(cute.make_layout(_VEC), Float32)
                 for m in range(nvalid):
-                    vec = vec_of(m)
                     part.fill(0.0)
-                    for i in cutlass.range_constexpr(nch):
-                        c = lane + i * _WARP
-                        if const_expr((i + 1) * _WARP * V <= length) or c * V < length:
-                            self._chunk(w, i, vec, c, part, sc)
+                    self._dots_one(w, nch, length, lane, vec_of(m), part, sc)
                     sacc[m] = sacc[m] + part.load().reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
 
     @cute.jit
-    def _dots_one(self, w, nch: int, length: int, lane, vec, racc, sc):
-        """One slot's share of _dots, into the register accumulators."""
+    def _dots_one(self, w, nch: int, length: int, lane, vec, dst, sc):
+        """One slot's share of _dots: dst (8 fp32) += the lane's chunks of the row times vec's."""
         V = self.wvec
         for i in cutlass.range_constexpr(nch):
             c = lane + i * _WARP
             if const_expr((i + 1) * _WARP * V <= length) or c * V < length:
-                self._chunk(w, i, vec, c, racc[None, 0], sc)
+                self._chunk(w, i, vec, c, dst, sc)
 
     @cute.jit
     def _chunk(self, w, i: int, vec, c, dst, sc):
@@ -433,7 +430,7 @@ class MoeDecode:
         M = cute.size(mX, mode=[0])
         K, H, I, g, W, MT = self.top_k, self.hidden, self.intermediate, self.interleave, self.warps, self.max_tokens
         S, SBy, seg1, seg2 = self.stages, self.stage_bytes, self.seg1, self.seg2
-        wb, wdt = _CHUNK // self.wvec, self.wdt  # bytes per weight element, its type
+        wb, wdt = self.wbytes, self.wdt  # bytes per weight element, its type
         P = M * K
         C = self.ctas
         nseg1, nseg2 = H // seg1, I // seg2
@@ -700,9 +697,8 @@ class MoeDecode:
         """Copy segment s of h's row of each filled slot m of group gi into ring stage ``st``
         (after the weights' ``warps`` row segments)."""
         W, seg2, I = self.warps, self.seg2, self.intermediate
-        wbytes = W * seg2 * (_CHUNK // self.wvec)
         self._copy_rows(lambda m: (mH.iterator + Int64(s_slot[gi, m]) * I + s * seg2).align(16),
-                        nvalid, seg2, BFloat16, ring, st, st * self.stage_bytes + wbytes, full, pt, W)
+                        nvalid, seg2, BFloat16, ring, st, st * self.stage_bytes + W * seg2 * self.wbytes, full, pt, W)
 
     @cute.jit
     def _copy_rows(self, src_of, count, length: int, dtype, ring, st, base, full, pt, first_lane: int):

@@ -48,13 +48,14 @@ def compile_all(out: Path, precision: str = "bf16", **kw) -> None:
     from moe_aot.kernel_build import compile_kernel
 
     out.mkdir(parents=True, exist_ok=True)
-    for model, s in _specs(precision, MODELS):
+    for n, (model, s) in enumerate(_specs(precision, MODELS)):
         obj = MoeDecode(s.experts, s.hidden, s.intermediate, s.top_k, s.activation, bias=s.bias,
                         precision=precision, **kw)
-        build = {"precision": precision, "ctas": obj.ctas, **kw}
-        if kw.get("timeline"):  # the run machine has no DSL: the event names travel with the build
-            build["events"] = list(TIMELINE)
-        (out / "build.json").write_text(json.dumps(build, indent=1))
+        if n == 0:  # what --run needs to know of every kernel of the directory, written once
+            build = {"precision": precision, "ctas": obj.ctas, **kw}
+            if kw.get("timeline"):  # the run machine has no DSL: the event names travel with the build
+                build["events"] = list(TIMELINE)
+            (out / "build.json").write_text(json.dumps(build, indent=1))
         art = compile_kernel(obj, "sm_90a", f"moe_decode_{model.replace('-', '_')}")
         art.write_dir(out / model)
         print(f"{model:16} compile {art.meta['timing_s']['compile']:.2f}s cubin {len(art.cubin)} B", flush=True)
