@@ -14,7 +14,7 @@ import click
 from . import env
 from .database import SUSTAINED_WARMUP_S, Database, DatabaseError
 from .spec import PRESETS, TARGETS, SpecError, load_specs, make_spec
-from .variants import LayerVariant, can_implement, default_variant, token_buckets
+from .variants import DecodeVariant, LayerVariant, can_implement, default_variant, parse_variant, token_buckets
 
 DB_HELP = "SQLAlchemy URL of the kernel database (default: $MOE_AOT_DB, else SQLite in cache/)."
 
@@ -93,7 +93,8 @@ def main():
 @click.option("--tokens", default=None,
               help="Token-count buckets to prepare defaults for (default: 1,16,64,256,1024,4096,16384).")
 @click.option("--variant", "variant_names", multiple=True,
-              help="Compile this layer variant (a moe_layer_... name) instead of the defaults.")
+              help="Compile this layer variant (a moe_layer_... name, or a moe_decode_... one-launch decode "
+                   "kernel) instead of the defaults.")
 @click.option("--jobs", "-j", type=int, default=None, help="Parallel compile processes (default: CPU count).")
 @click.option("--force", is_flag=True, help="Compile again even if the database has the kernel.")
 @click.option("--db", "db_url", default=None, help=DB_HELP)
@@ -111,7 +112,7 @@ def compile_cmd(models, spec_file, target, experts, top_k, hidden, intermediate,
         if variant_names:
             for vn in variant_names:
                 try:
-                    v = LayerVariant.parse(vn)
+                    v = DecodeVariant.parse(vn) if vn.startswith("moe_decode_") else LayerVariant.parse(vn)
                 except ValueError as exc:
                     raise click.ClickException(str(exc)) from None
                 if v.name(spec) != vn:
@@ -241,7 +242,7 @@ def _tuned_uses(db: Database, kernel: str) -> list[str]:
         if key not in specs:
             wd = db.workload(b.workload)
             specs[key] = LayerSpec(**wd, target=b.target) if wd else None
-        if specs[key] and kernel in {kv.name for kv in LayerVariant.parse(b.variant).kernels(specs[key])}:
+        if specs[key] and kernel in {kv.name for kv in parse_variant(b.variant).kernels(specs[key])}:
             out.append(f"{b.gpu} tokens={b.tokens} ({b.median_us:.1f}us, toolchain {b.toolchain})")
     return sorted(set(out))
 
@@ -673,7 +674,7 @@ def build_cmd(models, spec_file, target, experts, top_k, hidden, intermediate, a
                        f"measured against the default {e['default']}, which is no longer this bucket's default; "
                        "tune again to compare it with today's", err=True)
         if pdl_twins:
-            pairs = list(dict.fromkeys(pairs + [(s, v.pdl_twin()) for s, v in pairs]))
+            pairs = list(dict.fromkeys(pairs + [(s, v.pdl_twin()) for s, v in pairs if isinstance(v, LayerVariant)]))
 
         def progress(res, done, total):
             status = "ok" if res.artifact else "FAILED"

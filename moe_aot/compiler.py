@@ -69,6 +69,7 @@ TEMPLATES = {
     ("dx", None): ("hopper_bwd", "HopperDxGemm"),
     ("wgrad", None): ("hopper_wgrad", "HopperWgrad"),
     ("bsquant", None): ("blockscale_quant", "BlockScaleQuant"),
+    ("decode", None): ("decode", "MoeDecode"),  # the whole layer in one launch (a DecodeVariant)
     ("glu", "grouped"): ("grouped_gemm", "GroupedGluGemm"),
     ("down", "grouped"): ("grouped_gemm", "GroupedDownGemm"),
     ("glu", "hopper"): ("hopper_gemm", "HopperGluGemm"),

@@ -894,6 +894,12 @@ def decode_segments(hidden, intermediate, seg_bytes, precision="bf16") -> tuple[
     return seg(hidden), seg(intermediate)
 
 
+def decode_bar_words(sync: str, pairs: int) -> int:
+    """int32 words of the decode kernel's barrier workspace: the grid barrier's counter and
+    generation; with sync="group", then two banks of one counter per expert group (up to ``pairs``)."""
+    return 2 if sync == "grid" else 2 + 2 * pairs
+
+
 def decode_layout(hidden, intermediate, max_tokens, warps, stages, seg_bytes, precision="bf16"):
     """(bytes per ring stage, fp32 elements of x, stages): a phase-1 stage holds ``warps`` row
     segments of w13, a phase-2 stage ``warps`` of w2 plus max_tokens segments of h (bf16); stages=0

@@ -10,12 +10,20 @@ from pathlib import Path
 from .database import Database
 from .picks import confirmation, format_summary, roofline_floor_us, summary
 from .spec import LayerSpec
-from .variants import LayerVariant
+from .variants import DecodeVariant, parse_variant
 
 
 def _config(name: str) -> str:
-    v = LayerVariant.parse(name)
+    v = parse_variant(name)
+    if isinstance(v, DecodeVariant):
+        return f"one launch: {v.producer} producer, {v.sync} sync, {v.stages} stages, up to {v.max_tokens} tokens"
     return f"m{v.tile_m} glu {v.glu.tag} / down {v.down.tag}"
+
+
+def _tile_m(name: str) -> int:
+    """The colour of a configuration: its routing tile height (the decode kernel has none: 0)."""
+    v = parse_variant(name)
+    return 0 if isinstance(v, DecodeVariant) else v.tile_m
 
 
 def _table(tokens: int, recs) -> str:
@@ -58,7 +66,7 @@ def render(db: Database, spec: LayerSpec, gpu: str, buckets, out_dir: Path) -> l
         floor = roofline_floor_us(spec, t)
         top = max([r.median_us for r in good] + [floor]) * 1.5
         sc = ax.scatter([pos[r.variant] for r in good], [r.median_us for r in good], s=16,
-                        c=[LayerVariant.parse(r.variant).tile_m for r in good], cmap="viridis", vmin=64, vmax=128)
+                        c=[_tile_m(r.variant) for r in good], cmap="viridis", vmin=64, vmax=128)
         ax.scatter([pos[r.variant] for r in bad], [top] * len(bad), marker="x", c="red", s=16,
                    label="failed: compile, resources or wrong result")
         ax.axhline(floor, color="k", ls="--", lw=0.8, label="roofline floor")

@@ -35,7 +35,7 @@ from optuna.trial import TrialState, create_trial
 from .database import Database, measurement_toolchain
 from .picks import CONFIRM_K, commit_picks, read_tuned_file, tuned_path, variant_content
 from .spec import LayerSpec
-from .variants import LayerVariant, can_implement, candidate_space
+from .variants import DecodeVariant, LayerVariant, can_implement, candidate_space, decode_candidates, parse_variant
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
@@ -59,8 +59,21 @@ def _flatten(v, prefix="") -> dict:
     return out
 
 
-def params_of(v: LayerVariant) -> dict:
-    return _flatten(v)
+# A one-launch decode candidate (variants.decode_candidates) is a trial of its bucket's study too,
+# enqueued with this one fixed parameter (a one-choice distribution, the same in every study, so it
+# never conflicts with another trial's); its variant is the trial's "variant" attribute. Outside
+# the sampler's space: the sampler neither proposes it nor learns from it.
+DECODE_PARAM = "decode"
+DECODE_DISTRIBUTION = CategoricalDistribution((True,))
+
+
+def params_of(v: LayerVariant | DecodeVariant) -> dict:
+    return {DECODE_PARAM: True} if isinstance(v, DecodeVariant) else _flatten(v)
+
+
+def distributions_of(v: LayerVariant | DecodeVariant, space: dict) -> dict:
+    """The distributions of params_of(v)'s parameters in a study of search space `space`."""
+    return {DECODE_PARAM: DECODE_DISTRIBUTION} if isinstance(v, DecodeVariant) else space
 
 
 def variant_of(params: dict) -> LayerVariant:
@@ -89,11 +102,15 @@ def search_space(spec: LayerSpec) -> dict[str, CategoricalDistribution]:
     return {k: CategoricalDistribution(sorted(xs, key=lambda x: (str(type(x)), x))) for k, xs in values.items()}
 
 
-def suggest(trial: optuna.Trial, space: dict[str, CategoricalDistribution]) -> LayerVariant:
+def suggest(trial: optuna.Trial, space: dict[str, CategoricalDistribution]) -> LayerVariant | DecodeVariant:
     """A trial enqueued by `prepare` carries fixed params: suggest returns those and records them.
     One enqueued before a field joined the search space lacks that param; it keeps the field's
-    default (what was compiled for it) instead of having the sampler pick a value."""
+    default (what was compiled for it) instead of having the sampler pick a value. A decode
+    candidate's trial (DECODE_PARAM) returns the DecodeVariant its "variant" attribute names."""
     fixed = trial.storage.get_trial_system_attrs(trial._trial_id).get("fixed_params")
+    if fixed is not None and fixed.get(DECODE_PARAM):
+        trial.suggest_categorical(DECODE_PARAM, DECODE_DISTRIBUTION.choices)
+        return DecodeVariant.parse(trial.user_attrs["variant"])
     params = {}
     for k, d in space.items():
         if fixed is not None and k not in fixed:
@@ -390,7 +407,8 @@ class Slot:
     # its binaries were measured already): it counts against the budget meanwhile, so a study
     # with room for it never ends one trial over `trials`.
     baseline_pending: bool = False
-    # Variants to try right after the default, before any proposal (see `seed_variants`).
+    # Variants to try right after the default, before any proposal (see `seed_variants`), then the
+    # bucket's one-launch decode candidates (variants.decode_candidates).
     seeds: list = dataclasses.field(default_factory=list)
 
     # Proposals can_implement refused in a row; a slot whose sampler keeps proposing only
@@ -412,7 +430,7 @@ def open_slots(storage, specs, gpu: str, buckets, seed=None, stale_after_s=STALE
         for tokens in buckets:
             study = open_study(storage, spec, gpu, tokens, seed)
             requeue_stale(study, stale_after_s)
-            slots.append(Slot(spec, tokens, study, space))
+            slots.append(Slot(spec, tokens, study, space, seeds=decode_candidates(spec, tokens)))
     return slots
 
 
@@ -451,7 +469,8 @@ def tune(db_url: str, specs, buckets, measurer, trials: int = 30, timeout_s: flo
     """Tune every (spec, bucket) until its study holds `trials` trials or `timeout_s` passes
     (then nothing new is asked; what is in flight finishes), then give each bucket a
     confirmation round of up to `confirm` candidates where one is due (unless `timeout_s` has
-    passed). `measurer(spec, variant, tokens)` returns an Outcome and carries `.gpu` and
+    passed). After each bucket's default, its one-launch decode candidates
+    (variants.decode_candidates) come first. `measurer(spec, variant, tokens)` returns an Outcome and carries `.gpu` and
     `.driver`."""
     if confirm < 0:
         raise ValueError(f"confirm must be 0 (no confirmation rounds) or a number of candidates, not {confirm}")
@@ -532,6 +551,13 @@ def _ask(slot: Slot) -> _Job | None:
         slot.baseline_due = False
         slot.baseline_pending = True
         return _Job(slot, None, default_variant(slot.spec, slot.tokens))
+    while slot.seeds:  # the seeds first, each as an enqueued trial that ask() hands out next
+        v = slot.seeds.pop(0)
+        name = v.name(slot.spec)
+        if name not in _seen(slot):
+            slot.study.enqueue_trial(params_of(v), user_attrs={"variant": name, "tokens": slot.tokens},
+                                     skip_if_exists=False)
+            break
     trial = slot.study.ask()
     trial.set_user_attr("worker", worker_id())
     variant = suggest(trial, slot.space)
@@ -570,7 +596,8 @@ def propose(slot: Slot, exclude: set[str], rng: random.Random) -> LayerVariant |
     # With a few trials per bucket, sampling a space of ~10^4 points rarely beats a good default;
     # every other proposal changes one field of the best measured variant (a local step).
     done = [t for t in slot.study.get_trials(deepcopy=False) if t.state == TrialState.COMPLETE
-            and "variant" in t.user_attrs and t.value is not None and t.value < FAILED_US]
+            and "variant" in t.user_attrs and t.value is not None and t.value < FAILED_US
+            and DECODE_PARAM not in t.params]  # a decode kernel has no tiles to step from
     if done and len(slot.study.get_trials(deepcopy=False)) % 2 == 1:
         step = mutate(variant_of(min(done, key=lambda t: t.value).params), slot, exclude, rng)
         if step is not None:
@@ -636,10 +663,11 @@ def seed_variants(tuned_dir: Path | None, gpu: str, specs, buckets,
             seeds = list(extra)
             if tuned_dir is not None:
                 name = picks.get((spec.workload_key, tokens))
-                pick = LayerVariant.parse(name) if name else None
-                seeds = [pick, *extra] + [v.pingpong_twin(spec) for v in (pick or base, base)]
-                seeds += [pick and pick.pdl_twin(), base.pdl_twin()]
-                seeds += [pick and pick.h_block_twin(spec), base.h_block_twin(spec)] + (pick or base).cluster_twins()
+                pick = parse_variant(name) if name else None
+                four = pick if isinstance(pick, LayerVariant) else None  # a decode pick has no twins
+                seeds = [pick, *extra] + [v.pingpong_twin(spec) for v in (four or base, base)]
+                seeds += [four and four.pdl_twin(), base.pdl_twin()]
+                seeds += [four and four.h_block_twin(spec), base.h_block_twin(spec)] + (four or base).cluster_twins()
             out[(spec.workload_key, tokens)] = [v for v in dict.fromkeys(seeds)
                                                if v is not None and v != base and can_implement(spec, v)[0]]
     return out
@@ -650,13 +678,14 @@ def prepare(db_url: str, specs, buckets, gpu: str, trials: int = 30, timeout_s: 
             progress: Callable[[str], None] = line, seeds: dict | None = None) -> int:
     """Compile candidates for `gpu`'s studies and enqueue them as ready WAITING trials, until each
     study holds `trials` trials: the default first, then `seeds` of the bucket (see
-    `seed_variants`), then proposals. A compile failure becomes a finished trial and a record
+    `seed_variants`), then the bucket's one-launch decode candidates (variants.decode_candidates),
+    then proposals. A compile failure becomes a finished trial and a record
     here. Returns the number of trials added."""
     db = Database(db_url)
     storage = open_storage(db_url)
     slots = open_slots(storage, specs, gpu, buckets, seed)
     for slot in slots:
-        slot.seeds = list((seeds or {}).get((slot.spec.workload_key, slot.tokens), ()))
+        slot.seeds = list((seeds or {}).get((slot.spec.workload_key, slot.tokens), ())) + slot.seeds
     rng = random.Random(seed)
     deadline = time.monotonic() + timeout_s if timeout_s else math.inf
     pool = CompilePool(jobs, compile_fn)
@@ -719,5 +748,5 @@ def _enqueue(db: Database, slot: Slot, variant: LayerVariant, c: Compiled, gpu: 
                                 stats={"study": slot.study.study_name, "compile_s": round(c.seconds, 3)},
                                 error=c.error)
     slot.study.add_trial(create_trial(
-        value=FAILED_US, params=params_of(variant), distributions=slot.space,
+        value=FAILED_US, params=params_of(variant), distributions=distributions_of(variant, slot.space),
         user_attrs={**attrs, "status": "compile_error", "record": rid, "error": c.error[:500]}))

@@ -233,6 +233,98 @@ class LayerVariant:
         return _build(cls, LAYER_NAME, iter(m.groups()))
 
 
+
+# The whole layer in one cooperative launch for a few tokens (templates/decode.py, MoeDecode, role
+# "decode"): a candidate of the 1-token bucket (DECODE_BUCKETS) that the tuner measures beside
+# the four-kernel variants; the runtime serves it where it is the bucket's pick, for token counts up
+# to its max_tokens on GPUs with at least its ctas SMs, and the bucket's default four kernels
+# otherwise. Its producer / sync candidates: the two ways of filling a stage, behind the grid
+# barrier (the group counters are a build option until measured on a GPU).
+DECODE_BUCKETS = (1,)
+DECODE_CANDIDATES = (("bulk", "grid"), ("cpasync", "grid"))
+
+
+@value_class
+class DecodeVariant:
+    """Every compile-time choice of the one-launch decode kernel; its name is both the layer's
+    variant key (records, picks) and its one kernel's. ``stages`` is the ring depth the candidate
+    was built with (gemm_limits.decode_layout's fit, spelled out so the name says it)."""
+    max_tokens: int = 1
+    warps: int = 8
+    stages: int = 0
+    seg_bytes: int = 2048
+    producer: str = "bulk"
+    sync: str = "grid"
+    ctas: int = 132
+
+    def __init__(self, max_tokens: int = 1, warps: int = 8, stages: int = 0, seg_bytes: int = 2048,
+                 producer: str = "bulk", sync: str = "grid", ctas: int = 132):
+        vars(self).update(max_tokens=max_tokens, warps=warps, stages=stages, seg_bytes=seg_bytes,
+                          producer=producer, sync=sync, ctas=ctas)
+
+    def name(self, spec: LayerSpec) -> str:
+        return (f"moe_decode_{arch_tag(spec.target)}_{spec.precision_tag}_{spec.shape_tag}_{spec.activation}"
+                + _render(self, DECODE_NAME))
+
+    def bar_words(self, spec: LayerSpec) -> int:
+        """int32 words of its barrier workspace (zero when allocated, left zero by every launch)."""
+        return limits.decode_bar_words(self.sync, self.max_tokens * spec.top_k)
+
+    def kernels(self, spec: LayerSpec) -> list[KernelVariant]:
+        params = (("num_experts", spec.experts), ("hidden", spec.hidden), ("intermediate", spec.intermediate),
+                  ("top_k", spec.top_k), ("activation", spec.activation), ("interleave", INTERLEAVE),
+                  ("max_tokens", self.max_tokens), ("warps", self.warps), ("stages", self.stages),
+                  ("seg_bytes", self.seg_bytes), ("ctas", self.ctas), ("bias", spec.bias),
+                  ("producer", self.producer), ("precision", spec.precision), ("sync", self.sync))
+        return [KernelVariant("decode", self.name(spec), params)]
+
+    @classmethod
+    def parse(cls, name: str) -> "DecodeVariant":
+        """Inverse of the tunable part of name(): ..._t1w8s7b2048_bulk_grid_c132."""
+        import re
+
+        m = re.search(_pattern(DECODE_NAME, cls) + "$", name) if name.startswith("moe_decode_") else None
+        if not m:
+            raise ValueError(f"{name!r} is not a decode variant name")
+        return _build(cls, DECODE_NAME, iter(m.groups()))
+
+
+def can_implement_decode(spec: LayerSpec, v: DecodeVariant) -> tuple[bool, str]:
+    """(ok, reason) of the one-launch decode kernel for this layer (gemm_limits.check_decode), on
+    a target that has it and with no more CTAs than the target's SMs (they must all be resident)."""
+    if spec.target != limits.DECODE_ARCH:
+        return False, f"the one-launch decode kernel is built for {limits.DECODE_ARCH}, not {spec.target}"
+    sms = TARGET_LIMITS[spec.target]["sms"]
+    if v.ctas > sms:
+        return False, f"ctas {v.ctas} exceeds {spec.target}'s {sms} SMs (every CTA of the launch must be resident)"
+    ok, why = limits.check_decode(spec.experts, spec.hidden, spec.intermediate, spec.top_k, spec.activation,
+                                  INTERLEAVE, v.max_tokens, v.warps, v.stages, v.seg_bytes, v.ctas,
+                                  precision=spec.precision, producer=v.producer, sync=v.sync)
+    if ok and v.stages < 1:
+        ok, why = False, f"stages {v.stages} must be at least 1 (name the ring depth it is built with)"
+    return (True, "ok") if ok else (False, why)
+
+
+def decode_candidates(spec: LayerSpec, tokens: int) -> list[DecodeVariant]:
+    """The decode kernels the tuner measures at this bucket beside the four-kernel variants:
+    DECODE_CANDIDATES at the deepest ring shared memory holds, one CTA per SM of the target, for
+    the bucket's token count; [] at other buckets or where the layer cannot take one."""
+    if tokens not in DECODE_BUCKETS or spec.target != limits.DECODE_ARCH:
+        return []
+    out = []
+    for producer, sync in DECODE_CANDIDATES:
+        v = DecodeVariant(max_tokens=tokens, producer=producer, sync=sync, ctas=TARGET_LIMITS[spec.target]["sms"])
+        if not limits.check_decode(spec.experts, spec.hidden, spec.intermediate, spec.top_k, spec.activation,
+                                   INTERLEAVE, v.max_tokens, v.warps, 0, v.seg_bytes, v.ctas,
+                                   precision=spec.precision, producer=producer, sync=sync)[0]:
+            continue
+        stages = limits.decode_layout(spec.hidden, spec.intermediate, v.max_tokens, v.warps, 0, v.seg_bytes,
+                                      spec.precision)[2]
+        v = dataclasses.replace(v, stages=stages)
+        if can_implement_decode(spec, v)[0]:
+            out.append(v)
+    return out
+
 # The backward's data GEMMs (templates/hopper_bwd.py, sm_90a): dH writes da in the padded row order
 # of a routing with tile_m-row tiles, which dX then reads by TMA, so both share it (a BackwardVariant's
 # tile_m: BWD_TILE_M by default, or 64, gemm_limits.BWD_TILE_MS); the routing runs in a cluster of
@@ -493,8 +585,11 @@ def default_backward(spec: LayerSpec, tokens: int) -> BackwardVariant | None:
 
 
 def parse_variant(name: str):
-    """A LayerVariant or, for a name starting moe_bwd_, a BackwardVariant."""
-    return BackwardVariant.parse(name) if name.startswith("moe_bwd_") else LayerVariant.parse(name)
+    """A LayerVariant or, for a name starting moe_bwd_, a BackwardVariant, for one starting
+    moe_decode_, a DecodeVariant."""
+    if name.startswith("moe_bwd_"):
+        return BackwardVariant.parse(name)
+    return DecodeVariant.parse(name) if name.startswith("moe_decode_") else LayerVariant.parse(name)
 
 
 BWD_ALTERNATIVES = 3  # per data GEMM, the first this many valid tiles of its list are candidates
@@ -573,8 +668,8 @@ def training_kernels(spec: LayerSpec, variant: LayerVariant) -> list[KernelVaria
     fused_moe_train): the variant's GEMM1 built to also write its pre-activations (role
     "glu_train", the GLU's input kept for the backward instead of recomputing GEMM1), where its
     template has that output (gemm_limits.check_save_preact); [] otherwise (the forward then
-    computes them in torch ops)."""
-    if not limits.check_save_preact(variant.glu.mma, spec.precision)[0]:
+    computes them in torch ops; a DecodeVariant's one launch has no GEMM1 to keep them)."""
+    if isinstance(variant, DecodeVariant) or not limits.check_save_preact(variant.glu.mma, spec.precision)[0]:
         return []
     glu = next(kv for kv in variant.kernels(spec) if kv.role == "glu")
     return [KernelVariant("glu_train", glu.name + "_preact", glu.params + (("save_preact", True),))]
@@ -637,8 +732,10 @@ def blockscale_kernel(shape: BlockScaleShape) -> KernelVariant:
 GEMM_NAME = (("tile_n", "n"), ("tile_k", "k"), ("stages", "s"), ("mma", ""), ("cluster", "c"))
 LAYER_NAME = (("tile_m", "_m"), ("route_cluster", "r"), ("glu", "_glu"), ("down", "_down"), ("h_block", "_h"),
               ("pdl", "_pdl"))
+DECODE_NAME = (("max_tokens", "_t"), ("warps", "w"), ("stages", "s"), ("seg_bytes", "b"), ("producer", "_"),
+               ("sync", "_"), ("ctas", "_c"))
 OMIT_AT_DEFAULT = {"cluster", "pdl", "h_block"}
-_LAYOUTS = {"GemmTiles": GEMM_NAME, "LayerVariant": LAYER_NAME}
+_LAYOUTS = {"GemmTiles": GEMM_NAME, "LayerVariant": LAYER_NAME, "DecodeVariant": DECODE_NAME}
 
 
 def _field_types(cls) -> dict:
@@ -721,8 +818,10 @@ def gemm_can_implement(n: int, k: int, tile_m: int, t: GemmTiles, target: str, p
     return (True, "ok") if ok else (False, why)
 
 
-def can_implement(spec: LayerSpec, variant: LayerVariant) -> tuple[bool, str]:
+def can_implement(spec: LayerSpec, variant: LayerVariant | DecodeVariant) -> tuple[bool, str]:
     """(ok, reason): whether `variant` can serve `spec` on `spec.target`. Pure and cheap."""
+    if isinstance(variant, DecodeVariant):
+        return can_implement_decode(spec, variant)
     lim = TARGET_LIMITS[spec.target]
     if variant.tile_m not in tile_ms(spec):
         return False, f"tile_m {variant.tile_m} not in {tile_ms(spec)} on {spec.target} for {spec.precision}"

@@ -130,7 +130,7 @@ class MoeDecode:
         self.wvec = _CHUNK // self.wbytes  # weight elements per 16-byte load
         self.threads = (warps + self.pwarps) * _WARP  # warps consumers, then the producer warp(s)
         self.pairs = max_tokens * top_k
-        self.bar_words = 2 if sync == "grid" else 2 + 2 * self.pairs
+        self.bar_words = limits.decode_bar_words(sync, self.pairs)
         self.seg1, self.seg2 = limits.decode_segments(hidden, intermediate, seg_bytes, precision)
         self.stage_bytes, self.x_elems, self.stages = limits.decode_layout(hidden, intermediate, max_tokens, warps,
                                                                            stages, seg_bytes, precision)

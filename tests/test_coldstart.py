@@ -13,7 +13,7 @@ import torch
 
 from moe_aot.runtime.layer import Workspace
 from moe_aot.spec import LayerSpec, make_spec, value_class
-from moe_aot.variants import GemmTiles, KernelVariant, LayerVariant
+from moe_aot.variants import DecodeVariant, GemmTiles, KernelVariant, LayerVariant
 
 # (class, its dataclass flags, sample constructor arguments: a few values of every field)
 CASES = [
@@ -24,7 +24,8 @@ CASES = [
                                        (64, GemmTiles(), GemmTiles(), 8, True)]),
     (LayerSpec, dict(frozen=True), [(128, 8, 2048, 768), (128, 4, 2880, 2880, "swigluoai", "bf16", "sm_90a", "g", True),
                                     (8, 2, 4096, 14336, "swiglu", "bf16", "sm_90a", None)]),
-    (Workspace, dict(frozen=False), [(1, 2, 3, 4, 5, 6, 7), (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11)]),
+    (DecodeVariant, dict(frozen=True), [(), (1, 8, 10), (3, 8, 9, 4096, "cpasync", "group", 114)]),
+    (Workspace, dict(frozen=False), [(1, 2, 3, 4, 5, 6, 7), (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12)]),
 ]
 
 

@@ -460,10 +460,11 @@ void {run}(void **a) {{
 """
 
 
-def _recording_layer(url, spec, tmp_path, monkeypatch, variant=None):
+def _recording_layer(url, spec, tmp_path, monkeypatch, variant=None, tokens=16, also=()):
     """A layer on CPU tensors whose kernels are libraries of the same ABI that record the
-    pointers they were launched with (gcc), with torch.cuda's answers stubbed; its variant at 16
-    tokens is ``variant`` (default: the default's)."""
+    pointers they were launched with (gcc), with torch.cuda's answers stubbed; its variant at
+    ``tokens`` tokens is ``variant`` (default: the default's at 16); the kernels of the variants in
+    ``also`` are recording ones too."""
     import json
     import shutil
     import sqlite3 as _sqlite3
@@ -476,7 +477,7 @@ def _recording_layer(url, spec, tmp_path, monkeypatch, variant=None):
     path = tmp_path / "rec.sqlite"
     path.write_bytes(Path(url[len("sqlite:///"):]).read_bytes())
     con = _sqlite3.connect(path)
-    for kv in (variant or default_variant(spec, 16)).kernels(spec):
+    for kv in [kv for v in (variant or default_variant(spec, 16), *also) for kv in v.kernels(spec)]:
         [(tc, meta)] = con.execute("SELECT toolchain, meta FROM moe_aot_artifacts WHERE name = ?",
                                    (kv.name,)).fetchall()
         meta = json.loads(meta)
@@ -497,7 +498,7 @@ def _recording_layer(url, spec, tmp_path, monkeypatch, variant=None):
     monkeypatch.setattr(launch, "_native_fn", None)
     monkeypatch.setattr(launch, "_building", None)
     return MoeLayer(spec, KernelStore(f"sqlite:///{path}", unpack_dir=tmp_path / "libs"), device=torch.device("cpu"),
-                    variants={16: variant} if variant else {})
+                    variants={tokens: variant} if variant else {})
 
 
 @pytest.fixture

@@ -48,7 +48,7 @@ from moe_aot.database import SUSTAINED_WARMUP_S  # noqa: E402
 from moe_aot.harness.gpustate import Nvml, Sampler  # noqa: E402
 from moe_aot.harness.measure import graph_times_us, input_sets, measure_variant, timed_graphs  # noqa: E402
 from moe_aot.harness.reference import glu_fn, rel_err  # noqa: E402
-from moe_aot.harness.verify import layer_reference, random_weights  # noqa: E402
+from moe_aot.harness.verify import random_weights, served_reference  # noqa: E402
 from moe_aot.layout import split_gate_up  # noqa: E402
 from moe_aot.runtime.layer import MoeLayer, split_biases  # noqa: E402
 from moe_aot.runtime.store import KernelStore  # noqa: E402
@@ -131,8 +131,14 @@ def graph_time_us(fns, replays: int, warmup_s: float = 0.0) -> float:
 
 
 def gemm_times(layer, M, replays: int, spec, selected: float) -> dict:
-    """GEMM1 and GEMM2 each alone, replayed from a CUDA graph on the last forward's arguments."""
+    """GEMM1 and GEMM2 each alone, replayed from a CUDA graph on the last forward's arguments
+    (where the one-launch decode kernel served M: that kernel, the whole layer's weights)."""
     kernels = layer.launchers(M)
+    if "decode" in kernels:
+        k = kernels["decode"]
+        us = statistics.median(graph_times_us([lambda k=k: k(torch.cuda.current_stream().cuda_stream)], replays))
+        return {"decode": {"us": round(us, 2), "weight_tbps": round(selected * 3 * spec.hidden * spec.intermediate * 2
+                                                                    / us / 1e6, 2)}}
     out = {}
     for role, flops, weights in (("glu", 4 * M * spec.top_k * spec.hidden * spec.intermediate,
                                   selected * 2 * spec.hidden * spec.intermediate * 2),
@@ -185,7 +191,7 @@ def bench_model(name: str, tokens_list, replays: int, rate: float, store, pdl: b
         x, tw, ids, out = sets[0]
         out.fill_(float("nan"))
         layer.forward(x, w13, w2, tw, ids, out=out)
-        ref = layer_reference(spec, x, w13, w2, tw, ids, layer.variant_for(M).h_block)
+        ref = served_reference(layer, x, w13, w2, tw, ids)  # the four kernels', or the decode kernel's
         err = rel_err(out, ref)
         t_err = rel_err(torch_unfused(x, w_gu_t, w2_t, tw, ids, spec.experts, **unfused_kw), ref)
         del ref
@@ -207,7 +213,7 @@ def bench_model(name: str, tokens_list, replays: int, rate: float, store, pdl: b
         row = {"model": name, "tokens": M, "ours_us": round(ours, 2), "floor_us": round(floor, 2),
                "torch_us": round(theirs, 2), "rel_err": err, "torch_rel_err": t_err,
                "ours_over_floor": round(ours / floor, 3), "torch_over_ours": round(theirs / ours, 3),
-               "variant": layer.variant_for(M).name(spec), "experts_selected": selected}
+               "variant": layer.served(M).name(spec), "experts_selected": selected}
         row["gemms"] = gemms
         if rate_sustained:  # the same floor with the matmul's rate at the clock the GPU sustains
             floor_s = floor_us(flops, bytes_, rate_sustained)
@@ -218,7 +224,7 @@ def bench_model(name: str, tokens_list, replays: int, rate: float, store, pdl: b
         if peer:
             row["vllm_us"] = peer
             row["vllm_over_ours"] = round(peer / ours, 3)
-        served = layer.variant_for(M)
+        served = layer.served(M)
         dflt = default_variant(spec, M)
         for alt in alts:
             v = {"default": dflt, "default_pdl": dflt.pdl_twin()}[alt]
@@ -227,8 +233,8 @@ def bench_model(name: str, tokens_list, replays: int, rate: float, store, pdl: b
             row.setdefault("alts", {})[alt] = a = time_alt(layer, v, served, M, w13, w2, replays, sets)
             print(f"  {alt} {a['variant']}: {a.get('us')} us beside {a.get('served_us')} ({a.get('over_ours')} of ours)"
                   f"{', ' + a['error'] if 'error' in a else ''}", flush=True)
-        if pdl:
-            twin = layer.variant_for(M).pdl_twin()
+        if pdl and served == layer.variant_for(M):  # the one-launch decode kernel has no PDL twin
+            twin = served.pdl_twin()
             row["twin_variant"] = twin.name(spec)
             try:
                 m = measure_variant(layer, twin, M, w13, w2, replays, sets)

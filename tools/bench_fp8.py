@@ -35,7 +35,7 @@ from bench import SUSTAINED_MATMUL_S, floor_us, graph_time_us, matmul_rate, run_
 from moe_aot.gemm_limits import FP8, SCALE_BLOCK  # noqa: E402
 from moe_aot.harness.measure import graph_times_us, input_sets  # noqa: E402
 from moe_aot.harness.reference import moe_reference, rel_err  # noqa: E402
-from moe_aot.harness.verify import layer_reference  # noqa: E402
+from moe_aot.harness.verify import served_reference  # noqa: E402
 from moe_aot.layout import interleave_gate_up  # noqa: E402
 from moe_aot.runtime.layer import MoeLayer, prepare_fp8_weights  # noqa: E402
 from moe_aot.runtime.store import KernelStore  # noqa: E402
@@ -70,7 +70,8 @@ def kernel_times(layer, M, replays, spec, selected, weight_bytes_per_elem) -> di
     out = {}
     hi = spec.hidden * spec.intermediate
     work = {"glu": (4 * M * spec.top_k * hi, selected * 2 * hi * weight_bytes_per_elem),
-            "down": (2 * M * spec.top_k * hi, selected * hi * weight_bytes_per_elem)}
+            "down": (2 * M * spec.top_k * hi, selected * hi * weight_bytes_per_elem),
+            "decode": (6 * M * spec.top_k * hi, selected * 3 * hi * weight_bytes_per_elem)}  # the whole layer
     for role, k in layer.launchers(M).items():
         us = statistics.median(graph_times_us([lambda k=k: k(torch.cuda.current_stream().cuda_stream)], replays))
         row = {"us": round(us, 2)}
@@ -110,7 +111,7 @@ def bench_model(name, tokens_list, replays, rate8, store, rate8_sustained) -> li
         for p, (layer, a, b) in layers.items():
             out.fill_(float("nan"))
             layer.forward(x, a, b, tw, ids, out=out)
-            err = rel_err(out, layer_reference(layer.spec, x, a, b, tw, ids, layer.variant_for(M).h_block))
+            err = rel_err(out, served_reference(layer, x, a, b, tw, ids))  # the four kernels' or the decode kernel's
             err_bf16 = rel_err(out, ref_bf16)
             t = time_layer(layer, a, b, sets, M, replays)
             times[p] = t
@@ -119,7 +120,7 @@ def bench_model(name, tokens_list, replays, rate8, store, rate8_sustained) -> li
             scales = 0 if p != "fp8-block128" else selected * 3 * h * i // SCALE_BLOCK ** 2 * 4
             bytes_ = selected * 3 * h * i * eb + scales + 2 * M * h * 2
             entry = {"us": round(t, 2), "rel_err": err, "rel_err_vs_bf16_ref": err_bf16,
-                     "variant": layer.variant_for(M).name(layer.spec),
+                     "variant": layer.served(M).name(layer.spec),
                      "kernels": kernel_times(layer, M, replays, layer.spec, selected, eb)}
             if p != "bf16":
                 floor, floor_s = floor_us(flops, bytes_, rate8), floor_us(flops, bytes_, rate8_sustained)

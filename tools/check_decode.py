@@ -61,24 +61,6 @@ def compile_all(out: Path, precision: str = "bf16", **kw) -> None:
         print(f"{model:16} compile {art.meta['timing_s']['compile']:.2f}s cubin {len(art.cubin)} B", flush=True)
 
 
-def _fp8_weight_reference(spec, x, q13, s13, q2, s2, tw, ids):
-    """moe_reference on the dequantized weights of the experts the routing uses (x, h unquantized)."""
-    import torch
-
-    from moe_aot.harness.fp8 import dequantize_w2, dequantize_w13
-    from moe_aot.harness.reference import moe_reference
-    from moe_aot.variants import INTERLEAVE
-
-    valid = (ids >= 0) & (ids < spec.experts)
-    used = torch.unique(ids[valid]).tolist()
-    compact = torch.full_like(ids, -1)
-    for j, e in enumerate(used):
-        compact[ids == e] = j
-    w13 = torch.stack([dequantize_w13(q13, s13, spec.precision, e, INTERLEAVE) for e in used])
-    w2 = torch.stack([dequantize_w2(q2, s2, spec.precision, e) for e in used])
-    return moe_reference(x, w13, w2, tw, compact, spec.activation, INTERLEAVE)
-
-
 def _timeline(call, sets, tl, events: list[str], launches: int = 20) -> dict:
     """Per event of a timeline build (templates/decode.py TIMELINE, as its build.json names them):
     [earliest, median, latest] over the CTAs that reach it, in µs after the launch's first CTA
@@ -105,12 +87,15 @@ def run_all(kdir: Path, out: Path, replays: int, profile: bool = False, max_toke
             timeline: tuple[int, list[str]] | None = None, sync: str = "grid") -> int:
     import torch
 
+    from moe_aot.gemm_limits import decode_bar_words
+    from moe_aot.harness.fp8 import moe_dequantized_reference
     from moe_aot.harness.measure import graph_times_us, input_sets
     from moe_aot.harness.reference import rel_err, row_rel_err
     from moe_aot.harness.verify import layer_reference, random_weights
     from moe_aot.runtime.layer import MoeLayer, split_biases
     from moe_aot.runtime.library import KernelLibrary
     from moe_aot.runtime.store import KernelStore
+    from moe_aot.variants import INTERLEAVE
 
     out.mkdir(parents=True, exist_ok=True)
     store = KernelStore()
@@ -128,11 +113,12 @@ def run_all(kdir: Path, out: Path, replays: int, profile: bool = False, max_toke
         else:
             wargs = (w13[0], w13[1], w2[0], w2[1])
             biases = ()
-            reference = lambda x, tw, ids, a=wargs: _fp8_weight_reference(spec, x, *a, tw, ids)  # noqa: E731
+            reference = lambda x, tw, ids, a=w13, b=w2: moe_dequantized_reference(  # noqa: E731
+                x, a, b, tw, ids, spec.precision, spec.activation, INTERLEAVE)
         P = built_tokens * spec.top_k  # h as the kernels were compiled for
         h = torch.empty(P, spec.intermediate, device=dev, dtype=torch.bfloat16)
         # the grid barrier's counter and generation (sync="group": then two banks of group counters)
-        bar = torch.zeros(2 if sync == "grid" else 2 + 2 * P, device=dev, dtype=torch.int32)
+        bar = torch.zeros(decode_bar_words(sync, P), device=dev, dtype=torch.int32)
         # timeline builds take tl [ctas, 16] int64 last
         extra = (torch.zeros(timeline[0], 16, device=dev, dtype=torch.int64),) if timeline else ()
         call = lambda x, tw, ids, o, a=wargs, b=biases: dec(x, *a, tw, ids, o, h, bar, *b, *extra)  # noqa: E731

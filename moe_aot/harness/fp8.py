@@ -140,3 +140,24 @@ def moe_fp8_reference(x, w13, w2, topk_weights, topk_ids, precision: str, activa
         y[rows] = dequantize_rows(hq, hs, h_block) @ dequantize_w2(w2q, w2s, precision, e).t()
     y = y * topk_weights.reshape(-1, 1).float()
     return y.reshape(m, k, w2q.shape[1]).sum(1)  # sizes, not -1: m may be 0
+
+
+def moe_dequantized_reference(x, w13, w2, topk_weights, topk_ids, precision: str, activation="swiglu",
+                              interleave: int = 16):
+    """The fp8 layer's weights dequantized, x and h unquantized: what the one-launch decode kernel
+    computes (templates/decode.py reads e4m3 weights with their scales and keeps x and h in
+    bf16 / fp32). Only the experts the routing uses are dequantized. ``w13``, ``w2``: (e4m3,
+    scales) pairs."""
+    from .reference import moe_reference
+
+    (q13, s13), (q2, s2) = w13, w2
+    valid = (topk_ids >= 0) & (topk_ids < q13.shape[0])
+    used = torch.unique(topk_ids[valid]).tolist()
+    compact = torch.full_like(topk_ids, -1)
+    for j, e in enumerate(used):
+        compact[topk_ids == e] = j
+    if not used:  # no valid pair: zeros, as the layer gives
+        return torch.zeros(x.shape[0], q2.shape[1], dtype=torch.float32, device=x.device)
+    dw13 = torch.stack([dequantize_w13(q13, s13, precision, e, interleave) for e in used])
+    dw2 = torch.stack([dequantize_w2(q2, s2, precision, e) for e in used])
+    return moe_reference(x, dw13, dw2, topk_weights, compact, activation, interleave)

@@ -14,7 +14,7 @@ from ..gemm_limits import BLOCKSCALED
 from ..runtime.layer import MoeLayer
 from ..variants import LayerVariant
 from .reference import rel_err
-from .verify import TOLERANCE, layer_reference, random_routing
+from .verify import TOLERANCE, random_routing, served_reference
 
 INPUT_SETS = 4
 
@@ -114,7 +114,7 @@ def measure_variant(layer: MoeLayer, variant: LayerVariant | None, tokens: int, 
         err, ok = r["rel_err"], r["ok"]
     else:
         layer.forward(x, w13, w2, tw, ids, out=out)
-        err = rel_err(out, layer_reference(layer.spec, x, w13, w2, tw, ids, layer.variant_for(tokens).h_block))
+        err = rel_err(out, served_reference(layer, x, w13, w2, tw, ids))
         ok = err <= TOLERANCE
     if not ok:
         return {"ok": False, "rel_err": err}

@@ -84,6 +84,18 @@ def layer_reference(spec: LayerSpec, x, w13, w2, topk_weights, topk_ids, h_block
     return moe_reference(x, w13, w2, topk_weights, topk_ids, spec.activation, INTERLEAVE, b13, b2)
 
 
+def served_reference(layer: MoeLayer, x, w13, w2, topk_weights, topk_ids):
+    """The fp32 reference of what ``layer.forward`` runs at x's token count: the four kernels'
+    (layer_reference; fp8 with the variant's h block), or where the one-launch decode kernel
+    serves it (MoeLayer.decode_for) that kernel's (fp8: the dequantized weights with x and h
+    unquantized, fp8.moe_dequantized_reference; bf16: the same reference as the four kernels)."""
+    spec, M = layer.spec, x.shape[0]
+    if spec.precision in FP8 and layer.decode_for(M) is not None:
+        return fp8.moe_dequantized_reference(x, w13, w2, topk_weights, topk_ids, spec.precision, spec.activation,
+                                             INTERLEAVE)
+    return layer_reference(spec, x, w13, w2, topk_weights, topk_ids, layer.variant_for(M).h_block)
+
+
 def check_stages(layer: MoeLayer, x, w13, w2, topk_weights, topk_ids) -> list[dict]:
     """Routing (exact), GEMM1+GLU (rel err), whole layer (rel err) for one input set. mxfp8 /
     nvfp4: one forward, each stage checked on what its kernels consumed (blockscaled.check_forward)."""
@@ -113,11 +125,11 @@ def check_stages(layer: MoeLayer, x, w13, w2, topk_weights, topk_ids) -> list[di
     else:
         rows.append(_check_glu(layer, x, w13, topk_ids, sorted_ids, tile_expert, offsets, v, glu))
     out = torch.full((M, spec.hidden), float("nan"), device=x.device, dtype=torch.bfloat16)
-    layer.forward(x, w13, w2, topk_weights, topk_ids, out=out)
-    ref = layer_reference(spec, x, w13, w2, topk_weights, topk_ids, v.h_block)
+    layer.forward(x, w13, w2, topk_weights, topk_ids, out=out)  # what serves M: the decode kernel or v
+    ref = served_reference(layer, x, w13, w2, topk_weights, topk_ids)
     e, er = rel_err(out, ref), row_rel_err(out, ref)
     rows.append({"stage": "layer", "rel_err": e, "row_rel_err": er, "ok": e <= TOLERANCE and er <= ROW_TOLERANCE,
-                 "variant": v.name(spec)})
+                 "variant": layer.served(M).name(spec)})
     return rows
 
 

@@ -1,6 +1,7 @@
 """The eager forward's launch path: a plan per (token count, workspace) holding the four kernels'
-bound arguments, the exact input checks in as few Python steps as possible, and the four
-launches in one call into a small native launcher when one can be built.
+bound arguments (or the one-launch decode kernel's, where that serves the token count), the exact
+input checks in as few Python steps as possible, and the launches in one call into a small native
+launcher when one can be built.
 
 The native launcher is a few lines of C (below), compiled at first use with the system's `cc`
 into the folder of extracted kernel libraries and reused by later processes. It writes the
@@ -53,6 +54,7 @@ struct plan {
     void **packed[4];
     void **stream[4];
     int *ret[4];
+    int nk;  /* kernels: 4 (routing, GEMM1, GEMM2, combine) or 1 (the one-launch decode kernel) */
     int n;
     void **dst[10];
     int src[10];
@@ -68,7 +70,7 @@ struct plan {
     void *exec[MAX_GRAPHS];
 };
 static int direct(struct plan *p, void *stream) {
-    for (int k = 0; k < 4; k++) {
+    for (int k = 0; k < p->nk; k++) {
         *p->stream[k] = stream;
         *p->ret[k] = 0;
         p->run[k](p->packed[k]);
@@ -89,7 +91,7 @@ void moe_aot_release(struct plan *p) {
     for (int g = 0; g < p->n_graphs; g++) ((destroy_fn)p->cu[EXEC_DESTROY])(p->exec[g]);
     p->n_graphs = -1;
 }
-/* 0, or k (1-4) when kernel k's launch failed (its cudaError in *ret[k-1]), 5 when a graph
+/* 0, or k (1-nk) when kernel k's launch failed (its cudaError in *ret[k-1]), 5 when a graph
    launch failed (its CUresult in graph_error), 6 when a capture needs capture_stream first */
 int moe_aot_launch(struct plan *p) {
     for (int i = 0; i < p->n; i++) *p->dst[i] = p->args[p->src[i]];
@@ -128,7 +130,7 @@ _MAX_GRAPHS = 8
 
 class _Plan(ctypes.Structure):
     _fields_ = [("run", ctypes.c_void_p * 4), ("packed", ctypes.c_void_p * 4), ("stream", ctypes.c_void_p * 4),
-                ("ret", ctypes.c_void_p * 4), ("n", ctypes.c_int), ("dst", ctypes.c_void_p * 10),
+                ("ret", ctypes.c_void_p * 4), ("nk", ctypes.c_int), ("n", ctypes.c_int), ("dst", ctypes.c_void_p * 10),
                 ("src", ctypes.c_int * 10), ("args", ctypes.c_void_p * 9),
                 ("cu", ctypes.c_void_p * len(_GRAPH_FUNCTIONS)), ("capture_stream", ctypes.c_void_p),
                 ("n_graphs", ctypes.c_int), ("graph_error", ctypes.c_int), ("last", ctypes.c_void_p * 8),
@@ -146,13 +148,16 @@ _ARGS_OFFSET = _Plan.args.offset
 # the kernels that take them), the (kernel 0-3: routing, GEMM1, GEMM2, combine, argument name) pairs.
 _FEEDS = (((1, "x"),), ((1, "w13"),), ((2, "w2"),), ((2, "topk_weights"),), ((0, "topk_ids"), (3, "topk_ids")),
           ((3, "out"),), ((1, "b13"),), ((2, "b2"),))
+# a plan of one kernel: the one-launch decode kernel, which takes every caller tensor itself
+_DECODE_FEEDS = tuple(((0, name),) for name in ("x", "w13", "w2", "topk_weights", "topk_ids", "out", "b13", "b2"))
 
 
 def feeds(bound) -> list[tuple[int, int, int]]:
     """(caller tensor, kernel, tensor argument index) of every kernel argument a caller tensor
-    feeds, for these bound kernels (an argument a kernel does not take is skipped)."""
+    feeds, for these bound kernels (the four of a layer, or the one decode kernel; an argument a
+    kernel does not take is skipped)."""
     out = []
-    for i, pairs in enumerate(_FEEDS):
+    for i, pairs in enumerate(_DECODE_FEEDS if len(bound) == 1 else _FEEDS):
         for k, name in pairs:
             names = bound[k]._lib.arg_names
             if name in names:
@@ -245,9 +250,9 @@ def current_stream(index: int) -> int:
 
 
 class LayerPlan:
-    """The four kernels bound for one token count and workspace. `run` checks the caller's
-    tensors exactly as MoeLayer.check_inputs does (type, shape, dtype, device, contiguity,
-    16-byte alignment) and launches only if every one passes; otherwise it returns None and the
+    """The four kernels (or the one decode kernel) bound for one token count and workspace. `run`
+    checks the caller's tensors exactly as MoeLayer.check_inputs does (type, shape, dtype, device,
+    contiguity, 16-byte alignment) and launches only if every one passes; otherwise it returns None and the
     caller takes the checked slow path, which names what is wrong."""
 
     def __init__(self, ws, bound: tuple[BoundLaunch, ...], spec, M: int, device: torch.device, unpack_dir=None,
@@ -274,6 +279,7 @@ class LayerPlan:
         if fn is not None:
             bound = self.bound
             p = _Plan()
+            p.nk = len(bound)
             for k, b in enumerate(bound):
                 p.run[k] = ctypes.cast(b._lib._run, ctypes.c_void_p).value
                 p.packed[k] = ctypes.addressof(b._packed)
@@ -364,19 +370,16 @@ class LayerPlan:
             if failed:
                 if failed == 5:
                     err = self._plan.graph_error
-                    raise KernelLaunchError(f"{self.bound[0]._lib.name} and the layer's three other kernels: "
-                                            f"launching their CUDA graph failed (CUresult {err})", err)
+                    names = ", ".join(b._lib.name for b in self.bound)
+                    raise KernelLaunchError(f"{names}: launching their CUDA graph failed (CUresult {err})", err)
                 b = self.bound[failed - 1]
                 raise KernelLaunchError(f"{b._lib.name}: launch failed (cudaError {b._ret.value})", b._ret.value)
             return out
         p = (p0, p1, p2, p3, p4, p5, p6, p7)
         for i, k, a in self._feeds:
             self.bound[k]._structs[a].data = p[i]
-        route, glu, down, comb = self.bound
-        route(stream)
-        glu(stream)
-        down(stream)
-        comb(stream)
+        for launch in self.bound:
+            launch(stream)
         return out
 
 

@@ -33,6 +33,7 @@ from ..variants import (
     BWD_TILE_M,
     INTERLEAVE,
     QUANT_IN_ROUTING,
+    DecodeVariant,
     LayerVariant,
     backward_kernels,
     bucket_for,
@@ -91,14 +92,34 @@ class Workspace:
     hs: torch.Tensor | None = None
     # nvfp4: x's global amax (fp32 [1]), taken on the device each call unless w13 carries a calibrated one
     xg: torch.Tensor | None = None
+    # the one-launch decode kernel's (h bf16 [pairs, I], bar int32 [words]) per (pairs, words),
+    # made at its first use (decode_buffers)
+    decode: dict | None = None
 
     def __init__(self, counts: torch.Tensor, offsets: torch.Tensor, sorted_ids: torch.Tensor,
                  tile_expert: torch.Tensor, h: torch.Tensor, y: torch.Tensor, max_tokens: int,
                  xq: torch.Tensor | None = None, xs: torch.Tensor | None = None, hq: torch.Tensor | None = None,
-                 hs: torch.Tensor | None = None, xg: torch.Tensor | None = None):
+                 hs: torch.Tensor | None = None, xg: torch.Tensor | None = None, decode: dict | None = None):
         self.counts, self.offsets, self.sorted_ids, self.tile_expert = counts, offsets, sorted_ids, tile_expert
         self.h, self.y, self.max_tokens = h, y, max_tokens
         self.xq, self.xs, self.hq, self.hs, self.xg = xq, xs, hq, hs, xg
+        self.decode = decode
+
+    def decode_buffers(self, spec: LayerSpec, v: DecodeVariant) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h, bar) of the one-launch decode kernel ``v``: h [max_tokens * top_k, I] bf16, written
+        before it is read in each launch; bar, its barrier words, zeroed here once and left at zero
+        by every launch (so CUDA-graph replays reuse it). Made at the first call that needs them,
+        on the device of the routing buffers; launches that share them must not overlap (as every
+        buffer of a workspace)."""
+        key = (v.max_tokens * spec.top_k, v.bar_words(spec))
+        if self.decode is None:
+            self.decode = {}
+        bufs = self.decode.get(key)
+        if bufs is None:
+            dev = self.counts.device
+            bufs = self.decode[key] = (torch.empty(key[0], spec.intermediate, dtype=torch.bfloat16, device=dev),
+                                       torch.zeros(key[1], dtype=torch.int32, device=dev))
+        return bufs
 
     def h_scales(self, rows: int, h_block: int) -> torch.Tensor:
         """An fp8 layer's h scales of ``rows`` rows as the variant's GEMMs take them: [rows,
@@ -179,6 +200,7 @@ class MoeLayer:
         # both is exact; its own checks refuse another token count)
         self._last: LayerPlan | None = None
         self.first_call_ms: dict[str, float] = {}  # stages of the last first call at a size (cold start)
+        self._sms: int | None = None  # the device's SMs (a decode kernel needs one per CTA)
 
     # -- kernel selection ----------------------------------------------------------------------
     def variant_for(self, tokens: int) -> LayerVariant:
@@ -190,17 +212,37 @@ class MoeLayer:
         bucket's default does not have). Picks for some buckets only happen when a database's
         picks predate a change of the defaults (their records no longer say what they beat)."""
         bucket = bucket_for(tokens)
-        if bucket in self.variants:
-            return self.variants[bucket]
+        pick = self.variants.get(bucket)
+        if isinstance(pick, LayerVariant):
+            return pick
         v = default_variant(self.spec, bucket)
-        if not self.variants:
+        # a bucket whose pick is the decode kernel falls back to its default (compiled with it)
+        four = {b: p for b, p in self.variants.items() if isinstance(p, LayerVariant)}
+        if not four or pick is not None:
             return v
         if bucket not in self._default_stored:
             names = [kv.name for kv in self.kernel_variants(v)]
             self._default_stored[bucket] = self.store.has_kernels(names, self.spec.target)
         if self._default_stored[bucket]:
             return v
-        return self.variants[bucket_for(tokens, tuple(sorted(self.variants)))]
+        return four[bucket_for(tokens, tuple(sorted(four)))]
+
+    def decode_for(self, tokens: int) -> DecodeVariant | None:
+        """The one-launch decode kernel that serves this token count, or None: the bucket's pick
+        where that is a DecodeVariant, for token counts up to its max_tokens, on a GPU with at least
+        as many SMs as its CTAs (all resident in its cooperative launch). Every other call at the
+        bucket (more tokens, a smaller GPU) runs variant_for's four kernels."""
+        v = self.variants.get(bucket_for(tokens))
+        if not isinstance(v, DecodeVariant) or tokens > v.max_tokens:
+            return None
+        if self._sms is None:
+            cuda = self.device.type == "cuda" and torch.cuda.is_available()
+            self._sms = torch.cuda.get_device_properties(self.device).multi_processor_count if cuda else 0
+        return v if self._sms >= v.ctas else None
+
+    def served(self, tokens: int) -> DecodeVariant | LayerVariant:
+        """What forward runs at this token count: decode_for's kernel, else variant_for's four."""
+        return self.decode_for(tokens) or self.variant_for(tokens)
 
     def _lib(self, kv) -> KernelLibrary:
         lib = self._libs.get(kv.name)
@@ -421,32 +463,39 @@ class MoeLayer:
         if ws.max_tokens < M:
             raise KernelArgumentError(f"workspace holds {ws.max_tokens} tokens, x has {M}")
         t2 = time.perf_counter()
-        v, route, glu, down, comb = self.kernels(M)
-        T = max_tiles(M, self.spec.top_k, self.spec.experts, v.tile_m)
-        R = T * v.tile_m
-        # Slicing past the end would silently give shorter buffers and the kernels would run
-        # off them: refuse instead.
-        if ws.sorted_ids.numel() < R or ws.tile_expert.numel() < T or ws.h.shape[0] < R or \
-                ws.y.shape[0] < M * self.spec.top_k:
-            raise KernelArgumentError(f"workspace too small for {M} tokens with tile_m {v.tile_m}; "
-                                      "allocate it with Workspace.allocate(spec, max_tokens, device)")
-        sorted_ids, tile_expert = ws.sorted_ids[:R], ws.tile_expert[:T]
-        h, y = ws.h[:R], ws.y[: M * self.spec.top_k]
+        d = self.decode_for(M)
+        bias13, bias2 = ((b13,), (b2,)) if self.spec.bias else ((), ())
+        if d is not None:  # the whole layer in one launch, with its h and barrier words from the workspace
+            v, libs = d, (self._lib(d.kernels(self.spec)[0]),)
+            dh, bar = ws.decode_buffers(self.spec, d)
+            args = ((x, w13, w2, topk_weights, topk_ids, out, dh, bar) + bias13 + bias2,)
+        else:
+            v, route, glu, down, comb = self.kernels(M)
+            T = max_tiles(M, self.spec.top_k, self.spec.experts, v.tile_m)
+            R = T * v.tile_m
+            # Slicing past the end would silently give shorter buffers and the kernels would run
+            # off them: refuse instead.
+            if ws.sorted_ids.numel() < R or ws.tile_expert.numel() < T or ws.h.shape[0] < R or \
+                    ws.y.shape[0] < M * self.spec.top_k:
+                raise KernelArgumentError(f"workspace too small for {M} tokens with tile_m {v.tile_m}; "
+                                          "allocate it with Workspace.allocate(spec, max_tokens, device)")
+            sorted_ids, tile_expert = ws.sorted_ids[:R], ws.tile_expert[:T]
+            h, y = ws.h[:R], ws.y[: M * self.spec.top_k]
+            libs = (route, glu, down, comb)
+            args = ((topk_ids, ws.counts, ws.offsets, sorted_ids, tile_expert),
+                    (x, w13, sorted_ids, tile_expert, h) + bias13,
+                    (h, w2, sorted_ids, tile_expert, topk_weights, y) + bias2,
+                    (y, topk_ids, out))
         key = (M, v, id(ws))
         plan = self._plans.get(key)
         if plan is None:
             # First call at this size: launch with full per-kernel contract checks, then keep the
             # filled argument structs; later calls only swap the caller's data pointers (every
             # other size and stride is fixed by M and the spec, and check_inputs re-checked them).
-            bias13, bias2 = ((b13,), (b2,)) if self.spec.bias else ((), ())
-            args = ((topk_ids, ws.counts, ws.offsets, sorted_ids, tile_expert),
-                    (x, w13, sorted_ids, tile_expert, h) + bias13,
-                    (h, w2, sorted_ids, tile_expert, topk_weights, y) + bias2,
-                    (y, topk_ids, out))
             t3 = time.perf_counter()
             # bind checks each kernel's contract and fills its argument structs once; launching
             # the bound kernels then checks nothing twice
-            bound = tuple(lib.bind(*a) for lib, a in zip((route, glu, down, comb), args))
+            bound = tuple(lib.bind(*a) for lib, a in zip(libs, args))
             t4 = time.perf_counter()
             # the raw stream, as LayerPlan.run takes it: no torch.cuda.Stream object built
             index = self.device.index
@@ -482,6 +531,9 @@ class MoeLayer:
     _FP8_CALLER_ARGS = (("routing", 0, "ids"), ("routing", 5, "x"), ("glu", 2, "w13"), ("glu", 3, "w13s"),
                         ("down", 2, "w2"), ("down", 3, "w2s"), ("down", 6, "tw"), ("combine", 1, "ids"),
                         ("combine", 2, "out"))
+    # ... and in the fp8 one-launch decode kernel's (x, w13, w13s, w2, w2s, tw, ids, out, h, bar)
+    _FP8_DECODE_CALLER_ARGS = tuple(("decode", i, k) for i, k in enumerate(("x", "w13", "w13s", "w2", "w2s", "tw",
+                                                                          "ids", "out")))
 
     def _first_call_views(self, M: int, ws, inter):
         """The first call at a size of the quantized paths (fp8, mxfp4-w, block-scaled): the
@@ -510,20 +562,27 @@ class MoeLayer:
         ws = workspace or self.workspace(M)
         fast = self._fast.get((M, id(ws), id(self.variants)))
         if fast is not None:
-            self._replay(fast[1], self._FP8_CALLER_ARGS,
+            self._replay(fast[1], fast[2],
                          {"ids": topk_ids, "x": x, "w13": w13[0], "w13s": w13[1], "w2": w2[0], "w2s": w2[1],
                           "tw": topk_weights, "out": out})
             return out
         if ws.max_tokens < M or ws.xq is None:
             raise KernelArgumentError(f"workspace must be allocated for this fp8 layer and hold {M} tokens "
                                       f"(Workspace.allocate(spec, max_tokens, device))")
+        d = self.decode_for(M)
+        if d is not None:  # e4m3 weights with their scales, x and h unquantized: no routing, no combine
+            dh, bar = ws.decode_buffers(self.spec, d)
+            args = {"decode": (x, w13[0], w13[1], w2[0], w2[1], topk_weights, topk_ids, out, dh, bar)}
+            self._launch_and_keep(M, d, ws, {"decode": self._lib(d.kernels(self.spec)[0])}, args,
+                                  self._FP8_DECODE_CALLER_ARGS)
+            return out
         v, libs, sorted_ids, tile_expert, R = self._first_call_views(M, ws, ws.hq)
         xq, xs, hq, hs, y = ws.xq[:M], ws.xs[:M], ws.hq[:R], ws.h_scales(R, v.h_block), ws.y[: M * K]
         args = {"routing": (topk_ids, ws.counts, ws.offsets, sorted_ids, tile_expert, x, xq, xs),
                 "glu": (xq, xs, w13[0], w13[1], sorted_ids, tile_expert, hq, hs),
                 "down": (hq, hs, w2[0], w2[1], sorted_ids, tile_expert, topk_weights, y),
                 "combine": (y, topk_ids, out)}
-        self._launch_and_keep(M, v, ws, libs, args)
+        self._launch_and_keep(M, v, ws, libs, args, self._FP8_CALLER_ARGS)
         return out
 
     # the caller's tensors in each mxfp4-w kernel's arguments (role, argument index, which), as
@@ -625,10 +684,11 @@ class MoeLayer:
         for launch in bound.values():
             launch(stream)
 
-    def _launch_and_keep(self, M, v, ws, libs, args) -> None:
-        """The first call at a size of the fp8 and mxfp4-w paths: launch each kernel (role order)
-        with its full contract checks, then keep the bound argument structs that later calls
-        only re-point at the caller's tensors."""
+    def _launch_and_keep(self, M, v, ws, libs, args, caller_args=None) -> None:
+        """The first call at a size of the quantized paths: launch each kernel (role order) with
+        its full contract checks, then keep the bound argument structs that later calls only
+        re-point at the caller's tensors (``caller_args``: which, for a path whose kernels at a
+        size may differ, e.g. fp8's four or its one-launch decode kernel)."""
         for role, lib in libs.items():  # role_kernels gives them in launch order
             lib(*args[role])
         if len(self._plans) >= 64:  # bounded: each plan keeps its workspace alive
@@ -636,7 +696,7 @@ class MoeLayer:
             self._fast.clear()
         bound = {role: lib.bind(*args[role]) for role, lib in libs.items()}
         self._plans[(M, v, id(ws))] = (ws,) + tuple(bound.values())  # for launchers()
-        self._fast[(M, id(ws), id(self.variants))] = (ws, bound)
+        self._fast[(M, id(ws), id(self.variants))] = (ws, bound, caller_args)
 
     def training_kernel(self, tokens: int) -> KernelLibrary | None:
         """The GEMM1 of this token count's variant that also writes the pre-activations
@@ -692,14 +752,16 @@ class MoeLayer:
         return out, preact
 
     def launchers(self, tokens: int, workspace: Workspace | None = None) -> dict:
-        """The four kernels of the last forward at `tokens`, bound to its arguments (each is
-        called with a stream): for tools that time the kernels one by one."""
+        """The kernels of the last forward at `tokens` by role (the four, or the one-launch decode
+        kernel's "decode"), bound to its arguments (each is called with a stream): for tools that
+        time the kernels one by one."""
         ws = workspace or self.workspace(tokens)
-        v = self.variant_for(tokens)
+        v = self.served(tokens)
         plan = self._plans.get((tokens, v, id(ws)))
         if plan is None:
             raise KeyError(f"no forward at {tokens} tokens with this workspace yet")
-        return dict(zip((kv.role for kv in self.kernel_variants(v)), plan[1:]))
+        kvs = v.kernels(self.spec) if isinstance(v, DecodeVariant) else self.kernel_variants(v)
+        return dict(zip((kv.role for kv in kvs), plan[1:]))
 
     def route(self, topk_ids, tile_m: int | None = None):
         """Routing alone (for tests and tools): returns counts, offsets, sorted_ids, tile_expert."""

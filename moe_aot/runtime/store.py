@@ -14,7 +14,7 @@ from .. import env
 from ..dbread import SqliteReader, sqlite_file
 from ..hosts import this_host
 from ..spec import LayerSpec
-from ..variants import BackwardVariant, LayerVariant, backward_workload
+from ..variants import BackwardVariant, backward_workload, parse_variant
 from .library import KernelLaunchError, KernelLibrary, cached_library, libcuda, library_dir, other_host
 
 # 1: linked with CUDA's static cudart, 2: with the project's runtime shim. Both load the same way
@@ -132,8 +132,9 @@ class KernelStore:
     def picks(self, spec: LayerSpec, gpu: str, backward: bool = False) -> dict:
         """Tuned picks per token bucket for this GPU, or {} (defaults) with a warning that says
         what differed when the database holds picks for another GPU or toolchain only: the
-        forward's LayerVariants, or with ``backward`` the backward's BackwardVariants."""
-        parse = BackwardVariant.parse if backward else LayerVariant.parse
+        forward's LayerVariants (or DecodeVariants, where the one-launch kernel won its bucket),
+        or with ``backward`` the backward's BackwardVariants."""
+        parse = BackwardVariant.parse if backward else parse_variant
         rows = self.db.best(backward_workload(spec) if backward else spec.workload_key, spec.target)
         mine = [r for r in rows if r.gpu == gpu and usable(r.toolchain, spec.target, self._driver)[0]]
         if not mine:
