@@ -407,8 +407,8 @@ class Slot:
     # its binaries were measured already): it counts against the budget meanwhile, so a study
     # with room for it never ends one trial over `trials`.
     baseline_pending: bool = False
-    # Variants to try right after the default, before any proposal (see `seed_variants`), then the
-    # bucket's one-launch decode candidates (variants.decode_candidates).
+    # Variants to try right after the default, before any proposal: the bucket's one-launch decode
+    # candidates (variants.decode_candidates), then `seed_variants`'s.
     seeds: list = dataclasses.field(default_factory=list)
 
     # Proposals can_implement refused in a row; a slot whose sampler keeps proposing only
@@ -677,15 +677,16 @@ def prepare(db_url: str, specs, buckets, gpu: str, trials: int = 30, timeout_s: 
             jobs: int = 2, compile_fn: Callable = compile_variant, seed: int | None = None,
             progress: Callable[[str], None] = line, seeds: dict | None = None) -> int:
     """Compile candidates for `gpu`'s studies and enqueue them as ready WAITING trials, until each
-    study holds `trials` trials: the default first, then `seeds` of the bucket (see
-    `seed_variants`), then the bucket's one-launch decode candidates (variants.decode_candidates),
-    then proposals. A compile failure becomes a finished trial and a record
+    study holds `trials` trials: the default first, then the bucket's one-launch decode candidates
+    (variants.decode_candidates: at the 1-token bucket), then `seeds` of the bucket (see
+    `seed_variants`), then proposals. A compile failure becomes a finished trial and a record
     here. Returns the number of trials added."""
     db = Database(db_url)
     storage = open_storage(db_url)
     slots = open_slots(storage, specs, gpu, buckets, seed)
     for slot in slots:
-        slot.seeds = list((seeds or {}).get((slot.spec.workload_key, slot.tokens), ())) + slot.seeds
+        # the decode candidates first (two at most, at the 1-token bucket only), then `seeds`
+        slot.seeds += list((seeds or {}).get((slot.spec.workload_key, slot.tokens), ()))
     rng = random.Random(seed)
     deadline = time.monotonic() + timeout_s if timeout_s else math.inf
     pool = CompilePool(jobs, compile_fn)

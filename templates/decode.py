@@ -1,4 +1,4 @@
-"""The whole MoE layer for a few tokens in one cooperative launch (decode; not selectable yet).
+"""The whole MoE layer for a few tokens in one cooperative launch (decode; a DecodeVariant).
 
 At 1-4 tokens the layer streams 8-32 experts' weights once and does almost no arithmetic, and
 the four-kernel path pays routing, a combine and three launch gaps on top (Qwen3-30B, 1 token:
@@ -57,6 +57,10 @@ tokens for the five presets, memcheck clean; at 1 token the bulk producer with o
 session, no device lent): the cp.async producer, fp8 weights, x loaded by the consumers after the
 prologue, sync="group", timeline builds, and the register path of one-slot groups in multi-token
 builds.
+
+Served as ``variants.DecodeVariant`` (role "decode"): a candidate of the 1-token bucket that the
+tuner measures beside the four-kernel variants; the runtime launches it where it is the pick (h and
+bar from its workspace), for up to ``max_tokens`` tokens on GPUs with at least ``ctas`` SMs.
 
 Constraints:
   * sm_90a (bulk copies, mbarrier transaction counts, cooperative launch).

@@ -219,18 +219,21 @@ def test_a_decode_pick_has_no_training_twin_and_no_pdl_twin_in_the_seeds(tmp_pat
 @pytest.mark.parametrize("decode_us, wins", [(1.0, True), (60.0, False)])
 def test_the_tuner_measures_the_decode_candidates_beside_the_four_kernel_ones(tmp_path, decode_us, wins):
     """compile-only then measure (the H200 flow): the 1-token study holds the default, then the
-    decode candidates, then proposals; the pick is the decode kernel only where it measured
+    decode candidates, then the seeds and proposals; the pick is the decode kernel only where it measured
     fastest, and the runtime's store hands it back as a DecodeVariant."""
     url = f"sqlite:///{tmp_path / 't.sqlite'}"
     Database(url).close()
     spec = make_spec("qwen3-30b-a3b")
-    added = tuner.prepare(url, [spec], [1, 16], GPU, trials=5, jobs=0, compile_fn=fake_compile, seed=0)
+    twin = default_variant(spec, 1).pdl_twin()
+    added = tuner.prepare(url, [spec], [1, 16], GPU, trials=5, jobs=0, compile_fn=fake_compile, seed=0,
+                          seeds={(spec.workload_key, 1): [twin]})
     assert added == 10
     storage = tuner.open_storage(url)
     one = tuner.open_study(storage, spec, GPU, 1)
     names = [t.user_attrs["variant"] for t in one.get_trials(deepcopy=False)]
     cands = [v.name(spec) for v in decode_candidates(spec, 1)]
-    assert names[0] == default_variant(spec, 1).name(spec) and names[1:3] == cands
+    # the default, the decode candidates, then the given seeds
+    assert names[0] == default_variant(spec, 1).name(spec) and names[1:3] == cands and names[3] == twin.name(spec)
     sixteen = tuner.open_study(storage, spec, GPU, 16)
     assert not any("moe_decode_" in t.user_attrs["variant"] for t in sixteen.get_trials(deepcopy=False))
     done = measure_worker.measure(url, FakeMeasurer(decode_us=decode_us), confirm=0)

@@ -220,7 +220,8 @@ def main():
     ap.add_argument("--db", default=str(ROOT / "cache" / "moe_aot.sqlite"))
     ap.add_argument("--tests", action="store_true")
     ap.add_argument("--test-args", default="", help="extra pytest arguments, e.g. '-k qwen3'")
-    ap.add_argument("--test-files", default="tests/test_gpu_layer.py,tests/test_gpu_fp8.py,tests/test_gpu_autograd.py",
+    ap.add_argument("--test-files", default="tests/test_gpu_layer.py,tests/test_gpu_fp8.py,tests/test_gpu_autograd.py,"
+                    "tests/test_gpu_decode.py",
                     help="comma-separated GPU test files (the database must hold their kernels)")
     ap.add_argument("--coldstart", action="store_true")
     ap.add_argument("--coldstart-compare", default=None, metavar="DIR",

@@ -92,7 +92,7 @@ class Workspace:
     hs: torch.Tensor | None = None
     # nvfp4: x's global amax (fp32 [1]), taken on the device each call unless w13 carries a calibrated one
     xg: torch.Tensor | None = None
-    # the one-launch decode kernel's (h bf16 [pairs, I], bar int32 [words]) per (pairs, words),
+    # the one-launch decode kernel's (h bf16 [pairs, I], bar int32 [words]) per (pairs, I, words),
     # made at its first use (decode_buffers)
     decode: dict | None = None
 
@@ -111,14 +111,14 @@ class Workspace:
         by every launch (so CUDA-graph replays reuse it). Made at the first call that needs them,
         on the device of the routing buffers; launches that share them must not overlap (as every
         buffer of a workspace)."""
-        key = (v.max_tokens * spec.top_k, v.bar_words(spec))
+        key = (v.max_tokens * spec.top_k, spec.intermediate, v.bar_words(spec))
         if self.decode is None:
             self.decode = {}
         bufs = self.decode.get(key)
         if bufs is None:
             dev = self.counts.device
-            bufs = self.decode[key] = (torch.empty(key[0], spec.intermediate, dtype=torch.bfloat16, device=dev),
-                                       torch.zeros(key[1], dtype=torch.int32, device=dev))
+            bufs = self.decode[key] = (torch.empty(key[:2], dtype=torch.bfloat16, device=dev),
+                                       torch.zeros(key[2], dtype=torch.int32, device=dev))
         return bufs
 
     def h_scales(self, rows: int, h_block: int) -> torch.Tensor:
