@@ -48,6 +48,7 @@ for k in range(4):
     p.packed[k], p.stream[k] = ctypes.addressof(packed[k]), ctypes.addressof(streams[k])
     p.ret[k] = ctypes.addressof(rets[k])
 p.n = 0
+p.nk = int(sys.argv[4])  # four kernels (a layer's), or one (the decode kernel's)
 p.cu[:] = [ctypes.cast(getattr(standin, n), ctypes.c_void_p).value for n in names]
 p.capture_stream = 0
 out = []
@@ -74,7 +75,7 @@ ctypes.c_int.in_dll(standin, "standin_capturing").value = 0
 ctypes.c_int.in_dll(standin, "standin_fail").value = 700
 call(A)          # 7: a failed graph launch is reported
 ctypes.c_int.in_dll(standin, "standin_fail").value = 0
-ctypes.c_int.in_dll(kernels, "fail_kernel").value = 2
+ctypes.c_int.in_dll(kernels, "fail_kernel").value = int(sys.argv[5])
 call(C)          # 8: a failed kernel launch, direct
 call(C)          # 9: ... and while capturing it: the capture fails, graphs off, direct launch reports it
 ctypes.c_int.in_dll(kernels, "fail_kernel").value = -1
@@ -86,12 +87,15 @@ print(json.dumps({"calls": out, "graph_error": p.graph_error, "needs_stream": ne
 """
 
 
-def test_graph_path_of_the_native_launcher(tmp_path):
+@pytest.mark.parametrize("nk", [4, 1], ids=["layer", "decode"])
+def test_graph_path_of_the_native_launcher(tmp_path, nk):
+    fail = min(2, nk - 1)  # the kernel made to fail in calls 8 and 9
     standin = cuda_standin.build(tmp_path)
     src, kernels = tmp_path / "kernels.c", tmp_path / "libkernels.so"
     src.write_text(KERNELS)
     subprocess.run(["gcc", "-shared", "-fPIC", "-O1", "-o", str(kernels), str(src)], check=True)
-    res = subprocess.run([sys.executable, "-c", SCRIPT, str(standin), str(kernels), str(tmp_path / "unpack")],
+    res = subprocess.run([sys.executable, "-c", SCRIPT, str(standin), str(kernels), str(tmp_path / "unpack"), str(nk),
+                          str(fail)],
                          capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert res.returncode == 0, res.stderr
     got = json.loads(res.stdout)
@@ -100,7 +104,7 @@ def test_graph_path_of_the_native_launcher(tmp_path):
     def driver(i, prefix):
         return [ln for ln in calls[i]["driver"] if ln.startswith(prefix)]
 
-    direct = [f"run{k} 0x51" for k in range(4)]
+    direct = [f"run{k} 0x51" for k in range(nk)]
     assert calls[0]["ret"] == 0 and calls[0]["kernels"] == direct and calls[0]["n_graphs"] == 0
     assert driver(0, "cuStreamIsCapturing") == ["cuStreamIsCapturing 0x51"] and not driver(0, "cuGraph")
     needs = got["needs_stream"]
@@ -108,7 +112,7 @@ def test_graph_path_of_the_native_launcher(tmp_path):
                                                                  or "Capture(" in ln or "Capture_v2" in ln]
     one = calls[1]
     assert one["ret"] == 0 and one["n_graphs"] == 1
-    assert one["kernels"] == [f"run{k} 0xc5" for k in range(4)]  # captured on the private stream, not run
+    assert one["kernels"] == [f"run{k} 0xc5" for k in range(nk)]  # captured on the private stream, not run
     order = [ln.split()[0] for ln in one["driver"] if not ln.startswith("cuStreamIsCapturing")]
     assert order == ["cuStreamBeginCapture_v2", "cuStreamEndCapture", "cuGraphInstantiateWithFlags",
                      "cuGraphDestroy", "cuGraphLaunch"], one["driver"]
@@ -123,12 +127,12 @@ def test_graph_path_of_the_native_launcher(tmp_path):
     assert calls[3]["kernels"] == direct and not driver(3, "cuGraph") and calls[3]["n_graphs"] == 1
     assert calls[6]["kernels"] == direct and not driver(6, "cuGraph")  # never into a capture
     assert calls[7]["ret"] == 5 and got["graph_error"] == 700 and calls[7]["kernels"] == []
-    assert calls[8]["ret"] == 3 and calls[8]["kernels"] == direct[:3] and not driver(8, "cuGraph")
+    assert calls[8]["ret"] == fail + 1 and calls[8]["kernels"] == direct[:fail + 1] and not driver(8, "cuGraph")
     nine = calls[9]
-    assert nine["n_graphs"] == -1 and nine["ret"] == 3
+    assert nine["n_graphs"] == -1 and nine["ret"] == fail + 1
     assert driver(9, "cuStreamEndCapture") and not driver(9, "cuGraphLaunch")  # the capture was ended
     assert driver(9, "cuGraphExecDestroy") == [f"cuGraphExecDestroy {exec_handle}"]  # graphs off: none kept
-    assert nine["kernels"] == [f"run{k} 0xc5" for k in range(3)] + direct[:3]
+    assert nine["kernels"] == [f"run{k} 0xc5" for k in range(fail + 1)] + direct[:fail + 1]
     assert calls[10]["ret"] == 0 and calls[10]["kernels"] == direct and not calls[10]["driver"]
     assert calls[11]["n_graphs"] == -1
     assert calls[11]["release"] == []
