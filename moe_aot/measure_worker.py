@@ -46,6 +46,7 @@ from .tuner import (
     parse_study_name,
     requeue_stale,
     search_space,
+    space_key,
     study_name,
     study_spec,
     suggest,
@@ -181,7 +182,15 @@ def find_studies(storage, gpu: str, workloads=None, target: str | None = None,
                 f"`moe-aot tune --compile-only --gpu \"{gpu}\" ...`" if others else
                 f"prepare some with `moe-aot tune --compile-only --gpu \"{gpu}\" ...`")
         raise LookupError(f"no tuning studies for {gpu} in the database; {hint}")
-    return [optuna.load_study(study_name=n, storage=storage) for n in sorted(mine)]
+    studies = [optuna.load_study(study_name=n, storage=storage) for n in sorted(mine)]
+    # a study of another search space (an older moe-aot's) is not resumed: its trials name
+    # parameters this one cannot suggest (tuner.space_key); its records still count
+    current = [s for s in studies if parsed[s.study_name]["space"] == space_key(study_spec(s))]
+    if not current:
+        raise LookupError(f"the database's tuning studies for {gpu} were prepared over another search space (an "
+                          "older moe-aot's candidate tiles); prepare them again with `moe-aot tune --compile-only "
+                          f"--gpu \"{gpu}\" ...` (the records measured so far still count)")
+    return current
 
 
 def _hold_sigint():

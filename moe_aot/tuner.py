@@ -12,7 +12,9 @@ module for the search space, the study names and the way results are told and re
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
+import json
 import math
 import os
 import random
@@ -90,9 +92,11 @@ def variant_of(params: dict) -> LayerVariant:
     return LayerVariant(**kw)
 
 
+@functools.lru_cache(maxsize=128)
 def search_space(spec: LayerSpec) -> dict[str, CategoricalDistribution]:
     """Per parameter, the values that occur in candidate_space (sorted, so every process and
-    session builds the same distributions); combinations can_implement refuses are pruned."""
+    session builds the same distributions); combinations can_implement refuses are pruned.
+    Computed once per spec and process (a second or two); callers must not change it."""
     values: dict[str, set] = {}
     for v in candidate_space(spec):
         for k, x in params_of(v).items():
@@ -132,16 +136,33 @@ def _cluster_applies(params: dict, key: str) -> bool:
 
 # -- studies -----------------------------------------------------------------------------------
 
+def space_key(spec: LayerSpec) -> str:
+    """A digest of the layer's search space (every parameter's choices). A study holds one space:
+    optuna refuses a parameter whose choices differ from its earlier trials' ("does not support
+    dynamic value space"), so a moe-aot whose candidate space changed (a tile, an MMA family, a
+    field added or removed) opens new studies beside the old ones. Nothing measured is lost: the
+    records, the picks derived from them and the outcomes reused for the same binaries
+    (known_outcome) live in the records table, not in the studies."""
+    space = search_space(spec)
+    text = json.dumps({k: [repr(c) for c in d.choices] for k, d in sorted(space.items())})
+    return hashlib.sha256(text.encode()).hexdigest()[:10]
+
+
 def study_name(spec: LayerSpec, gpu: str, tokens: int) -> str:
-    return f"{STUDY_PREFIX}:{spec.workload_key}:{spec.target}:{gpu}:t{tokens}"
+    return f"{STUDY_PREFIX}:{spec.workload_key}:{spec.target}:{gpu}:t{tokens}:s{space_key(spec)}"
 
 
 def parse_study_name(name: str) -> dict | None:
+    """The parts of a study's name; "space" is None for a study named before the space key was
+    (an older moe-aot's: it is not resumed)."""
     parts = name.split(":")
-    if len(parts) < 5 or parts[0] != STUDY_PREFIX or not parts[-1].startswith("t"):
+    space = None
+    if len(parts) >= 6 and parts[-1].startswith("s") and parts[-2].startswith("t"):
+        space = parts.pop()[1:]
+    if len(parts) < 5 or parts[0] != STUDY_PREFIX or not parts[-1].startswith("t") or not parts[-1][1:].isdigit():
         return None
     return {"workload": parts[1], "target": parts[2], "gpu": ":".join(parts[3:-1]),
-            "tokens": int(parts[-1][1:])}
+            "tokens": int(parts[-1][1:]), "space": space}
 
 
 def open_storage(url: str) -> optuna.storages.RDBStorage:

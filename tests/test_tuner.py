@@ -38,7 +38,52 @@ def test_search_space_round_trips_and_covers_the_candidates():
         assert tuner.variant_of(p) == v and all(p[k] in space[k].choices for k in space)
     name = tuner.study_name(SPEC, "NVIDIA H200", 64)
     assert tuner.parse_study_name(name) == {"workload": SPEC.workload_key, "target": "sm_90a",
-                                            "gpu": "NVIDIA H200", "tokens": 64}
+                                            "gpu": "NVIDIA H200", "tokens": 64, "space": tuner.space_key(SPEC)}
+    old = f"moe-aot:{SPEC.workload_key}:sm_90a:NVIDIA H200:t64"  # named before the space key
+    assert tuner.parse_study_name(old) == {"workload": SPEC.workload_key, "target": "sm_90a", "gpu": "NVIDIA H200",
+                                           "tokens": 64, "space": None}
+
+
+def test_a_study_of_another_search_space_is_left_and_its_records_still_count(tmp_path):
+    """A database tuned by a moe-aot whose candidate space differed (here: a study whose trials
+    chose glu_mma among other values, which optuna refuses to mix with today's choices): tune
+    opens new studies beside it, measure skips it (saying why when it is all there is), and the
+    pick still sees the records measured then."""
+    import optuna
+    from optuna.distributions import CategoricalDistribution
+
+    url = f"sqlite:///{tmp_path / 'old.sqlite'}"
+    Database(url).close()
+    storage = tuner.open_storage(url)
+    spec, gpu = SPEC, GPU
+    dflt = default_variant(spec, 64)
+    for name in (f"moe-aot:{spec.workload_key}:{spec.target}:{gpu}:t64",  # before the space key
+                 f"moe-aot:{spec.workload_key}:{spec.target}:{gpu}:t64:s0123456789"):  # another space
+        old = optuna.create_study(study_name=name, storage=storage, direction="minimize")
+        old.set_user_attr("spec", {**spec.to_dict(), "model": spec.model})
+        old.add_trial(optuna.trial.create_trial(params={"glu_mma": "warp"}, value=50.0,
+                                                distributions={"glu_mma": CategoricalDistribution(("warp", "x"))},
+                                                user_attrs={"variant": dflt.name(spec), "ready": True}))
+        old.enqueue_trial({"glu_mma": "warp"}, user_attrs={"variant": dflt.name(spec), "ready": True,
+                                                          "toolchain": toolchain(spec.target)})
+    with pytest.raises(LookupError, match="prepared over another search space"):
+        measure_worker.find_studies(storage, gpu)
+    fake_compile(url, spec, dflt)
+    with Database(url) as db:  # the default's record from the old session
+        content, tc = picks.variant_content(db, spec, dflt)
+        db.add_record_once(workload=spec.workload_key, target=spec.target, toolchain=tc, gpu=gpu,
+                           driver=FakeMeasurer.driver, tokens=64, variant=dflt.name(spec), content=content,
+                           status="ok", median_us=fake_time_us(spec, dflt, 64), stats={}, rel_err=1e-3, error=None)
+    measurer = DrawMeasurer()
+    tuner.tune(url, [spec], [64], measurer, trials=3, jobs=0, compile_fn=fake_compile, seed=0, confirm=0)
+    assert dflt.name(spec) not in measurer.calls  # its binaries' record was reused, not measured again
+    assert len(measurer.calls) == 3
+    names = optuna.get_all_study_names(storage)
+    assert tuner.study_name(spec, gpu, 64) in names and len(names) == 3
+    [study] = measure_worker.find_studies(storage, gpu)
+    assert study.study_name == tuner.study_name(spec, gpu, 64)
+    with Database(url) as db:
+        assert [p.tokens for p in picks.derive_picks(db, spec, gpu)] == [64]
 
 
 def test_roofline_floor():
