@@ -105,7 +105,7 @@ TIMELINE_COLS = 16
 # int32[2]); "group", a counter per expert group that each phase-1 unit bumps when its h columns are
 # written, so the producer copies a group's h as soon as that group is done (bar int32[2 + 2 * pairs]:
 # the end-of-launch counter and generation, then two banks of group counters for alternate launches).
-_SPIN_LIMIT = 1 << 26  # polls of a group counter before the kernel traps (a broken count, not a hang)
+_SPIN_LIMIT = 1 << 26  # polls of a barrier word before the kernel traps (a broken count, not a hang)
 
 
 @dsl_user_op
@@ -735,9 +735,15 @@ class MoeDecode:
         S, nseg2 = self.stages, self.intermediate // self.seg2
         if const_expr(self.sync == "grid"):
             if pt == 0:
+                # bounded as the group polls are: a barrier that never completes (a broken count)
+                # traps, an error the caller sees, instead of hanging its process
+                polls = Int32(0)
                 now = cute.arch.load(mBar.iterator + 1, Int32, sem="acquire", scope="gpu")
-                while now == seen:
+                while now == seen and polls < _SPIN_LIMIT:
                     now = cute.arch.load(mBar.iterator + 1, Int32, sem="acquire", scope="gpu")
+                    polls = polls + 1
+                if now == seen:
+                    _trap()
                 self._mark(mTl, bid, "barrier_passed")
             self._producers_see_h()
         for jj in range(pend):

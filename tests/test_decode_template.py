@@ -69,6 +69,17 @@ def test_decode_fp8_weights_compile(precision, tmp_path):
     assert len(re.findall(r"ld\.global\.b32", body)) >= 2  # the scales
 
 
+def test_decode_grid_barrier_wait_is_bounded(tmp_path):
+    """The producer's wait for the grid barrier's generation polls a bounded number of times and
+    then traps: a count that never completes is a kernel error, not a hung process."""
+    obj = MoeDecode(128, 2048, 768, 8, max_tokens=1)
+    args = dict(obj.fake_arguments())
+    assert tuple(args["bar"].shape) == (2,)
+    ptx = cute.compile(obj, *args.values(), options=f"--gpu-arch sm_90a --keep-ptx --dump-dir {tmp_path}").__ptx__
+    body = ptx[ptx.index(".entry"):]
+    assert "trap;" in body and "ld.acquire.gpu" in body
+
+
 def test_decode_timeline_build_records_every_event(tmp_path):
     """timeline=True adds tl [ctas, 16] int64 (last) and a %globaltimer read per event; a build
     without it has no tl argument and reads no timer."""
