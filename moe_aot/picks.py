@@ -265,13 +265,18 @@ def round_medians(records, default: str, default_content: str | None = None,
 
 def current_contents(db: Database, spec: LayerSpec) -> Callable[[str], str | None]:
     """name -> the content the database would load for that variant (a layer's or, named
-    moe_bwd_..., a backward's) today (None: it cannot)."""
+    moe_bwd_..., a backward's) today (None: it cannot, or today's rules refuse the variant, e.g.
+    a tile or MMA family removed since it was measured: its records then never make a pick)."""
+    from .variants import BackwardVariant, can_implement_backward
+
     contents: dict[str, str | None] = {}
 
     def current(name: str) -> str | None:
         if name not in contents:
             try:
-                contents[name] = variant_content(db, spec, parse_variant(name))[0]
+                v = parse_variant(name)
+                ok = (can_implement_backward if isinstance(v, BackwardVariant) else can_implement)(spec, v)[0]
+                contents[name] = variant_content(db, spec, v)[0] if ok else None
             except (LookupError, ValueError):
                 contents[name] = None
         return contents[name]

@@ -19,7 +19,7 @@ from moe_aot import measure_worker, picks, tuner
 from moe_aot.cli import main
 from moe_aot.database import Database
 from moe_aot.spec import make_spec
-from moe_aot.variants import LayerVariant, can_implement, candidate_space, default_variant
+from moe_aot.variants import GemmTiles, LayerVariant, can_implement, candidate_space, default_variant
 
 SPEC = make_spec("qwen3-30b-a3b")
 TINY = make_spec(None, experts=8, top_k=2, hidden=256, intermediate=128)
@@ -482,6 +482,25 @@ def test_the_pick_is_the_fastest_record_not_the_newest(url, tmp_path):
     with Database(url) as db:
         assert [us for *_, us in picks.build_plan(db, [SPEC], (64,), GPU, tmp_path / "none")[1]] == [8.0]
         assert db.top_k(SPEC.workload_key, SPEC.target, GPU, 64)[0].median_us == 8.0
+
+
+def test_a_record_of_a_variant_todays_rules_refuse_never_makes_the_pick(url, tmp_path):
+    """A variant measured once and refused today (here tcgen05 tiles, which sm_90a has not; in
+    practice a tile or MMA family removed since): its record stays, fastest or not, but the pick
+    is the fastest one that can still be built, and `build` gets no pick it would refuse."""
+    tuner.tune(url, [SPEC], (64,), _Times(other_us=8.0), trials=3, jobs=0, compile_fn=fake_compile, seed=3,
+               progress=lambda s: None, confirm=0)  # no rounds: the fastest record is the pick
+    gone = LayerVariant(128, GemmTiles(128, 64, 3, "umma"), GemmTiles(128, 64, 3, "umma"))
+    assert not can_implement(SPEC, gone)[0]
+    fake_compile(url, SPEC, gone)  # its kernels are in the database
+    with Database(url) as db:
+        content, tc = picks.variant_content(db, SPEC, gone)
+        db.add_record_once(workload=SPEC.workload_key, target=SPEC.target, toolchain=tc, gpu=GPU,
+                           driver=_Times().driver, tokens=64, variant=gone.name(SPEC), content=content,
+                           status="ok", median_us=1.0, stats={}, rel_err=1e-3, error=None)
+        [pick] = picks.derive_picks(db, SPEC, GPU)
+        assert pick.variant != gone.name(SPEC) and pick.median_us == 8.0
+        assert [v for *_, v, _ in picks.build_plan(db, [SPEC], (64,), GPU, tmp_path / "none")[1]] != [gone]
 
 
 def test_the_default_is_measured_again_under_a_new_driver_split(url, tmp_path):
