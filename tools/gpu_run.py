@@ -271,6 +271,9 @@ def main():
     ap.add_argument("--measure", action="store_true",
                     help="moe-aot measure on --db (trials left ready by `tune --compile-only`), then the "
                          "records as JSON and the picks as cache/tuned text under --out")
+    ap.add_argument("--keep-db", action="store_true",
+                    help="copy --db (with what its write-ahead log holds) to OUT/db.sqlite at the end: the picks "
+                         "and records `--measure` wrote, for the next call to carry")
     ap.add_argument("--decode", default=None, metavar="DIR",
                     help="tools/check_decode.py on the one-launch decode kernels compiled into DIR "
                          "(several: DIR1,DIR2, each timed beside the layer)")
@@ -494,6 +497,14 @@ def main():
             summary["sanitize"][model] = {"rc": rc, "seconds": round(secs, 1),
                                           "summary": [ln for ln in log.splitlines() if "ERROR SUMMARY" in ln][-1:]}
             print(f"sanitize {model}: rc {rc} in {secs:.0f} s", log[-1200:], flush=True)
+
+    if ns.keep_db:
+        import sqlite3
+
+        src, dst = sqlite3.connect(Path(ns.db).resolve()), sqlite3.connect(out / "db.sqlite")
+        src.backup(dst)  # the pages a write-ahead log still holds too
+        src.close(), dst.close()
+        summary["kept_db"] = str(out / "db.sqlite")
 
     (out / "gpu_run.json").write_text(json.dumps(summary, indent=1))
     print(json.dumps(summary, indent=1)[-3000:])

@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """Run under `compute-sanitizer --tool memcheck`: the whole layer on inputs at the edges
 (out-of-range and negative topk_ids, one token, a token count not a multiple of any tile,
-all pairs on one expert), with the database's picks and again with each bucket's documented
-default (the persistent TMA core "hopws" from 1024 tokens). Any out-of-bounds access makes the
-sanitizer report an error.
+all pairs on one expert), with the database's picks (at 1 token the one-launch decode kernel
+where that is the pick) and again with each bucket's documented default (the persistent TMA
+core "hopws" from 1024 tokens). Any out-of-bounds access makes the sanitizer report an error.
 
     compute-sanitizer --tool memcheck --error-exitcode 9 python3 tools/sanitize_check.py [model[:precision]]
 
@@ -17,7 +17,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from moe_aot.harness.reference import rel_err  # noqa: E402
-from moe_aot.harness.verify import layer_reference, random_routing, random_weights  # noqa: E402
+from moe_aot.harness.verify import random_routing, random_weights, served_reference  # noqa: E402
 from moe_aot.runtime.layer import MoeLayer  # noqa: E402
 from moe_aot.runtime.store import KernelStore  # noqa: E402
 from moe_aot.spec import make_spec  # noqa: E402
@@ -47,9 +47,9 @@ for M, case, source in [c + ("picks",) for c in CASES] + [c + ("defaults",) for 
         ids[:] = 3
     out = layer.forward(x, w13, w2, tw, ids)
     torch.cuda.synchronize()
-    e = rel_err(out, layer_reference(spec, x, w13, w2, tw, ids, layer.variant_for(M).h_block))
+    e = rel_err(out, served_reference(layer, x, w13, w2, tw, ids))  # the four kernels' or the decode kernel's
     worst = max(worst, e)
     del out
     torch.cuda.empty_cache()  # DeepSeek-V3's fp32 reference needs most of the GPU under memcheck
-    print(f"M={M} {case} {source} {layer.variant_for(M).name(spec)}: rel err {e:.2e}", flush=True)
+    print(f"M={M} {case} {source} {layer.served(M).name(spec)}: rel err {e:.2e}", flush=True)
 print("SANITIZE_CHECK_DONE worst rel err", worst)
