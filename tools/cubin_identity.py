@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from moe_aot.compiler import build_template  # noqa: E402
 from moe_aot.kernel_build import compile_kernel  # noqa: E402
 from moe_aot.spec import PRESETS, SpecError, make_spec  # noqa: E402
-from moe_aot.variants import LayerVariant, default_variant, token_buckets  # noqa: E402
+from moe_aot.variants import default_variant, parse_variant, token_buckets  # noqa: E402
 
 
 def build_kernels(picks_path, precisions, targets, match) -> dict:
@@ -41,7 +41,7 @@ def build_kernels(picks_path, precisions, targets, match) -> dict:
                 except SpecError:  # gpt-oss's 2880 in fp8
                     continue
                 variants = [default_variant(spec, t) for t in token_buckets()]
-                variants += [LayerVariant.parse(p["variant"]) for p in picks
+                variants += [parse_variant(p["variant"]) for p in picks  # a layer's, or a decode kernel
                              if p["workload"] == spec.workload_key and p["target"] == target]
                 for v in variants:
                     for kv in v.kernels(spec):
@@ -63,7 +63,7 @@ def main() -> int:
     args = ap.parse_args()
     kernels = build_kernels(args.picks, args.precisions.split(","), args.targets.split(","), args.match)
     if args.write or args.against:
-        kernels = {n: kt for n, kt in kernels.items() if kt[0].role in ("glu", "down")}
+        kernels = {n: kt for n, kt in kernels.items() if kt[0].role in ("glu", "down", "decode")}
     if args.write:
         args.write.mkdir(parents=True, exist_ok=True)
         for name in sorted(kernels)[: args.limit or None]:
