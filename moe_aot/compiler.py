@@ -57,7 +57,7 @@ def toolchain_key(target: str) -> str:
 # The template registry: (role, family) -> (module under moe_aot_templates, class). A GEMM's
 # family is its precision's where that has templates of its own (fp8: "fp8" on the Hopper core,
 # "fp8_warp" on mma.sync; mxfp4-w: "w4"; mxfp8 / nvfp4: "blockscaled"), else its MMA's mainloop
-# family ("grouped": mma.sync / wgmma, "hopper": hopws / hoppp, "umma": tcgen05 on sm_100a; the
+# family ("grouped": mma.sync, "hopper": hopws / hoppp, "umma": tcgen05 on sm_100a; the
 # block-scaled ones on tcgen05: "blockscaled_umma"): one
 # template module per family, all taking the same constructor arguments per role.
 TEMPLATES = {

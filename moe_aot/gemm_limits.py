@@ -49,8 +49,11 @@ def with_standins(table):
 # Opt-in shared memory per block, by target (bytes)
 SMEM_CAPACITY = with_standins({"sm_80": 163 * 1024, "sm_90a": 227 * 1024, "sm_100a": 227 * 1024,
                                "sm_121a": 99 * 1024})
-MMAS = ("warp", "wgmma", "hopws", "hoppp", "umma")
-WGMMA = ("wgmma", "hopws", "hoppp")  # sm_90a only
+# (the one-CTA-per-tile wgmma mainloop "wgmma" was removed in the twenty-third session: never
+# picked in the 226 tuned H200 picks; hopws was 5-25% faster at 1-256 tokens and at 4096 faster
+# but for DeepSeek-V3's GEMM2; tools/results/NOTES.md keeps its numbers)
+MMAS = ("warp", "hopws", "hoppp", "umma")
+WGMMA = ("hopws", "hoppp")  # the wgmma families, sm_90a only
 # persistent warp-specialized CTAs walking the tiles, epilogue from registers
 # (templates/hopper_gemm.py): "hopws" two consumer warpgroups on one tile (cooperative),
 # "hoppp" each on its own tile (ping-pong)
@@ -200,8 +203,8 @@ def check_umma(n, k, tile_m, tile_n, tile_k, stages, precision="bf16", cluster_m
 def default_warps(tile_m, tile_n, warps_m=None, warps_n=None, mma="warp") -> tuple[int, int]:
     """Warp grid of the accumulator-holding warps. mma.sync: 2 warps along M (1 for tile_m 16);
     4 warps for tiles smaller than 128x128, 8 from there (a 128x128 tile on 4 warps spills on
-    sm_121a), so a warp owns at most 64x64 accumulators up to 128x256. wgmma and hopws: one
-    warpgroup (4 warps along M) per 64 rows of the tile (hopws adds a producer warpgroup);
+    sm_121a), so a warp owns at most 64x64 accumulators up to 128x256. hopws: one consumer
+    warpgroup (4 warps along M) per 64 rows of the tile, and a producer warpgroup;
     hoppp: two consumer warpgroups, each holding a whole tile (64 rows, or 128 as two 64-row
     blocks)."""
     if mma in PINGPONG:
@@ -242,8 +245,8 @@ def check_tiles(n, k, tile_m, tile_n, tile_k, stages, mma, warps_m, warps_n,
     if precision not in ELEM_BYTES:
         return False, f"precision {precision!r} must be one of {tuple(ELEM_BYTES)}"
     if mma not in MMAS:
-        return False, (f"mma {mma!r} must be 'warp' (mma.sync), 'wgmma', 'hopws' or 'hoppp' "
-                       f"(those three sm_90a only) or 'umma' (tcgen05, sm_100a only)")
+        return False, (f"mma {mma!r} must be 'warp' (mma.sync), 'hopws' or 'hoppp' (those two sm_90a only) "
+                       f"or 'umma' (tcgen05, sm_100a only)")
     if mma in UMMA:
         return check_umma(n, k, tile_m, tile_n, tile_k, stages, precision, cluster_m)
     threads = warps_m * warps_n * 32

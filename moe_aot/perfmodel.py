@@ -62,14 +62,14 @@ DEVICES = {
     "sm_121a": Device("NVIDIA GB10 (DGX Spark)", 48, 273e9, 0.76, 125e12, 100 * 1024, 1536, 3.75e-6, 3e-6, 2e-6),
 }
 # Fraction of the tensor rate a family's mainloop reaches on full tiles. Started from the H200
-# kernel checks (tools/results/NOTES.md: mma.sync 250-335 TFLOP/s, wgmma 440-600, the persistent
+# kernel checks (tools/results/NOTES.md: mma.sync 250-335 TFLOP/s, one-CTA wgmma 440-600, the persistent
 # TMA cores 560-670, of 989), then these constants, REREAD, NARROW_EXP and the H200 entry's
 # latency and fixed cost were fitted to the tuner's 679 H200 measurements by coordinate descent on
 # a grid (least regret of the model's pick per bucket): tools/perfmodel_check.py reports the fit,
 # and a leave-one-layer-out check of it (fitted on five layers, scored on the sixth).
 # "umma" (tcgen05, sm_100a): never measured (no Blackwell GPU was available); taken as the
 # persistent Hopper cores' until it is.
-MMA_EFFICIENCY = {"warp": 0.25, "wgmma": 0.45, "hopws": 0.55, "hoppp": 0.55, "umma": 0.55}
+MMA_EFFICIENCY = {"warp": 0.25, "hopws": 0.55, "hoppp": 0.55, "umma": 0.55}
 REREAD = 0.5  # of an expert's weights read again per further M tile of that expert
 KTILE_S = 0.1e-6  # per k-tile of a CTA, the SM's share of its loop overhead (see gemm_seconds)
 NARROW_EXP = 0.25  # how a tile smaller than 64x128 loses MMA rate (its area ratio to this power)
@@ -99,7 +99,7 @@ def gemm_seconds(dev: Device, n: int, k: int, out_cols: int, tokens: int, top_k:
     flops = 2.0 * m_tiles * tile_m * n * k
     persistent = tiles.mma in limits.PERSISTENT or tiles.mma in limits.UMMA
     wm, wn = limits.default_warps(tile_m, tiles.tile_n, mma=tiles.mma)
-    threads = 32 * wm * wn + (limits.LOAD_THREADS if persistent or tiles.mma == "wgmma" else 0)
+    threads = 32 * wm * wn + (limits.LOAD_THREADS if persistent else 0)
     if tiles.mma in limits.PINGPONG:
         threads = 384
     smem = limits.smem_bytes(tile_m, tiles.tile_n, tiles.tile_k, tiles.stages, tiles.mma)

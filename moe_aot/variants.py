@@ -27,7 +27,7 @@ from .spec import BENCH_TOKENS, LayerSpec, value_class
 # (sm_100a: templates/blackwell_gemm.py, persistent CTAs on tcgen05 with TMEM accumulators) is
 # compiled only: no Blackwell GPU was available to run or measure it.
 TARGET_LIMITS = {
-    "sm_90a": {"mma": ("warp", "wgmma", "hopws", "hoppp"), "sms": 132, "clusters": (1, 2, 4, 8, 16)},
+    "sm_90a": {"mma": ("warp", "hopws", "hoppp"), "sms": 132, "clusters": (1, 2, 4, 8, 16)},
     "sm_100a": {"mma": ("warp", "umma"), "sms": 148, "clusters": (1, 2, 4, 8, 16)},
     "sm_121a": {"mma": ("warp",), "sms": 48, "clusters": (1,)},
 }
@@ -963,7 +963,7 @@ def default_variant(spec: LayerSpec, tokens: int) -> LayerVariant:
         return modeled_default(spec, tokens)
     cluster = 1 if tokens <= 256 else max(TARGET_LIMITS[spec.target]["clusters"])
     rows_per_expert = tokens * spec.top_k / spec.experts
-    W, G, P = "warp", "wgmma", "hopws"
+    W, P = "warp", "hopws"
     if spec.precision in limits.W4:
         return _default_w4(spec, rows_per_expert, cluster)
     if spec.precision in limits.BLOCKSCALED:
@@ -1013,7 +1013,7 @@ def default_variant(spec: LayerSpec, tokens: int) -> LayerVariant:
     elif rows_per_expert <= 32 or "hopws" not in TARGET_LIMITS[spec.target]["mma"]:
         prefs = [(64, GemmTiles(128, 64, 4, W), GemmTiles(128, 64, 4, W))]
     else:
-        prefs = [(128, GemmTiles(n, 64, 4, mma), GemmTiles(n2, 64, 4, mma)) for mma in (P, G)
+        prefs = [(128, GemmTiles(n, 64, 4, P), GemmTiles(n2, 64, 4, P))
                  for n in (256, 192, 128) for n2 in (256, 192, 128)]
         prefs += [(128, GemmTiles(128, 64, 3, W), GemmTiles(128, 64, 3, W))]
     prefs += [(64, GemmTiles(128, 64, 4, W), GemmTiles(128, 64, 4, W)),

@@ -12,16 +12,15 @@ Both read the routing layout built by the router: ``sorted_ids[r]`` is the route
 ``p = token * top_k + k`` of padded row ``r`` (or -1) and ``tile_expert[t]`` is the expert of
 M-tile ``t`` (or -1: the CTA exits).
 
-Two mainloops here, chosen by ``mma``: "warp" (cp.async multi-stage pipeline, ldmatrix,
-mma.sync m16n8k16), which compiles unchanged for sm_80, sm_90a and sm_121a (DGX Spark has no
-wgmma), and "wgmma" (sm_90a only: one CTA per tile, cp.async into the 128-byte-swizzled K-major
-layouts, A and B read by wgmma from shared memory, one warpgroup per 64 rows). A is loaded with
+The mainloop here is mma="warp" (cp.async multi-stage pipeline, ldmatrix, mma.sync m16n8k16),
+which compiles unchanged for sm_80, sm_90a and sm_121a (DGX Spark has no wgmma). A is loaded with
 per-row cp.async, which is what makes the token gather free: each thread keeps the source row of
 each A row it copies in a register for the whole K loop.
-The persistent warp-specialized family "hopws" lives in hopper_gemm.py and shares this module's
-checks, tile order, A-row gather, TMA atom for B and register epilogue. (The hand-rolled
-warp-specialized mainloops "wgmmatma" and "wgmmap" were removed once hopws beat them at every
-measured point; their numbers are in tools/results/NOTES.md.)
+The persistent warp-specialized wgmma family "hopws" / "hoppp" lives in hopper_gemm.py and shares
+this module's checks, tile order, A-row gather, wgmma shared-memory layouts, TMA atom for B and
+register epilogue. (The hand-rolled warp-specialized mainloops "wgmmatma" and "wgmmap", and the
+one-CTA-per-tile wgmma mainloop "wgmma", were removed once hopws beat them: "wgmma" was never
+picked in 226 tuned H200 picks; their numbers are in tools/results/NOTES.md.)
 """
 
 import math
@@ -122,10 +121,6 @@ class _GroupedGemmBase:
         self.ctas = ctas  # hopws: the grid, at most one CTA per SM (each needs most of one)
         self.load_threads = _LOAD_THREADS if tma else self.mma_threads  # threads issuing cp.async of A
         self.threads = self.mma_threads + (_LOAD_THREADS if tma else 0)
-        # wgmma pipeline: k-tiles loaded ahead of the one being multiplied. One stage more is
-        # held by the wgmma still in flight, one by the tile being read. hopws: how many
-        # k-tiles of A cp.async the producer keeps in flight before it signals the oldest.
-        self.prefetch = stages - 2
         self.out_cols = tile_n // 2 if self.glu else tile_n
         # 64-row blocks of accumulators per warpgroup: 2 for a ping-pong warpgroup owning 128 rows
         self.acc_m_blocks = tile_m // 64 if mma in _PINGPONG else 1
@@ -260,10 +255,7 @@ class _GroupedGemmBase:
         the shared-memory row is zero-filled once and never loaded). ``pstate``: None, or the
         state of a subclass that scales partial sums per K block (``_promote_state``; mma.sync
         only)."""
-        if const_expr(self.mma == "wgmma"):
-            self._mainloop_wgmma(tidx, mA, a_rows, sA, mBe, bn, sB, tiled_mma, acc)
-        else:
-            self._mainloop_warp(tidx, mA, a_rows, sA, mBe, bn, sB, tiled_mma, acc, pstate)
+        self._mainloop_warp(tidx, mA, a_rows, sA, mBe, bn, sB, tiled_mma, acc, pstate)
 
     @cute.jit
     def _g2s_partitions(self, tidx, sA, mBe, bn, sB, a_rows):
@@ -280,45 +272,6 @@ class _GroupedGemmBase:
                 for s in cutlass.range_constexpr(self.stages):
                     tAsA[None, m, None, s].fill(0)
         return tiled_copy, tAsA, tAcA, tBgB, tBsB
-
-    @cute.jit
-    def _mainloop_wgmma(self, tidx, mA, a_rows, sA, mBe, bn, sB, tiled_mma, acc):
-        """A and B both from shared memory; all threads load with cp.async, every warpgroup
-        multiplies its 64 rows. One wgmma batch stays in flight while the next tile is read."""
-        tiled_copy, tAsA, tAcA, tBgB, tBsB = self._g2s_partitions(tidx, sA, mBe, bn, sB, a_rows)
-        k_tiles = self.k // self.tile_k
-        ahead = self.prefetch
-        self._prologue(ahead, tiled_copy, mA, a_rows, tAsA, tAcA, tBgB, tBsB)
-
-        warp_group = cute.arch.make_warp_uniform(tidx // 128)
-        thr_mma = tiled_mma.get_slice(warp_group * 128)
-        tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
-        tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
-        num_kb = cute.size(tCrA, mode=[2])
-        tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)  # acc starts at zero
-
-        for kt in range(k_tiles):
-            cute.arch.cp_async_wait_group(ahead - 1)
-            # cp.async and the zero-fill wrote through the generic proxy; wgmma reads
-            # through the async proxy
-            cute.arch.fence_proxy("async.shared", space="cta")
-            cute.arch.sync_threads()
-            # every warpgroup has retired the wgmma of k-tile kt-2 (wait_group(1) below, one
-            # iteration ago), so its stage, (kt + stages - 2) % stages, can be refilled
-            if kt + ahead < k_tiles:
-                self._load_tile(kt + ahead, (kt + ahead) % self.stages, tiled_copy, mA, a_rows,
-                                tAsA, tAcA, tBgB, tBsB)
-            cute.arch.cp_async_commit_group()
-            stage = kt % self.stages
-            cute.nvgpu.warpgroup.fence()
-            for kb in cutlass.range_constexpr(num_kb):
-                cute.gemm(tiled_mma, acc, tCrA[None, None, kb, stage], tCrB[None, None, kb, stage], acc)
-            cute.nvgpu.warpgroup.commit_group()
-            cute.nvgpu.warpgroup.wait_group(1)
-
-        cute.nvgpu.warpgroup.wait_group(0)
-        cute.arch.cp_async_wait_group(0)
-        cute.arch.sync_threads()
 
     @cute.jit
     def _mainloop_warp(self, tidx, mA, a_rows, sA, mBe, bn, sB, tiled_mma, acc, pstate=None):
@@ -473,7 +426,7 @@ class _GroupedGemmBase:
         sC = cute.make_tensor(sC_ptr, layout)
         tCsC = tiled_mma.get_slice(tidx).partition_C(sC)
         cute.autovec_copy(acc, tCsC)
-        cute.arch.sync_threads()  # every thread holds accumulators here (warp, wgmma)
+        cute.arch.sync_threads()  # every thread holds accumulators here
         return cute.make_tensor(
             sC_ptr, cute.make_layout((self.tile_m, self.tile_n), stride=(self.c_row_stride, 1)))
 
@@ -504,8 +457,8 @@ class _GroupedGemmBase:
 
     @cute.jit
     def _tile(self, tidx, mA, mW, mIds, mTileExpert, epi):
-        """One CTA: gather the tile's A rows, multiply by its expert's weights (mma.sync or
-        wgmma), stage the accumulator and run the subclass epilogue with the tensors `epi`."""
+        """One CTA: gather the tile's A rows, multiply by its expert's weights (mma.sync),
+        stage the accumulator and run the subclass epilogue with the tensors `epi`."""
         if const_expr(not self.early_b):
             self._grid_dependency_wait()
         bn, bt = self._tile_coords(cute.size(mTileExpert, mode=[0]))
@@ -610,11 +563,11 @@ class GroupedGluGemm(_GroupedGemmBase):
       * mma="warp": tile_k in {32, 64, 128}; 2 <= stages <= 8; warps_m x warps_n (default:
         ``default_warps``) with tile_m % (16*warps_m) == 0, tile_n % (16*warps_n) == 0, both
         <= 256, 1..8 warps, at most 128 fp32 accumulators per thread.
-      * mma="wgmma" (sm_90a only): tile_m in {64, 128} (one warpgroup per 64 rows), tile_n a
-        multiple of 32 up to 256, tile_k == 64, 3 <= stages <= 8.
-      * mma="hopws" is built by hopper_gemm.HopperGluGemm (this class refuses it): as "wgmma",
-        plus a 128-thread producer warpgroup and 16 bytes of mbarriers per stage, in
-        min(tiles, ctas) persistent CTAs; shared memory is the pipeline alone (no fp32 staging).
+      * mma="hopws" is built by hopper_gemm.HopperGluGemm (this class refuses it; sm_90a only):
+        tile_m in {64, 128} (one consumer warpgroup per 64 rows), tile_n a multiple of 32 up to
+        256, tile_k == 64, 3 <= stages <= 8, plus a 128-thread producer warpgroup and 16 bytes of
+        mbarriers per stage, in min(tiles, ctas) persistent CTAs; shared memory is the pipeline
+        alone (no fp32 staging).
       * pdl=True: launched as a programmatic dependent of the previous kernel in the stream
         (sm_90+); it waits for that grid before reading sorted_ids / tile_expert.
     """

@@ -18,7 +18,7 @@ def test_every_compile_time_field_changes_the_names():
     # Layer variant fields: each one must change the name of every kernel built with it.
     for role, t in (("glu", base.glu), ("down", base.down)):
         for f in dataclasses.fields(GemmTiles):
-            other = {"tile_n": 64, "tile_k": 32, "stages": 5, "mma": "wgmma", "cluster": 2}[f.name]
+            other = {"tile_n": 64, "tile_k": 32, "stages": 5, "mma": "hoppp", "cluster": 2}[f.name]
             v = dataclasses.replace(base, **{role: dataclasses.replace(t, **{f.name: other})})
             assert _kernel_names(SPEC, v)[role] != names[role], (role, f.name)
             assert v.name(SPEC) != base.name(SPEC)
@@ -104,8 +104,8 @@ def test_parse_round_trip():
 
 def test_can_implement_reasons():
     spark = make_spec("qwen3-30b-a3b", target="sm_121a")
-    ok, why = can_implement(spark, LayerVariant(64, GemmTiles(128, 64, 3, "wgmma")))
-    assert not ok and "wgmma" in why and "sm_121a" in why
+    ok, why = can_implement(spark, LayerVariant(64, GemmTiles(128, 64, 3, "hopws")))
+    assert not ok and "hopws" in why and "sm_121a" in why
     ok, why = can_implement(spark, LayerVariant(128, GemmTiles(256, 64, 5), GemmTiles(256, 64, 5)))
     assert not ok and "shared memory" in why
     ok, why = can_implement(make_spec("gpt-oss-120b"), LayerVariant(64, GemmTiles(64, 64, 3), GemmTiles(256, 64, 3)))

@@ -258,7 +258,7 @@ def main():
                          "(check_gemm_kernels.py --compile DIR on the CPU machine)")
     ap.add_argument("--profile", default=None, metavar="TAGS@TOKENS",
                     help="ncu over check_gemm_kernels.py configs in --gemm-check DIR, e.g. "
-                         "'wg128,hw128@4096' (one launch of each GEMM per point, clocks untouched)")
+                         "'hw128,pp64@4096' (one launch of each GEMM per point, clocks untouched)")
     ap.add_argument("--profile-models", default="qwen3_30b_a3b,deepseek_v3")
     ap.add_argument("--measure-args", default="", help="extra `moe-aot measure` arguments, e.g. '--confirm 2'")
     ap.add_argument("--measure-timeout", type=float, default=420,

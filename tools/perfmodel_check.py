@@ -108,7 +108,7 @@ def evaluate(pattern: str) -> dict:
     return {"rows": rows}
 
 
-FIT_GRID = {"warp": (0.25, 0.32, 0.4), "wgmma": (0.45, 0.55, 0.65), "hop": (0.55, 0.64, 0.72),
+FIT_GRID = {"warp": (0.25, 0.32, 0.4), "hop": (0.55, 0.64, 0.72),
             "reread": (0.1, 0.25, 0.5), "narrow": (0.0, 0.25, 0.5), "lat": (1.0e-6, 1.6e-6, 2.5e-6),
             "ks": (3e-6, 5e-6, 8e-6), "pdl": (1e-6, 2e-6, 3e-6), "sf": (0.85, 0.9),
             "kt": (0.0, 0.05e-6, 0.1e-6, 0.2e-6)}
@@ -127,7 +127,7 @@ def fit(pattern: str) -> None:
     dev0 = pm.DEVICES["sm_90a"]
 
     def apply(p):
-        pm.MMA_EFFICIENCY.update(warp=p["warp"], wgmma=p["wgmma"], hopws=p["hop"], hoppp=p["hop"])
+        pm.MMA_EFFICIENCY.update(warp=p["warp"], hopws=p["hop"], hoppp=p["hop"])
         pm.REREAD, pm.NARROW_EXP, pm.KTILE_S = p["reread"], p["narrow"], p["kt"]
         pm.DEVICES["sm_90a"] = dataclasses.replace(dev0, latency_s=p["lat"], kernel_s=p["ks"], pdl_save_s=p["pdl"],
                                                    stream_frac=p["sf"])
@@ -152,7 +152,7 @@ def fit(pattern: str) -> None:
         return p
 
     d = pm.DEVICES["sm_90a"]
-    start = {"warp": pm.MMA_EFFICIENCY["warp"], "wgmma": pm.MMA_EFFICIENCY["wgmma"], "hop": pm.MMA_EFFICIENCY["hopws"],
+    start = {"warp": pm.MMA_EFFICIENCY["warp"], "hop": pm.MMA_EFFICIENCY["hopws"],
              "reread": pm.REREAD, "narrow": pm.NARROW_EXP, "lat": d.latency_s, "ks": d.kernel_s,
              "pdl": d.pdl_save_s, "sf": d.stream_frac, "kt": pm.KTILE_S}
     print("as committed: regret %.3f, median Spearman %.2f" % score(start, data)[1:])
