@@ -49,9 +49,9 @@ def with_standins(table):
 # Opt-in shared memory per block, by target (bytes)
 SMEM_CAPACITY = with_standins({"sm_80": 163 * 1024, "sm_90a": 227 * 1024, "sm_100a": 227 * 1024,
                                "sm_121a": 99 * 1024})
-# (the one-CTA-per-tile wgmma mainloop "wgmma" was removed in the twenty-third session: never
-# picked in the 226 tuned H200 picks; hopws was 5-25% faster at 1-256 tokens and at 4096 faster
-# but for DeepSeek-V3's GEMM2; tools/results/NOTES.md keeps its numbers)
+# (the one-CTA-per-tile wgmma mainloop "wgmma" was removed in the twenty-third session: the tuner
+# measured it 187 times from 2026-11-29 to 12-03 and none of the 226 committed H200 picks uses it;
+# tools/results/NOTES.md keeps its numbers)
 MMAS = ("warp", "hopws", "hoppp", "umma")
 WGMMA = ("hopws", "hoppp")  # the wgmma families, sm_90a only
 # persistent warp-specialized CTAs walking the tiles, epilogue from registers
