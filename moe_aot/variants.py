@@ -238,10 +238,13 @@ class LayerVariant:
 # "decode"): a candidate of the 1-token bucket (DECODE_BUCKETS) that the tuner measures beside
 # the four-kernel variants; the runtime serves it where it is the bucket's pick, for token counts up
 # to its max_tokens on GPUs with at least its ctas SMs, and the bucket's default four kernels
-# otherwise. Its producer / sync candidates: the two ways of filling a stage, behind the grid
-# barrier (the group counters are a build option until measured on a GPU).
+# otherwise. Its candidates (producer, sync, consumer warps): the bulk-copy producer behind the grid
+# barrier with 16 and 8 consumer warps. On the H200 (2026-12-05, tools/check_decode.py, 1 token) 16
+# warps ran bf16 4-9% faster than 8 at four of five presets (gpt-oss +2%): the consumers, not the
+# weight stream, limit (fp8 weights ran at about bf16's elements per second); cp.async was 1-5%
+# slower than bulk, the group counters 5-29% slower than the grid barrier (NOTES, 2026-12-05).
 DECODE_BUCKETS = (1,)
-DECODE_CANDIDATES = (("bulk", "grid"), ("cpasync", "grid"))
+DECODE_CANDIDATES = (("bulk", "grid", 16), ("bulk", "grid", 8))
 
 
 @value_class
@@ -312,8 +315,9 @@ def decode_candidates(spec: LayerSpec, tokens: int) -> list[DecodeVariant]:
     if tokens not in DECODE_BUCKETS or spec.target != limits.DECODE_ARCH:
         return []
     out = []
-    for producer, sync in DECODE_CANDIDATES:
-        v = DecodeVariant(max_tokens=tokens, producer=producer, sync=sync, ctas=TARGET_LIMITS[spec.target]["sms"])
+    for producer, sync, warps in DECODE_CANDIDATES:
+        v = DecodeVariant(max_tokens=tokens, warps=warps, producer=producer, sync=sync,
+                          ctas=TARGET_LIMITS[spec.target]["sms"])
         if not limits.check_decode(spec.experts, spec.hidden, spec.intermediate, spec.top_k, spec.activation,
                                    INTERLEAVE, v.max_tokens, v.warps, 0, v.seg_bytes, v.ctas,
                                    precision=spec.precision, producer=producer, sync=sync)[0]:

@@ -47,13 +47,16 @@ def test_candidates_name_and_parse_back_at_the_one_token_bucket_only():
     assert len(specs) == 13  # five bf16 presets, four in each fp8 format
     for spec in specs:
         cands = decode_candidates(spec, 1)
-        assert [(v.producer, v.sync) for v in cands] == [("bulk", "grid"), ("cpasync", "grid")], spec.label()
+        assert [(v.producer, v.sync, v.warps) for v in cands] == [("bulk", "grid", 16), ("bulk", "grid", 8)], \
+            spec.label()
         for v in cands:
             name = v.name(spec)
-            assert name.startswith(f"moe_decode_sm90a_{spec.precision_tag}_{spec.shape_tag}_{spec.activation}_t1w8s")
+            head = f"moe_decode_sm90a_{spec.precision_tag}_{spec.shape_tag}_{spec.activation}"
+            assert name.startswith(f"{head}_t1w{v.warps}s")
             assert parse_variant(name) == v and can_implement(spec, v) == (True, "ok")
             # the ring as deep as shared memory holds, spelled out in the name
-            assert v.stages == limits.decode_layout(spec.hidden, spec.intermediate, 1, 8, 0, 2048, spec.precision)[2]
+            assert v.stages == limits.decode_layout(spec.hidden, spec.intermediate, 1, v.warps, 0, 2048,
+                                                    spec.precision)[2]
             [kv] = v.kernels(spec)
             assert kv.role == "decode" and kv.name == name
         for tokens in (16, 64, 4096):
