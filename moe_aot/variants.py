@@ -238,13 +238,15 @@ class LayerVariant:
 # "decode"): a candidate of the 1-token bucket (DECODE_BUCKETS) that the tuner measures beside
 # the four-kernel variants; the runtime serves it where it is the bucket's pick, for token counts up
 # to its max_tokens on GPUs with at least its ctas SMs, and the bucket's default four kernels
-# otherwise. Its candidates (producer, sync, consumer warps): the bulk-copy producer behind the grid
-# barrier with 16 and 8 consumer warps. On the H200 (2026-12-05, tools/check_decode.py, 1 token) 16
-# warps ran bf16 4-9% faster than 8 at four of five presets (gpt-oss +2%): the consumers, not the
-# weight stream, limit (fp8 weights ran at about bf16's elements per second); cp.async was 1-5%
-# slower than bulk, the group counters 5-29% slower than the grid barrier (NOTES, 2026-12-05).
+# otherwise. Its candidates (producer, sync, consumer warps, bytes per row segment): the bulk-copy
+# producer behind the grid barrier, 16 warps on 2 KB segments, 8 on 4 KB, 16 on 4 KB. On the H200
+# (2026-12-05, tools/check_decode.py, 1 token, against 8 warps on 2 KB) 16 warps ran bf16 4-9%
+# faster at four of five presets (gpt-oss +2%) and 4 KB segments 9-16% faster at four (Qwen3-30B
+# +5%): the consumers, not the weight stream, limit (fp8 weights ran at about bf16's elements per
+# second); cp.async was 1-5% slower than bulk, the group counters 5-29% slower than the grid
+# barrier (NOTES, 2026-12-05). 16 warps on 4 KB segments is not measured yet.
 DECODE_BUCKETS = (1,)
-DECODE_CANDIDATES = (("bulk", "grid", 16), ("bulk", "grid", 8))
+DECODE_CANDIDATES = (("bulk", "grid", 16, 2048), ("bulk", "grid", 8, 4096), ("bulk", "grid", 16, 4096))
 
 
 @value_class
@@ -315,8 +317,8 @@ def decode_candidates(spec: LayerSpec, tokens: int) -> list[DecodeVariant]:
     if tokens not in DECODE_BUCKETS or spec.target != limits.DECODE_ARCH:
         return []
     out = []
-    for producer, sync, warps in DECODE_CANDIDATES:
-        v = DecodeVariant(max_tokens=tokens, warps=warps, producer=producer, sync=sync,
+    for producer, sync, warps, seg_bytes in DECODE_CANDIDATES:
+        v = DecodeVariant(max_tokens=tokens, warps=warps, seg_bytes=seg_bytes, producer=producer, sync=sync,
                           ctas=TARGET_LIMITS[spec.target]["sms"])
         if not limits.check_decode(spec.experts, spec.hidden, spec.intermediate, spec.top_k, spec.activation,
                                    INTERLEAVE, v.max_tokens, v.warps, 0, v.seg_bytes, v.ctas,

@@ -47,15 +47,15 @@ def test_candidates_name_and_parse_back_at_the_one_token_bucket_only():
     assert len(specs) == 13  # five bf16 presets, four in each fp8 format
     for spec in specs:
         cands = decode_candidates(spec, 1)
-        assert [(v.producer, v.sync, v.warps) for v in cands] == [("bulk", "grid", 16), ("bulk", "grid", 8)], \
-            spec.label()
+        assert [(v.producer, v.sync, v.warps, v.seg_bytes) for v in cands] == [
+            ("bulk", "grid", 16, 2048), ("bulk", "grid", 8, 4096), ("bulk", "grid", 16, 4096)], spec.label()
         for v in cands:
             name = v.name(spec)
             head = f"moe_decode_sm90a_{spec.precision_tag}_{spec.shape_tag}_{spec.activation}"
             assert name.startswith(f"{head}_t1w{v.warps}s")
             assert parse_variant(name) == v and can_implement(spec, v) == (True, "ok")
             # the ring as deep as shared memory holds, spelled out in the name
-            assert v.stages == limits.decode_layout(spec.hidden, spec.intermediate, 1, v.warps, 0, 2048,
+            assert v.stages == limits.decode_layout(spec.hidden, spec.intermediate, 1, v.warps, 0, v.seg_bytes,
                                                     spec.precision)[2]
             [kv] = v.kernels(spec)
             assert kv.role == "decode" and kv.name == name
@@ -70,7 +70,7 @@ def test_candidates_name_and_parse_back_at_the_one_token_bucket_only():
 
 def test_can_implement_explains_each_refusal():
     spec = make_spec("qwen3-30b-a3b")
-    [v, _] = decode_candidates(spec, 1)
+    v = decode_candidates(spec, 1)[0]
     cases = [(make_spec("qwen3-30b-a3b", target="sm_100a"), v, "built for sm_90a, not sm_100a"),
              (spec, DecodeVariant(1, 8, v.stages, ctas=148), "exceeds sm_90a's 132 SMs"),
              (spec, DecodeVariant(1, 8, 0), "stages 0 must be at least 1"),
@@ -236,14 +236,14 @@ def test_the_tuner_measures_the_decode_candidates_beside_the_four_kernel_ones(tm
     names = [t.user_attrs["variant"] for t in one.get_trials(deepcopy=False)]
     cands = [v.name(spec) for v in decode_candidates(spec, 1)]
     # the default, the decode candidates, then the given seeds
-    assert names[0] == default_variant(spec, 1).name(spec) and names[1:3] == cands and names[3] == twin.name(spec)
+    assert names[0] == default_variant(spec, 1).name(spec) and names[1:4] == cands and names[4] == twin.name(spec)
     sixteen = tuner.open_study(storage, spec, GPU, 16)
     assert not any("moe_decode_" in t.user_attrs["variant"] for t in sixteen.get_trials(deepcopy=False))
     done = measure_worker.measure(url, FakeMeasurer(decode_us=decode_us), confirm=0)
     assert done == 10
     with Database(url) as db:
         recs = {r.variant: r for r in db.records(spec.workload_key, spec.target, GPU, 1)}
-        assert recs[cands[0]].median_us == decode_us and recs[cands[1]].median_us == decode_us + 1
+        assert [recs[c].median_us for c in cands] == [decode_us, decode_us + 1.5, decode_us + 0.5]
         [pick] = [p for p in picks.derive_picks(db, spec, GPU) if p.tokens == 1]
         assert (pick.variant == cands[0]) is wins
     got = KernelStore(url).picks(spec, GPU)

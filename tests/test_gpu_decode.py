@@ -37,12 +37,12 @@ for _m in MODELS:
             _s = make_spec(_m, precision=_p, target="sm_90a")
         except SpecError:
             continue
-        CASES += [(_m, _p, v.warps) for v in decode_candidates(_s, 1)]
+        CASES += [(_m, _p, f"w{v.warps}b{v.seg_bytes}") for v in decode_candidates(_s, 1)]
 
 
-def _layer(store, model, precision, warps):
+def _layer(store, model, precision, shape):
     spec = make_spec(model, precision=precision, target="sm_90a")
-    [dec] = [v for v in decode_candidates(spec, 1) if v.warps == warps]
+    [dec] = [v for v in decode_candidates(spec, 1) if f"w{v.warps}b{v.seg_bytes}" == shape]
     layer = MoeLayer(spec, store, variants={1: dec})
     if layer.decode_for(1) is None:
         pytest.skip(f"this GPU has fewer SMs than the decode kernel's {dec.ctas} CTAs")
@@ -53,9 +53,9 @@ def _layer(store, model, precision, warps):
     return layer, dec
 
 
-@pytest.mark.parametrize("model, precision, warps", CASES)
-def test_decode_pick_matches_its_reference_eager_and_in_graphs(store, model, precision, warps):
-    layer, dec = _layer(store, model, precision, warps)
+@pytest.mark.parametrize("model, precision, shape", CASES)
+def test_decode_pick_matches_its_reference_eager_and_in_graphs(store, model, precision, shape):
+    layer, dec = _layer(store, model, precision, shape)
     spec, dev = layer.spec, layer.device
     w13, w2 = random_weights(spec, dev)
     x = torch.randn(1, spec.hidden, device=dev, dtype=torch.bfloat16)
@@ -88,9 +88,9 @@ def test_decode_pick_matches_its_reference_eager_and_in_graphs(store, model, pre
     assert bar[0].item() == 0
 
 
-@pytest.mark.parametrize("model, precision, warps", CASES[:2])
-def test_two_tokens_of_the_bucket_run_its_default(store, model, precision, warps):
-    layer, dec = _layer(store, model, precision, warps)
+@pytest.mark.parametrize("model, precision, shape", CASES[:2])
+def test_two_tokens_of_the_bucket_run_its_default(store, model, precision, shape):
+    layer, dec = _layer(store, model, precision, shape)
     spec, dev = layer.spec, layer.device
     assert layer.served(2) == default_variant(spec, 1)
     w13, w2 = random_weights(spec, dev)

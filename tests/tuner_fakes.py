@@ -42,7 +42,7 @@ def fake_compile(db_url, spec, variant) -> Compiled:
 
 def fake_time_us(spec, variant, tokens: int, decode_us: float = DECODE_US) -> float:
     if isinstance(variant, DecodeVariant):
-        return decode_us + (variant.warps == 8) * 1.0
+        return decode_us + (variant.warps == 8) * 1.0 + (variant.seg_bytes == 4096) * 0.5
     g, d = variant.glu, variant.down
     return (5.0 + tokens / 64 + abs(math.log2(variant.tile_m) - (6 if tokens < 256 else 7)) * 3
             + abs(math.log2(g.tile_n) - 7) * 2 + abs(math.log2(d.tile_n) - 7) * 1.5
