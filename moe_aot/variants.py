@@ -240,8 +240,8 @@ class LayerVariant:
 # to its max_tokens on GPUs with at least its ctas SMs, and the bucket's default four kernels
 # otherwise. Its candidates (producer, sync, consumer warps, bytes per row segment): the bulk-copy
 # producer behind the grid barrier, 16 warps on 2 KB segments, 8 on 4 KB, 16 on 4 KB. On the H200
-# (2026-12-05, tools/check_decode.py, 1 token, against 8 warps on 2 KB) 16 warps ran bf16 4-9%
-# faster at four of five presets (gpt-oss +2%) and 4 KB segments 9-16% faster at four (Qwen3-30B
+# (2026-12-05, tools/check_decode.py, 1 token, against 8 warps on 2 KB) 16 warps ran bf16 3-9%
+# faster at four of five presets (gpt-oss +2%) and 4 KB segments 7-16% faster at four (Qwen3-30B
 # +5%): the consumers, not the weight stream, limit (fp8 weights ran at about bf16's elements per
 # second); cp.async was 1-5% slower than bulk, the group counters 5-29% slower than the grid
 # barrier (NOTES, 2026-12-05). 16 warps on 4 KB segments is not measured yet.
