@@ -58,6 +58,10 @@ session, no device lent): the cp.async producer, fp8 weights, x loaded by the co
 prologue, sync="group", timeline builds, and the register path of one-slot groups in multi-token
 builds.
 
+Measured (H200, 2026-12-05, NOTES "twenty-third session"): every build correct; fp8 weights run at
+about bf16's weights per second (the consumers' per-weight work limits, not the bytes); 16 consumer
+warps and 4 KB segments each 3-16% faster at most presets; cp.async and sync="group" slower.
+
 Served as ``variants.DecodeVariant`` (role "decode"): a candidate of the 1-token bucket that the
 tuner measures beside the four-kernel variants; the runtime launches it where it is the pick (h and
 bar from its workspace), for up to ``max_tokens`` tokens on GPUs with at least ``ctas`` SMs.
