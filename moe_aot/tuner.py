@@ -706,7 +706,7 @@ def prepare(db_url: str, specs, buckets, gpu: str, trials: int = 30, timeout_s: 
     storage = open_storage(db_url)
     slots = open_slots(storage, specs, gpu, buckets, seed)
     for slot in slots:
-        # the decode candidates first (two at most, at the 1-token bucket only), then `seeds`
+        # the decode candidates first (at the 1-token bucket only), then `seeds`
         slot.seeds += list((seeds or {}).get((slot.spec.workload_key, slot.tokens), ()))
     rng = random.Random(seed)
     deadline = time.monotonic() + timeout_s if timeout_s else math.inf

@@ -233,7 +233,6 @@ class LayerVariant:
         return _build(cls, LAYER_NAME, iter(m.groups()))
 
 
-
 # The whole layer in one cooperative launch for a few tokens (templates/decode.py, MoeDecode, role
 # "decode"): a candidate of the 1-token bucket (DECODE_BUCKETS) that the tuner measures beside
 # the four-kernel variants; the runtime serves it where it is the bucket's pick, for token counts up
@@ -318,16 +317,10 @@ def decode_candidates(spec: LayerSpec, tokens: int) -> list[DecodeVariant]:
         return []
     out = []
     for producer, sync, warps, seg_bytes in DECODE_CANDIDATES:
-        v = DecodeVariant(max_tokens=tokens, warps=warps, seg_bytes=seg_bytes, producer=producer, sync=sync,
-                          ctas=TARGET_LIMITS[spec.target]["sms"])
-        if not limits.check_decode(spec.experts, spec.hidden, spec.intermediate, spec.top_k, spec.activation,
-                                   INTERLEAVE, v.max_tokens, v.warps, 0, v.seg_bytes, v.ctas,
-                                   precision=spec.precision, producer=producer, sync=sync)[0]:
-            continue
-        stages = limits.decode_layout(spec.hidden, spec.intermediate, v.max_tokens, v.warps, 0, v.seg_bytes,
-                                      spec.precision)[2]
-        v = dataclasses.replace(v, stages=stages)
-        if can_implement_decode(spec, v)[0]:
+        stages = limits.decode_layout(spec.hidden, spec.intermediate, tokens, warps, 0, seg_bytes, spec.precision)[2]
+        v = DecodeVariant(max_tokens=tokens, warps=warps, stages=stages, seg_bytes=seg_bytes, producer=producer,
+                          sync=sync, ctas=TARGET_LIMITS[spec.target]["sms"])
+        if can_implement_decode(spec, v)[0]:  # gemm_limits.check_decode with the ring depth that fits
             out.append(v)
     return out
 
