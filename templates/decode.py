@@ -22,11 +22,15 @@ ring of ``stages`` shared-memory stages:
   producer copies into the same stage; the warp sums topk_weight * y over the groups in group
   order (deterministic) and writes out[m, c]: the combine needs no third pass.
 
-Between the phases a grid barrier: the consumers of each CTA arrive (a counter and a generation
-word in ``bar``, int32[2], zero when allocated; the last CTA to arrive resets the counter and
-advances the generation, so it is reused by every launch without a reset: CUDA-graph safe). Only
-the producers wait on it, and only before copying h: each has already filled its ring with its
-first phase-2 weight segments, so the barrier's latency overlaps the weight stream.
+Between the phases a grid barrier: the consumers of each CTA arrive, one atomic add to a 64-bit
+counter (``bar``, int32[2] read as one int64, zero when allocated) that only grows, by ``ctas``
+per launch. Launches on one workspace never overlap, so the value a CTA reads at its start lies
+in [L * ctas, (L + 1) * ctas) for launch L and names the count that completes it; no CTA resets
+anything, so the words are reused by every launch as they are (CUDA-graph safe) and the last
+arrival costs one atomic, not three (it took 2.5 us from the last CTA's arrival to the producers
+passing with a reset counter and a generation word, H200 2026-12-05; 2**63 / 132 launches do not
+wrap). Only the producers wait on it, and only before copying h: each has already filled its ring
+with its first phase-2 weight segments, so the barrier's latency overlaps the weight stream.
 With sync="group" (a build option, measured against the barrier) there is no barrier between
 the phases: each phase-1 unit, once its h columns are written, adds one to its expert group's
 counter (two banks of counters in ``bar`` used by alternate launches; CTA 0 clears the bank the
@@ -46,7 +50,8 @@ layer's on the dequantized weights (tools/check_decode.py).
 
 Groups: the pairs of one expert, up to ``max_tokens`` of them in pair order (more than one group
 only if a token repeats an expert), read the expert's rows once. Ids outside [0, E) contribute
-nothing; a token with no valid pair gets zeros. x is held in fp32 (only weights are unpacked);
+nothing; a token with no valid pair gets zeros. x is held in fp32 (only weights are unpacked),
+in shared memory in the lane-major order of _x_at, so that a warp's x loads are conflict-free;
 a kernel for one token keeps its accumulators in registers, one for more loops over each group's
 filled slots with per-lane accumulators in shared memory where a group has more than one (see
 _dots).
@@ -61,6 +66,9 @@ builds.
 Measured (H200, 2026-12-05, NOTES "twenty-third session"): every build correct; fp8 weights run at
 about bf16's weights per second (the consumers' per-weight work limits, not the bytes); 16 consumer
 warps and 4 KB segments each 3-16% faster at most presets; cp.async and sync="group" slower.
+The counters of that call (ncu, fp8 DeepSeek-V3) showed why fp8 did not gain: 23.9 M shared-memory
+bank-conflict wavefronts from the row-major fp32 x (64 bytes per lane apart, 4-way), short-scoreboard
+stalls 4.3 of 8.1 cycles per issue; x is now stored lane-major (_x_at).
 
 Served as ``variants.DecodeVariant`` (role "decode"): a candidate of the 1-token bucket that the
 tuner measures beside the four-kernel variants; the runtime launches it where it is the pick (h and
@@ -260,21 +268,35 @@ class MoeDecode:
     @cute.jit
     def _chunk(self, w, i: int, vec, c, dst, sc):
         """dst (8 fp32) += the products of weight chunk i (w's column i) and the matching elements
-        of vec (chunk c of the row segment), times the chunk's block scale where there is one."""
+        of vec (chunk c of the row segment), times the chunk's block scale where there is one.
+        vec is an h segment (bf16, contiguous) or an x segment (``(row pointer, first chunk)`` of
+        s_x, in _x_at's order)."""
         V = self.wvec
         if const_expr(self.block):
             t = cute.make_rmem_tensor(cute.make_layout(_VEC), Float32)
             t.fill(0.0)
             for j in cutlass.range_constexpr(V // _VEC):
                 wv = cute.make_tensor(w.iterator + (i * V + j * _VEC), cute.make_layout(_VEC)).load()
-                v = cute.local_tile(vec, (_VEC,), (c * (V // _VEC) + j,)).load().to(Float32)
-                t.store(t.load() + wv * v)
+                t.store(t.load() + wv * self._vec8(vec, c, j))
             dst.store(dst.load() + t.load() * sc[i])
         else:
             for j in cutlass.range_constexpr(V // _VEC):
                 wv = cute.make_tensor(w.iterator + (i * V + j * _VEC), cute.make_layout(_VEC)).load()
-                v = cute.local_tile(vec, (_VEC,), (c * (V // _VEC) + j,)).load().to(Float32)
-                dst.store(dst.load() + wv * v)
+                dst.store(dst.load() + wv * self._vec8(vec, c, j))
+
+    @cute.jit
+    def _vec8(self, vec, c, j: int):
+        """Elements 8j .. 8j+7 of chunk c of a segment (see _chunk), as fp32."""
+        V = self.wvec
+        if const_expr(isinstance(vec, tuple)):
+            row, k0 = vec
+            v8 = cute.make_rmem_tensor(cute.make_layout(_VEC), Float32)
+            for f in cutlass.range_constexpr(2):
+                cute.make_tensor(v8.iterator + 4 * f, cute.make_layout(4)).store(
+                    self._x_at(row, k0 + c, 2 * j + f).load())
+            return v8.load()
+        else:
+            return cute.local_tile(vec, (_VEC,), (c * (V // _VEC) + j,)).load().to(Float32)
 
     @cute.jit
     def _acc(self, s_acc, which: int, warp, lane):
@@ -344,18 +366,28 @@ class MoeDecode:
             return glu_act(g, self.activation) * u
 
     @cute.jit
-    def _arrive(self, mBar, word: int, tidx, total: int = 0, mTl=None, bid=None):
+    def _bar64(self, mBar, sem: str):
+        """The grid barrier's 64-bit counter (bar[0:2]), loaded with ``sem`` at gpu scope."""
+        return cute.arch.load(cute.recast_ptr(mBar.iterator, dtype=Int64), Int64, sem=sem, scope="gpu")
+
+    @cute.jit
+    def _arrive(self, mBar, word: int, tidx, total: int = 0, mTl=None, bid=None, grid: bool = False):
         """The consumer warps' h writes (or work) are done: fence them for other CTAs' bulk copies
         (the async proxy), meet, and add one to bar[word]; with ``total``, the arrival that
-        completes it resets the counter and advances the generation bar[1] (reusable, graph-safe)."""
+        completes it resets the counter and advances the generation bar[1] (reusable, graph-safe);
+        with ``grid``, add one to the grid barrier's 64-bit counter instead (see the module)."""
         W = self.warps
         cute.arch.fence_proxy("async.global")
         cute.arch.barrier(barrier_id=1, number_of_threads=W * _WARP)
         if tidx == 0:
             if const_expr(mTl is not None):
                 self._mark(mTl, bid, "phase1_done")
-            cute.arch.fence_acq_rel_gpu()
-            old = cute.arch.atomic_add(mBar.iterator + word, Int32(1), sem="acq_rel", scope="gpu")
+            if const_expr(grid):  # a release add: its own fence orders the CTA's h writes before it
+                cute.arch.atomic_add(cute.recast_ptr(mBar.iterator, dtype=Int64), Int64(1), sem="release",
+                                     scope="gpu")
+            else:
+                cute.arch.fence_acq_rel_gpu()
+                old = cute.arch.atomic_add(mBar.iterator + word, Int32(1), sem="acq_rel", scope="gpu")
             if const_expr(total > 0):
                 if old == total - 1:
                     cute.arch.atomic_exch(mBar.iterator + word, Int32(0), sem="relaxed", scope="gpu")
@@ -402,18 +434,34 @@ class MoeDecode:
 
     @cute.jit
     def _load_x(self, mX, s_x, M, tidx):
-        """The consumer warps copy x into shared memory as fp32: each thread's 16-byte loads of a
-        row are unrolled, so they are in flight together (one memory latency per token, not one
-        per load); the producer is streaming meanwhile."""
+        """The consumer warps copy x into shared memory as fp32, in the lane-major order of
+        ``_x_at`` (so a warp's x loads in _chunk hit 32 consecutive 16-byte words, no bank
+        conflict): each thread's 16-byte loads of a row are unrolled, so they are in flight
+        together (one memory latency per token, not one per load); the producer is streaming
+        meanwhile."""
         H, n = self.hidden, self.warps * _WARP
         nx = H // _VEC
+        v8 = cute.make_rmem_tensor(cute.make_layout(_VEC), Float32)
         for m in range(M):
             for j in cutlass.range_constexpr(-(-nx // n)):
                 cc = tidx + j * n
                 if const_expr((j + 1) * n <= nx) or cc < nx:
-                    cute.local_tile(s_x[m, None], (_VEC,), (cc,)).store(
-                        cute.local_tile(mX[m, None], (_VEC,), (cc,)).load().to(Float32))
+                    v8.store(cute.local_tile(mX[m, None], (_VEC,), (cc,)).load().to(Float32))
+                    for f in cutlass.range_constexpr(2):
+                        e = cc * _VEC + 4 * f  # the first element of this float4 of the row
+                        self._x_at(s_x.iterator + m * H, e // self.wvec, (e % self.wvec) // 4).store(
+                            cute.make_tensor(v8.iterator + 4 * f, cute.make_layout(4)).load())
         cute.arch.barrier(barrier_id=1, number_of_threads=n)
+
+    @cute.jit
+    def _x_at(self, row, k, q):
+        """Float4 q of x's chunk k (the wvec elements a lane multiplies with one 16-byte weight
+        load) in a row of s_x: stored at 4 * k + q * plane, plane = 4 * hidden / wvec floats, so
+        lanes reading chunks k, k+1, ... of one plane read consecutive 16-byte words (measured
+        2026-12-05: the row-major x, 32 or 64 bytes per lane apart, cost 2- or 4-way shared-memory
+        bank conflicts, 23.9 M extra wavefronts per DeepSeek-V3 fp8 launch, and bounded the fp8
+        kernel to about bf16's weights per second)."""
+        return cute.make_tensor((row + 4 * k + q * (4 * self.hidden // self.wvec)).align(16), cute.make_layout(4))
 
     @cute.jit
     def _group_slots(self, s_slot, gi, slots):
@@ -464,9 +512,13 @@ class MoeDecode:
                                                       byte_alignment=16),
                                  cute.make_layout(2 * W * _WARP * MT if MT > 1 else 4))
 
-        # prologue: barriers, the generation this launch's grid barrier waits to pass, pair ids
-        # (x is loaded by the consumers afterwards, while the producer already streams)
-        seen = Int32(0)
+        # prologue: barriers, the count this launch's grid barrier waits for (sync="group": the
+        # generation that selects the bank), pair ids (x is loaded by the consumers afterwards,
+        # while the producer already streams)
+        if const_expr(self.sync == "grid"):
+            seen = Int64(0)
+        else:
+            seen = Int32(0)
         if tidx == 0:
             self._mark(mTl, bid, "entry")
             for s in cutlass.range_constexpr(S):
@@ -481,7 +533,9 @@ class MoeDecode:
             if bid == 0 and tidx < self.pairs:
                 mBar[2 + (1 - (seen & 1)) * self.pairs + tidx] = Int32(0)
         elif warp >= W:
-            seen = cute.arch.load(mBar.iterator + 1, Int32, sem="acquire", scope="gpu")
+            # every arrival of the previous launches is counted, none of this launch's is missing
+            # yet (this CTA's own is still to come): the count is in [L * C, (L + 1) * C)
+            seen = (self._bar64(mBar, sem="acquire") // C + 1) * C
         if tidx < self.pairs:
             e = Int32(-1)
             if tidx < P:
@@ -606,8 +660,8 @@ class MoeDecode:
                             if tidx == 0 and u == bid and s == 0:
                                 self._mark(mTl, bid, "first_stage_full")
                         row = self._smem_vec(ring, idx * SBy + warp * seg1 * wb, seg1, wdt)
-                        xs = lambda m, s=s, gi=gi: cute.make_tensor(  # noqa: E731
-                            (s_x.iterator + (s_slot[gi, m] // K) * H + s * seg1).align(16), cute.make_layout(seg1))
+                        xs = lambda m, s=s, gi=gi: (  # noqa: E731  (x's row of the slot's token, first chunk)
+                            s_x.iterator + (s_slot[gi, m] // K) * H, s * (seg1 // self.wvec))
                         self._dots(row, seg1, lane, xs, nvalid, acc_g if half == 0 else acc_u, sc)
                         self._release(empty + idx, lane)
                         idx, phase = self._advance(idx, phase)
@@ -627,7 +681,7 @@ class MoeDecode:
                     self._arrive(mBar, 2 + (seen & 1) * self.pairs + gi, tidx)
             if const_expr(self.sync == "grid"):
                 # h is read by other CTAs' bulk copies (the async proxy) after the grid barrier
-                self._arrive(mBar, 0, tidx, C, mTl, bid)
+                self._arrive(mBar, 0, tidx, 0, mTl, bid, grid=True)
             elif tidx == 0:
                 self._mark(mTl, bid, "phase1_done")
             # phase 2: out[:, c] = sum over groups of topk_weight * (h . w2_e[c] (+ b2_e[c]))
@@ -742,11 +796,11 @@ class MoeDecode:
                 # bounded as the group polls are: a barrier that never completes (a broken count)
                 # traps, an error the caller sees, instead of hanging its process
                 polls = Int32(0)
-                now = cute.arch.load(mBar.iterator + 1, Int32, sem="acquire", scope="gpu")
-                while now == seen and polls < _SPIN_LIMIT:
-                    now = cute.arch.load(mBar.iterator + 1, Int32, sem="acquire", scope="gpu")
+                now = self._bar64(mBar, sem="acquire")
+                while now < seen and polls < _SPIN_LIMIT:
+                    now = self._bar64(mBar, sem="acquire")
                     polls = polls + 1
-                if now == seen:
+                if now < seen:
                     _trap()
                 self._mark(mTl, bid, "barrier_passed")
             self._producers_see_h()

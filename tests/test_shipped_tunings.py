@@ -72,13 +72,16 @@ TUNED = ROOT / "cache" / "tuned" / "NVIDIA_H200.jsonl"
 # launch quantized x (every fp8 layer's routing kernel changed, so every fp8 pick's binaries did):
 # 2 trials per study (the default and the committed pick, or its PDL twin where the pick is the
 # default), sustained timing, a confirmation round each.
+# 2026-12-05: the 1-token buckets of all 13 layers once the one-launch decode kernel joined them
+# (5 trials per study: the default, the three decode candidates, the committed pick), sustained
+# timing, two confirmation rounds.
 SESSIONS = ("tuning_2026-12-01", "tuning_2026-12-01b", "tuning_2026-12-01c", "tuning_2026-12-01e",
             "tuning_2026-12-01f", "tuning_2026-12-01g", "tuning_2026-12-01h", "tuning_2026-12-01i",
             "tuning_2026-12-01j", "tuning_2026-12-01l", "tuning_2026-12-02t", "tuning_2026-12-02u",
             "tuning_2026-12-02v", "tuning_2026-12-02w", "tuning_2026-12-02x", "tuning_2026-12-02z",
             "tuning_2026-12-03", "tuning_backward_2026-12-03", "tuning_2026-12-03s",
             "tuning_backward_2026-12-03s", "tuning_2026-12-03t", "tuning_2026-12-03n", "tuning_2026-12-03o",
-            "tuning_2026-12-04")
+            "tuning_2026-12-04", "tuning_2026-12-05")
 BACKWARD_BUCKETS = (1024, 4096, 16384)
 FP8_BUCKETS = (1, 16, 64, 256, 1024, 4096, 16384)
 RECORD_FILES = [ROOT / "tools" / "results" / d / "all_records.json" for d in SESSIONS]

@@ -139,6 +139,13 @@ def bench_model(name, tokens_list, replays, rate8, store, rate8_sustained) -> li
     return rows
 
 
+def _kernel_cell(k: dict) -> str:
+    """GEMM1, GEMM2 µs (TFLOP/s) of the four-kernel layer, or the one-launch decode kernel's, named."""
+    if "glu" in k:
+        return f"{k['glu']['us']:.0f} ({k['glu']['tflops']:.0f}), {k['down']['us']:.0f} ({k['down']['tflops']:.0f})"
+    return ", ".join(f"{role} {v['us']:.0f} ({v['tflops']:.0f})" for role, v in k.items())
+
+
 def markdown(result: dict) -> str:
     lines = [f"# FP8 fused MoE layers on {result['device']} ({result['date']})", "",
              f"Command: `{result['command']}`; fp8 matmul rate measured in the run (torch._scaled_mm, "
@@ -160,9 +167,7 @@ def markdown(result: dict) -> str:
             k = x["kernels"]
             cells += [f"{x['us']:.1f}", f"{x['over_floor']:.2f}", f"{x['over_sustained_floor']:.2f}",
                       f"{x['bf16_over_this']:.2f}", f"{x['rel_err']:.1e}",
-                      f"{x['rel_err_vs_bf16_ref']:.1e}",
-                      f"{k['glu']['us']:.0f} ({k['glu']['tflops']:.0f}), "
-                      f"{k['down']['us']:.0f} ({k['down']['tflops']:.0f})"]
+                      f"{x['rel_err_vs_bf16_ref']:.1e}", _kernel_cell(k)]
         lines.append("| " + " | ".join(cells) + " |")
     g = result["summary"]
     lines += [""] + [f"{p}: geomean bf16/fp8 {g[p]['geomean_bf16_over_fp8']:.2f} (<= 256 tokens "

@@ -84,7 +84,7 @@ def _timeline(call, sets, tl, events: list[str], launches: int = 20) -> dict:
 
 def run_all(kdir: Path, out: Path, replays: int, profile: bool = False, max_tokens: int = MAX_TOKENS,
             models: list[str] = MODELS, precision: str = "bf16", built_tokens: int = MAX_TOKENS,
-            timeline: tuple[int, list[str]] | None = None, sync: str = "grid") -> int:
+            timeline: tuple[int, list[str]] | None = None, sync: str = "grid", ctas: int = 132) -> int:
     import torch
 
     from moe_aot.gemm_limits import decode_bar_words
@@ -133,6 +133,7 @@ def run_all(kdir: Path, out: Path, replays: int, profile: bool = False, max_toke
             bad[0, 0], bad[-1, -1] = -1, spec.experts
             same = ids0[:1].expand(M, -1).contiguous()
             gen0 = int(bar[1].item())
+            count0 = int(bar.view(torch.int64)[0].item())
             for x, tw, ids, o in [*sets[:2], (x0, tw0, bad, o0), (x0, tw0, same, o0)]:
                 o.fill_(float("nan"))
                 h.fill_(float("nan"))
@@ -144,9 +145,13 @@ def run_all(kdir: Path, out: Path, replays: int, profile: bool = False, max_toke
                     err_math = rel_err(o, layer_reference(spec, x, w13, w2, tw, ids))
             err = max(e for e, _ in errs)
             row = max(r for _, r in errs)
-            # every launch ends with its counter back at zero and the generation one further
-            # (the barrier / end-of-launch counter is reusable without a reset: CUDA-graph safe)
-            synced = int(bar[0].item()) == 0 and int(bar[1].item()) - gen0 == 4
+            # grid: the 64-bit counter one CTA count further per launch; group: every launch ends
+            # with its end-of-launch counter back at zero and the generation one further (both
+            # reusable without a reset: CUDA-graph safe)
+            if sync == "grid":
+                synced = int(bar.view(torch.int64)[0].item()) - count0 == 4 * ctas
+            else:
+                synced = int(bar[0].item()) == 0 and int(bar[1].item()) - gen0 == 4
             ok = err <= 1e-2 and row <= 3e-2 and synced
             if profile:  # one more launch in an NVTX range for Nsight Compute, no timing
                 x, tw, ids, o = sets[0]
@@ -224,7 +229,7 @@ def main():
         sys.exit(run_all(ns.run, ns.out, ns.replays, ns.profile, ns.max_tokens, ns.models.split(","),
                          ns.precision, build["max_tokens"],
                          (build["ctas"], build["events"]) if build.get("timeline") else None,
-                         build.get("sync", "grid")))
+                         build.get("sync", "grid"), build.get("ctas", 132)))
     if not ns.compile and not ns.run:
         ap.error("give --compile DIR and/or --run DIR")
 

@@ -107,8 +107,9 @@ class Workspace:
 
     def decode_buffers(self, spec: LayerSpec, v: DecodeVariant) -> tuple[torch.Tensor, torch.Tensor]:
         """(h, bar) of the one-launch decode kernel ``v``: h [max_tokens * top_k, I] bf16, written
-        before it is read in each launch; bar, its barrier words, zeroed here once and left at zero
-        by every launch (so CUDA-graph replays reuse it). Made at the first call that needs them,
+        before it is read in each launch; bar, its barrier words, zeroed here once and never reset
+        (the grid barrier's 64-bit counter grows by the kernel's CTA count per launch), so
+        CUDA-graph replays reuse it. Made at the first call that needs them,
         on the device of the routing buffers; launches that share them must not overlap (as every
         buffer of a workspace)."""
         key = (v.max_tokens * spec.top_k, spec.intermediate, v.bar_words(spec))
