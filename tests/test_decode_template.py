@@ -20,7 +20,9 @@ def test_decode_compiles_with_bulk_copies_and_a_grid_barrier(shape, tmp_path):
     ptx = cute.compile(obj, *[f for _, f in args],
                        options=f"--gpu-arch sm_90a --keep-ptx --dump-dir {tmp_path}").__ptx__
     body = ptx[ptx.index(".entry"):]
-    assert "atom.global.acq_rel.add" in body and "ld.acquire.gpu" in body  # the grid barrier: arrive, wait
+    # the grid barrier: one 64-bit release add per CTA to a count that only grows, acquire polls
+    assert "atom.global.release.add.u64" in body and "ld.acquire.gpu.global.b64" in body
+    assert "atom.global.acq_rel.add" not in body  # no reset / generation round trips
     assert "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes" in body  # the weight stream
     assert "mbarrier.try_wait" in body and "shfl.sync.bfly" in body
     assert "fence.proxy.async.global" in body  # h: written by threads, read by other CTAs' bulk copies
@@ -70,14 +72,14 @@ def test_decode_fp8_weights_compile(precision, tmp_path):
 
 
 def test_decode_grid_barrier_wait_is_bounded(tmp_path):
-    """The producer's wait for the grid barrier's generation polls a bounded number of times and
-    then traps: a count that never completes is a kernel error, not a hung process."""
+    """The producer's wait for the grid barrier's count polls a bounded number of times and then
+    traps: a count that never completes is a kernel error, not a hung process."""
     obj = MoeDecode(128, 2048, 768, 8, max_tokens=1)
     args = dict(obj.fake_arguments())
     assert tuple(args["bar"].shape) == (2,)
     ptx = cute.compile(obj, *args.values(), options=f"--gpu-arch sm_90a --keep-ptx --dump-dir {tmp_path}").__ptx__
     body = ptx[ptx.index(".entry"):]
-    assert "trap;" in body and "ld.acquire.gpu" in body
+    assert "trap;" in body and "ld.acquire.gpu.global.b64" in body
 
 
 def test_decode_timeline_build_records_every_event(tmp_path):
