@@ -49,7 +49,10 @@ class _Decode:
         self.calls.append(ids.shape[0])
         ref = moe_reference(x, w13.float(), w2.float(), tw, ids, s.activation, 16, *bias)
         out.copy_(ref.to(out.dtype))
-        bar[1] += 0 if self.state["stuck"] else 1
+        if self.state["sync"] == "grid":  # one 64-bit count, ctas arrivals per launch, never reset
+            bar.view(torch.int64)[0] += 0 if self.state["stuck"] else self.state["ctas"]
+        else:  # the end-of-launch counter back at zero, the generation one further
+            bar[1] += 0 if self.state["stuck"] else 1
         if tl is not None:  # every CTA reaches every event, 1 us apart, the first CTA 0.5 us early
             tl.zero_()
             tl[:, :len(EVENTS)] = 10_000 + 1000 * torch.arange(len(EVENTS))
@@ -77,7 +80,7 @@ def fakes(monkeypatch):
     import moe_aot.runtime.library as library
     import moe_aot.runtime.store as store
 
-    state = {"specs": [], "timeline": False, "calls": [], "sync": "grid", "stuck": False}
+    state = {"specs": [], "timeline": False, "calls": [], "sync": "grid", "stuck": False, "ctas": 4}
     monkeypatch.setattr(check_decode, "_specs", lambda precision, models: state["specs"])
     monkeypatch.setattr(library.KernelLibrary, "from_dir", staticmethod(
         lambda path: _Decode(dict(state["specs"])[path.name], state)))
@@ -133,8 +136,8 @@ def test_timeline_builds_report_each_event(fakes, tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("sync, stuck", [("group", False), ("grid", True)])
 def test_the_barrier_words_are_sized_and_checked(sync, stuck, fakes, tmp_path, monkeypatch):
-    """sync="group" builds get bar [2 + 2 * pairs]; a launch that leaves the generation where it
-    was (a barrier that did not complete) fails the point."""
+    """sync="group" builds get bar [2 + 2 * pairs]; a launch that leaves the grid barrier's count
+    where it was (a barrier that did not complete) fails the point."""
     fakes["specs"], fakes["sync"], fakes["stuck"] = [("tiny", _tiny("bf16"))], sync, stuck
     kdir = tmp_path / "k"
     (kdir / "tiny").mkdir(parents=True)

@@ -164,7 +164,8 @@ def run_all(kdir: Path, out: Path, replays: int, profile: bool = False, max_toke
                 break
             res = {"model": model, "precision": spec.precision, "tokens": M, "rel_err": err, "row_rel_err": row,
                    "rel_err_vs_layer_math": err_math, "ok": ok, "barrier_ok": synced,
-                   "barrier_generation": int(bar[1].item()), "barrier_count": int(bar[0].item())}
+                   "barrier_generation": int(bar[1].item()) if sync != "grid" else None,
+                   "barrier_count": int(bar.view(torch.int64)[0].item()) if sync == "grid" else int(bar[0].item())}
             if ok:
                 t_dec = statistics.median(graph_times_us(
                     [lambda s=s, c=call: c(*s) for s in sets], replays))
