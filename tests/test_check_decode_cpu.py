@@ -86,7 +86,7 @@ def fakes(monkeypatch):
         lambda path: _Decode(dict(state["specs"])[path.name], state)))
     monkeypatch.setattr(layer_mod, "MoeLayer", _Layer)
     monkeypatch.setattr(store, "KernelStore", lambda: None)
-    monkeypatch.setattr(measure, "graph_times_us", lambda fns, replays: [f() or 10.0 for f in fns])
+    monkeypatch.setattr(measure, "graph_times_us", lambda fns, replays, warmup_s=0.0: [f() or 10.0 for f in fns])
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     return state
