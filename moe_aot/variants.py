@@ -241,9 +241,11 @@ class LayerVariant:
 # producer behind the grid barrier, 16 warps on 2 KB segments, 8 on 4 KB, 16 on 4 KB. On the H200
 # (2026-12-05, tools/check_decode.py, 1 token, against 8 warps on 2 KB) 16 warps ran bf16 3-9%
 # faster at four of five presets (gpt-oss +2%) and 4 KB segments 7-16% faster at four (Qwen3-30B
-# +5%): the consumers, not the weight stream, limit (fp8 weights ran at about bf16's elements per
-# second); cp.async was 1-5% slower than bulk, the group counters 5-29% slower than the grid
-# barrier (NOTES, 2026-12-05). 16 warps on 4 KB segments is not measured yet.
+# +5%); cp.async was 1-5% slower than bulk, the group counters 5-29% slower than the grid
+# barrier (NOTES, 2026-12-05). Measured by the tuner once x was conflict-free in shared memory
+# (NOTES, twenty-fourth session), each of the three is some layer's 1-token pick: 16 warps on 2 KB
+# at Qwen3-30B and most fp8 layers, 8 on 4 KB at gpt-oss, DeepSeek-V3 and Mixtral (bf16), 16 on
+# 4 KB at Qwen3-235B (bf16) and Mixtral (fp8).
 DECODE_BUCKETS = (1,)
 DECODE_CANDIDATES = (("bulk", "grid", 16, 2048), ("bulk", "grid", 8, 4096), ("bulk", "grid", 16, 4096))
 

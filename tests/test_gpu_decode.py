@@ -63,7 +63,7 @@ def test_decode_pick_matches_its_reference_eager_and_in_graphs(store, model, pre
     out = torch.full((1, spec.hidden), float("nan"), device=dev, dtype=torch.bfloat16)
     assert dec.sync == "grid"
     count = lambda: next(iter(layer._workspace.decode.values()))[1].view(torch.int64).item()  # noqa: E731
-    for n in range(2):  # twice: the barrier words are reused without a reset
+    for _ in range(2):  # twice: the barrier words are reused without a reset
         out.fill_(float("nan"))
         layer.forward(x, w13, w2, tw, ids, out=out)
         torch.cuda.synchronize()

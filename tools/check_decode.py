@@ -133,8 +133,9 @@ def run_all(kdir: Path, out: Path, replays: int, profile: bool = False, max_toke
             bad = ids0.clone()
             bad[0, 0], bad[-1, -1] = -1, spec.experts
             same = ids0[:1].expand(M, -1).contiguous()
-            gen0 = int(bar[1].item())
-            count0 = int(bar.view(torch.int64)[0].item())
+            # grid: the 64-bit count (bar[0:2]); group: the generation (bar[1])
+            barrier = (lambda: int(bar.view(torch.int64)[0].item())) if sync == "grid" else (lambda: int(bar[1].item()))
+            before = barrier()
             for x, tw, ids, o in [*sets[:2], (x0, tw0, bad, o0), (x0, tw0, same, o0)]:
                 o.fill_(float("nan"))
                 h.fill_(float("nan"))
@@ -150,9 +151,9 @@ def run_all(kdir: Path, out: Path, replays: int, profile: bool = False, max_toke
             # with its end-of-launch counter back at zero and the generation one further (both
             # reusable without a reset: CUDA-graph safe)
             if sync == "grid":
-                synced = int(bar.view(torch.int64)[0].item()) - count0 == 4 * ctas
+                synced = barrier() - before == 4 * ctas
             else:
-                synced = int(bar[0].item()) == 0 and int(bar[1].item()) - gen0 == 4
+                synced = int(bar[0].item()) == 0 and barrier() - before == 4
             ok = err <= 1e-2 and row <= 3e-2 and synced
             if profile:  # one more launch in an NVTX range for Nsight Compute, no timing
                 x, tw, ids, o = sets[0]
@@ -165,8 +166,8 @@ def run_all(kdir: Path, out: Path, replays: int, profile: bool = False, max_toke
                 break
             res = {"model": model, "precision": spec.precision, "tokens": M, "rel_err": err, "row_rel_err": row,
                    "rel_err_vs_layer_math": err_math, "ok": ok, "barrier_ok": synced,
-                   "barrier_generation": int(bar[1].item()) if sync != "grid" else None,
-                   "barrier_count": int(bar.view(torch.int64)[0].item()) if sync == "grid" else int(bar[0].item())}
+                   "barrier_generation": None if sync == "grid" else barrier(),
+                   "barrier_count": barrier() if sync == "grid" else int(bar[0].item())}
             if ok:
                 # each timing after warmup_s of untimed replays, as the tuner's. Without it the
                 # decode timing, taken first right after the fp32 reference, read up to 12% slower
