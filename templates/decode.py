@@ -43,10 +43,11 @@ gate and up rows, w2s [E], applied to each finished dot product; "fp8-block128":
 128x128 blocks, w13s [E, 2I/128, H/128] in runtime/fp8.py's interleaved-by-block order, w2s
 [E, H/128, I/128], each lane's 16-weight chunk summed and then scaled by its block's scale, which
 the lane reads from global memory before it waits for the stage). A lane loads 16 bytes of a row
-at a time (8 bf16 or 16 e4m3, converted to fp32 via cvt e4m3x2 -> f16x2); x and h stay bf16 /
-fp32 in both: no tensor core runs here, so quantizing them as the fp8 layer's GEMMs do would cost
-accuracy and instructions and save nothing. The fp8 kernel's reference is therefore the bf16
-layer's on the dequantized weights (tools/check_decode.py).
+at a time (8 bf16 or 16 e4m3, converted to fp32 via cvt e4m3x2 -> f16x2); x and h stay fp32 /
+bf16 in both (h in _h_pos's order, a workspace no caller reads): no tensor core runs here, so
+quantizing them as the fp8 layer's GEMMs do would cost accuracy and instructions and save nothing.
+The fp8 kernel's reference is therefore the bf16 layer's on the dequantized weights
+(tools/check_decode.py).
 
 Groups: the pairs of one expert, up to ``max_tokens`` of them in pair order (more than one group
 only if a token repeats an expert), read the expert's rows once. Ids outside [0, E) contribute
@@ -63,12 +64,15 @@ session, no device lent): the cp.async producer, fp8 weights, x loaded by the co
 prologue, sync="group", timeline builds, and the register path of one-slot groups in multi-token
 builds.
 
-Measured (H200, 2026-12-05, NOTES "twenty-third session"): every build correct; fp8 weights run at
-about bf16's weights per second (the consumers' per-weight work limits, not the bytes); 16 consumer
-warps and 4 KB segments each 3-16% faster at most presets; cp.async and sync="group" slower.
-The counters of that call (ncu, fp8 DeepSeek-V3) showed why fp8 did not gain: 23.9 M shared-memory
-bank-conflict wavefronts from the row-major fp32 x (64 bytes per lane apart, 4-way), short-scoreboard
-stalls 4.3 of 8.1 cycles per issue; x is now stored lane-major (_x_at).
+Measured (H200, 2026-12-05, NOTES "twenty-third" and "twenty-fourth session"): every build correct;
+16 consumer warps and 4 KB segments each 3-16% faster at most presets; cp.async and sync="group"
+slower. fp8 weights first ran at about bf16's weights per second: 23.9 M shared-memory bank-conflict
+wavefronts from the row-major fp32 x (lanes 64 bytes apart, 4-way; short-scoreboard stalls 4.3 of 8.1
+cycles per issue). x is now stored lane-major (_x_at): 1.88 M left, fp8 DeepSeek-V3 180 -> 108 us.
+The rest were phase 2's h reads (e4m3's 16-element chunks, lanes 32 bytes apart): h is now stored
+in a lane-major order too (_h_pos, _h_at), and bf16 (h, and bf16 weights) is widened to fp32 by
+integer ops (_widen), one instruction per element instead of 1.5 (twenty-fifth session; SASS: an
+fp8 phase-2 stage 312 -> 280 instructions per lane, not yet run on a GPU).
 
 Served as ``variants.DecodeVariant`` (role "decode"): a candidate of the 1-token bucket that the
 tuner measures beside the four-kernel variants; the runtime launches it where it is the pick (h and
@@ -109,9 +113,14 @@ SYNCS = limits.DECODE_SYNCS
 SB = limits.SCALE_BLOCK
 # timeline=True (a measuring build, never served): each CTA writes the %globaltimer (ns) of these
 # events into tl[cta, event] (int64 [ctas, 16], zeroed by the caller; events a CTA does not reach
-# stay 0). Written by thread 0 (consumer warp 0) or producer thread 0.
+# stay 0). Written by thread 0 (consumer warp 0) or producer thread 0. p2_unitK_done: consumer warp
+# 0 has finished its K-th phase-2 unit; producer_done: the producer has issued its last copy. The
+# "_ns" events are durations, not times: the nanoseconds consumer warp 0 waited on full stages in
+# phase 1 / phase 2, and the producer waited for free stages in phase 2 (what a stage's wait says:
+# full waits, the weights arrive too late; empty waits, the consumers free them too late).
 TIMELINE = ("entry", "tables", "producer_first_issue", "x_loaded", "first_stage_full", "phase1_done",
-            "barrier_passed", "phase2_first_full", "end")
+            "barrier_passed", "phase2_first_full", "end", "p2_unit1_done", "p2_unit2_done", "p2_unit3_done",
+            "producer_done", "p1_full_wait_ns", "p2_full_wait_ns", "p2_empty_wait_ns")
 TIMELINE_COLS = 16
 # sync: how the producers learn that h is complete: "grid", one grid barrier after phase 1 (bar
 # int32[2]); "group", a counter per expert group that each phase-1 unit bumps when its h columns are
@@ -130,7 +139,8 @@ class MoeDecode:
     def __init__(self, num_experts: int, hidden: int, intermediate: int, top_k: int,
                  activation: str = "swiglu", interleave: int = 16, max_tokens: int = 4,
                  warps: int = 8, stages: int = 0, seg_bytes: int = 2048, ctas: int = 132, bias: bool = False,
-                 producer: str = "bulk", precision: str = "bf16", timeline: bool = False, sync: str = "grid"):
+                 producer: str = "bulk", precision: str = "bf16", timeline: bool = False, sync: str = "grid",
+                 rotate: bool = False):
         ok, why = self.can_implement(num_experts, hidden, intermediate, top_k, activation, interleave,
                                      max_tokens, warps, stages, seg_bytes, ctas, precision=precision,
                                      producer=producer, sync=sync)
@@ -139,6 +149,12 @@ class MoeDecode:
         self.num_experts, self.hidden, self.intermediate, self.top_k = num_experts, hidden, intermediate, top_k
         self.activation, self.interleave, self.max_tokens = activation, interleave, max_tokens
         self.warps, self.ctas, self.bias, self.timeline, self.sync = warps, ctas, bool(bias), bool(timeline), sync
+        # rotate (an experiment, not a variant field): CTA b walks its phase-2 groups from group b % groups
+        # on, so that the CTAs stream every expert's w2 at once rather than one expert after another
+        # (the sum over groups is then in that order: deterministic per CTA, not the same for all columns)
+        if rotate and sync != "grid":
+            raise ValueError(f"rotate needs sync='grid' (the group counters are awaited in group order), not {sync!r}")
+        self.rotate = bool(rotate)
         self.producer, self.pwarps = producer, PRODUCERS[producer]
         self.precision, self.fp8, self.block = precision, precision in limits.FP8, precision == "fp8-block128"
         self.wdt = Float8E4M3FN if self.fp8 else BFloat16
@@ -242,7 +258,10 @@ class MoeDecode:
         for i in cutlass.range_constexpr(nch):
             c = lane + i * _WARP
             if const_expr((i + 1) * _WARP * V <= length) or c * V < length:
-                w[None, i].store(cute.local_tile(row, (V,), (c,)).load().to(Float32))
+                if const_expr(self.fp8):
+                    w[None, i].store(cute.local_tile(row, (V,), (c,)).load().to(Float32))
+                else:
+                    w[None, i].store(self._widen(row.iterator + c * V))
         racc, sacc = acc
         if const_expr(self.max_tokens == 1):
             self._dots_one(w, nch, length, lane, vec_of(0), racc[None, 0], sc)
@@ -287,7 +306,6 @@ class MoeDecode:
     @cute.jit
     def _vec8(self, vec, c, j: int):
         """Elements 8j .. 8j+7 of chunk c of a segment (see _chunk), as fp32."""
-        V = self.wvec
         if const_expr(isinstance(vec, tuple)):
             row, k0 = vec
             v8 = cute.make_rmem_tensor(cute.make_layout(_VEC), Float32)
@@ -296,7 +314,40 @@ class MoeDecode:
                     self._x_at(row, k0 + c, 2 * j + f).load())
             return v8.load()
         else:
-            return cute.local_tile(vec, (_VEC,), (c * (V // _VEC) + j,)).load().to(Float32)
+            return self._widen(vec.iterator + self._h_at(c, j))  # h, bf16 in _h_pos's order
+
+    @cute.jit
+    def _widen(self, src):
+        """8 bf16 at ``src`` (16-byte aligned) as fp32, by integer ops on the 4 words (a bf16 is the
+        top half of its fp32: lo << 16, hi & 0xffff0000): one instruction per element, where the
+        DSL's conversion takes two for every odd element (PRMT + SHF)."""
+        words = cute.make_rmem_tensor(cute.make_layout(_VEC // 2), Int32)
+        words.store(cute.make_tensor(cute.recast_ptr(src.align(16), dtype=Int32), cute.make_layout(_VEC // 2)).load())
+        v8 = cute.make_rmem_tensor(cute.make_layout(_VEC), Float32)
+        for i in cutlass.range_constexpr(_VEC // 2):
+            v8[2 * i] = (words[i] << 16).bitcast(Float32)
+            v8[2 * i + 1] = (words[i] & Int32(-65536)).bitcast(Float32)
+        return v8.load()
+
+    def _h_at(self, c, j: int):
+        """Element offset, in a segment of h, of elements 8j .. 8j+7 of chunk c (the wvec elements a
+        lane multiplies with one 16-byte weight load): bf16 weights, 8-element chunks, are contiguous
+        (a warp's loads 16 bytes apart: no bank conflict); e4m3 weights take 16-element chunks, whose
+        two halves are stored ``seg2 // 2`` elements apart, so that a warp's loads of one half hit 32
+        consecutive 16-byte words (contiguous chunks, 32 bytes per lane apart, cost 2-way bank
+        conflicts: 1.88 M wavefronts per fp8 DeepSeek-V3 launch, H200 2026-12-05). _h_pos writes it so."""
+        if const_expr(self.wvec == _VEC):
+            return c * _VEC
+        else:
+            return c * _VEC + j * (self.seg2 // 2)
+
+    def _h_pos(self, col):
+        """Where column ``col`` of a row of h is stored (the order _h_at reads, segment by segment)."""
+        if const_expr(self.wvec == _VEC):
+            return col
+        else:
+            seg, e = col // self.seg2, col % self.seg2
+            return seg * self.seg2 + (e // self.wvec) * _VEC + ((e % self.wvec) // _VEC) * (self.seg2 // 2) + e % _VEC
 
     @cute.jit
     def _acc(self, s_acc, which: int, warp, lane):
@@ -425,6 +476,35 @@ class MoeDecode:
         else:
             cute.arch.barrier(barrier_id=2, number_of_threads=self.pwarps * _WARP)
         cute.arch.fence_proxy("async.global")
+
+    @cute.jit
+    def _p2_group(self, k, bid, n_groups):
+        """The group of a CTA's k-th phase-2 group step (k in [0, n_groups)): k, or with rotate
+        (k + bid) mod n_groups."""
+        if const_expr(self.rotate):
+            g = k + bid % n_groups
+            if g >= n_groups:
+                g = g - n_groups
+            return g
+        else:
+            return k
+
+    @cute.jit
+    def _wait(self, bar, phase, waited):
+        """mbarrier_wait; timeline builds add the nanoseconds it took to ``waited`` (returned)."""
+        if const_expr(self.timeline):
+            t0 = cute.arch.globaltimer()
+            cute.arch.mbarrier_wait(bar, phase)
+            waited = waited + (cute.arch.globaltimer() - t0)
+        else:
+            cute.arch.mbarrier_wait(bar, phase)
+        return waited
+
+    @cute.jit
+    def _mark_value(self, mTl, bid, event: str, value):
+        """timeline builds: ``value`` as this CTA's ``event`` (TIMELINE)."""
+        if const_expr(self.timeline):
+            mTl[bid, TIMELINE.index(event)] = value
 
     @cute.jit
     def _mark(self, mTl, bid, event: str):
@@ -610,16 +690,17 @@ class MoeDecode:
                 pend = Int32(S)
             first = idx
             ready = Int32(0)  # sync="group": groups 0 .. ready-1 are known complete
+            waited = Int64(0)  # timeline builds: ns spent waiting for free stages in phase 2
             for j in range(n2):
                 v = bid + (j // per_unit) * C
-                gi, s = (j % per_unit) // nseg2, j % nseg2
+                gi, s = self._p2_group((j % per_unit) // nseg2, bid, n_groups), j % nseg2
                 e = s_exp[gi]
                 nvalid = self._group_slots(s_slot, gi, slots)
                 if j == pend:
                     # the first `pend` stages hold their weight segments; wait for h, then fill in h
                     ready = self._pending_h(mBar, seen, mH, ring, full, s_slot, slots, first, pend, per_unit, pt,
                                             mTl, bid, ready)
-                cute.arch.mbarrier_wait(empty + idx, phase ^ 1)
+                waited = self._wait(empty + idx, phase ^ 1, waited)
                 self._open(full + idx, W * seg2 * wb + nvalid * seg2 * 2, lane)
                 self._rows(mW2, e, v * W, H, I, s * seg2, seg2, ring, idx, full, pt)
                 if j >= pend:
@@ -632,6 +713,10 @@ class MoeDecode:
                 # fewer stages than the ring: all of them wait for h here
                 self._pending_h(mBar, seen, mH, ring, full, s_slot, slots, first, pend, per_unit, pt, mTl, bid,
                                 ready)
+            if const_expr(self.timeline):
+                if pt == 0:
+                    self._mark(mTl, bid, "producer_done")
+                    self._mark_value(mTl, bid, "p2_empty_wait_ns", waited)
         else:
             # ------------------------------------------------ the consumer warps
             self._load_x(mX, s_x, M, tidx)
@@ -641,6 +726,7 @@ class MoeDecode:
             acc_u = self._acc(s_acc, 1, warp, lane)
             idx = Int32(0)
             phase = Int32(0)
+            waited1 = Int64(0)  # timeline builds: ns consumer warp 0 waited on full stages in phase 1
             for u in range(bid, n1, C):
                 gi, blk = u // blocks1, u % blocks1
                 e = s_exp[gi]
@@ -655,7 +741,7 @@ class MoeDecode:
                         sc = None
                         if const_expr(self.block):  # gate rows' block row 2b, up rows' 2b + 1
                             sc = self._block_scales(mW13s, e, 2 * (blk * W // SB) + half, s * seg1, seg1, lane)
-                        cute.arch.mbarrier_wait(full + idx, phase)
+                        waited1 = self._wait(full + idx, phase, waited1)
                         if const_expr(self.timeline and half == 0):
                             if tidx == 0 and u == bid and s == 0:
                                 self._mark(mTl, bid, "first_stage_full")
@@ -676,7 +762,7 @@ class MoeDecode:
                         if const_expr(self.bias):
                             gs = gs + mB13[e, gate_row].to(Float32)
                             us = us + mB13[e, gate_row + g].to(Float32)
-                        mH[slots[m], c] = BFloat16(self._glu(gs, us))
+                        mH[slots[m], self._h_pos(c)] = BFloat16(self._glu(gs, us))
                 if const_expr(self.sync == "group"):  # this unit's h columns of group gi are written
                     self._arrive(mBar, 2 + (seen & 1) * self.pairs + gi, tidx)
             if const_expr(self.sync == "grid"):
@@ -687,10 +773,12 @@ class MoeDecode:
             # phase 2: out[:, c] = sum over groups of topk_weight * (h . w2_e[c] (+ b2_e[c]))
             acc = acc_g
             tot = cute.make_rmem_tensor(cute.make_layout(MT), Float32)
+            waited2 = Int64(0)  # timeline builds: the same in phase 2
             for v in range(bid, units2, C):
                 c = v * W + warp
                 tot.fill(0.0)
-                for gi in range(n_groups):
+                for gq in range(n_groups):
+                    gi = self._p2_group(gq, bid, n_groups)
                     e = s_exp[gi]
                     nvalid = self._group_slots(s_slot, gi, slots)
                     self._zero(acc)
@@ -701,7 +789,7 @@ class MoeDecode:
                         sc = None
                         if const_expr(self.block):
                             sc = self._block_scales(mW2s, e, v * W // SB, s * seg2, seg2, lane)
-                        cute.arch.mbarrier_wait(full + idx, phase)
+                        waited2 = self._wait(full + idx, phase, waited2)
                         if const_expr(self.timeline):
                             if tidx == 0 and v == bid and gi == 0 and s == 0:
                                 self._mark(mTl, bid, "phase2_first_full")
@@ -727,8 +815,14 @@ class MoeDecode:
                     for t in cutlass.range_constexpr(MT):
                         if t < M:
                             mOut[t, c] = BFloat16(tot[t])
+                if const_expr(self.timeline):
+                    r = (v - bid) // C  # this CTA's phase-2 units so far, less one
+                    if tidx == 0 and r < 3:
+                        mTl[bid, TIMELINE.index("p2_unit1_done") + r] = cute.arch.globaltimer()
             if tidx == 0:
                 self._mark(mTl, bid, "end")
+                self._mark_value(mTl, bid, "p1_full_wait_ns", waited1)
+                self._mark_value(mTl, bid, "p2_full_wait_ns", waited2)
             if const_expr(self.sync == "group"):
                 # the last CTA to end advances the generation (the next launch's bank)
                 self._arrive(mBar, 0, tidx, C)
@@ -806,7 +900,7 @@ class MoeDecode:
             self._producers_see_h()
         for jj in range(pend):
             st = (first + jj) % S
-            gi = (jj % per_unit) // nseg2
+            gi = self._p2_group((jj % per_unit) // nseg2, bid, per_unit // nseg2)
             if const_expr(self.sync == "group"):
                 ready = self._await_groups(mBar, seen, gi, ready, pt, mTl, bid)
             nvalid = self._group_slots(s_slot, gi, slots)

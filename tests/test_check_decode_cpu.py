@@ -24,7 +24,7 @@ from moe_aot.harness.fp8 import dequantize_w2, dequantize_w13  # noqa: E402
 from moe_aot.harness.reference import moe_reference  # noqa: E402
 from moe_aot.spec import make_spec  # noqa: E402
 
-EVENTS = ["entry", "tables", "phase1_done", "end"]
+EVENTS = ["entry", "tables", "phase1_done", "end", "p2_full_wait_ns"]  # "_ns": a duration, not a time
 
 
 class _Decode:
@@ -130,8 +130,21 @@ def test_timeline_builds_report_each_event(fakes, tmp_path, monkeypatch):
         check_decode.main()
     assert done.value.code == 0
     (row,) = json.loads((tmp_path / "o" / "decode.json").read_text())
-    # [first CTA, median, last] in us after the first CTA's entry
-    assert row["timeline_us"] == {ev: [k, k + 0.5, k + 0.5] for k, ev in enumerate(EVENTS)}
+    # [first CTA, median, last] in us after the first CTA's entry; durations as they are
+    assert row["timeline_us"] == {ev: [k, k + 0.5, k + 0.5] for k, ev in enumerate(EVENTS[:-1])} | {
+        "p2_full_wait_ns": [13.5, 14.0, 14.0]}
+    # and per CTA (CTA 0 half a microsecond early)
+    assert row["timeline_cta_us"]["end"] == [3.0, 3.5, 3.5, 3.5]
+    assert row["timeline_cta_us"]["p2_full_wait_ns"] == [13.5, 14.0, 14.0, 14.0]
+
+
+def test_by_units_groups_ctas_by_their_phase2_units():
+    """10 phase-2 units on 4 CTAs: CTAs 0, 1 take three, CTAs 2, 3 two; events a CTA never reached
+    (None) are left out of its group's median."""
+    per_cta = {"end": [5.0, 7.0, 3.0, None], "p2_full_wait_ns": [1.0, 1.0, 0.5, 0.5]}
+    line = check_decode._by_units(per_cta, 10, 4)
+    assert line.startswith("2 units x 2 CTAs: barrier - end 3.0 ")
+    assert "p2 full wait 0.5" in line and "3 units x 2 CTAs: barrier - end 6.0 " in line
 
 
 @pytest.mark.parametrize("sync, stuck", [("group", False), ("grid", True)])

@@ -143,3 +143,33 @@ def test_decode_refusals():
     ok, why = MoeDecode.can_implement(128, 2880, 2880, 4, precision="fp8-block128")
     assert not ok and "128" in why
     assert MoeDecode.can_implement(128, 2880, 2880, 4, precision="fp8")[0]  # per-expert scales: any 16-multiple
+
+
+@pytest.mark.parametrize("precision, intermediate", [("bf16", 768), ("fp8", 768), ("fp8", 2048)])
+def test_h_is_read_where_phase_1_writes_it(precision, intermediate):
+    """Phase 1 stores h column c at _h_pos(c); phase 2 reads elements 8j .. 8j+7 of a lane's chunk
+    k at _h_at(k, j) within each segment. For e4m3 weights (16-element chunks) the halves of a
+    chunk lie half a segment apart, so that a warp's 16-byte loads are consecutive (no bank
+    conflict); for bf16 the order is h's own. Every column has one place, inside its segment."""
+    obj = MoeDecode(128, 2048, intermediate, 8, max_tokens=1, precision=precision)
+    seg, V = obj.seg2, obj.wvec
+    pos = [obj._h_pos(c) for c in range(intermediate)]
+    assert sorted(pos) == list(range(intermediate)) and all(p // seg == c // seg for c, p in enumerate(pos))
+    assert (pos == list(range(intermediate))) == (precision == "bf16")
+    for col in range(intermediate):
+        e = col % seg
+        k, j, r = e // V, (e % V) // 8, e % 8
+        assert (col // seg) * seg + obj._h_at(k, j) + r == pos[col]
+    if precision == "fp8":  # lanes k, k+1 read 16-byte words next to each other
+        assert obj._h_at(1, 0) - obj._h_at(0, 0) == 8 and obj._h_at(0, 1) == seg // 2
+
+
+def test_decode_rotate_compiles_and_needs_the_grid_barrier(tmp_path):
+    """rotate (an experiment): each CTA starts its phase-2 groups at its own offset; it compiles
+    with the grid barrier and is refused with per-group counters (awaited in group order)."""
+    obj = MoeDecode(256, 7168, 2048, 8, max_tokens=1, warps=16, precision="fp8", rotate=True)
+    args = dict(obj.fake_arguments())
+    ptx = cute.compile(obj, *args.values(), options=f"--gpu-arch sm_90a --keep-ptx --dump-dir {tmp_path}").__ptx__
+    assert ".local" not in ptx[ptx.index(".entry"):]
+    with pytest.raises(ValueError, match="rotate needs sync='grid'"):
+        MoeDecode(256, 7168, 2048, 8, max_tokens=1, sync="group", rotate=True)

@@ -61,13 +61,16 @@ def compile_all(out: Path, precision: str = "bf16", **kw) -> None:
         print(f"{model:16} compile {art.meta['timing_s']['compile']:.2f}s cubin {len(art.cubin)} B", flush=True)
 
 
-def _timeline(call, sets, tl, events: list[str], launches: int = 20) -> dict:
+def _timeline(call, sets, tl, events: list[str], launches: int = 20) -> tuple[dict, dict]:
     """Per event of a timeline build (templates/decode.py TIMELINE, as its build.json names them):
     [earliest, median, latest] over the CTAs that reach it, in µs after the launch's first CTA
-    entry; medians over ``launches`` eager launches per input set (each after the previous one)."""
+    entry ("_ns" events: durations, in µs as they are), medians over ``launches`` eager launches per
+    input set (each after the previous one); and per CTA, its median over those launches (None where
+    it never reached the event)."""
     import torch
 
     per = {ev: [] for ev in events}
+    cta = {ev: [] for ev in events}  # per launch, the CTAs' values (NaN: not reached)
     for _ in range(launches):
         for x, tw, ids, o in sets:
             tl.zero_()
@@ -76,16 +79,40 @@ def _timeline(call, sets, tl, events: list[str], launches: int = 20) -> dict:
             t = tl.cpu()
             t0 = t[:, 0][t[:, 0] > 0].min()
             for k, ev in enumerate(events):
-                v = (t[:, k][t[:, k] > 0] - t0).double() / 1e3
+                col = t[:, k]
+                v = (col - (0 if ev.endswith("_ns") else t0)).double() / 1e3
+                cta[ev].append(torch.where(col > 0, v, torch.full_like(v, float("nan"))))
+                v = v[col > 0]
                 if v.numel():
                     per[ev].append((v.min().item(), v.median().item(), v.max().item()))
-    return {ev: [round(statistics.median(r[j] for r in rs), 2) for j in range(3)] for ev, rs in per.items() if rs}
+    summary = {ev: [round(statistics.median(r[j] for r in rs), 2) for j in range(3)] for ev, rs in per.items() if rs}
+    per_cta = {}
+    for ev, vs in cta.items():
+        med = torch.stack(vs).nanmedian(dim=0).values
+        per_cta[ev] = [None if m != m else round(m, 2) for m in med.tolist()]
+    return summary, per_cta
+
+
+def _by_units(per_cta: dict, units2: int, ctas: int) -> str:
+    """The CTAs' median end, phase-2 time and waits, grouped by how many phase-2 units each has
+    (CTA b takes units b, b + ctas, ...: units2 // ctas or one more)."""
+    out = []
+    for n in sorted({-(-(units2 - b) // ctas) for b in range(min(ctas, units2))}):
+        bs = [b for b in range(min(ctas, units2)) if -(-(units2 - b) // ctas) == n]
+
+        def med(ev, bs=bs):
+            v = [per_cta[ev][b] for b in bs if per_cta.get(ev) and per_cta[ev][b] is not None]
+            return f"{statistics.median(v):.1f}" if v else "-"
+        out.append(f"{n} units x {len(bs)} CTAs: barrier {med('barrier_passed')} end {med('end')} "
+                   f"producer_done {med('producer_done')} p1 full wait {med('p1_full_wait_ns')} "
+                   f"p2 full wait {med('p2_full_wait_ns')} p2 empty wait {med('p2_empty_wait_ns')}")
+    return "; ".join(out)
 
 
 def run_all(kdir: Path, out: Path, replays: int, profile: bool = False, max_tokens: int = MAX_TOKENS,
             models: list[str] = MODELS, precision: str = "bf16", built_tokens: int = MAX_TOKENS,
             timeline: tuple[int, list[str]] | None = None, sync: str = "grid", ctas: int = 132,
-            warmup_s: float = 0.5) -> int:
+            warmup_s: float = 0.5, warps: int = 8) -> int:
     import torch
 
     from moe_aot.gemm_limits import decode_bar_words
@@ -184,9 +211,12 @@ def run_all(kdir: Path, out: Path, replays: int, profile: bool = False, max_toke
                 res.update(decode_us=round(t_dec, 2), layer_us=round(t_layer, 2),
                            layer_over_decode=round(t_layer / t_dec, 3), layer_variant=layer.variant_for(M).name(spec))
                 if extra:
-                    res["timeline_us"] = _timeline(call, sets, extra[0], timeline[1])
+                    res["timeline_us"], res["timeline_cta_us"] = _timeline(call, sets, extra[0], timeline[1])
                     print("  timeline (first CTA / median / last, us): " + "  ".join(
                         f"{ev} {'/'.join(f'{t:.1f}' for t in v)}" for ev, v in res["timeline_us"].items()), flush=True)
+                    if "end" in res["timeline_cta_us"]:
+                        print("  by phase-2 units (CTA medians, us): "
+                              + _by_units(res["timeline_cta_us"], spec.hidden // warps, ctas), flush=True)
             failures += not ok
             rows.append(res)
             print(f"{'PASS' if ok else 'FAIL'} {model:16} {spec.precision} M={M} err {err:.2e} row {row:.2e} "
@@ -220,6 +250,8 @@ def main():
                     "takes the precision the directory was compiled for (its build.json)")
     ap.add_argument("--sync", default="grid", choices=["grid", "group"], help="--compile: h complete after one "
                     "grid barrier, or per expert group (templates/decode.py SYNCS)")
+    ap.add_argument("--rotate", action="store_true", help="--compile: each CTA walks its phase-2 groups "
+                    "from its own offset (templates/decode.py rotate, an experiment)")
     ap.add_argument("--timeline", action="store_true", help="--compile: a measuring build whose CTAs record "
                     "the global timer at each step (templates/decode.py TIMELINE); --run reports it per point")
     ap.add_argument("--profile", action="store_true", help="one launch per model at 1 token in an NVTX range "
@@ -227,7 +259,8 @@ def main():
     ns = ap.parse_args()
     if ns.compile:
         compile_all(ns.compile, ns.precision or "bf16", max_tokens=ns.max_tokens or MAX_TOKENS, warps=ns.warps,
-                    seg_bytes=ns.seg_bytes, producer=ns.producer, timeline=ns.timeline, sync=ns.sync)
+                    seg_bytes=ns.seg_bytes, producer=ns.producer, timeline=ns.timeline, sync=ns.sync,
+                    **({"rotate": True} if ns.rotate else {}))
     if ns.run:
         meta = ns.run / "build.json"
         build = json.loads(meta.read_text()) if meta.exists() else {"precision": "bf16", "max_tokens": MAX_TOKENS}
@@ -239,7 +272,7 @@ def main():
         sys.exit(run_all(ns.run, ns.out, ns.replays, ns.profile, ns.max_tokens, ns.models.split(","),
                          ns.precision, build["max_tokens"],
                          (build["ctas"], build["events"]) if build.get("timeline") else None,
-                         build.get("sync", "grid"), build.get("ctas", 132), ns.warmup))
+                         build.get("sync", "grid"), build.get("ctas", 132), ns.warmup, build.get("warps", 8)))
     if not ns.compile and not ns.run:
         ap.error("give --compile DIR and/or --run DIR")
 

@@ -278,6 +278,10 @@ def main():
                     help="tools/check_decode.py on the one-launch decode kernels compiled into DIR "
                          "(several: DIR1,DIR2, each timed beside the layer)")
     ap.add_argument("--decode-profile", action="store_true", help="with --decode: ncu of one launch per model")
+    ap.add_argument("--decode-profile-source", default=None, metavar="REGIONS",
+                    help="with --decode: ncu's SASS-level stall sampling of one launch per model of the first "
+                         "directory, summed per address range by tools/ncu_source_top.py --regions REGIONS "
+                         "('' for none), e.g. '0x3d80-0x5700:phase1,0x5d40-0x71a0:phase2'")
     ap.add_argument("--decode-args", default="", help="with --decode: extra check_decode.py --run arguments "
                     "(e.g. --max-tokens 1; by default each directory is checked at 1..the tokens it was compiled for)")
     ap.add_argument("--sanitize", default=None, metavar="MODELS",
@@ -484,6 +488,23 @@ def main():
             rc, log, secs = sh(cmd, env=env, timeout=300)
             summary["decode"]["ncu"] = {"rc": rc, "seconds": round(secs, 1)}
             print("ncu decode", rc, log[-800:] if rc else "", flush=True)
+        if ns.decode_profile_source is not None:
+            kdir = ns.decode.split(",")[0]
+            csv_path = out / "ncu_decode_source.csv"
+            cmd = ["ncu", "--clock-control", "none", "--nvtx", "--nvtx-include", "regex:prof_.*/", "--section",
+                   "SourceCounters", "--page", "source", "--print-source", "sass", "--csv",
+                   sys.executable, "tools/check_decode.py", "--run", kdir, "--out", str(out / "decode_prof_source"),
+                   "--profile", *ns.decode_args.split()]
+            rc, log, secs = sh(cmd, env=env, timeout=400)
+            csv_path.write_text(log)
+            summary["decode"]["ncu_source"] = {"rc": rc, "seconds": round(secs, 1)}
+            if rc == 0:
+                regions = ["--regions", ns.decode_profile_source] if ns.decode_profile_source else []
+                rc, top, _ = sh([sys.executable, "tools/ncu_source_top.py", str(csv_path), "--top", "24", *regions],
+                                env=env)
+                (out / "ncu_decode_source_top.txt").write_text(top)
+                print(top[-6000:], flush=True)
+            subprocess.run(["gzip", "-f", str(csv_path)])
 
     if ns.profile is not None:
         summary["profile"] = profile(ns, out, env)

@@ -27,17 +27,49 @@ def kernels(text: str):
         yield head.strip().strip(",").strip('"'), list(csv.DictReader(io.StringIO(body)))
 
 
+def _num(v) -> float:
+    try:
+        return float(str(v).replace(",", ""))
+    except ValueError:
+        return 0.0
+
+
+def region_line(rows, lo: int, hi: int, name: str, total: int) -> str:
+    """One SASS address range [lo, hi) of a kernel, as offsets from its first instruction (the
+    addresses cuobjdump prints): its share of the stall samples, its top stall reasons, and its
+    instructions executed and excess shared-memory wavefronts (bank conflicts)."""
+    base = min(int(r["Address"], 16) for r in rows)
+    inside = [r for r in rows if lo <= int(r["Address"], 16) - base < hi]
+    n = sum(_num(r[SAMPLES]) for r in inside)
+    stalls = {k[len("stall_"):]: sum(_num(r[k]) for r in inside) for k in (rows[0] if rows else {})
+              if k.startswith("stall_") and "Not Issued" not in k}
+    top = ", ".join(f"{k} {100 * v / max(n, 1):.0f}%" for k, v in sorted(stalls.items(), key=lambda kv: -kv[1])[:4])
+    executed = sum(_num(r.get("Instructions Executed", 0)) for r in inside)
+    excess = sum(_num(r.get("L1 Wavefronts Shared Excessive", 0)) for r in inside)
+    return (f"region {name} [{lo:#x}, {hi:#x}): {100 * n / max(total, 1):.1f}% of samples ({top}); "
+            f"{executed:.0f} warp instructions, {excess:.0f} excess shared wavefronts")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("csv")
     ap.add_argument("--top", type=int, default=12)
+    ap.add_argument("--regions", default="", help="also the share of samples per SASS address range, "
+                    "'START-END:name,...' (hex, END exclusive), e.g. a kernel's loops as read in its cuobjdump")
     args = ap.parse_args()
+    regions = []
+    for part in filter(None, args.regions.split(",")):
+        span, name = part.split(":")
+        lo, hi = (int(v, 16) for v in span.split("-"))
+        regions.append((lo, hi, name))
     opener = gzip.open if args.csv.endswith(".gz") else open
     with opener(args.csv, "rt") as f:
         text = f.read()
     for name, rows in kernels(text):
         total = sum(int(r[SAMPLES] or 0) for r in rows)
         print(f"{name[:100]}: {len(rows)} instructions, {total} samples")
+        for lo, hi, region in regions:
+            print("  " + region_line(rows, lo, hi, region, total))
         for r in sorted(rows, key=lambda r: -int(r[SAMPLES] or 0))[: args.top]:
             share = 100 * int(r[SAMPLES] or 0) / max(total, 1)
             print(f"  {share:5.1f}%  {r['Address']:>16}  {r['Source'].strip()[:90]}")
