@@ -282,6 +282,8 @@ def main():
                     help="with --decode: ncu's SASS-level stall sampling of one launch per model of the first "
                          "directory, summed per address range by tools/ncu_source_top.py --regions REGIONS "
                          "('' for none), e.g. '0x3d80-0x5700:phase1,0x5d40-0x71a0:phase2'")
+    ap.add_argument("--decode-profile-models", default="", metavar="MODELS",
+                    help="with --decode-profile(-source): only these presets (the regions are one kernel's)")
     ap.add_argument("--decode-args", default="", help="with --decode: extra check_decode.py --run arguments "
                     "(e.g. --max-tokens 1; by default each directory is checked at 1..the tokens it was compiled for)")
     ap.add_argument("--sanitize", default=None, metavar="MODELS",
@@ -484,7 +486,8 @@ def main():
                    "--page", "details", *[a for sec in NCU_SECTIONS for a in ("--section", sec)],
                    "--metrics", ",".join(NCU_METRICS), "--log-file", str(out / "ncu_decode.csv"),
                    sys.executable, "tools/check_decode.py", "--run", kdir, "--out", str(out / "decode_prof"),
-                   "--profile", *ns.decode_args.split()]
+                   "--profile", *ns.decode_args.split(),
+                   *(["--models", ns.decode_profile_models] if ns.decode_profile_models else [])]
             rc, log, secs = sh(cmd, env=env, timeout=300)
             summary["decode"]["ncu"] = {"rc": rc, "seconds": round(secs, 1)}
             print("ncu decode", rc, log[-800:] if rc else "", flush=True)
@@ -494,7 +497,8 @@ def main():
             cmd = ["ncu", "--clock-control", "none", "--nvtx", "--nvtx-include", "regex:prof_.*/", "--section",
                    "SourceCounters", "--page", "source", "--print-source", "sass", "--csv",
                    sys.executable, "tools/check_decode.py", "--run", kdir, "--out", str(out / "decode_prof_source"),
-                   "--profile", *ns.decode_args.split()]
+                   "--profile", *ns.decode_args.split(),
+                   *(["--models", ns.decode_profile_models] if ns.decode_profile_models else [])]
             rc, log, secs = sh(cmd, env=env, timeout=400)
             csv_path.write_text(log)
             summary["decode"]["ncu_source"] = {"rc": rc, "seconds": round(secs, 1)}
