@@ -791,7 +791,7 @@ class MoeDecode:
                             sc = self._block_scales(mW2s, e, v * W // SB, s * seg2, seg2, lane)
                         waited2 = self._wait(full + idx, phase, waited2)
                         if const_expr(self.timeline):
-                            if tidx == 0 and v == bid and gi == 0 and s == 0:
+                            if tidx == 0 and v == bid and gq == 0 and s == 0:  # the CTA's first stage
                                 self._mark(mTl, bid, "phase2_first_full")
                         row = self._smem_vec(ring, idx * SBy + warp * seg2 * wb, seg2, wdt)
                         hs = lambda m, idx=idx: self._smem_vec(  # noqa: E731
