@@ -44,7 +44,7 @@ gate and up rows, w2s [E], applied to each finished dot product; "fp8-block128":
 [E, H/128, I/128], each lane's 16-weight chunk summed and then scaled by its block's scale, which
 the lane reads from global memory before it waits for the stage). A lane loads 16 bytes of a row
 at a time (8 bf16 or 16 e4m3, converted to fp32 via cvt e4m3x2 -> f16x2); x and h stay fp32 /
-bf16 in both (h in _h_pos's order, a workspace no caller reads): no tensor core runs here, so
+bf16 in both (h is a workspace no caller reads; see lanes): no tensor core runs here, so
 quantizing them as the fp8 layer's GEMMs do would cost accuracy and instructions and save nothing.
 The fp8 kernel's reference is therefore the bf16 layer's on the dequantized weights
 (tools/check_decode.py).
@@ -69,10 +69,10 @@ Measured (H200, 2026-12-05, NOTES "twenty-third" and "twenty-fourth session"): e
 slower. fp8 weights first ran at about bf16's weights per second: 23.9 M shared-memory bank-conflict
 wavefronts from the row-major fp32 x (lanes 64 bytes apart, 4-way; short-scoreboard stalls 4.3 of 8.1
 cycles per issue). x is now stored lane-major (_x_at): 1.88 M left, fp8 DeepSeek-V3 180 -> 108 us.
-The rest were phase 2's h reads (e4m3's 16-element chunks, lanes 32 bytes apart): h is now stored
-in a lane-major order too (_h_pos, _h_at), and bf16 (h, and bf16 weights) is widened to fp32 by
-integer ops (_widen), one instruction per element instead of 1.5 (twenty-fifth session; SASS: an
-fp8 phase-2 stage 312 -> 280 instructions per lane, not yet run on a GPU).
+The rest are phase 2's h reads (e4m3's 16-element chunks, lanes 32 bytes apart). With ``lanes``
+(an experiment, twenty-fifth session, not yet run on a GPU) h is stored in a lane-major order too
+(_h_pos, _h_at) and bf16 (h, and bf16 weights) is widened to fp32 by integer ops (_widen), one
+instruction per element instead of 1.5: an fp8 phase-2 stage 312 -> 280 SASS instructions per lane.
 
 Served as ``variants.DecodeVariant`` (role "decode"): a candidate of the 1-token bucket that the
 tuner measures beside the four-kernel variants; the runtime launches it where it is the pick (h and
@@ -140,7 +140,7 @@ class MoeDecode:
                  activation: str = "swiglu", interleave: int = 16, max_tokens: int = 4,
                  warps: int = 8, stages: int = 0, seg_bytes: int = 2048, ctas: int = 132, bias: bool = False,
                  producer: str = "bulk", precision: str = "bf16", timeline: bool = False, sync: str = "grid",
-                 rotate: bool = False):
+                 rotate: bool = False, lanes: bool = False):
         ok, why = self.can_implement(num_experts, hidden, intermediate, top_k, activation, interleave,
                                      max_tokens, warps, stages, seg_bytes, ctas, precision=precision,
                                      producer=producer, sync=sync)
@@ -155,6 +155,10 @@ class MoeDecode:
         if rotate and sync != "grid":
             raise ValueError(f"rotate needs sync='grid' (the group counters are awaited in group order), not {sync!r}")
         self.rotate = bool(rotate)
+        # lanes (an experiment until it is measured, not a variant field): h in _h_pos's lane-major
+        # order for e4m3 weights, and bf16 (h, bf16 weights) widened to fp32 by integer ops (_widen).
+        # Off, the kernel is byte-identical to the one the committed picks were measured on.
+        self.lanes = bool(lanes)
         self.producer, self.pwarps = producer, PRODUCERS[producer]
         self.precision, self.fp8, self.block = precision, precision in limits.FP8, precision == "fp8-block128"
         self.wdt = Float8E4M3FN if self.fp8 else BFloat16
@@ -258,10 +262,10 @@ class MoeDecode:
         for i in cutlass.range_constexpr(nch):
             c = lane + i * _WARP
             if const_expr((i + 1) * _WARP * V <= length) or c * V < length:
-                if const_expr(self.fp8):
-                    w[None, i].store(cute.local_tile(row, (V,), (c,)).load().to(Float32))
-                else:
+                if const_expr(self.lanes and not self.fp8):
                     w[None, i].store(self._widen(row.iterator + c * V))
+                else:
+                    w[None, i].store(cute.local_tile(row, (V,), (c,)).load().to(Float32))
         racc, sacc = acc
         if const_expr(self.max_tokens == 1):
             self._dots_one(w, nch, length, lane, vec_of(0), racc[None, 0], sc)
@@ -313,8 +317,10 @@ class MoeDecode:
                 cute.make_tensor(v8.iterator + 4 * f, cute.make_layout(4)).store(
                     self._x_at(row, k0 + c, 2 * j + f).load())
             return v8.load()
-        else:
+        elif const_expr(self.lanes):
             return self._widen(vec.iterator + self._h_at(c, j))  # h, bf16 in _h_pos's order
+        else:
+            return cute.local_tile(vec, (_VEC,), (c * (self.wvec // _VEC) + j,)).load().to(Float32)
 
     @cute.jit
     def _widen(self, src):
@@ -336,14 +342,14 @@ class MoeDecode:
         two halves are stored ``seg2 // 2`` elements apart, so that a warp's loads of one half hit 32
         consecutive 16-byte words (contiguous chunks, 32 bytes per lane apart, cost 2-way bank
         conflicts: 1.88 M wavefronts per fp8 DeepSeek-V3 launch, H200 2026-12-05). _h_pos writes it so."""
-        if const_expr(self.wvec == _VEC):
-            return c * _VEC
+        if const_expr(self.wvec == _VEC or not self.lanes):
+            return c * (self.wvec // _VEC) * _VEC + j * _VEC
         else:
             return c * _VEC + j * (self.seg2 // 2)
 
     def _h_pos(self, col):
         """Where column ``col`` of a row of h is stored (the order _h_at reads, segment by segment)."""
-        if const_expr(self.wvec == _VEC):
+        if const_expr(self.wvec == _VEC or not self.lanes):
             return col
         else:
             seg, e = col // self.seg2, col % self.seg2

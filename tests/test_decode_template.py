@@ -145,22 +145,24 @@ def test_decode_refusals():
     assert MoeDecode.can_implement(128, 2880, 2880, 4, precision="fp8")[0]  # per-expert scales: any 16-multiple
 
 
-@pytest.mark.parametrize("precision, intermediate", [("bf16", 768), ("fp8", 768), ("fp8", 2048)])
-def test_h_is_read_where_phase_1_writes_it(precision, intermediate):
+@pytest.mark.parametrize("precision, intermediate, lanes", [("bf16", 768, True), ("fp8", 768, True),
+                                                           ("fp8", 2048, True), ("fp8", 2048, False)])
+def test_h_is_read_where_phase_1_writes_it(precision, intermediate, lanes):
     """Phase 1 stores h column c at _h_pos(c); phase 2 reads elements 8j .. 8j+7 of a lane's chunk
-    k at _h_at(k, j) within each segment. For e4m3 weights (16-element chunks) the halves of a
-    chunk lie half a segment apart, so that a warp's 16-byte loads are consecutive (no bank
-    conflict); for bf16 the order is h's own. Every column has one place, inside its segment."""
-    obj = MoeDecode(128, 2048, intermediate, 8, max_tokens=1, precision=precision)
+    k at _h_at(k, j) within each segment. With lanes, for e4m3 weights (16-element chunks) the
+    halves of a chunk lie half a segment apart, so that a warp's 16-byte loads are consecutive (no
+    bank conflict); for bf16, or without lanes, the order is h's own. Every column has one place,
+    inside its segment."""
+    obj = MoeDecode(128, 2048, intermediate, 8, max_tokens=1, precision=precision, lanes=lanes)
     seg, V = obj.seg2, obj.wvec
     pos = [obj._h_pos(c) for c in range(intermediate)]
     assert sorted(pos) == list(range(intermediate)) and all(p // seg == c // seg for c, p in enumerate(pos))
-    assert (pos == list(range(intermediate))) == (precision == "bf16")
+    assert (pos == list(range(intermediate))) == (precision == "bf16" or not lanes)
     for col in range(intermediate):
         e = col % seg
         k, j, r = e // V, (e % V) // 8, e % 8
         assert (col // seg) * seg + obj._h_at(k, j) + r == pos[col]
-    if precision == "fp8":  # lanes k, k+1 read 16-byte words next to each other
+    if precision == "fp8" and lanes:  # lanes k, k+1 read 16-byte words next to each other
         assert obj._h_at(1, 0) - obj._h_at(0, 0) == 8 and obj._h_at(0, 1) == seg // 2
 
 

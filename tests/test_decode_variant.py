@@ -85,14 +85,14 @@ def test_can_implement_explains_each_refusal():
 def test_the_variants_arguments_are_the_templates_constructor():
     """The compiler builds MoeDecode(**kv.kwargs()): every argument the template takes is named
     by the variant (nothing left to a template default that could change under a name), but for
-    the measuring build (timeline) and the experiment (rotate), which no served kernel turns on."""
+    the measuring build (timeline) and the experiments (rotate, lanes), which no served kernel turns on."""
     pytest.importorskip("cutlass")
     from moe_aot_templates.decode import MoeDecode
 
     spec = make_spec("gpt-oss-120b")
     [kv] = decode_candidates(spec, 1)[0].kernels(spec)
     takes = [p for p in inspect.signature(MoeDecode.__init__).parameters if p != "self"]
-    assert sorted(kv.kwargs()) == sorted(set(takes) - {"timeline", "rotate"}) and kv.kwargs()["bias"] is True
+    assert sorted(kv.kwargs()) == sorted(set(takes) - {"timeline", "rotate", "lanes"}) and kv.kwargs()["bias"] is True
 
 
 SPEC = make_spec(experts=8, top_k=2, hidden=256, intermediate=128)

@@ -252,6 +252,8 @@ def main():
                     "grid barrier, or per expert group (templates/decode.py SYNCS)")
     ap.add_argument("--rotate", action="store_true", help="--compile: each CTA walks its phase-2 groups "
                     "from its own offset (templates/decode.py rotate, an experiment)")
+    ap.add_argument("--lanes", action="store_true", help="--compile: h lane-major for e4m3 weights and bf16 "
+                    "widened by integer ops (templates/decode.py lanes, an experiment)")
     ap.add_argument("--timeline", action="store_true", help="--compile: a measuring build whose CTAs record "
                     "the global timer at each step (templates/decode.py TIMELINE); --run reports it per point")
     ap.add_argument("--profile", action="store_true", help="one launch per model at 1 token in an NVTX range "
@@ -260,7 +262,7 @@ def main():
     if ns.compile:
         compile_all(ns.compile, ns.precision or "bf16", max_tokens=ns.max_tokens or MAX_TOKENS, warps=ns.warps,
                     seg_bytes=ns.seg_bytes, producer=ns.producer, timeline=ns.timeline, sync=ns.sync,
-                    **({"rotate": True} if ns.rotate else {}))
+                    **({"rotate": True} if ns.rotate else {}), **({"lanes": True} if ns.lanes else {}))
     if ns.run:
         meta = ns.run / "build.json"
         build = json.loads(meta.read_text()) if meta.exists() else {"precision": "bf16", "max_tokens": MAX_TOKENS}
