@@ -872,10 +872,14 @@ def check_bs_umma(role, precision, n, k, tile_m, tile_n, tile_k, stages, arch=No
 DECODE_ARCH = "sm_90a"  # bulk copies, mbarrier transaction counts, cooperative launch
 DECODE_PRECISIONS = ("bf16",) + FP8  # weights; x and h stay bf16 / fp32
 DECODE_WARPS = (4, 8, 16)  # consumer warps: h / output columns per unit
-# the producer warps of each way of filling a stage: "bulk", one warp of 1-D bulk copies (transaction
-# bytes on the full barrier); "cpasync", four warps of 16-byte cp.async arriving when theirs land
-DECODE_PRODUCERS = {"bulk": 1, "cpasync": 4}
-DECODE_SYNCS = ("grid", "group")  # h complete: one grid barrier, or a counter per expert group
+# The producer warps of each way of filling a stage: "bulk", one warp of 1-D bulk copies (transaction
+# bytes on the full barrier). And how phase 2 learns h is complete: "grid", one grid barrier. Four
+# warps of 16-byte cp.async ("cpasync": 1-5% slower at all five bf16 presets) and a counter per expert
+# group ("group": 5-29% slower) were measured and removed (twenty-third session, NOTES); the fields stay,
+# with one value each, because the kernels' names (records, picks) spell them.
+DECODE_PRODUCERS = {"bulk": 1}
+DECODE_SYNCS = ("grid",)
+DECODE_BAR_WORDS = 2  # int32 words of the barrier workspace: the grid barrier's 64-bit count
 DECODE_MAX_STAGES = 10
 DECODE_CHUNK = 16  # bytes of a weight row a lane loads at a time
 DECODE_MAX_PAIRS = 64
@@ -895,12 +899,6 @@ def decode_segments(hidden, intermediate, seg_bytes, precision="bf16") -> tuple[
         return max((d for d in range(step, min(length, seg_bytes // wb) + 1, step) if length % d == 0), default=0)
 
     return seg(hidden), seg(intermediate)
-
-
-def decode_bar_words(sync: str, pairs: int) -> int:
-    """int32 words of the decode kernel's barrier workspace: the grid barrier's counter and
-    generation; with sync="group", then two banks of one counter per expert group (up to ``pairs``)."""
-    return 2 if sync == "grid" else 2 + 2 * pairs
 
 
 def decode_layout(hidden, intermediate, max_tokens, warps, stages, seg_bytes, precision="bf16"):

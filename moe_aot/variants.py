@@ -274,7 +274,7 @@ class DecodeVariant:
 
     def bar_words(self, spec: LayerSpec) -> int:
         """int32 words of its barrier workspace (zero when allocated, left zero by every launch)."""
-        return limits.decode_bar_words(self.sync, self.max_tokens * spec.top_k)
+        return limits.DECODE_BAR_WORDS
 
     def kernels(self, spec: LayerSpec) -> list[KernelVariant]:
         params = (("num_experts", spec.experts), ("hidden", spec.hidden), ("intermediate", spec.intermediate),

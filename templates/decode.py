@@ -4,15 +4,13 @@ At 1-4 tokens the layer streams 8-32 experts' weights once and does almost no ar
 the four-kernel path pays routing, a combine and three launch gaps on top (Qwen3-30B, 1 token:
 30 us against a 15.7 us floor). ``MoeDecode`` computes GEMM1 + GLU, GEMM2 + routing weight and
 the top-k combine in one persistent grid of ``ctas`` CTAs (one per SM, all resident: the launch
-is cooperative). Each CTA is a producer (one or four warps) and ``warps`` consumer warps around a
-ring of ``stages`` shared-memory stages:
+is cooperative). Each CTA is a producer warp and ``warps`` consumer warps around a ring of
+``stages`` shared-memory stages:
 
-* the producer streams weight rows into the ring, ``warps`` row segments per stage: with
-  producer="bulk" one warp issues 1-D bulk copies (``cp.async.bulk``, the DSL's
-  ``CopyBulkG2SOp``), each stage's bytes announced on its full mbarrier; with "cpasync" four warps
-  issue 16-byte cp.async copies and arrive on the full barrier when theirs have landed. It never
-  waits for the consumers' arithmetic, only for a free stage, so the weight stream runs on across
-  units and across the two phases;
+* the producer streams weight rows into the ring, ``warps`` row segments per stage, as 1-D bulk
+  copies (``cp.async.bulk``, the DSL's ``CopyBulkG2SOp``), each stage's bytes announced on its
+  full mbarrier. It never waits for the consumers' arithmetic, only for a free stage, so the
+  weight stream runs on across units and across the two phases;
 * phase 1, unit (expert group, block of ``warps`` h columns): consumer warp w owns h column
   c = block * warps + w and reads its gate row and its up row (two stages per row segment, the
   rows ``interleave`` apart in w13's interleaved order), dot products against x (in shared
@@ -31,12 +29,11 @@ arrival costs one atomic, not three (it took 2.5 us from the last CTA's arrival 
 passing with a reset counter and a generation word, H200 2026-12-05; 2**63 / 132 launches do not
 wrap). Only the producers wait on it, and only before copying h: each has already filled its ring
 with its first phase-2 weight segments, so the barrier's latency overlaps the weight stream.
-With sync="group" (a build option, measured against the barrier) there is no barrier between
-the phases: each phase-1 unit, once its h columns are written, adds one to its expert group's
-counter (two banks of counters in ``bar`` used by alternate launches; CTA 0 clears the bank the
-next launch will use, and the last CTA to end advances the generation that selects it), and the
-producer copies a group's h as soon as that group's count is complete, so the consumers start
-phase 2 on the first groups while the last ones are still being computed elsewhere.
+Measured and removed (twenty-third session, H200 2026-12-05, NOTES; the variant fields stay, with
+one value each, because the kernels' names spell them): a producer of four warps of 16-byte
+cp.async (1-5% slower than the bulk copies at all five bf16 presets) and per-group counters in
+place of the grid barrier (a producer copying a group's h as soon as that group's phase-1 units
+were counted: 5-29% slower, its one polling thread serialised).
 
 Weights: bf16, or e4m3 with the fp8 layer's scales (``precision`` "fp8": w13s [E, 2] for the
 gate and up rows, w2s [E], applied to each finished dot product; "fp8-block128": DeepSeek-V3's
@@ -59,20 +56,17 @@ _dots).
 
 Measured (H200, 2026-12-04, tools/check_decode.py; NOTES "twenty-first session"): correct at 1-4
 tokens for the five presets, memcheck clean; at 1 token the bulk producer with one slot runs at
-0.83-0.97x the four-kernel layer's speed (DRAM 55-77% of peak). Not yet run on a GPU (twenty-second
-session, no device lent): the cp.async producer, fp8 weights, x loaded by the consumers after the
-prologue, sync="group", timeline builds, and the register path of one-slot groups in multi-token
-builds.
+0.83-0.97x the four-kernel layer's speed (DRAM 55-77% of peak).
 
 Measured (H200, 2026-12-05, NOTES "twenty-third" and "twenty-fourth session"): every build correct;
-16 consumer warps and 4 KB segments each 3-16% faster at most presets; cp.async and sync="group"
-slower. fp8 weights first ran at about bf16's weights per second: 23.9 M shared-memory bank-conflict
-wavefronts from the row-major fp32 x (lanes 64 bytes apart, 4-way; short-scoreboard stalls 4.3 of 8.1
-cycles per issue). x is now stored lane-major (_x_at): 1.88 M left, fp8 DeepSeek-V3 180 -> 108 us.
-The rest are phase 2's h reads (e4m3's 16-element chunks, lanes 32 bytes apart). With ``lanes``
-(an experiment, twenty-fifth session, not yet run on a GPU) h is stored in a lane-major order too
-(_h_pos, _h_at) and bf16 (h, and bf16 weights) is widened to fp32 by integer ops (_widen), one
-instruction per element instead of 1.5: an fp8 phase-2 stage 312 -> 280 SASS instructions per lane.
+16 consumer warps and 4 KB segments each 3-16% faster at most presets. fp8 weights first ran at
+about bf16's weights per second: 23.9 M shared-memory bank-conflict wavefronts from the row-major
+fp32 x (lanes 64 bytes apart, 4-way; short-scoreboard stalls 4.3 of 8.1 cycles per issue). x is
+now stored lane-major (_x_at): 1.88 M left, fp8 DeepSeek-V3 180 -> 108 us. The rest are phase 2's
+h reads (e4m3's 16-element chunks, lanes 32 bytes apart). With ``lanes`` (an experiment, twenty-
+fifth session, not yet run on a GPU) h is stored in a lane-major order too (_h_pos, _h_at) and
+bf16 (h, and bf16 weights) is widened to fp32 by integer ops (_widen), one instruction per element
+instead of 1.5: an fp8 phase-2 stage 312 -> 280 SASS instructions per lane.
 
 Served as ``variants.DecodeVariant`` (role "decode"): a candidate of the 1-token bucket that the
 tuner measures beside the four-kernel variants; the runtime launches it where it is the pick (h and
@@ -107,7 +101,7 @@ _WARP = 32
 _VEC = 8  # elements per fp32 vector step of _dots (one 16-byte load of bf16)
 _CHUNK = limits.DECODE_CHUNK  # bytes of a weight row a lane loads at a time
 # the rules (precisions, producers, syncs, segments, the ring's layout) are gemm_limits' (DSL-free)
-PRODUCERS = limits.DECODE_PRODUCERS
+PRODUCERS = limits.DECODE_PRODUCERS  # {"bulk": 1}: one producer warp
 PRECISIONS = limits.DECODE_PRECISIONS
 SYNCS = limits.DECODE_SYNCS
 SB = limits.SCALE_BLOCK
@@ -123,9 +117,7 @@ TIMELINE = ("entry", "tables", "producer_first_issue", "x_loaded", "first_stage_
             "producer_done", "p1_full_wait_ns", "p2_full_wait_ns", "p2_empty_wait_ns")
 TIMELINE_COLS = 16
 # sync: how the producers learn that h is complete: "grid", one grid barrier after phase 1 (bar
-# int32[2]); "group", a counter per expert group that each phase-1 unit bumps when its h columns are
-# written, so the producer copies a group's h as soon as that group is done (bar int32[2 + 2 * pairs]:
-# the end-of-launch counter and generation, then two banks of group counters for alternate launches).
+# int32[2], one 64-bit count; see the module)
 _SPIN_LIMIT = 1 << 26  # polls of a barrier word before the kernel traps (a broken count, not a hang)
 
 
@@ -152,21 +144,19 @@ class MoeDecode:
         # rotate (an experiment, not a variant field): CTA b walks its phase-2 groups from group b % groups
         # on, so that the CTAs stream every expert's w2 at once rather than one expert after another
         # (the sum over groups is then in that order: deterministic per CTA, not the same for all columns)
-        if rotate and sync != "grid":
-            raise ValueError(f"rotate needs sync='grid' (the group counters are awaited in group order), not {sync!r}")
         self.rotate = bool(rotate)
         # lanes (an experiment until it is measured, not a variant field): h in _h_pos's lane-major
         # order for e4m3 weights, and bf16 (h, bf16 weights) widened to fp32 by integer ops (_widen).
         # Off, the kernel is byte-identical to the one the committed picks were measured on.
         self.lanes = bool(lanes)
-        self.producer, self.pwarps = producer, PRODUCERS[producer]
+        self.producer = producer
         self.precision, self.fp8, self.block = precision, precision in limits.FP8, precision == "fp8-block128"
         self.wdt = Float8E4M3FN if self.fp8 else BFloat16
         self.wbytes = limits.decode_weight_bytes(precision)  # bytes per weight element
         self.wvec = _CHUNK // self.wbytes  # weight elements per 16-byte load
-        self.threads = (warps + self.pwarps) * _WARP  # warps consumers, then the producer warp(s)
+        self.threads = (warps + PRODUCERS[producer]) * _WARP  # warps consumers, then the producer warp
         self.pairs = max_tokens * top_k
-        self.bar_words = limits.decode_bar_words(sync, self.pairs)
+        self.bar_words = limits.DECODE_BAR_WORDS
         self.seg1, self.seg2 = limits.decode_segments(hidden, intermediate, seg_bytes, precision)
         self.stage_bytes, self.x_elems, self.stages = limits.decode_layout(hidden, intermediate, max_tokens, warps,
                                                                            stages, seg_bytes, precision)
@@ -428,59 +418,22 @@ class MoeDecode:
         return cute.arch.load(cute.recast_ptr(mBar.iterator, dtype=Int64), Int64, sem=sem, scope="gpu")
 
     @cute.jit
-    def _arrive(self, mBar, word: int, tidx, total: int = 0, mTl=None, bid=None, grid: bool = False):
-        """The consumer warps' h writes (or work) are done: fence them for other CTAs' bulk copies
-        (the async proxy), meet, and add one to bar[word]; with ``total``, the arrival that
-        completes it resets the counter and advances the generation bar[1] (reusable, graph-safe);
-        with ``grid``, add one to the grid barrier's 64-bit counter instead (see the module)."""
+    def _arrive(self, mBar, tidx, mTl, bid):
+        """The consumer warps' h writes are done: fence them for other CTAs' bulk copies (the async
+        proxy), meet, and add one to the grid barrier's 64-bit counter (see the module)."""
         W = self.warps
         cute.arch.fence_proxy("async.global")
         cute.arch.barrier(barrier_id=1, number_of_threads=W * _WARP)
         if tidx == 0:
-            if const_expr(mTl is not None):
-                self._mark(mTl, bid, "phase1_done")
-            if const_expr(grid):  # a release add: its own fence orders the CTA's h writes before it
-                cute.arch.atomic_add(cute.recast_ptr(mBar.iterator, dtype=Int64), Int64(1), sem="release",
-                                     scope="gpu")
-            else:
-                cute.arch.fence_acq_rel_gpu()
-                old = cute.arch.atomic_add(mBar.iterator + word, Int32(1), sem="acq_rel", scope="gpu")
-            if const_expr(total > 0):
-                if old == total - 1:
-                    cute.arch.atomic_exch(mBar.iterator + word, Int32(0), sem="relaxed", scope="gpu")
-                    cute.arch.atomic_add(mBar.iterator + 1, Int32(1), sem="release", scope="gpu")
-
-    @cute.jit
-    def _await_groups(self, mBar, seen, gi, ready, pt, mTl, bid):
-        """sync="group": before h of group gi is copied, wait (producer thread 0 polling) until
-        every group up to gi has all its phase-1 units counted; returns the new known prefix."""
-        if gi >= ready:
-            if pt == 0:
-                blocks1 = self.intermediate // self.warps
-                base = 2 + (seen & 1) * self.pairs
-                k = ready
-                while k <= gi:
-                    polls = Int32(0)
-                    now = cute.arch.load(mBar.iterator + base + k, Int32, sem="acquire", scope="gpu")
-                    while now < blocks1 and polls < _SPIN_LIMIT:
-                        now = cute.arch.load(mBar.iterator + base + k, Int32, sem="acquire", scope="gpu")
-                        polls = polls + 1
-                    if now < blocks1:
-                        _trap()
-                    k = k + 1
-                self._mark(mTl, bid, "barrier_passed")
-            self._producers_see_h()
-            ready = gi + 1
-        return ready
+            self._mark(mTl, bid, "phase1_done")
+            # a release add: its own fence orders the CTA's h writes before it
+            cute.arch.atomic_add(cute.recast_ptr(mBar.iterator, dtype=Int64), Int64(1), sem="release", scope="gpu")
 
     @cute.jit
     def _producers_see_h(self):
-        """After producer thread 0 has seen h complete: the producer threads meet, then order their
-        coming bulk / cp.async reads of h after it (the async proxy)."""
-        if const_expr(self.producer == "bulk"):
-            cute.arch.sync_warp()
-        else:
-            cute.arch.barrier(barrier_id=2, number_of_threads=self.pwarps * _WARP)
+        """After producer thread 0 has seen h complete: the producer warp's lanes meet, then order
+        their coming bulk reads of h after it (the async proxy)."""
+        cute.arch.sync_warp()
         cute.arch.fence_proxy("async.global")
 
     @cute.jit
@@ -601,24 +554,14 @@ class MoeDecode:
         # prologue: barriers, the count this launch's grid barrier waits for (sync="group": the
         # generation that selects the bank), pair ids (x is loaded by the consumers afterwards,
         # while the producer already streams)
-        if const_expr(self.sync == "grid"):
-            seen = Int64(0)
-        else:
-            seen = Int32(0)
+        seen = Int64(0)
         if tidx == 0:
             self._mark(mTl, bid, "entry")
             for s in cutlass.range_constexpr(S):
-                cute.arch.mbarrier_init(full + s, 1 if const_expr(self.producer == "bulk") else self.pwarps * _WARP)
+                cute.arch.mbarrier_init(full + s, 1)  # the producer's arrival with the stage's bytes
                 cute.arch.mbarrier_init(empty + s, W)  # one arrival per consumer warp
             cute.arch.mbarrier_init_fence()
-        if const_expr(self.sync == "group"):
-            # the generation only moves when every CTA of the previous launch has ended: one value
-            # for the whole launch; this launch counts in bank seen % 2, and CTA 0 clears the
-            # other, which the previous launch used and the next one will
-            seen = cute.arch.load(mBar.iterator + 1, Int32, sem="acquire", scope="gpu")
-            if bid == 0 and tidx < self.pairs:
-                mBar[2 + (1 - (seen & 1)) * self.pairs + tidx] = Int32(0)
-        elif warp >= W:
+        if warp >= W:
             # every arrival of the previous launches is counted, none of this launch's is missing
             # yet (this CTA's own is still to come): the count is in [L * C, (L + 1) * C)
             seen = (self._bar64(mBar, sem="acquire") // C + 1) * C
@@ -667,7 +610,7 @@ class MoeDecode:
             self._mark(mTl, bid, "tables")
 
         if warp >= W:
-            # ------------------------------------------------ the producer warp(s)
+            # ------------------------------------------------ the producer warp
             pt = tidx - W * _WARP  # producer thread
             idx = Int32(0)
             phase = Int32(0)
@@ -684,7 +627,6 @@ class MoeDecode:
                         if const_expr(self.timeline and half == 0):
                             if pt == 0 and u == bid and s == 0:
                                 self._mark(mTl, bid, "producer_first_issue")
-                        self._close(full + idx)
                         idx, phase = self._advance(idx, phase)
             # phase 2: this CTA's stages in (unit, group, segment) order; h only after the barrier
             per_unit = n_groups * nseg2
@@ -695,7 +637,6 @@ class MoeDecode:
             if pend > S:
                 pend = Int32(S)
             first = idx
-            ready = Int32(0)  # sync="group": groups 0 .. ready-1 are known complete
             waited = Int64(0)  # timeline builds: ns spent waiting for free stages in phase 2
             for j in range(n2):
                 v = bid + (j // per_unit) * C
@@ -704,21 +645,16 @@ class MoeDecode:
                 nvalid = self._group_slots(s_slot, gi, slots)
                 if j == pend:
                     # the first `pend` stages hold their weight segments; wait for h, then fill in h
-                    ready = self._pending_h(mBar, seen, mH, ring, full, s_slot, slots, first, pend, per_unit, pt,
-                                            mTl, bid, ready)
+                    self._pending_h(mBar, seen, mH, ring, full, s_slot, slots, first, pend, per_unit, pt, mTl, bid)
                 waited = self._wait(empty + idx, phase ^ 1, waited)
                 self._open(full + idx, W * seg2 * wb + nvalid * seg2 * 2, lane)
                 self._rows(mW2, e, v * W, H, I, s * seg2, seg2, ring, idx, full, pt)
                 if j >= pend:
-                    if const_expr(self.sync == "group"):
-                        ready = self._await_groups(mBar, seen, gi, ready, pt, mTl, bid)
                     self._copy_h(mH, ring, full, s_slot, idx, gi, s, nvalid, pt)
-                    self._close(full + idx)
                 idx, phase = self._advance(idx, phase)
             if n2 > 0 and n2 == pend:
                 # fewer stages than the ring: all of them wait for h here
-                self._pending_h(mBar, seen, mH, ring, full, s_slot, slots, first, pend, per_unit, pt, mTl, bid,
-                                ready)
+                self._pending_h(mBar, seen, mH, ring, full, s_slot, slots, first, pend, per_unit, pt, mTl, bid)
             if const_expr(self.timeline):
                 if pt == 0:
                     self._mark(mTl, bid, "producer_done")
@@ -769,13 +705,8 @@ class MoeDecode:
                             gs = gs + mB13[e, gate_row].to(Float32)
                             us = us + mB13[e, gate_row + g].to(Float32)
                         mH[slots[m], self._h_pos(c)] = BFloat16(self._glu(gs, us))
-                if const_expr(self.sync == "group"):  # this unit's h columns of group gi are written
-                    self._arrive(mBar, 2 + (seen & 1) * self.pairs + gi, tidx)
-            if const_expr(self.sync == "grid"):
-                # h is read by other CTAs' bulk copies (the async proxy) after the grid barrier
-                self._arrive(mBar, 0, tidx, 0, mTl, bid, grid=True)
-            elif tidx == 0:
-                self._mark(mTl, bid, "phase1_done")
+            # h is read by other CTAs' bulk copies (the async proxy) after the grid barrier
+            self._arrive(mBar, tidx, mTl, bid)
             # phase 2: out[:, c] = sum over groups of topk_weight * (h . w2_e[c] (+ b2_e[c]))
             acc = acc_g
             tot = cute.make_rmem_tensor(cute.make_layout(MT), Float32)
@@ -829,23 +760,13 @@ class MoeDecode:
                 self._mark(mTl, bid, "end")
                 self._mark_value(mTl, bid, "p1_full_wait_ns", waited1)
                 self._mark_value(mTl, bid, "p2_full_wait_ns", waited2)
-            if const_expr(self.sync == "group"):
-                # the last CTA to end advances the generation (the next launch's bank)
-                self._arrive(mBar, 0, tidx, C)
 
     @cute.jit
     def _open(self, bar, nbytes, lane):
-        """bulk: announce the stage's bytes on its full barrier (one arrival) before the copies."""
-        if const_expr(self.producer == "bulk"):
-            if lane == 0:
-                cute.arch.mbarrier_arrive_and_expect_tx(bar, nbytes)
-            cute.arch.sync_warp()
-
-    @cute.jit
-    def _close(self, bar):
-        """cpasync: each producer thread arrives on the full barrier once its copies have landed."""
-        if const_expr(self.producer == "cpasync"):
-            cute.arch.cp_async_mbarrier_arrive_noinc(bar)
+        """Announce the stage's bytes on its full barrier (one arrival) before the copies."""
+        if lane == 0:
+            cute.arch.mbarrier_arrive_and_expect_tx(bar, nbytes)
+        cute.arch.sync_warp()
 
     @cute.jit
     def _rows(self, mW, e, row0, rows: int, n: int, col, length: int, ring, st, full, pt):
@@ -865,51 +786,34 @@ class MoeDecode:
     @cute.jit
     def _copy_rows(self, src_of, count, length: int, dtype, ring, st, base, full, pt, first_lane: int):
         """Copy ``count`` rows of ``length`` ``dtype`` elements (row r from gmem pointer src_of(r))
-        to ring bytes base + r * (the row's bytes) of stage ``st``: "bulk", one bulk copy per row
-        from lane first_lane + r (completing on the stage's full barrier); "cpasync", 16-byte copies
-        spread over the producer threads."""
+        to ring bytes base + r * (the row's bytes) of stage ``st``: one bulk copy per row from lane
+        first_lane + r, completing on the stage's full barrier."""
         nbytes = length * dtype.width // 8
-        if const_expr(self.producer == "bulk"):
-            atom = cute.make_copy_atom(cpasync.CopyBulkG2SOp(), dtype, num_bits_per_copy=length * dtype.width)
-            if pt >= first_lane and pt < first_lane + count:
-                r = pt - first_lane
-                cute.copy(atom, cute.make_tensor(src_of(r), cute.make_layout(length)),
-                          self._smem_vec(ring, base + r * nbytes, length, dtype), mbar_ptr=full + st)
-        else:
-            ev = _CHUNK * 8 // dtype.width  # elements per 16-byte copy
-            atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), dtype,
-                                       num_bits_per_copy=128)
-            per_row = nbytes // _CHUNK
-            for c in range(pt, count * per_row, self.pwarps * _WARP):
-                r, cc = c // per_row, c % per_row
-                cute.copy(atom, cute.make_tensor((src_of(r) + cc * ev).align(16), cute.make_layout(ev)),
-                          self._smem_vec(ring, base + r * nbytes + cc * _CHUNK, ev, dtype))
+        atom = cute.make_copy_atom(cpasync.CopyBulkG2SOp(), dtype, num_bits_per_copy=length * dtype.width)
+        if pt >= first_lane and pt < first_lane + count:
+            r = pt - first_lane
+            cute.copy(atom, cute.make_tensor(src_of(r), cute.make_layout(length)),
+                      self._smem_vec(ring, base + r * nbytes, length, dtype), mbar_ptr=full + st)
 
     @cute.jit
-    def _pending_h(self, mBar, seen, mH, ring, full, s_slot, slots, first, pend, per_unit, pt, mTl, bid, ready):
+    def _pending_h(self, mBar, seen, mH, ring, full, s_slot, slots, first, pend, per_unit, pt, mTl, bid):
         """Copy h into the ``pend`` phase-2 stages from ``first`` on, whose weight segments were
-        issued before h was known complete, and close them: after the grid barrier ("grid"), or
-        group by group as each completes ("group"). Returns the known-complete group prefix."""
+        issued before h was known complete, once the grid barrier's count reaches ``seen``."""
         S, nseg2 = self.stages, self.intermediate // self.seg2
-        if const_expr(self.sync == "grid"):
-            if pt == 0:
-                # bounded as the group polls are: a barrier that never completes (a broken count)
-                # traps, an error the caller sees, instead of hanging its process
-                polls = Int32(0)
+        if pt == 0:
+            # bounded: a barrier that never completes (a broken count) traps, an error the caller
+            # sees, instead of hanging its process
+            polls = Int32(0)
+            now = self._bar64(mBar, sem="acquire")
+            while now < seen and polls < _SPIN_LIMIT:
                 now = self._bar64(mBar, sem="acquire")
-                while now < seen and polls < _SPIN_LIMIT:
-                    now = self._bar64(mBar, sem="acquire")
-                    polls = polls + 1
-                if now < seen:
-                    _trap()
-                self._mark(mTl, bid, "barrier_passed")
-            self._producers_see_h()
+                polls = polls + 1
+            if now < seen:
+                _trap()
+            self._mark(mTl, bid, "barrier_passed")
+        self._producers_see_h()
         for jj in range(pend):
             st = (first + jj) % S
             gi = self._p2_group((jj % per_unit) // nseg2, bid, per_unit // nseg2)
-            if const_expr(self.sync == "group"):
-                ready = self._await_groups(mBar, seen, gi, ready, pt, mTl, bid)
             nvalid = self._group_slots(s_slot, gi, slots)
             self._copy_h(mH, ring, full, s_slot, st, gi, jj % nseg2, nvalid, pt)
-            self._close(full + st)
-        return ready

@@ -45,14 +45,12 @@ class _Decode:
             w13, w2 = dequantize_w13(q13, s13, s.precision), dequantize_w2(q2, s2, s.precision)
         assert len(bias) == (2 if s.bias else 0)
         assert h.shape[0] % ids.shape[1] == 0 and h.shape[0] >= ids.numel() and bar.dtype == torch.int32
-        assert bar.numel() == (2 if self.state["sync"] == "grid" else 2 + 2 * h.shape[0])
+        assert bar.numel() == 2
         self.calls.append(ids.shape[0])
         ref = moe_reference(x, w13.float(), w2.float(), tw, ids, s.activation, 16, *bias)
         out.copy_(ref.to(out.dtype))
-        if self.state["sync"] == "grid":  # one 64-bit count, ctas arrivals per launch, never reset
-            bar.view(torch.int64)[0] += 0 if self.state["stuck"] else self.state["ctas"]
-        else:  # the end-of-launch counter back at zero, the generation one further
-            bar[1] += 0 if self.state["stuck"] else 1
+        # one 64-bit count, ctas arrivals per launch, never reset
+        bar.view(torch.int64)[0] += 0 if self.state["stuck"] else self.state["ctas"]
         if tl is not None:  # every CTA reaches every event, 1 us apart, the first CTA 0.5 us early
             tl.zero_()
             tl[:, :len(EVENTS)] = 10_000 + 1000 * torch.arange(len(EVENTS))
@@ -80,7 +78,7 @@ def fakes(monkeypatch):
     import moe_aot.runtime.library as library
     import moe_aot.runtime.store as store
 
-    state = {"specs": [], "timeline": False, "calls": [], "sync": "grid", "stuck": False, "ctas": 4}
+    state = {"specs": [], "timeline": False, "calls": [], "stuck": False, "ctas": 4}
     monkeypatch.setattr(check_decode, "_specs", lambda precision, models: state["specs"])
     monkeypatch.setattr(library.KernelLibrary, "from_dir", staticmethod(
         lambda path: _Decode(dict(state["specs"])[path.name], state)))
@@ -147,14 +145,14 @@ def test_by_units_groups_ctas_by_their_phase2_units():
     assert "p2 full wait 0.5" in line and "3 units x 2 CTAs: barrier - end 6.0 " in line
 
 
-@pytest.mark.parametrize("sync, stuck", [("group", False), ("grid", True)])
-def test_the_barrier_words_are_sized_and_checked(sync, stuck, fakes, tmp_path, monkeypatch):
-    """sync="group" builds get bar [2 + 2 * pairs]; a launch that leaves the grid barrier's count
-    where it was (a barrier that did not complete) fails the point."""
-    fakes["specs"], fakes["sync"], fakes["stuck"] = [("tiny", _tiny("bf16"))], sync, stuck
+@pytest.mark.parametrize("stuck", [False, True])
+def test_the_barrier_count_is_checked(stuck, fakes, tmp_path, monkeypatch):
+    """bar is the grid barrier's two words; a launch that leaves its 64-bit count where it was (a
+    barrier that did not complete) fails the point, one that moves it by ctas passes."""
+    fakes["specs"], fakes["stuck"] = [("tiny", _tiny("bf16"))], stuck
     kdir = tmp_path / "k"
     (kdir / "tiny").mkdir(parents=True)
-    (kdir / "build.json").write_text(json.dumps({"precision": "bf16", "max_tokens": 2, "ctas": 4, "sync": sync}))
+    (kdir / "build.json").write_text(json.dumps({"precision": "bf16", "max_tokens": 2, "ctas": 4}))
     monkeypatch.setattr(sys, "argv", ["check_decode.py", "--run", str(kdir), "--out", str(tmp_path / "o"),
                                       "--replays", "1"])
     with pytest.raises(SystemExit) as done:

@@ -111,11 +111,11 @@ def _by_units(per_cta: dict, units2: int, ctas: int) -> str:
 
 def run_all(kdir: Path, out: Path, replays: int, profile: bool = False, max_tokens: int = MAX_TOKENS,
             models: list[str] = MODELS, precision: str = "bf16", built_tokens: int = MAX_TOKENS,
-            timeline: tuple[int, list[str]] | None = None, sync: str = "grid", ctas: int = 132,
+            timeline: tuple[int, list[str]] | None = None, ctas: int = 132,
             warmup_s: float = 0.5, warps: int = 8) -> int:
     import torch
 
-    from moe_aot.gemm_limits import decode_bar_words
+    from moe_aot.gemm_limits import DECODE_BAR_WORDS
     from moe_aot.harness.fp8 import moe_dequantized_reference
     from moe_aot.harness.measure import graph_times_us, input_sets
     from moe_aot.harness.reference import rel_err, row_rel_err
@@ -145,8 +145,8 @@ def run_all(kdir: Path, out: Path, replays: int, profile: bool = False, max_toke
                 x, a, b, tw, ids, spec.precision, spec.activation, INTERLEAVE)
         P = built_tokens * spec.top_k  # h as the kernels were compiled for
         h = torch.empty(P, spec.intermediate, device=dev, dtype=torch.bfloat16)
-        # the grid barrier's counter and generation (sync="group": then two banks of group counters)
-        bar = torch.zeros(decode_bar_words(sync, P), device=dev, dtype=torch.int32)
+        # the grid barrier's 64-bit count, zero once, never reset
+        bar = torch.zeros(DECODE_BAR_WORDS, device=dev, dtype=torch.int32)
         # timeline builds take tl [ctas, 16] int64 last
         extra = (torch.zeros(timeline[0], 16, device=dev, dtype=torch.int64),) if timeline else ()
         call = lambda x, tw, ids, o, a=wargs, b=biases: dec(x, *a, tw, ids, o, h, bar, *b, *extra)  # noqa: E731
@@ -160,8 +160,7 @@ def run_all(kdir: Path, out: Path, replays: int, profile: bool = False, max_toke
             bad = ids0.clone()
             bad[0, 0], bad[-1, -1] = -1, spec.experts
             same = ids0[:1].expand(M, -1).contiguous()
-            # grid: the 64-bit count (bar[0:2]); group: the generation (bar[1])
-            barrier = (lambda: int(bar.view(torch.int64)[0].item())) if sync == "grid" else (lambda: int(bar[1].item()))
+            barrier = lambda: int(bar.view(torch.int64)[0].item())  # noqa: E731  (the 64-bit count)
             before = barrier()
             for x, tw, ids, o in [*sets[:2], (x0, tw0, bad, o0), (x0, tw0, same, o0)]:
                 o.fill_(float("nan"))
@@ -174,13 +173,9 @@ def run_all(kdir: Path, out: Path, replays: int, profile: bool = False, max_toke
                     err_math = rel_err(o, layer_reference(spec, x, w13, w2, tw, ids))
             err = max(e for e, _ in errs)
             row = max(r for _, r in errs)
-            # grid: the 64-bit counter one CTA count further per launch; group: every launch ends
-            # with its end-of-launch counter back at zero and the generation one further (both
-            # reusable without a reset: CUDA-graph safe)
-            if sync == "grid":
-                synced = barrier() - before == 4 * ctas
-            else:
-                synced = int(bar[0].item()) == 0 and barrier() - before == 4
+            # the 64-bit counter one CTA count further per launch (reusable without a reset:
+            # CUDA-graph safe)
+            synced = barrier() - before == 4 * ctas
             ok = err <= 1e-2 and row <= 3e-2 and synced
             if profile:  # one more launch in an NVTX range for Nsight Compute, no timing
                 x, tw, ids, o = sets[0]
@@ -193,8 +188,7 @@ def run_all(kdir: Path, out: Path, replays: int, profile: bool = False, max_toke
                 break
             res = {"model": model, "precision": spec.precision, "tokens": M, "rel_err": err, "row_rel_err": row,
                    "rel_err_vs_layer_math": err_math, "ok": ok, "barrier_ok": synced,
-                   "barrier_generation": None if sync == "grid" else barrier(),
-                   "barrier_count": barrier() if sync == "grid" else int(bar[0].item())}
+                   "barrier_count": barrier()}
             if ok:
                 # each timing after warmup_s of untimed replays, as the tuner's. Without it the
                 # decode timing, taken first right after the fp32 reference, read up to 12% slower
@@ -243,13 +237,9 @@ def main():
     ap.add_argument("--models", default=",".join(MODELS), help="--run: comma-separated presets")
     ap.add_argument("--warps", type=int, default=8, help="--compile: consumer warps (rows per stage)")
     ap.add_argument("--seg-bytes", type=int, default=2048, help="--compile: bytes per row segment (bulk copy)")
-    ap.add_argument("--producer", default="bulk", choices=["bulk", "cpasync"],
-                    help="--compile: 1-D bulk copies from one warp, or cp.async from four")
     ap.add_argument("--precision", default=None, choices=["bf16", "fp8", "fp8-block128"],
                     help="--compile: weights in bf16 (default), or e4m3 with the fp8 layer's scales; --run "
                     "takes the precision the directory was compiled for (its build.json)")
-    ap.add_argument("--sync", default="grid", choices=["grid", "group"], help="--compile: h complete after one "
-                    "grid barrier, or per expert group (templates/decode.py SYNCS)")
     ap.add_argument("--rotate", action="store_true", help="--compile: each CTA walks its phase-2 groups "
                     "from its own offset (templates/decode.py rotate, an experiment)")
     ap.add_argument("--lanes", action="store_true", help="--compile: h lane-major for e4m3 weights and bf16 "
@@ -261,7 +251,7 @@ def main():
     ns = ap.parse_args()
     if ns.compile:
         compile_all(ns.compile, ns.precision or "bf16", max_tokens=ns.max_tokens or MAX_TOKENS, warps=ns.warps,
-                    seg_bytes=ns.seg_bytes, producer=ns.producer, timeline=ns.timeline, sync=ns.sync,
+                    seg_bytes=ns.seg_bytes, timeline=ns.timeline,
                     **({"rotate": True} if ns.rotate else {}), **({"lanes": True} if ns.lanes else {}))
     if ns.run:
         meta = ns.run / "build.json"
@@ -274,7 +264,7 @@ def main():
         sys.exit(run_all(ns.run, ns.out, ns.replays, ns.profile, ns.max_tokens, ns.models.split(","),
                          ns.precision, build["max_tokens"],
                          (build["ctas"], build["events"]) if build.get("timeline") else None,
-                         build.get("sync", "grid"), build.get("ctas", 132), ns.warmup, build.get("warps", 8)))
+                         build.get("ctas", 132), ns.warmup, build.get("warps", 8)))
     if not ns.compile and not ns.run:
         ap.error("give --compile DIR and/or --run DIR")
 
