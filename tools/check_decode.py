@@ -96,10 +96,11 @@ def _timeline(call, sets, tl, events: list[str], launches: int = 20) -> tuple[di
 def _by_units(per_cta: dict, units2: int, ctas: int) -> str:
     """The CTAs' median end, phase-2 time and waits, grouped by how many phase-2 units each has
     (CTA b takes units b, b + ctas, ...: units2 // ctas or one more)."""
+    groups: dict[int, list[int]] = {}
+    for b in range(min(ctas, units2)):
+        groups.setdefault(-(-(units2 - b) // ctas), []).append(b)
     out = []
-    for n in sorted({-(-(units2 - b) // ctas) for b in range(min(ctas, units2))}):
-        bs = [b for b in range(min(ctas, units2)) if -(-(units2 - b) // ctas) == n]
-
+    for n, bs in sorted(groups.items()):
         def med(ev, bs=bs):
             v = [per_cta[ev][b] for b in bs if per_cta.get(ev) and per_cta[ev][b] is not None]
             return f"{statistics.median(v):.1f}" if v else "-"

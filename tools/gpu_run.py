@@ -190,6 +190,24 @@ for n in (4096, 8192):
 """
 
 
+def source_profile(out, tag, target, env, top, regions=""):
+    """ncu's SASS-level stall sampling (SourceCounters) over the command ``target``, saved as
+    out/<tag>.csv.gz, with tools/ncu_source_top.py's summary (``top`` instructions per kernel, and
+    the samples per address range of ``regions``) in out/<tag>_top.txt; returns summary's entry."""
+    csv_path = out / f"{tag}.csv"
+    cmd = ["ncu", "--clock-control", "none", "--nvtx", "--nvtx-include", "regex:prof_.*/", "--section",
+           "SourceCounters", "--page", "source", "--print-source", "sass", "--csv", *target]
+    rc, log, secs = sh(cmd, env=env, timeout=400)
+    csv_path.write_text(log)
+    if rc == 0:
+        _, text, _ = sh([sys.executable, "tools/ncu_source_top.py", str(csv_path), "--top", str(top),
+                         *(["--regions", regions] if regions else [])], env=env)
+        (out / f"{tag}_top.txt").write_text(text)
+        print(text[-6000:], flush=True)
+    subprocess.run(["gzip", "-f", str(csv_path)])
+    return {"rc": rc, "seconds": round(secs, 1)}
+
+
 def profile(ns, out, env):
     """Nsight Compute over one launch of each profiled GEMM (and cuBLAS), CSV under out/."""
     if ns.gemm_check is None:
@@ -443,18 +461,8 @@ def main():
             print(log[-6000:], flush=True)
 
     if ns.profile_source:
-        csv_path = out / "ncu_source.csv"
-        cmd = ["ncu", "--clock-control", "none", "--nvtx", "--nvtx-include", "regex:prof_.*/", "--section",
-               "SourceCounters", "--page", "source", "--print-source", "sass", "--csv",
-               sys.executable, "tools/profile_layer.py", *ns.profile_source.split(",")]
-        rc, log, secs = sh(cmd, env=env, timeout=400)
-        csv_path.write_text(log)
-        summary["profile_source"] = {"rc": rc, "seconds": round(secs, 1)}
-        if rc == 0:
-            rc, top, _ = sh([sys.executable, "tools/ncu_source_top.py", str(csv_path), "--top", "16"], env=env)
-            (out / "ncu_source_top.txt").write_text(top)
-            print(top[-5000:], flush=True)
-        subprocess.run(["gzip", "-f", str(csv_path)])
+        summary["profile_source"] = source_profile(
+            out, "ncu_source", [sys.executable, "tools/profile_layer.py", *ns.profile_source.split(",")], env, 16)
 
     if ns.gemm_check is not None and not ns.skip_check:
         check = [sys.executable, "tools/check_gemm_kernels.py", "--run", ns.gemm_check]
@@ -480,35 +488,21 @@ def main():
             rc, log, secs = sh(cmd, log=out / f"decode{i}.log", env=env, timeout=300)
             summary["decode"][kdir] = {"rc": rc, "seconds": round(secs, 1)}
             print(log[-2500:], flush=True)
+        # one launch per model of the first directory, in NVTX ranges for ncu
+        prof = [sys.executable, "tools/check_decode.py", "--run", ns.decode.split(",")[0], "--profile",
+                *ns.decode_args.split(), *(["--models", ns.decode_profile_models] if ns.decode_profile_models else [])]
         if ns.decode_profile:
-            kdir = ns.decode.split(",")[0]
             cmd = ["ncu", "--clock-control", "none", "--nvtx", "--nvtx-include", "regex:prof_.*/", "--csv",
                    "--page", "details", *[a for sec in NCU_SECTIONS for a in ("--section", sec)],
                    "--metrics", ",".join(NCU_METRICS), "--log-file", str(out / "ncu_decode.csv"),
-                   sys.executable, "tools/check_decode.py", "--run", kdir, "--out", str(out / "decode_prof"),
-                   "--profile", *ns.decode_args.split(),
-                   *(["--models", ns.decode_profile_models] if ns.decode_profile_models else [])]
+                   *prof, "--out", str(out / "decode_prof")]
             rc, log, secs = sh(cmd, env=env, timeout=300)
             summary["decode"]["ncu"] = {"rc": rc, "seconds": round(secs, 1)}
             print("ncu decode", rc, log[-800:] if rc else "", flush=True)
         if ns.decode_profile_source is not None:
-            kdir = ns.decode.split(",")[0]
-            csv_path = out / "ncu_decode_source.csv"
-            cmd = ["ncu", "--clock-control", "none", "--nvtx", "--nvtx-include", "regex:prof_.*/", "--section",
-                   "SourceCounters", "--page", "source", "--print-source", "sass", "--csv",
-                   sys.executable, "tools/check_decode.py", "--run", kdir, "--out", str(out / "decode_prof_source"),
-                   "--profile", *ns.decode_args.split(),
-                   *(["--models", ns.decode_profile_models] if ns.decode_profile_models else [])]
-            rc, log, secs = sh(cmd, env=env, timeout=400)
-            csv_path.write_text(log)
-            summary["decode"]["ncu_source"] = {"rc": rc, "seconds": round(secs, 1)}
-            if rc == 0:
-                regions = ["--regions", ns.decode_profile_source] if ns.decode_profile_source else []
-                rc, top, _ = sh([sys.executable, "tools/ncu_source_top.py", str(csv_path), "--top", "24", *regions],
-                                env=env)
-                (out / "ncu_decode_source_top.txt").write_text(top)
-                print(top[-6000:], flush=True)
-            subprocess.run(["gzip", "-f", str(csv_path)])
+            summary["decode"]["ncu_source"] = source_profile(
+                out, "ncu_decode_source", [*prof, "--out", str(out / "decode_prof_source")], env, 24,
+                ns.decode_profile_source)
 
     if ns.profile is not None:
         summary["profile"] = profile(ns, out, env)

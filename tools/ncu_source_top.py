@@ -34,11 +34,10 @@ def _num(v) -> float:
         return 0.0
 
 
-def region_line(rows, lo: int, hi: int, name: str, total: int) -> str:
-    """One SASS address range [lo, hi) of a kernel, as offsets from its first instruction (the
-    addresses cuobjdump prints): its share of the stall samples, its top stall reasons, and its
-    instructions executed and excess shared-memory wavefronts (bank conflicts)."""
-    base = min(int(r["Address"], 16) for r in rows)
+def region_line(rows, base: int, lo: int, hi: int, name: str, total: int) -> str:
+    """One SASS address range [lo, hi) of a kernel, as offsets from its first instruction at
+    ``base`` (the addresses cuobjdump prints): its share of the stall samples, its top stall
+    reasons, and its instructions executed and excess shared-memory wavefronts (bank conflicts)."""
     inside = [r for r in rows if lo <= int(r["Address"], 16) - base < hi]
     n = sum(_num(r[SAMPLES]) for r in inside)
     stalls = {k[len("stall_"):]: sum(_num(r[k]) for r in inside) for k in (rows[0] if rows else {})
@@ -68,8 +67,9 @@ def main() -> None:
     for name, rows in kernels(text):
         total = sum(int(r[SAMPLES] or 0) for r in rows)
         print(f"{name[:100]}: {len(rows)} instructions, {total} samples")
+        base = min((int(r["Address"], 16) for r in rows), default=0)  # the kernel's first instruction
         for lo, hi, region in regions:
-            print("  " + region_line(rows, lo, hi, region, total))
+            print("  " + region_line(rows, base, lo, hi, region, total))
         for r in sorted(rows, key=lambda r: -int(r[SAMPLES] or 0))[: args.top]:
             share = 100 * int(r[SAMPLES] or 0) / max(total, 1)
             print(f"  {share:5.1f}%  {r['Address']:>16}  {r['Source'].strip()[:90]}")
