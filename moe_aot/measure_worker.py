@@ -228,11 +228,18 @@ def _hand_back(storage, trial_id: int, tries: int = 50) -> None:
 
 
 def claim(study: optuna.Study) -> tuple[optuna.Trial, dict] | None:
-    """The first ready WAITING trial this worker manages to switch to RUNNING."""
+    """The first ready WAITING trial this worker manages to switch to RUNNING.
+
+    The trial names this worker before it turns RUNNING: a handed-back trial still names the
+    (dead) worker of an earlier run, and another worker starting meanwhile (requeue_stale) would
+    otherwise see it RUNNING under a dead worker and put it back to WAITING, so that two workers
+    measured it. A worker that loses the claim leaves its name on a trial another one runs; the
+    winner writes its own again at once."""
     for t in study.get_trials(deepcopy=False, states=(TrialState.WAITING,)):
         if not t.user_attrs.get("ready"):
             continue  # handed back uncompiled by a killed `tune`: a compiling worker takes it
         try:
+            study._storage.set_trial_user_attr(t._trial_id, "worker", worker_id())
             if study._storage.set_trial_state_values(t._trial_id, TrialState.RUNNING):
                 trial = optuna.Trial(study, t._trial_id)
                 trial.set_user_attr("worker", worker_id())
@@ -324,6 +331,15 @@ def measure(db_url: str, measurer, workloads=None, target: str | None = None, bu
                 spec, space, tokens = study_of(study)
                 variant = suggest(trial, space)
                 out = measure_trial(db, study, trial, spec, tokens, variant, attrs["toolchain"], None, measurer)
+            except (optuna.exceptions.UpdateFinishedTrialError, ValueError):
+                if not storage.get_trial(trial._trial_id).state.is_finished():
+                    _hand_back(storage, trial._trial_id)
+                    raise
+                # Another worker finished it meanwhile (a trial of another host taken back after
+                # STALE_AFTER_S while its worker was still measuring): the first record stands.
+                progress(f"[{done}] {study.study_name} trial {trial.number}: finished by another worker meanwhile; "
+                         "its record stands")
+                continue
             except BaseException:
                 _hand_back(storage, trial._trial_id)  # so that another worker (or the next run) measures it
                 raise

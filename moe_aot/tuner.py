@@ -232,11 +232,17 @@ def _dead(worker: str | None) -> bool:
 
 def requeue_stale(study: optuna.Study, stale_after_s: float = STALE_AFTER_S) -> int:
     """RUNNING trials of a killed session go back to WAITING (keeping their params and whether
-    they were compiled), so running again resumes them instead of losing them."""
+    they were compiled), so running again resumes them instead of losing them. Each is read again
+    just before: the list may be older than a live worker's claim of a trial (measure_worker.claim
+    names the worker before the trial turns RUNNING)."""
+    def stale(t) -> bool:
+        return t.state == TrialState.RUNNING and (
+            _dead(t.user_attrs.get("worker")) or bool(t.datetime_start and t.datetime_start < cutoff))
+
     n = 0
     cutoff = datetime.now() - timedelta(seconds=stale_after_s)
     for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-        if _dead(t.user_attrs.get("worker")) or (t.datetime_start and t.datetime_start < cutoff):
+        if stale(t) and stale(study._storage.get_trial(t._trial_id)):
             try:
                 study._storage.set_trial_state_values(t._trial_id, TrialState.WAITING)
                 n += 1

@@ -226,6 +226,62 @@ def test_two_measurers_split_the_ready_trials(url):
     check_records_and_best(url, SPEC, GPU, (16,))
 
 
+def _handed_back_by_a_dead_worker(url, buckets=(16,)):
+    """A prepared study whose first ready trial was handed back by a worker that is gone."""
+    tuner.prepare(url, [SPEC], buckets, GPU, trials=3, jobs=0, compile_fn=fake_compile, seed=4,
+                  progress=lambda s: None)
+    study = tuner.open_study(tuner.open_storage(url), SPEC, GPU, buckets[0])
+    first = next(t for t in study.trials if t.user_attrs.get("ready"))
+    study._storage.set_trial_user_attr(first._trial_id, "worker", f"{tuner.socket.gethostname()}:999999999")
+    return study, first
+
+
+def test_a_claim_is_never_taken_back_by_a_worker_starting_meanwhile(url):
+    """Another worker's start-up (requeue_stale) landing right after a claim of a trial that an
+    earlier, dead worker had handed back must leave the trial with its claimer: before, it still
+    named the dead worker there, went back to WAITING, and two workers measured it."""
+    study, first = _handed_back_by_a_dead_worker(url)
+    storage = study._storage
+    real = storage.set_trial_state_values
+    requeued = []
+
+    def claim_then_other_worker_starts(trial_id, state, values=None):
+        ok = real(trial_id, state, values)
+        if state == TrialState.RUNNING:
+            requeued.append(tuner.requeue_stale(tuner.open_study(tuner.open_storage(url), SPEC, GPU, 16)))
+        return ok
+
+    storage.set_trial_state_values = claim_then_other_worker_starts
+    trial, _ = measure_worker.claim(study)
+    assert trial.number == first.number and requeued == [0]
+    assert storage.get_trial(first._trial_id).state == TrialState.RUNNING
+
+
+def test_a_trial_finished_by_another_worker_meanwhile_is_left_to_its_record(url):
+    """A trial taken back while its worker was still measuring (another host's, after
+    STALE_AFTER_S) and finished by the other one: the slower worker goes on to the next trial
+    instead of failing, and the first record stands."""
+    study, first = _handed_back_by_a_dead_worker(url)
+    lines = []
+
+    class FinishedElsewhere(FakeMeasurer):
+        def __call__(self, spec, variant, tokens):
+            out = super().__call__(spec, variant, tokens)
+            if not lines:  # the first trial measured: the other worker tells it first
+                t = next(t for t in tuner.open_study(tuner.open_storage(url), SPEC, GPU, 16).trials
+                         if t.state == TrialState.RUNNING)
+                study._storage.set_trial_state_values(t._trial_id, TrialState.COMPLETE, [1.0])
+                lines.append(t.number)
+            return out
+
+    ready = len([t for t in study.trials if t.user_attrs.get("ready")])
+    n = measure_worker.measure(url, FinishedElsewhere(), progress=lines.append, confirm=0)
+    assert n == ready - 1
+    assert any(f"trial {lines[0]}: finished by another worker meanwhile" in str(x) for x in lines[1:])
+    trials = tuner.open_study(tuner.open_storage(url), SPEC, GPU, 16).trials
+    assert not [t for t in trials if t.state in (TrialState.RUNNING, TrialState.WAITING)]
+
+
 def test_measure_names_the_gpus_it_has_studies_for(url):
     tuner.prepare(url, [SPEC], (16,), "NVIDIA H100 80GB HBM3", trials=1, jobs=0, compile_fn=fake_compile)
     with pytest.raises(LookupError, match="NVIDIA H100 80GB HBM3"):
