@@ -235,12 +235,13 @@ def requeue_stale(study: optuna.Study, stale_after_s: float = STALE_AFTER_S) -> 
     they were compiled), so running again resumes them instead of losing them. Each is read again
     just before: the list may be older than a live worker's claim of a trial (measure_worker.claim
     names the worker before the trial turns RUNNING)."""
+    cutoff = datetime.now() - timedelta(seconds=stale_after_s)
+
     def stale(t) -> bool:
         return t.state == TrialState.RUNNING and (
             _dead(t.user_attrs.get("worker")) or bool(t.datetime_start and t.datetime_start < cutoff))
 
     n = 0
-    cutoff = datetime.now() - timedelta(seconds=stale_after_s)
     for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
         if stale(t) and stale(study._storage.get_trial(t._trial_id)):
             try:

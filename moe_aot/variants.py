@@ -273,7 +273,8 @@ class DecodeVariant:
                 + _render(self, DECODE_NAME))
 
     def bar_words(self, spec: LayerSpec) -> int:
-        """int32 words of its barrier workspace (zero when allocated, left zero by every launch)."""
+        """int32 words of its barrier workspace: the grid barrier's 64-bit count, zeroed when
+        allocated and never reset (it grows by the kernel's CTAs per launch)."""
         return limits.DECODE_BAR_WORDS
 
     def kernels(self, spec: LayerSpec) -> list[KernelVariant]:

@@ -25,6 +25,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from moe_aot.database import SUSTAINED_WARMUP_S  # noqa: E402  (the tuner's untimed replays before a timing)
+
 MODELS = ["qwen3-30b-a3b", "qwen3-235b-a22b", "gpt-oss-120b", "deepseek-v3", "mixtral-8x7b"]
 MAX_TOKENS = 4
 
@@ -113,7 +115,7 @@ def _by_units(per_cta: dict, units2: int, ctas: int) -> str:
 def run_all(kdir: Path, out: Path, replays: int, profile: bool = False, max_tokens: int = MAX_TOKENS,
             models: list[str] = MODELS, precision: str = "bf16", built_tokens: int = MAX_TOKENS,
             timeline: tuple[int, list[str]] | None = None, ctas: int = 132,
-            warmup_s: float = 0.5, warps: int = 8) -> int:
+            warmup_s: float = SUSTAINED_WARMUP_S, warps: int = 8) -> int:
     import torch
 
     from moe_aot.gemm_limits import DECODE_BAR_WORDS
@@ -230,8 +232,9 @@ def main():
     ap.add_argument("--run", metavar="DIR", type=Path)
     ap.add_argument("--out", type=Path, default=Path("decode_check_out"))
     ap.add_argument("--replays", type=int, default=200)
-    ap.add_argument("--warmup", type=float, default=0.5, help="--run: seconds of untimed CUDA-graph replays "
-                    "before each timing (the tuner's 0.5 s: clocks settle after the reference's load)")
+    ap.add_argument("--warmup", type=float, default=SUSTAINED_WARMUP_S, help="--run: seconds of untimed CUDA-graph "
+                    f"replays before each timing (the tuner's {SUSTAINED_WARMUP_S} s: clocks settle after the "
+                    "reference's load)")
     ap.add_argument("--max-tokens", type=int, default=None, help="tokens per launch the kernels are "
                     f"compiled for (--compile, default {MAX_TOKENS}) / checked at (--run: 1..this, default the "
                     "directory's)")
