@@ -255,8 +255,7 @@ def main():
     ns = ap.parse_args()
     if ns.compile:
         compile_all(ns.compile, ns.precision or "bf16", max_tokens=ns.max_tokens or MAX_TOKENS, warps=ns.warps,
-                    seg_bytes=ns.seg_bytes, timeline=ns.timeline,
-                    **({"rotate": True} if ns.rotate else {}), **({"lanes": True} if ns.lanes else {}))
+                    seg_bytes=ns.seg_bytes, timeline=ns.timeline, rotate=ns.rotate, lanes=ns.lanes)
     if ns.run:
         meta = ns.run / "build.json"
         build = json.loads(meta.read_text()) if meta.exists() else {"precision": "bf16", "max_tokens": MAX_TOKENS}

@@ -28,6 +28,8 @@ def kernels(text: str):
 
 
 def _num(v) -> float:
+    """A counter cell as a number ("1,234" and "" included: ncu may group digits, and leaves
+    instructions without samples empty)."""
     try:
         return float(str(v).replace(",", ""))
     except ValueError:
@@ -65,13 +67,13 @@ def main() -> None:
     with opener(args.csv, "rt") as f:
         text = f.read()
     for name, rows in kernels(text):
-        total = sum(int(r[SAMPLES] or 0) for r in rows)
-        print(f"{name[:100]}: {len(rows)} instructions, {total} samples")
+        total = sum(_num(r[SAMPLES]) for r in rows)
+        print(f"{name[:100]}: {len(rows)} instructions, {total:.0f} samples")
         base = min((int(r["Address"], 16) for r in rows), default=0)  # the kernel's first instruction
         for lo, hi, region in regions:
             print("  " + region_line(rows, base, lo, hi, region, total))
-        for r in sorted(rows, key=lambda r: -int(r[SAMPLES] or 0))[: args.top]:
-            share = 100 * int(r[SAMPLES] or 0) / max(total, 1)
+        for r in sorted(rows, key=lambda r: -_num(r[SAMPLES]))[: args.top]:
+            share = 100 * _num(r[SAMPLES]) / max(total, 1)
             print(f"  {share:5.1f}%  {r['Address']:>16}  {r['Source'].strip()[:90]}")
 
 
