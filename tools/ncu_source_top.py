@@ -21,10 +21,16 @@ SAMPLES = "Warp Stall Sampling (All Samples)"
 
 
 def kernels(text: str):
-    """(kernel name, rows) per kernel section of the CSV."""
+    """(kernel name, rows) per kernel section of the CSV. Rows without a hex address are not the
+    kernel's: the profiled command's own output (a warning on stderr) can follow the last section."""
     for part in re.split(r'(?m)^"Kernel Name",', text)[1:]:
         head, body = part.split("\n", 1)
-        yield head.strip().strip(",").strip('"'), list(csv.DictReader(io.StringIO(body)))
+        rows = [r for r in csv.DictReader(io.StringIO(body)) if _is_address(r.get("Address"))]
+        yield head.strip().strip(",").strip('"'), rows
+
+
+def _is_address(v) -> bool:
+    return isinstance(v, str) and re.fullmatch(r"(0x)?[0-9a-fA-F]+", v.strip()) is not None
 
 
 def _num(v) -> float:
