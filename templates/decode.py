@@ -132,7 +132,7 @@ class MoeDecode:
                  activation: str = "swiglu", interleave: int = 16, max_tokens: int = 4,
                  warps: int = 8, stages: int = 0, seg_bytes: int = 2048, ctas: int = 132, bias: bool = False,
                  producer: str = "bulk", precision: str = "bf16", timeline: bool = False, sync: str = "grid",
-                 rotate: bool = False, lanes: bool = False):
+                 rotate: bool = False, lanes: bool = True):
         ok, why = self.can_implement(num_experts, hidden, intermediate, top_k, activation, interleave,
                                      max_tokens, warps, stages, seg_bytes, ctas, precision=precision,
                                      producer=producer, sync=sync)
@@ -145,9 +145,9 @@ class MoeDecode:
         # on, so that the CTAs stream every expert's w2 at once rather than one expert after another
         # (the sum over groups is then in that order: deterministic per CTA, not the same for all columns)
         self.rotate = bool(rotate)
-        # lanes (an experiment until it is measured, not a variant field): h in _h_pos's lane-major
-        # order for e4m3 weights, and bf16 (h, bf16 weights) widened to fp32 by integer ops (_widen).
-        # Off, the kernel is byte-identical to the one the committed picks were measured on.
+        # lanes (on by default on this branch, to re-measure the 1-token picks with it): h in _h_pos's
+        # lane-major order for e4m3 weights, and bf16 (h, bf16 weights) widened to fp32 by integer ops
+        # (_widen). Off, the kernel is byte-identical to the one main's committed picks were measured on.
         self.lanes = bool(lanes)
         self.producer = producer
         self.precision, self.fp8, self.block = precision, precision in limits.FP8, precision == "fp8-block128"
