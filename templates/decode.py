@@ -145,9 +145,9 @@ class MoeDecode:
         # on, so that the CTAs stream every expert's w2 at once rather than one expert after another
         # (the sum over groups is then in that order: deterministic per CTA, not the same for all columns)
         self.rotate = bool(rotate)
-        # lanes (on by default on this branch, to re-measure the 1-token picks with it): h in _h_pos's
-        # lane-major order for e4m3 weights, and bf16 (h, bf16 weights) widened to fp32 by integer ops
-        # (_widen). Off, the kernel is byte-identical to the one main's committed picks were measured on.
+        # lanes (on by default since the 1-token picks were re-measured with it, 2026-12-05): h in
+        # _h_pos's lane-major order for e4m3 weights, and bf16 (h, bf16 weights) widened to fp32 by
+        # integer ops (_widen). Off: the kernel measured before (NOTES, twenty-fifth session).
         self.lanes = bool(lanes)
         self.producer = producer
         self.precision, self.fp8, self.block = precision, precision in limits.FP8, precision == "fp8-block128"
