@@ -246,8 +246,9 @@ def main():
                     "takes the precision the directory was compiled for (its build.json)")
     ap.add_argument("--rotate", action="store_true", help="--compile: each CTA walks its phase-2 groups "
                     "from its own offset (templates/decode.py rotate, an experiment)")
-    ap.add_argument("--lanes", action="store_true", help="--compile: h lane-major for e4m3 weights and bf16 "
-                    "widened by integer ops (templates/decode.py lanes, an experiment)")
+    ap.add_argument("--lanes", action=argparse.BooleanOptionalAction, default=True,
+                    help="--compile: h lane-major for e4m3 weights and bf16 widened by integer ops "
+                    "(templates/decode.py lanes; on, as the layer serves it; --no-lanes builds the kernel before it)")
     ap.add_argument("--timeline", action="store_true", help="--compile: a measuring build whose CTAs record "
                     "the global timer at each step (templates/decode.py TIMELINE); --run reports it per point")
     ap.add_argument("--profile", action="store_true", help="one launch per model at 1 token in an NVTX range "
