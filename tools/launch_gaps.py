@@ -1,0 +1,141 @@
+#!/usr/bin/env python3
+"""How much of a small layer's CUDA-graph replay time is spent around its kernels rather than in
+them (GPU). For each model at --tokens, and for the database's served variant and the bucket's
+default four kernels, three timings in one process:
+
+  single   the benchmark's method (tools/bench.py, the tuner): one forward per graph, an event
+           pair around each replay, median over --replays;
+  stream   the same graph replayed --replays times back to back between one event pair (mean):
+           the host queues replays ahead of the GPU, so no replay waits for its launch;
+  chain    one graph of --chain forwards captured back to back, as a whole model's graph runs its
+           layers (mean per forward).
+
+If single is above stream and chain, the difference is launch latency that a model's own graph
+does not pay, and a level that changes from one process to the next is in the launch, not in
+the kernels. Writes OUT/launch_gaps.json.
+
+    python3 tools/launch_gaps.py --db URL --models qwen3-30b-a3b --precision fp8 --out DIR
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+
+def _stream_us(graph, replays: int) -> float:
+    import torch
+
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / replays
+
+
+def _graph(fn):
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()  # lazy loads and allocations outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g
+
+
+def measure(layer, spec, tokens: int, chain: int, replays: int, warmup_s: float) -> dict:
+    import torch
+
+    from moe_aot.harness.measure import _replay_for, graph_times_us
+    from moe_aot.harness.verify import random_routing, random_weights
+
+    dev = layer.device
+    w13, w2 = random_weights(spec, dev)
+    x = torch.randn(tokens, spec.hidden, device=dev, dtype=torch.bfloat16)
+    tw, ids = random_routing(tokens, spec, dev)
+    out = torch.empty(tokens, spec.hidden, device=dev, dtype=torch.bfloat16)
+
+    def one():
+        layer.forward(x, w13, w2, tw, ids, out=out)
+
+    def many():
+        for _ in range(chain):
+            layer.forward(x, w13, w2, tw, ids, out=out)
+
+    single = statistics.median(graph_times_us([one], replays, warmup_s))
+    g1 = _graph(one)
+    _replay_for([g1], warmup_s)
+    stream = _stream_us(g1, replays)
+    gn = _graph(many)
+    _replay_for([gn], warmup_s)
+    chained = _stream_us(gn, max(1, replays // chain)) / chain
+    return {"variant": layer.served(tokens).name(spec), "single_us": round(single, 2),
+            "stream_us": round(stream, 2), "chain_us": round(chained, 2)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--db", required=True, help="database URL (sqlite:///path) or path of a SQLite file")
+    ap.add_argument("--models", default="qwen3-30b-a3b,qwen3-235b-a22b,deepseek-v3,mixtral-8x7b")
+    ap.add_argument("--precision", default="bf16,fp8", help="comma-separated")
+    ap.add_argument("--tokens", type=int, default=1)
+    ap.add_argument("--chain", type=int, default=20, help="forwards per graph in the chain timing")
+    ap.add_argument("--replays", type=int, default=400)
+    ap.add_argument("--warmup", type=float, default=0.5, help="seconds of untimed replays before each timing")
+    ap.add_argument("--out", type=Path, default=Path("launch_gaps_out"))
+    ns = ap.parse_args()
+    if ns.chain < 1 or ns.replays < ns.chain:
+        ap.error(f"--chain must be >= 1 and --replays >= --chain; got --chain {ns.chain}, --replays {ns.replays}")
+
+    import torch
+
+    from moe_aot.runtime.layer import MoeLayer
+    from moe_aot.runtime.store import KernelStore
+    from moe_aot.spec import SpecError, make_spec
+    from moe_aot.variants import bucket_for, default_variant
+
+    if not torch.cuda.is_available():
+        print("launch_gaps: no GPU here; it times kernels, so it runs only on a GPU machine", file=sys.stderr)
+        return 2
+    url = ns.db if "://" in ns.db else f"sqlite:///{Path(ns.db).resolve()}"
+    store = KernelStore(url)
+    rows = []
+    for precision in ns.precision.split(","):
+        for model in ns.models.split(","):
+            try:
+                spec = make_spec(model, precision=precision)
+            except SpecError as e:
+                print(f"skip {model} {precision}: {e}")
+                continue
+            for source in ("served", "default"):
+                b = bucket_for(ns.tokens)
+                variants = {b: default_variant(spec, b)} if source == "default" else None
+                layer = MoeLayer(spec, store, variants=variants)
+                r = {"model": model, "precision": precision, "tokens": ns.tokens, "source": source,
+                     **measure(layer, spec, ns.tokens, ns.chain, ns.replays, ns.warmup)}
+                rows.append(r)
+                print(f"{model:16s} {precision:5s} {source:7s} single {r['single_us']:8.2f}  stream "
+                      f"{r['stream_us']:8.2f}  chain {r['chain_us']:8.2f} us  {r['variant']}", flush=True)
+                del layer
+                torch.cuda.empty_cache()
+    ns.out.mkdir(parents=True, exist_ok=True)
+    (ns.out / "launch_gaps.json").write_text(json.dumps(
+        {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "device": torch.cuda.get_device_name(),
+         "command": " ".join(sys.argv), "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
