@@ -95,6 +95,8 @@ def main() -> int:
     ap.add_argument("--replays", type=int, default=400)
     ap.add_argument("--warmup", type=float, default=0.5, help="seconds of untimed replays before each timing")
     ap.add_argument("--out", type=Path, default=Path("launch_gaps_out"))
+    ap.add_argument("--picks-of", default=None, metavar="GPU", help="serve the database's picks for this GPU "
+                    "name (e.g. \"NVIDIA H200\" on an H100, same SM count); default: this GPU's")
     ns = ap.parse_args()
     if ns.chain < 1 or ns.replays < ns.chain:
         ap.error(f"--chain must be >= 1 and --replays >= --chain; got --chain {ns.chain}, --replays {ns.replays}")
@@ -121,7 +123,8 @@ def main() -> int:
                 continue
             for source in ("served", "default"):
                 b = bucket_for(ns.tokens)
-                variants = {b: default_variant(spec, b)} if source == "default" else None
+                variants = ({b: default_variant(spec, b)} if source == "default"
+                            else store.picks(spec, ns.picks_of) if ns.picks_of else None)
                 layer = MoeLayer(spec, store, variants=variants)
                 r = {"model": model, "precision": precision, "tokens": ns.tokens, "source": source,
                      **measure(layer, spec, ns.tokens, ns.chain, ns.replays, ns.warmup)}
