@@ -41,28 +41,13 @@ def _stream_us(graph, replays: int) -> float:
     return start.elapsed_time(end) * 1e3 / replays
 
 
-def _graph(fn):
+def measure(layer, spec, w13, w2, tokens: int, chain: int, replays: int, warmup_s: float) -> dict:
     import torch
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()  # lazy loads and allocations outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g
-
-
-def measure(layer, spec, tokens: int, chain: int, replays: int, warmup_s: float) -> dict:
-    import torch
-
-    from moe_aot.harness.measure import _replay_for, graph_times_us
-    from moe_aot.harness.verify import random_routing, random_weights
+    from moe_aot.harness.measure import _replay_for, capture_graph, graph_times_us
+    from moe_aot.harness.verify import random_routing
 
     dev = layer.device
-    w13, w2 = random_weights(spec, dev)
     x = torch.randn(tokens, spec.hidden, device=dev, dtype=torch.bfloat16)
     tw, ids = random_routing(tokens, spec, dev)
     out = torch.empty(tokens, spec.hidden, device=dev, dtype=torch.bfloat16)
@@ -75,10 +60,10 @@ def measure(layer, spec, tokens: int, chain: int, replays: int, warmup_s: float)
             layer.forward(x, w13, w2, tw, ids, out=out)
 
     single = statistics.median(graph_times_us([one], replays, warmup_s))
-    g1 = _graph(one)
+    g1 = capture_graph(one)
     _replay_for([g1], warmup_s)
     stream = _stream_us(g1, replays)
-    gn = _graph(many)
+    gn = capture_graph(many)
     _replay_for([gn], warmup_s)
     chained = _stream_us(gn, max(1, replays // chain)) / chain
     return {"variant": layer.served(tokens).name(spec), "single_us": round(single, 2),
@@ -103,6 +88,7 @@ def main() -> int:
 
     import torch
 
+    from moe_aot.harness.verify import random_weights
     from moe_aot.runtime.layer import MoeLayer
     from moe_aot.runtime.store import KernelStore
     from moe_aot.spec import SpecError, make_spec
@@ -114,6 +100,8 @@ def main() -> int:
     url = ns.db if "://" in ns.db else f"sqlite:///{Path(ns.db).resolve()}"
     store = KernelStore(url)
     rows = []
+    b = bucket_for(ns.tokens)
+    dev = torch.device("cuda", torch.cuda.current_device())
     for precision in ns.precision.split(","):
         for model in ns.models.split(","):
             try:
@@ -121,18 +109,19 @@ def main() -> int:
             except SpecError as e:
                 print(f"skip {model} {precision}: {e}")
                 continue
+            w13, w2 = random_weights(spec, dev)  # one set for both sources
             for source in ("served", "default"):
-                b = bucket_for(ns.tokens)
                 variants = ({b: default_variant(spec, b)} if source == "default"
                             else store.picks(spec, ns.picks_of) if ns.picks_of else None)
-                layer = MoeLayer(spec, store, variants=variants)
+                layer = MoeLayer(spec, store, device=dev, variants=variants)
                 r = {"model": model, "precision": precision, "tokens": ns.tokens, "source": source,
-                     **measure(layer, spec, ns.tokens, ns.chain, ns.replays, ns.warmup)}
+                     **measure(layer, spec, w13, w2, ns.tokens, ns.chain, ns.replays, ns.warmup)}
                 rows.append(r)
                 print(f"{model:16s} {precision:5s} {source:7s} single {r['single_us']:8.2f}  stream "
                       f"{r['stream_us']:8.2f}  chain {r['chain_us']:8.2f} us  {r['variant']}", flush=True)
                 del layer
-                torch.cuda.empty_cache()
+            del w13, w2
+            torch.cuda.empty_cache()
     ns.out.mkdir(parents=True, exist_ok=True)
     (ns.out / "launch_gaps.json").write_text(json.dumps(
         {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "device": torch.cuda.get_device_name(),

@@ -19,6 +19,20 @@ from .verify import TOLERANCE, random_routing, served_reference
 INPUT_SETS = 4
 
 
+def capture_graph(fn) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of `fn`, after one call on a side stream (lazy loads and allocations happen
+    outside the capture)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g
+
+
 def graph_times_us(fns, replays: int, warmup_s: float = 0.0) -> list[float]:
     """Per-replay times (µs) of CUDA graphs of `fns`, replayed in turn on the current stream;
     with warmup_s, the graphs are first replayed untimed for about that long (the GPU's clocks
@@ -34,17 +48,7 @@ def timed_graphs(fns, replays: int, warmup_s: float = 0.0, nvml=None,
     counts millijoules, so per-replay energy needs a window of tenths of a second)."""
     from .gpustate import Sampler
 
-    graphs = []
-    side = torch.cuda.Stream()
-    for fn in fns:
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            fn()  # warm: lazy loads and allocations happen outside capture
-        torch.cuda.current_stream().wait_stream(side)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn()
-        graphs.append(g)
+    graphs = [capture_graph(fn) for fn in fns]
     for g in graphs:
         g.replay()
     torch.cuda.synchronize()
