@@ -8,7 +8,12 @@ default four kernels, three timings in one process:
   stream   the same graph replayed --replays times back to back between one event pair (mean):
            the host queues replays ahead of the GPU, so no replay waits for its launch;
   chain    one graph of --chain forwards captured back to back, as a whole model's graph runs its
-           layers (mean per forward).
+           layers (mean per forward);
+  host     the host's own time per iteration of the single loop (event, replay, event enqueued):
+           where it is above the GPU's time per forward, the GPU waits for the host, and single
+           includes the host's graph-launch latency;
+  ahead    single again, but each run of --ahead-chunk iterations is enqueued behind a GPU sleep
+           long enough for the host to finish enqueueing first, so that no replay waits for the host.
 
 If single is above stream and chain, the difference is launch latency that a model's own graph
 does not pay, and a level that changes from one process to the next is in the launch, not in
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import sys
 import time
@@ -41,7 +47,49 @@ def _stream_us(graph, replays: int) -> float:
     return start.elapsed_time(end) * 1e3 / replays
 
 
-def measure(layer, spec, w13, w2, tokens: int, chain: int, replays: int, warmup_s: float) -> dict:
+def _host_and_ahead_us(graph, replays: int, chunk: int) -> tuple[float, float]:
+    """(host µs per single-loop iteration, median per-replay µs with the host ahead of the GPU)."""
+    import torch
+
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(replays)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(replays)]
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for i in range(replays):
+        starts[i].record()
+        graph.replay()
+        ends[i].record()
+    host = (time.perf_counter() - t0) * 1e6 / replays
+    torch.cuda.synchronize()
+    times = []
+    cycles = int(max(20.0, 4 * host) * chunk * 2.0e3)  # ~4x the host's enqueue time at up to 2 GHz
+    for c0 in range(0, replays, chunk):
+        torch.cuda._sleep(cycles)
+        idx = range(c0, min(replays, c0 + chunk))
+        for i in idx:
+            starts[i].record()
+            graph.replay()
+            ends[i].record()
+        torch.cuda.synchronize()
+        times += [starts[i].elapsed_time(ends[i]) * 1e3 for i in idx]
+    return host, statistics.median(times)
+
+
+def _graph_nodes(fn, path: Path) -> int:
+    """Capture fn once more in debug mode, write the graph as DOT to path; the number of nodes."""
+    import torch
+
+    g = torch.cuda.CUDAGraph()
+    g.enable_debug_mode()
+    with torch.cuda.graph(g):
+        fn()
+    g.debug_dump(str(path))
+    text = path.read_text(errors="replace")
+    return len(set(re.findall(r"graph_\d+_node_\d+", text)))
+
+
+def measure(layer, spec, w13, w2, tokens: int, chain: int, replays: int, warmup_s: float, ahead_chunk: int,
+            dump: Path | None) -> dict:
     import torch
 
     from moe_aot.harness.measure import _replay_for, capture_graph, graph_times_us
@@ -66,8 +114,13 @@ def measure(layer, spec, w13, w2, tokens: int, chain: int, replays: int, warmup_
     gn = capture_graph(many)
     _replay_for([gn], warmup_s)
     chained = _stream_us(gn, max(1, replays // chain)) / chain
-    return {"variant": layer.served(tokens).name(spec), "single_us": round(single, 2),
-            "stream_us": round(stream, 2), "chain_us": round(chained, 2)}
+    host, ahead = _host_and_ahead_us(g1, replays, ahead_chunk)
+    r = {"variant": layer.served(tokens).name(spec), "single_us": round(single, 2),
+         "stream_us": round(stream, 2), "chain_us": round(chained, 2), "host_us": round(host, 2),
+         "ahead_us": round(ahead, 2)}
+    if dump is not None:
+        r["graph_nodes"] = _graph_nodes(one, dump)
+    return r
 
 
 def main() -> int:
@@ -79,12 +132,16 @@ def main() -> int:
     ap.add_argument("--chain", type=int, default=20, help="forwards per graph in the chain timing")
     ap.add_argument("--replays", type=int, default=400)
     ap.add_argument("--warmup", type=float, default=0.5, help="seconds of untimed replays before each timing")
+    ap.add_argument("--ahead-chunk", type=int, default=50, help="iterations enqueued behind each GPU sleep (ahead)")
+    ap.add_argument("--dump-graphs", action="store_true", help="also write each single graph as DOT under OUT")
     ap.add_argument("--out", type=Path, default=Path("launch_gaps_out"))
     ap.add_argument("--picks-of", default=None, metavar="GPU", help="serve the database's picks for this GPU "
                     "name (e.g. \"NVIDIA H200\" on an H100, same SM count); default: this GPU's")
     ns = ap.parse_args()
     if ns.chain < 1 or ns.replays < ns.chain:
         ap.error(f"--chain must be >= 1 and --replays >= --chain; got --chain {ns.chain}, --replays {ns.replays}")
+    if ns.ahead_chunk < 1:
+        ap.error(f"--ahead-chunk must be >= 1; got {ns.ahead_chunk}")
 
     import torch
 
@@ -100,6 +157,7 @@ def main() -> int:
     url = ns.db if "://" in ns.db else f"sqlite:///{Path(ns.db).resolve()}"
     store = KernelStore(url)
     rows = []
+    ns.out.mkdir(parents=True, exist_ok=True)
     b = bucket_for(ns.tokens)
     dev = torch.device("cuda", torch.cuda.current_device())
     for precision in ns.precision.split(","):
@@ -114,15 +172,17 @@ def main() -> int:
                 variants = ({b: default_variant(spec, b)} if source == "default"
                             else store.picks(spec, ns.picks_of) if ns.picks_of else None)
                 layer = MoeLayer(spec, store, device=dev, variants=variants)
+                dump = ns.out / f"graph_{model}_{precision}_{source}.dot" if ns.dump_graphs else None
                 r = {"model": model, "precision": precision, "tokens": ns.tokens, "source": source,
-                     **measure(layer, spec, w13, w2, ns.tokens, ns.chain, ns.replays, ns.warmup)}
+                     **measure(layer, spec, w13, w2, ns.tokens, ns.chain, ns.replays, ns.warmup, ns.ahead_chunk,
+                               dump)}
                 rows.append(r)
                 print(f"{model:16s} {precision:5s} {source:7s} single {r['single_us']:8.2f}  stream "
-                      f"{r['stream_us']:8.2f}  chain {r['chain_us']:8.2f} us  {r['variant']}", flush=True)
+                      f"{r['stream_us']:8.2f}  chain {r['chain_us']:8.2f}  host {r['host_us']:6.2f}  ahead "
+                      f"{r['ahead_us']:8.2f} us  nodes {r.get('graph_nodes', '-')}  {r['variant']}", flush=True)
                 del layer
             del w13, w2
             torch.cuda.empty_cache()
-    ns.out.mkdir(parents=True, exist_ok=True)
     (ns.out / "launch_gaps.json").write_text(json.dumps(
         {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "device": torch.cuda.get_device_name(),
          "command": " ".join(sys.argv), "rows": rows}, indent=1))
