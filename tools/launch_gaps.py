@@ -75,15 +75,18 @@ def _host_and_ahead_us(graph, replays: int, chunk: int) -> tuple[float, float]:
     return host, statistics.median(times)
 
 
-def _graph_nodes(fn, path: Path) -> int:
-    """Capture fn once more in debug mode, write the graph as DOT to path; the number of nodes."""
+def _graph_nodes(fn, path: Path) -> int | None:
+    """Capture fn once more in debug mode, write the graph as DOT to path; the number of nodes
+    (None where the driver wrote no file)."""
     import torch
 
     g = torch.cuda.CUDAGraph()
     g.enable_debug_mode()
     with torch.cuda.graph(g):
         fn()
-    g.debug_dump(str(path))
+    g.debug_dump(str(path.resolve()))
+    if not path.exists():
+        return None
     text = path.read_text(errors="replace")
     return len(set(re.findall(r"graph_\d+_node_\d+", text)))
 
