@@ -209,7 +209,7 @@ class HopperDhGemm(_HopperWs, _GroupedGemmBase):
 
 class HopperDxGemm(HopperDownGemm):
     """dX rows y[p] = da_r W13_e (see the module docstring): GEMM2's kernel over K = 2I with the
-    weights read N-major. ``__call__(da, w13, sorted_ids, tile_expert, ones, y, None, None, stream)``:
+    weights read N-major. ``__call__(da, w13, sorted_ids, tile_expert, ones, y, None, stream)``:
     da [R, 2I] bf16; w13 [E, 2I, H] bf16; ones [M, top_k] fp32 (each row's scale); y [M * top_k, H]
     bf16, rows of routed pairs written."""
 
@@ -244,5 +244,4 @@ class HopperDxGemm(HopperDownGemm):
         return [("da", args["h"]),
                 ("w13", make_fake_tensor(BFloat16, (e, i2, hd), (i2 * hd, hd, 1), assumed_align=16)),
                 ("sorted_ids", args["sorted_ids"]), ("tile_expert", args["tile_expert"]),
-                ("ones", args["topk_weights"]), ("y", args["y"]), ("b2", None), ("sched", None),
-                ("stream", args["stream"])]
+                ("ones", args["topk_weights"]), ("y", args["y"]), ("b2", None), ("stream", args["stream"])]

@@ -39,13 +39,13 @@ Constraints (beyond those of ``GroupedGluGemm`` / ``GroupedDownGemm`` with mma="
     warpgroup whose 64 rows of the tile are all padding, or of the duplicate tile, issues no
     wgmma (skip_padding, _rows_live); single CTAs do not skip (see __init__).
   * pdl=True: every thread waits for the previous grid before its first read.
-  * dyn_sched (cluster_m 1, bf16): after its first tile (its block index), a CTA claims each next
-    tile from a counter in global memory (``sched``, one int32 of the caller's, zero before the
-    first launch): the tiles in flight are then always the next ~CTAs of the raster whatever each
-    one costs, where the static walk (tiles bid, bid + CTAs, ...) lets the CTAs drift apart. The
-    claim of the next tile is issued before the current tile's loads, so its latency hides behind
-    them. A launch makes exactly ``total tiles`` claims (every CTA one past the end), so the CTA
-    whose claim is the launch's last sets the counter back to zero for the next launch.
+  * raster_experts (cluster_m 1): the raster groups (RASTER_GROUP M tiles walked N tile by N
+    tile) end at an expert's last tile wherever the expert starts within the group's first
+    RASTER_GROUP tiles, so that no expert of up to RASTER_GROUP tiles has its weight tiles read
+    by two groups (two passes over them, far apart in time: with the fixed groups, ~1.2-1.5x the
+    weight bytes at 4096 tokens, e.g. Qwen3 with 64-row tiles). Each producer warp walks the
+    groups with a cursor (one warp-wide load of the next group's tile experts per group); the
+    consumers get the tile as M tile * N tiles + N tile.
 """
 
 from typing import Optional
@@ -58,13 +58,12 @@ from cutlass import Boolean, Float32, Int32, Int64, const_expr
 
 from moe_aot import gemm_limits as limits
 
-from .grouped_gemm import _LOAD_THREADS, GroupedDownGemm, GroupedGluGemm
+from .grouped_gemm import _LOAD_THREADS, RASTER_GROUP, GroupedDownGemm, GroupedGluGemm
 
 MMAS = limits.WARP_SPECIALIZED  # "hopws" cooperative, "hoppp" ping-pong
 EVICT_FIRST = 0x12F0000000000000  # the L2 cache policy word of an evict-first TMA load (PTX createpolicy)
 SCHED_SLOTS = 2  # tiles the producer may publish ahead of the consumers (hoppp: one per warpgroup)
 CLUSTERS_M = limits.CLUSTERS_M  # CTAs per cluster along M; 2: the weight tile is multicast to both
-_CLAIM_BARRIER = 1  # dyn_sched GEMM1: the named barrier of the four producer warps (0 is __syncthreads)
 
 
 class _HopperWs:
@@ -79,20 +78,21 @@ class _HopperWs:
         return not self.glu
 
     def __init__(self, *args, mma: str = MMAS[0], cluster_m: int = 1, pair_list: bool = True,
-                 b_evict_first: bool = False, skip_padding: bool = True, dyn_sched: bool = False, **kwargs):
+                 b_evict_first: bool = False, skip_padding: bool = True, raster_experts: bool = False,
+                 **kwargs):
         if mma not in MMAS:
             raise ValueError(f"{type(self).__name__} implements mma in {MMAS}, not {mma!r}")
         super().__init__(*args, mma=mma, **kwargs)  # the tile rules
         ok, reason = limits.check_cluster(mma, self.tile_m, cluster_m)
         if ok and cluster_m > 1 and self.fp8:
             ok, reason = False, f"{self.precision}: no 2-CTA clusters yet (cluster {cluster_m})"
-        if ok and dyn_sched and cluster_m > 1:
-            ok, reason = False, f"dyn_sched: single CTAs only (cluster_m 1), not cluster_m {cluster_m}"
+        if ok and raster_experts and cluster_m > 1:
+            ok, reason = False, f"raster_experts: single CTAs only (cluster_m 1), not cluster_m {cluster_m}"
         if not ok:
             raise ValueError(reason)
         self.cluster_m = cluster_m
-        # tiles claimed from a global counter (see the module docstring); False: the static walk
-        self.dyn_sched = dyn_sched
+        # raster groups cut at expert boundaries (see the module docstring); False: fixed groups
+        self.raster_experts = raster_experts
         # cluster_m 2: pair the M tiles of one expert (_pair_units); False: tiles 2j and 2j + 1
         # whatever their experts (the pairing measured until 2026-12-02, kept for comparisons)
         self.pair_list = pair_list
@@ -162,15 +162,8 @@ class _HopperWs:
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.stage_threads))
         return sched, tiles, pairs, scales
 
-    def _with_sched(self, fakes):
-        """fake_arguments with the tile counter ("sched", int32 [1]; None unless dyn_sched) before the stream."""
-        from cutlass.cute.runtime import make_fake_tensor
-
-        sched = make_fake_tensor(Int32, (1,), (1,), assumed_align=4) if self.dyn_sched else None
-        return list(fakes[:-1]) + [("sched", sched), fakes[-1]]
-
     @cute.jit
-    def _ws_tiles(self, tidx, tma_a, mAt, tma_b, mWt, mA, mIds, mTileExpert, epi, tma_bm=None, mSched=None):
+    def _ws_tiles(self, tidx, tma_a, mAt, tma_b, mWt, mA, mIds, mTileExpert, epi, tma_bm=None):
         self._grid_dependency_wait()
         tiled_mma = self._make_tiled_mma()
         sA, sB, _ = self._smem_tensors()
@@ -197,10 +190,10 @@ class _HopperWs:
                                      mTileExpert, sA, sB, epi, bid, nctas, num_m_tiles, s_units)
             elif const_expr(self.glu):
                 self._produce_ws(tidx, warp, pipe, sched, tma_a, mAt, tma_b, mWt, mA, mIds, mTileExpert,
-                                 sA, sB, epi, bid, nctas, total, num_m_tiles, mSched)
+                                 sA, sB, epi, bid, nctas, total, num_m_tiles)
             elif warp == 0:
                 self._produce_ws(tidx, warp, pipe, sched, tma_a, mAt, tma_b, mWt, mA, mIds, mTileExpert,
-                                 sA, sB, epi, bid, nctas, total, num_m_tiles, mSched)
+                                 sA, sB, epi, bid, nctas, total, num_m_tiles)
         else:
             self._set_regs(False)
             self._consume_ws(tidx - _LOAD_THREADS, pipe, sched, tiled_mma, sA, sB, epi, num_m_tiles)
@@ -241,7 +234,7 @@ class _HopperWs:
 
     @cute.jit
     def _produce_ws(self, tidx, warp, pipe, sched, tma_a, mAt, tma_b, mWt, mA, mIds, mTileExpert, sA, sB,
-                    epi, bid, nctas, total, num_m_tiles, mSched=None):
+                    epi, bid, nctas, total, num_m_tiles):
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
         sstate = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, SCHED_SLOTS)
         if warp == 0:
@@ -253,37 +246,26 @@ class _HopperWs:
         tAsA_cp = thr_copy.partition_D(sA)  # GEMM1: (CPY, CPY_M, CPY_K, PIPE)
         tAcA = thr_copy.partition_S(cute.make_identity_tensor((self.tile_m, self.tile_k)))
         copies = (tiled_copy, tAsA_cp, tAcA, sA)
-        if const_expr(self.dyn_sched):
-            # GEMM1's four producer warps all load A: warp 0's claim reaches them through shared
-            # memory (two slots, one named barrier per tile)
-            s_next = None
-            if const_expr(self.glu):
-                s_next = cute.make_tensor(
-                    cutlass.memory.SmemAllocator().allocate_array(Int32, 4, byte_alignment=16), cute.make_layout(2))
-            t = bid
-            i = Int32(0)
-            while t < total:
-                c = Int32(0)
-                if tidx == 0:  # the next tile's claim, before this tile's loads
-                    c = cute.arch.atomic_add(mSched.iterator, Int32(1), sem="relaxed", scope="gpu")
-                sstate, state = self._produce_tile(t, tidx, warp, pipe, sched, tma_a, mAt, tma_b, mWt, mA, mIds,
-                                                   mTileExpert, sB, epi, num_m_tiles, copies, state, sstate)
-                if tidx == 0:
-                    if c == total - 1:  # the launch's last claim: the counter back to zero
-                        cute.arch.atomic_exch(mSched.iterator, Int32(0), sem="relaxed", scope="gpu")
-                if const_expr(self.glu):
-                    if tidx == 0:
-                        s_next[i % 2] = c
-                    cute.arch.barrier(barrier_id=_CLAIM_BARRIER, number_of_threads=_LOAD_THREADS)
-                    c = s_next[i % 2]
-                else:
-                    c = cute.arch.shuffle_sync(c, 0)
-                t = nctas + c
-                i = i + 1
+        if const_expr(self.raster_experts):
+            n_tiles = self.n // self.tile_n
+            g_first = Int32(0)  # the group holding the walk's tile: its first M tile, size, first index
+            g_size = self._group_size(mTileExpert, g_first, num_m_tiles)
+            g_base = Int32(0)
+            for t in range(bid, total, nctas):
+                while t >= g_base + g_size * n_tiles:
+                    g_base = g_base + g_size * n_tiles
+                    g_first = g_first + g_size
+                    g_size = self._group_size(mTileExpert, g_first, num_m_tiles)
+                idx = t - g_base
+                bn = idx // g_size
+                bt = g_first + idx % g_size
+                sstate, state = self._produce_tile(bn, bt, bt * n_tiles + bn, tidx, warp, pipe, sched, tma_a, mAt,
+                                                   tma_b, mWt, mA, mIds, mTileExpert, sB, epi, copies, state, sstate)
         else:
             for t in range(bid, total, nctas):
-                sstate, state = self._produce_tile(t, tidx, warp, pipe, sched, tma_a, mAt, tma_b, mWt, mA, mIds,
-                                                   mTileExpert, sB, epi, num_m_tiles, copies, state, sstate)
+                bn, bt = self._tile_of(t, num_m_tiles)
+                sstate, state = self._produce_tile(bn, bt, t, tidx, warp, pipe, sched, tma_a, mAt, tma_b, mWt, mA,
+                                                   mIds, mTileExpert, sB, epi, copies, state, sstate)
         if warp == 0:
             self._publish(sched, sstate, cutlass.Int32(-1), 0, mIds, epi)
             if const_expr(self.pingpong):  # the other warpgroup reads the other slot
@@ -292,17 +274,39 @@ class _HopperWs:
             pipe.producer_tail(state)
 
     @cute.jit
-    def _produce_tile(self, t, tidx, warp, pipe, sched, tma_a, mAt, tma_b, mWt, mA, mIds, mTileExpert, sB, epi,
-                      num_m_tiles, copies, state, sstate):
-        """The producers' part of linear tile ``t``: publish it (warp 0) and fill its k-tiles
-        into the ring; returns the advanced schedule and ring states."""
+    def _group_size(self, mTileExpert, first, num_m_tiles):
+        """raster_experts: the M tiles of the raster group starting at tile ``first``: up to the
+        last expert boundary within RASTER_GROUP tiles (or the end), else RASTER_GROUP (an
+        expert of more tiles is split). Lane j reads tile first + j (one load per lane)."""
+        lane = cute.arch.lane_idx()
+        t = first + lane
+        e = Int32(-2)  # past the end: differs from every expert (and from -1, the unused tiles)
+        if lane <= RASTER_GROUP:
+            if t < num_m_tiles:
+                e = mTileExpert[t]
+        ep = cute.arch.shuffle_sync_up(e, 1)
+        cut = Boolean(False)
+        if lane >= 1:
+            if lane <= RASTER_GROUP:
+                if e != ep:
+                    cut = Boolean(True)
+        cuts = cute.arch.vote_ballot_sync(cut)
+        size = Int32(RASTER_GROUP)
+        if cuts != 0:
+            size = 31 - Int32(cute.arch.clz(cuts))
+        return size
+
+    @cute.jit
+    def _produce_tile(self, bn, bt, code, tidx, warp, pipe, sched, tma_a, mAt, tma_b, mWt, mA, mIds, mTileExpert,
+                      sB, epi, copies, state, sstate):
+        """The producers' part of tile (N tile ``bn``, M tile ``bt``): publish it as ``code``
+        (warp 0) and fill its k-tiles into the ring; returns the advanced schedule and ring states."""
         tiled_copy, tAsA_cp, tAcA, sA = copies
         k_tiles = self.k // self.tile_k
-        bn, bt = self._tile_of(t, num_m_tiles)
         expert = mTileExpert[bt]
         if expert >= 0:
             if warp == 0:
-                self._publish(sched, sstate, t, bt * self.tile_m, mIds, epi)
+                self._publish(sched, sstate, code, bt * self.tile_m, mIds, epi)
                 sstate.advance()
             gB = self._b_tiles(mWt, expert, bn)
             tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
@@ -536,8 +540,8 @@ class _HopperWs:
     @cute.jit
     def _decode(self, t, num_m_tiles):
         """(N tile, M tile) of a published code: the linear raster index (cluster_m 1), or
-        M tile * N tiles + N tile, as -2 - code for a duplicate (cluster_m > 1)."""
-        if const_expr(self.cluster_m == 1):
+        M tile * N tiles + N tile (raster_experts), as -2 - code for a duplicate (cluster_m > 1)."""
+        if const_expr(self.cluster_m == 1 and not self.raster_experts):
             return self._tile_of(t, num_m_tiles)
         n_tiles = self.n // self.tile_n
         code = t
@@ -659,20 +663,16 @@ class _HopperWs:
 
 
 class HopperGluGemm(_HopperWs, GroupedGluGemm):
-    """GEMM1 + GLU with mma="hopws" (same arguments and results as ``GroupedGluGemm``; with
-    dyn_sched one more, ``sched``, before the stream)."""
-
-    def fake_arguments(self):
-        return self._with_sched(super().fake_arguments())
+    """GEMM1 + GLU with mma="hopws" (same arguments and results as ``GroupedGluGemm``)."""
 
     @cute.jit
     def __call__(self, x: cute.Tensor, w13: cute.Tensor, sorted_ids: cute.Tensor,
                  tile_expert: cute.Tensor, h: cute.Tensor, b13: Optional[cute.Tensor],
-                 preact: Optional[cute.Tensor], sched: Optional[cute.Tensor], stream: cuda.CUstream):
+                 preact: Optional[cute.Tensor], stream: cuda.CUstream):
         grid, block = self._launch_common(self.n // self.tile_n, tile_expert)
         tma_b, mWt = self._make_tma_b(w13)
         if const_expr(self.cluster_m == 1):
-            self.kernel_ws(tma_b, mWt, x, sorted_ids, tile_expert, h, b13, preact, sched).launch(
+            self.kernel_ws(tma_b, mWt, x, sorted_ids, tile_expert, h, b13, preact).launch(
                 grid=grid, block=block, stream=stream, use_pdl=self.pdl, min_blocks_per_mp=1)
         else:
             self.kernel_mc(tma_b, self._make_tma_bm(w13), mWt, x, sorted_ids, tile_expert, h, b13, preact).launch(
@@ -680,11 +680,10 @@ class HopperGluGemm(_HopperWs, GroupedGluGemm):
 
     @cute.kernel
     def kernel_ws(self, tma_b: cute.CopyAtom, mWt: cute.Tensor, mX: cute.Tensor, mIds: cute.Tensor,
-                  mTileExpert: cute.Tensor, mH: cute.Tensor, mB: Optional[cute.Tensor], mP: Optional[cute.Tensor],
-                  mSched: Optional[cute.Tensor]):
+                  mTileExpert: cute.Tensor, mH: cute.Tensor, mB: Optional[cute.Tensor], mP: Optional[cute.Tensor]):
         tidx, _, _ = cute.arch.thread_idx()
         self._ws_tiles(tidx, None, None, tma_b, mWt, mX, mIds, mTileExpert,
-                       self._epi(mH, mB, mIds, mTileExpert, mP), mSched=mSched)
+                       self._epi(mH, mB, mIds, mTileExpert, mP))
 
     @cute.kernel
     def kernel_mc(self, tma_b: cute.CopyAtom, tma_bm: cute.CopyAtom, mWt: cute.Tensor, mX: cute.Tensor,
@@ -696,21 +695,17 @@ class HopperGluGemm(_HopperWs, GroupedGluGemm):
 
 
 class HopperDownGemm(_HopperWs, GroupedDownGemm):
-    """GEMM2 with mma="hopws" (same arguments and results as ``GroupedDownGemm``; with
-    dyn_sched one more, ``sched``, before the stream)."""
-
-    def fake_arguments(self):
-        return self._with_sched(super().fake_arguments())
+    """GEMM2 with mma="hopws" (same arguments and results as ``GroupedDownGemm``)."""
 
     @cute.jit
     def __call__(self, h: cute.Tensor, w2: cute.Tensor, sorted_ids: cute.Tensor,
                  tile_expert: cute.Tensor, topk_weights: cute.Tensor, y: cute.Tensor,
-                 b2: Optional[cute.Tensor], sched: Optional[cute.Tensor], stream: cuda.CUstream):
+                 b2: Optional[cute.Tensor], stream: cuda.CUstream):
         grid, block = self._launch_common(self.n // self.tile_n, tile_expert)
         tma_a, mAt = self._make_tma_a(h)
         tma_b, mWt = self._make_tma_b(w2)
         if const_expr(self.cluster_m == 1):
-            self.kernel_ws(tma_a, mAt, tma_b, mWt, sorted_ids, tile_expert, topk_weights, y, b2, sched).launch(
+            self.kernel_ws(tma_a, mAt, tma_b, mWt, sorted_ids, tile_expert, topk_weights, y, b2).launch(
                 grid=grid, block=block, stream=stream, use_pdl=self.pdl, min_blocks_per_mp=1)
         else:
             self.kernel_mc(tma_a, mAt, tma_b, self._make_tma_bm(w2), mWt, sorted_ids, tile_expert,
@@ -719,10 +714,10 @@ class HopperDownGemm(_HopperWs, GroupedDownGemm):
     @cute.kernel
     def kernel_ws(self, tma_a: cute.CopyAtom, mAt: cute.Tensor, tma_b: cute.CopyAtom,
                   mWt: cute.Tensor, mIds: cute.Tensor, mTileExpert: cute.Tensor,
-                  mTopkW: cute.Tensor, mY: cute.Tensor, mB: Optional[cute.Tensor], mSched: Optional[cute.Tensor]):
+                  mTopkW: cute.Tensor, mY: cute.Tensor, mB: Optional[cute.Tensor]):
         tidx, _, _ = cute.arch.thread_idx()
         self._ws_tiles(tidx, tma_a, mAt, tma_b, mWt, None, mIds, mTileExpert,
-                       self._epi(mIds, mTopkW, mY, mB, mTileExpert), mSched=mSched)
+                       self._epi(mIds, mTopkW, mY, mB, mTileExpert))
 
     @cute.kernel
     def kernel_mc(self, tma_a: cute.CopyAtom, mAt: cute.Tensor, tma_b: cute.CopyAtom,

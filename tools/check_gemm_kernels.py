@@ -85,10 +85,10 @@ CONFIGS = [
     ("xc2ef", "hopws:c2:ef", ALL, "swiglu", 128, (256, 64, 4), (256, 64, 4), [1024, 4096, 16384]),
     ("xpp64", "hoppp", ALL, "swiglu", 64, (256, 64, 5), (256, 64, 5), [1024, 4096, 16384]),
     ("xpp64ef", "hoppp:ef", ALL, "swiglu", 64, (256, 64, 5), (256, 64, 5), [1024, 4096, 16384]),
-    # the same tiles with each next tile claimed from a global counter (dyn_sched) instead of the
-    # static walk bid, bid + CTAs, ... (--ab x128,xdyn and --ab xpp64,xppdyn)
-    ("xdyn", "hopws:dyn", ALL, "swiglu", 128, (256, 64, 4), (256, 64, 4), [1024, 4096, 16384]),
-    ("xppdyn", "hoppp:dyn", ALL, "swiglu", 64, (256, 64, 5), (256, 64, 5), [1024, 4096, 16384]),
+    # the same tiles with the raster groups cut at expert boundaries (raster_experts):
+    # --ab x128,x128xa and --ab xpp64,xpp64xa
+    ("x128xa", "hopws:xa", ALL, "swiglu", 128, (256, 64, 4), (256, 64, 4), [1024, 4096, 16384]),
+    ("xpp64xa", "hoppp:xa", ALL, "swiglu", 64, (256, 64, 5), (256, 64, 5), [1024, 4096, 16384]),
     # the paired tiles with every warpgroup multiplying every tile (before 2026-12-03), beside
     # xc2 where a warpgroup whose 64 rows are all padding skips its wgmmas (--ab xc2nk,xc2)
     ("xc2nk", "hopws:c2:nk", ALL, "swiglu", 128, (256, 64, 4), (256, 64, 4), [1024, 4096, 16384]),
@@ -158,8 +158,8 @@ def compile_all(out_dir: Path, arch: str, only=None) -> None:
     for v in variants(only):
         # "hopws:c2": cluster_m 2 (one expert's tiles paired); ":f": the fixed pairs 2j, 2j + 1;
         # ":ef": the weights' TMA loads evict-first in L2; ":nk": every warpgroup multiplies
-        # every tile (no skip of all-padding halves, hopper_gemm._rows_live); ":dyn": tiles claimed
-        # from a global counter (hopper_gemm dyn_sched)
+        # every tile (no skip of all-padding halves, hopper_gemm._rows_live); ":xa": raster groups
+        # cut at expert boundaries (hopper_gemm raster_experts)
         mma, *opts = v["mma"].split(":")
         if mma not in TARGET_LIMITS[arch]["mma"]:
             continue  # e.g. wgmma on sm_100a, umma on sm_90a
@@ -172,7 +172,7 @@ def compile_all(out_dir: Path, arch: str, only=None) -> None:
                 extra["cluster_m"] = int(opt[1:])
             else:
                 extra[{"f": "pair_list", "ef": "b_evict_first", "nk": "skip_padding",
-                       "dyn": "dyn_sched"}[opt]] = opt in ("ef", "dyn")
+                       "xa": "raster_experts"}[opt]] = opt in ("ef", "xa")
         g = glu_cls(v["E"], v["H"], v["I"], v["k"], activation=v["act"],
                     interleave=INTERLEAVE, tile_m=v["tile_m"], tile_n=v["glu"][0],
                     tile_k=v["glu"][1], stages=v["glu"][2], mma=mma, **extra)
@@ -240,26 +240,14 @@ def _check_point(v, glu, down, weights, inputs, m):
     h = torch.full((r, inter), float("nan"), dtype=torch.bfloat16, device=dev)
     y = torch.full((m * k, hd), float("nan"), dtype=torch.bfloat16, device=dev)
 
-    # dyn_sched kernels: one tile counter each; a launch leaves it at zero for the next, so the
-    # checked launch below is the second on these counters
-    dyn = ":dyn" in v["mma"]
-    scheds = [torch.zeros(1, dtype=torch.int32, device=dev) for _ in range(2)] if dyn else []
-    g_args = (x, w13, sorted_ids, tile_expert, h) + tuple(scheds[:1])
-    d_args = (h, w2, sorted_ids, tile_expert, topk_w, y) + tuple(scheds[1:])
-    if dyn:
-        glu(*g_args)
-        down(*d_args)
-        h.fill_(float("nan"))
-        y.fill_(float("nan"))
     tag = f"prof_{v['tag']}_{v['model']}_{m}"
     torch.cuda.nvtx.range_push(f"{tag}_glu")
-    glu(*g_args)
+    glu(x, w13, sorted_ids, tile_expert, h)
     torch.cuda.nvtx.range_pop()
     torch.cuda.nvtx.range_push(f"{tag}_down")
-    down(*d_args)
+    down(h, w2, sorted_ids, tile_expert, topk_w, y)
     torch.cuda.nvtx.range_pop()
     torch.cuda.synchronize()
-    sched_zero = all(int(c.item()) == 0 for c in scheds)
 
     def rel_err(out, ref):
         out, ref = out.float(), ref.float()
@@ -299,16 +287,15 @@ def _check_point(v, glu, down, weights, inputs, m):
     pad_ok = bool((h[pad_rows] == 0).all().item()) if pad_rows.any() else True
     err_y = rel_err(y, y_ref)
     row_h, row_y = row_err(h[valid], h_ref[valid]), row_err(y, y_ref)
-    ok = err_h <= 1e-2 and pad_ok and err_y <= 1e-2 and row_h <= 3e-2 and row_y <= 3e-2 and sched_zero
+    ok = err_h <= 1e-2 and pad_ok and err_y <= 1e-2 and row_h <= 3e-2 and row_y <= 3e-2
     res = {"variant": v["tag"], "mma": v["mma"], "tile_m": tm, "glu_tiles": v["glu"],
            "down_tiles": v["down"], "model": v["model"], "tokens": m,
            "experts_used": int(torch.unique(topk_ids).numel()),
            "tiles": int((tile_expert >= 0).sum()), "T": int(tile_expert.numel()),
            "glu": {"rel_err": err_h, "padding_zero": pad_ok, "row_err_max": row_h},
            "down": {"rel_err": err_y, "row_err_max": row_y}, "ok": ok}
-    if dyn:
-        res["sched_counters_zero"] = sched_zero
-    fns = (lambda: glu(*g_args), lambda: down(*d_args))
+    fns = (lambda: glu(x, w13, sorted_ids, tile_expert, h),
+           lambda: down(h, w2, sorted_ids, tile_expert, topk_w, y))
     return res, fns
 
 
