@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import statistics
 import sys
 import time
@@ -75,24 +74,8 @@ def _host_and_ahead_us(graph, replays: int, chunk: int) -> tuple[float, float]:
     return host, statistics.median(times)
 
 
-def _graph_nodes(fn, path: Path) -> int | None:
-    """Capture fn once more in debug mode, write the graph as DOT to path; the number of nodes
-    (None where the driver wrote no file)."""
-    import torch
-
-    g = torch.cuda.CUDAGraph()
-    g.enable_debug_mode()
-    with torch.cuda.graph(g):
-        fn()
-    g.debug_dump(str(path.resolve()))
-    if not path.exists():
-        return None
-    text = path.read_text(errors="replace")
-    return len(set(re.findall(r"graph_\d+_node_\d+", text)))
-
-
-def measure(layer, spec, w13, w2, tokens: int, chain: int, replays: int, warmup_s: float, ahead_chunk: int,
-            dump: Path | None) -> dict:
+def measure(layer, spec, w13, w2, tokens: int, chain: int, replays: int, warmup_s: float,
+            ahead_chunk: int) -> dict:
     import torch
 
     from moe_aot.harness.measure import _replay_for, capture_graph, graph_times_us
@@ -118,12 +101,9 @@ def measure(layer, spec, w13, w2, tokens: int, chain: int, replays: int, warmup_
     _replay_for([gn], warmup_s)
     chained = _stream_us(gn, max(1, replays // chain)) / chain
     host, ahead = _host_and_ahead_us(g1, replays, ahead_chunk)
-    r = {"variant": layer.served(tokens).name(spec), "single_us": round(single, 2),
-         "stream_us": round(stream, 2), "chain_us": round(chained, 2), "host_us": round(host, 2),
-         "ahead_us": round(ahead, 2)}
-    if dump is not None:
-        r["graph_nodes"] = _graph_nodes(one, dump)
-    return r
+    return {"variant": layer.served(tokens).name(spec), "single_us": round(single, 2),
+            "stream_us": round(stream, 2), "chain_us": round(chained, 2), "host_us": round(host, 2),
+            "ahead_us": round(ahead, 2)}
 
 
 def main() -> int:
@@ -136,7 +116,6 @@ def main() -> int:
     ap.add_argument("--replays", type=int, default=400)
     ap.add_argument("--warmup", type=float, default=0.5, help="seconds of untimed replays before each timing")
     ap.add_argument("--ahead-chunk", type=int, default=50, help="iterations enqueued behind each GPU sleep (ahead)")
-    ap.add_argument("--dump-graphs", action="store_true", help="also write each single graph as DOT under OUT")
     ap.add_argument("--out", type=Path, default=Path("launch_gaps_out"))
     ap.add_argument("--picks-of", default=None, metavar="GPU", help="serve the database's picks for this GPU "
                     "name (e.g. \"NVIDIA H200\" on an H100, same SM count); default: this GPU's")
@@ -160,7 +139,6 @@ def main() -> int:
     url = ns.db if "://" in ns.db else f"sqlite:///{Path(ns.db).resolve()}"
     store = KernelStore(url)
     rows = []
-    ns.out.mkdir(parents=True, exist_ok=True)
     b = bucket_for(ns.tokens)
     dev = torch.device("cuda", torch.cuda.current_device())
     for precision in ns.precision.split(","):
@@ -175,17 +153,16 @@ def main() -> int:
                 variants = ({b: default_variant(spec, b)} if source == "default"
                             else store.picks(spec, ns.picks_of) if ns.picks_of else None)
                 layer = MoeLayer(spec, store, device=dev, variants=variants)
-                dump = ns.out / f"graph_{model}_{precision}_{source}.dot" if ns.dump_graphs else None
                 r = {"model": model, "precision": precision, "tokens": ns.tokens, "source": source,
-                     **measure(layer, spec, w13, w2, ns.tokens, ns.chain, ns.replays, ns.warmup, ns.ahead_chunk,
-                               dump)}
+                     **measure(layer, spec, w13, w2, ns.tokens, ns.chain, ns.replays, ns.warmup, ns.ahead_chunk)}
                 rows.append(r)
                 print(f"{model:16s} {precision:5s} {source:7s} single {r['single_us']:8.2f}  stream "
                       f"{r['stream_us']:8.2f}  chain {r['chain_us']:8.2f}  host {r['host_us']:6.2f}  ahead "
-                      f"{r['ahead_us']:8.2f} us  nodes {r.get('graph_nodes', '-')}  {r['variant']}", flush=True)
+                      f"{r['ahead_us']:8.2f} us  {r['variant']}", flush=True)
                 del layer
             del w13, w2
             torch.cuda.empty_cache()
+    ns.out.mkdir(parents=True, exist_ok=True)
     (ns.out / "launch_gaps.json").write_text(json.dumps(
         {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "device": torch.cuda.get_device_name(),
          "command": " ".join(sys.argv), "rows": rows}, indent=1))
