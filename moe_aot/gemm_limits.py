@@ -441,6 +441,26 @@ def check_cluster(mma, tile_m, cluster_m) -> tuple[bool, str]:
     return True, ""
 
 
+# Raster groups cut at expert boundaries (templates/hopper_gemm.py raster_experts): the wgmma
+# GEMMs' persistent producers, single CTAs only (a 2-CTA cluster walks expert-paired units), in
+# the precisions measured with it.
+RASTER_MMAS = WGMMA
+RASTER_PRECISIONS = ("bf16",)
+
+
+def raster_applies(mma, cluster_m=1, precision="bf16") -> bool:
+    """Whether a GEMM of this MMA, cluster and precision may cut its raster groups at experts."""
+    return mma in RASTER_MMAS and cluster_m == 1 and precision in RASTER_PRECISIONS
+
+
+def check_raster(mma, cluster_m, precision, raster_experts) -> tuple[bool, str]:
+    """(ok, reason) of raster_experts for a GEMM of this MMA, cluster and precision."""
+    if raster_experts and not raster_applies(mma, cluster_m, precision):
+        return False, (f"raster_experts needs mma {' or '.join(RASTER_MMAS)} in single CTAs (cluster 1) in "
+                       f"{' or '.join(RASTER_PRECISIONS)}, got {mma} with cluster {cluster_m} in {precision}")
+    return True, ""
+
+
 def check_umma_pair(tile_m, cluster_m) -> tuple[bool, str]:
     """(ok, reason) of umma's 2-CTA pairs: cluster 2 if and only if tile_m 256. A pair's one MMA
     multiplies its 256 rows by one expert's weights (a kernel cannot mix cta_group::1 and ::2), so

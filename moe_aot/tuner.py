@@ -119,19 +119,25 @@ def suggest(trial: optuna.Trial, space: dict[str, CategoricalDistribution]) -> L
     for k, d in space.items():
         if fixed is not None and k not in fixed:
             continue
-        if fixed is None and k.endswith("_cluster") and not _cluster_applies(params, k):
-            continue  # a GEMM's cluster exists only for hopws 128-row and umma 256-row tiles: keep 1
+        if fixed is None and not _option_applies(params, k):
+            continue  # a GEMM option its MMA / cluster lacks (cluster, raster_experts): keep the default
         params[k] = trial.suggest_categorical(k, d.choices)
     return variant_of(params)
 
 
-def _cluster_applies(params: dict, key: str) -> bool:
-    """Whether the sampler should choose `key` (glu_cluster / down_cluster) given the parameters
-    chosen so far: asked everywhere, it would make most proposals invalid and get them pruned."""
-    from .gemm_limits import cluster_applies
+def _option_applies(params: dict, key: str) -> bool:
+    """Whether the sampler should choose `key` given the parameters chosen so far: a GEMM's
+    cluster (glu_cluster / down_cluster) exists only for hopws 128-row and umma 256-row tiles, its
+    raster_experts only for hopws / hoppp in single CTAs; asked everywhere, they would make most
+    proposals invalid and get them pruned. Every other parameter: True."""
+    from .gemm_limits import cluster_applies, raster_applies
 
-    role = key[: -len("_cluster")]
-    return cluster_applies(params.get(f"{role}_mma"), params.get("tile_m"))
+    for option, applies in (("_cluster", lambda role: cluster_applies(params.get(f"{role}_mma"), params.get("tile_m"))),
+                            ("_raster_experts", lambda role: raster_applies(params.get(f"{role}_mma"),
+                                                                            params.get(f"{role}_cluster", 1)))):
+        if key.endswith(option):
+            return applies(key[: -len(option)])
+    return True
 
 
 # -- studies -----------------------------------------------------------------------------------
@@ -676,7 +682,8 @@ def seed_variants(tuned_dir: Path | None, gpu: str, specs, buckets,
     the pick and of the default, the pick's and the default's twins with programmatic dependent
     launch flipped, their twins with h scaled per 128 columns (fp8, LayerVariant.h_block_twin), then
     the 2-CTA-cluster twins (LayerVariant.cluster_twins) of the pick, or of the default where there
-    is none. After a template change these are what a new default must
+    is none, and the pick's and the default's twins with raster groups cut at expert boundaries
+    (LayerVariant.raster_twin). After a template change these are what a new default must
     be measured against first (the newest family first: a small --trials measures the pick and its
     ping-pong twins). Without `tuned_dir`, only the `extra` variants."""
     from .variants import default_variant
@@ -696,6 +703,7 @@ def seed_variants(tuned_dir: Path | None, gpu: str, specs, buckets,
                 seeds = [pick, *extra] + [v.pingpong_twin(spec) for v in (four or base, base)]
                 seeds += [four and four.pdl_twin(), base.pdl_twin()]
                 seeds += [four and four.h_block_twin(spec), base.h_block_twin(spec)] + (four or base).cluster_twins()
+                seeds += [four and four.raster_twin(spec), base.raster_twin(spec)]
             out[(spec.workload_key, tokens)] = [v for v in dict.fromkeys(seeds)
                                                if v is not None and v != base and can_implement(spec, v)[0]]
     return out

@@ -66,9 +66,15 @@ class GemmTiles:
     # expert; umma: 2 is a 2-CTA tcgen05 pair on one 256-row tile (the layer's tile_m 256). Named
     # only when > 1, so every cluster-1 name (and database key) is unchanged.
     cluster: int = 1
+    # hopws / hoppp in single CTAs (gemm_limits.raster_applies): raster groups cut at expert
+    # boundaries (templates/hopper_gemm.py), so that no short expert's weight tiles are read by two
+    # groups. Named ("xe") only when set, so every older name (and database key) is unchanged.
+    raster_experts: bool = False
 
-    def __init__(self, tile_n: int = 128, tile_k: int = 64, stages: int = 3, mma: str = "warp", cluster: int = 1):
-        vars(self).update(tile_n=tile_n, tile_k=tile_k, stages=stages, mma=mma, cluster=cluster)
+    def __init__(self, tile_n: int = 128, tile_k: int = 64, stages: int = 3, mma: str = "warp", cluster: int = 1,
+                 raster_experts: bool = False):
+        vars(self).update(tile_n=tile_n, tile_k=tile_k, stages=stages, mma=mma, cluster=cluster,
+                          raster_experts=raster_experts)
 
     @property
     def tag(self) -> str:
@@ -79,10 +85,12 @@ class GemmTiles:
         return f"c{self.cluster}" if self.cluster > 1 else ""
 
     def params(self, precision: str = "bf16") -> tuple:
-        """The template constructor arguments these tunables set (cluster_m only when > 1, the
-        precision only when not bf16, so every bf16 kernel is built exactly as before)."""
+        """The template constructor arguments these tunables set (cluster_m only when > 1,
+        raster_experts only when set, the precision only when not bf16, so every bf16 kernel is
+        built exactly as before)."""
         return ((("tile_n", self.tile_n), ("tile_k", self.tile_k), ("stages", self.stages), ("mma", self.mma))
                 + ((("cluster_m", self.cluster),) if self.cluster > 1 else ())
+                + ((("raster_experts", True),) if self.raster_experts else ())
                 + ((("precision", precision),) if precision != "bf16" else ()))
 
 
@@ -159,6 +167,15 @@ class LayerVariant:
         if limits.cluster_applies(self.glu.mma, self.tile_m) and self.glu.cluster == 1:
             out.append(dataclasses.replace(down, glu=dataclasses.replace(self.glu, cluster=2)))
         return out
+
+    def raster_twin(self, spec: LayerSpec) -> "LayerVariant | None":
+        """The same layer with each GEMM that can (gemm_limits.raster_applies: hopws / hoppp in
+        single CTAs) cutting its raster groups at expert boundaries; None where neither GEMM can
+        or both already do (measured side by side by the tuner's seeds)."""
+        glu, down = (dataclasses.replace(t, raster_experts=True)
+                     if limits.raster_applies(t.mma, t.cluster, spec.precision) else t for t in (self.glu, self.down))
+        twin = dataclasses.replace(self, glu=glu, down=down)
+        return twin if twin != self and can_implement(spec, twin)[0] else None
 
     def pingpong_twin(self, spec: LayerSpec) -> "LayerVariant | None":
         """This layer on 64-row ping-pong tiles (mma "hoppp") in both GEMMs, routing and PDL as
@@ -731,12 +748,12 @@ def blockscale_kernel(shape: BlockScaleShape) -> KernelVariant:
 # and its own layout; a field of OMIT_AT_DEFAULT is left out at its default, so adding one kept
 # every older name (and database key). name() and parse() both read these tables, and a test
 # checks that they name every field.
-GEMM_NAME = (("tile_n", "n"), ("tile_k", "k"), ("stages", "s"), ("mma", ""), ("cluster", "c"))
+GEMM_NAME = (("tile_n", "n"), ("tile_k", "k"), ("stages", "s"), ("mma", ""), ("cluster", "c"), ("raster_experts", "xe"))
 LAYER_NAME = (("tile_m", "_m"), ("route_cluster", "r"), ("glu", "_glu"), ("down", "_down"), ("h_block", "_h"),
               ("pdl", "_pdl"))
 DECODE_NAME = (("max_tokens", "_t"), ("warps", "w"), ("stages", "s"), ("seg_bytes", "b"), ("producer", "_"),
                ("sync", "_"), ("ctas", "_c"))
-OMIT_AT_DEFAULT = {"cluster", "pdl", "h_block"}
+OMIT_AT_DEFAULT = {"cluster", "raster_experts", "pdl", "h_block"}
 _LAYOUTS = {"GemmTiles": GEMM_NAME, "LayerVariant": LAYER_NAME, "DecodeVariant": DECODE_NAME}
 
 
@@ -796,7 +813,9 @@ def _build(cls, layout, groups):
 
 
 def _c(t: GemmTiles) -> str:
-    return f"_{t.cluster_tag}" if t.cluster > 1 else ""
+    """A GEMM kernel name's options after its MMA: the cluster ("_c2"), raster groups cut at
+    experts ("_xe"); empty at the defaults."""
+    return (f"_{t.cluster_tag}" if t.cluster > 1 else "") + ("_xe" if t.raster_experts else "")
 
 
 WGMMA_MMAS = limits.WGMMA  # wgmma tiles (hopws/hoppp: TMA, a producer warpgroup, persistent)
@@ -810,6 +829,9 @@ def gemm_can_implement(n: int, k: int, tile_m: int, t: GemmTiles, target: str, p
     if t.mma not in TARGET_LIMITS[target]["mma"]:
         return False, f"{t.mma} MMA is not available on {target} (has {', '.join(TARGET_LIMITS[target]['mma'])})"
     ok, why = limits.check_fp8(role, precision, n, k, tile_m, t.tile_n, t.mma, t.cluster, t.tile_k)
+    if not ok:
+        return False, why
+    ok, why = limits.check_raster(t.mma, t.cluster, precision, t.raster_experts)
     if not ok:
         return False, why
     ok, why = limits.check_blockscaled(role, precision, n, k, tile_m, t.tile_n, t.tile_k, t.stages, t.mma, arch=target)
@@ -881,9 +903,9 @@ def candidate_space(spec: LayerSpec) -> list[LayerVariant]:
         tiles = {}
         for role, n_dim, k_dim in (("glu", 2 * spec.intermediate, spec.hidden),
                                    ("down", spec.hidden, spec.intermediate)):
-            tiles[role] = [t for t in (GemmTiles(n, k, st, mma, c) for n, k, st, mma, c in
+            tiles[role] = [t for t in (GemmTiles(n, k, st, mma, c, xe) for n, k, st, mma, c, xe in
                                        itertools.product(TILE_N, tile_ks(spec.precision), STAGES, lim["mma"],
-                                                         GEMM_CLUSTERS))
+                                                         GEMM_CLUSTERS, (False, True)))
                            if gemm_can_implement(n_dim, k_dim, m, t, spec.target, spec.precision, role)[0]
                            and (role == "down" or limits.check_glu_shape(spec.intermediate, t.tile_n,
                                                                          INTERLEAVE, spec.activation)[0])]

@@ -86,8 +86,8 @@ class _HopperWs:
         ok, reason = limits.check_cluster(mma, self.tile_m, cluster_m)
         if ok and cluster_m > 1 and self.fp8:
             ok, reason = False, f"{self.precision}: no 2-CTA clusters yet (cluster {cluster_m})"
-        if ok and raster_experts and cluster_m > 1:
-            ok, reason = False, f"raster_experts: single CTAs only (cluster_m 1), not cluster_m {cluster_m}"
+        if ok:
+            ok, reason = limits.check_raster(mma, cluster_m, self.precision, raster_experts)
         if not ok:
             raise ValueError(reason)
         self.cluster_m = cluster_m

@@ -485,11 +485,11 @@ def test_pair_rules_and_variants():
     pairs = [v for v in candidate_space(sm100) if v.tile_m == 256]
     assert pairs and all(v.glu.cluster == v.down.cluster == 2 and v.glu.mma == "umma" for v in pairs)
     # the tuner's sampler asks for a GEMM's cluster where it applies: umma at tile_m 256
-    from moe_aot.tuner import _cluster_applies, search_space
+    from moe_aot.tuner import _option_applies, search_space
 
     assert 256 in search_space(sm100)["tile_m"].choices and 2 in search_space(sm100)["glu_cluster"].choices
-    assert _cluster_applies({"tile_m": 256, "glu_mma": "umma"}, "glu_cluster")
-    assert not _cluster_applies({"tile_m": 128, "glu_mma": "umma"}, "glu_cluster")
+    assert _option_applies({"tile_m": 256, "glu_mma": "umma"}, "glu_cluster")
+    assert not _option_applies({"tile_m": 128, "glu_mma": "umma"}, "glu_cluster")
     # the defaults stay 1-CTA (nothing was measured); the pair is the tuner's seed beside them
     for tokens in (1024, 4096, 16384):
         base = default_variant(sm100, tokens)

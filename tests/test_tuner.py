@@ -158,7 +158,7 @@ def test_invalid_suggestions_are_pruned_with_the_reason(url):
     # smem of 5 stages of 128x256x64 tiles exceeds sm_90a's limit: a point of the product space
     # that candidate_space excludes.
     params = {k: d.choices[-1] if k.startswith("glu") or k == "tile_m" else d.choices[0] for k, d in space.items()}
-    params.update(glu_stages=5, glu_tile_k=64, glu_cluster=1)
+    params.update(glu_stages=5, glu_tile_k=64, glu_cluster=1, glu_raster_experts=False)
     assert not can_implement(SPEC, tuner.variant_of(params))[0]
     study.enqueue_trial(params)
     job = tuner._ask(tuner.Slot(SPEC, 1, study, space, baseline_due=False))
@@ -673,9 +673,9 @@ def test_gpu_measurer_turns_each_result_into_a_typed_outcome(monkeypatch):
 
 def test_seed_variants_measure_the_pick_its_twins_and_its_cluster_twins(tmp_path):
     """--seed-picks: per bucket the committed pick, the 64-row ping-pong twins of the pick and
-    the default, the pick's and the default's PDL twins and the 2-CTA-cluster twins of the pick
-    (GEMM2, then both GEMMs) -- all implementable, none the default itself (that one is always
-    measured first anyway)."""
+    the default, the pick's and the default's PDL twins, the 2-CTA-cluster twins of the pick
+    (GEMM2, then both GEMMs) and the pick's and the default's raster twins -- all implementable,
+    none the default itself (that one is always measured first anyway)."""
     pick = LayerVariant.parse("moe_layer_sm90a_bf16_e128k8h2048i768_swiglu_m128r16_glun192k64s4hopws"
                               "_downn256k64s4hopws_pdl")
     entry = {"workload": SPEC.workload_key, "target": SPEC.target, "tokens": 4096, "gpu": GPU,
@@ -689,11 +689,18 @@ def test_seed_variants_measure_the_pick_its_twins_and_its_cluster_twins(tmp_path
     assert got[1].pdl and got[1].glu.mma == got[2].down.mma == "hoppp" and not got[2].pdl
     clustered = [v for v in got if v.down.cluster == 2]
     assert [(v.glu.cluster, v.down.cluster, v.pdl) for v in clustered] == [(1, 2, True), (2, 2, True)]
-    assert base not in got and len(got) == 7
+    # last, the raster twins (hopws / hoppp single CTAs: both GEMMs cut their groups at experts)
+    rastered = [v for v in got if v.glu.raster_experts or v.down.raster_experts]
+    assert rastered == got[-2:] == [pick.raster_twin(SPEC), base.raster_twin(SPEC)]
+    assert all(v.glu.raster_experts and v.down.raster_experts and v.glu.cluster == v.down.cluster == 1
+               for v in rastered)
+    assert dataclasses.replace(rastered[0], glu=pick.glu, down=pick.down) == pick
+    assert base not in got and len(got) == 9
     assert all(can_implement(SPEC, v)[0] for v in got)
-    # no pick for 16 tokens: the default's ping-pong twin and its PDL twin, and no cluster twin
-    # for its mma.sync tiles
+    # no pick for 16 tokens: the default's ping-pong twin and its PDL twin, and no cluster or
+    # raster twin for its mma.sync tiles
     base16 = default_variant(SPEC, 16)
+    assert base16.raster_twin(SPEC) is None
     assert seeds[(SPEC.workload_key, 16)] == [base16.pingpong_twin(SPEC), base16.pdl_twin()]
 
 
@@ -922,8 +929,8 @@ def test_tune_confirms_too(tmp_path):
     for confirm in (0, 3):
         url = f"sqlite:///{tmp_path / f'tune{confirm}.sqlite'}"
         m = _LuckyFirst()
-        tuner.tune(url, [SPEC], (256,), m, trials=5, jobs=0, compile_fn=fake_compile, seed=9,
-                   progress=lambda s: None, confirm=confirm)
+        tuner.tune(url, [SPEC], (256,), m, trials=5, jobs=0, compile_fn=fake_compile, seed=1,
+                   progress=lambda s: None, confirm=confirm)  # a seed whose proposals are not all pruned
         [chosen[confirm]] = picks.derive_picks(Database(url, readonly=True), SPEC, GPU)
         assert (len(m.seen) > len(set(m.seen))) == (confirm > 0)
     d = default_variant(SPEC, 256).name(SPEC)

@@ -18,7 +18,8 @@ def test_every_compile_time_field_changes_the_names():
     # Layer variant fields: each one must change the name of every kernel built with it.
     for role, t in (("glu", base.glu), ("down", base.down)):
         for f in dataclasses.fields(GemmTiles):
-            other = {"tile_n": 64, "tile_k": 32, "stages": 5, "mma": "hoppp", "cluster": 2}[f.name]
+            other = {"tile_n": 64, "tile_k": 32, "stages": 5, "mma": "hoppp", "cluster": 2,
+                     "raster_experts": True}[f.name]
             v = dataclasses.replace(base, **{role: dataclasses.replace(t, **{f.name: other})})
             assert _kernel_names(SPEC, v)[role] != names[role], (role, f.name)
             assert v.name(SPEC) != base.name(SPEC)
@@ -60,6 +61,7 @@ def _name_tokens(kv) -> dict:
               "interleave": f"_g{p.get('interleave')}", "stages": f"_s{p.get('stages')}_",
               "mma": f"_{p.get('mma')}", "activation": f"_{p.get('activation')}_",
               "cluster_m": f"_{p.get('mma')}_c{p.get('cluster_m')}", "h_block": f"_h{p.get('h_block')}",
+              "raster_experts": "_xe" if p.get("raster_experts") else None,
               "precision": f"_{str(p.get('precision')).replace('-', '')}_"}
     if "hidden" in p:
         tokens["hidden"] = f"h{p['hidden']}"
@@ -79,9 +81,11 @@ def test_name_covers_every_constructor_argument():
     # equal kernels). Distinct values, so no token can be matched by another argument's value.
     v = LayerVariant(16, GemmTiles(128, 64, 3), GemmTiles(256, 32, 5), route_cluster=8, pdl=True)
     clustered = LayerVariant(128, GemmTiles(192, 64, 4, "hopws", 2), GemmTiles(256, 64, 3, "hopws", 2))
+    rastered = LayerVariant(64, GemmTiles(192, 64, 5, "hoppp", raster_experts=True),
+                            GemmTiles(256, 64, 4, "hoppp", raster_experts=True))
     f8 = make_spec("qwen3-30b-a3b", precision="fp8-block128")
     h128 = LayerVariant(128, GemmTiles(256, 128, 4, "hopws"), GemmTiles(256, 128, 3, "hopws"), h_block=128)
-    for kv in v.kernels(SPEC) + clustered.kernels(SPEC) + h128.kernels(f8):
+    for kv in v.kernels(SPEC) + clustered.kernels(SPEC) + rastered.kernels(SPEC) + h128.kernels(f8):
         for key, token in _name_tokens(kv).items():
             assert token is None or token in kv.name, (kv.name, key, token)
     # The check can fail: a name that lost its tile_m is caught, though "64" (the old token for
