@@ -132,11 +132,11 @@ def _option_applies(params: dict, key: str) -> bool:
     proposals invalid and get them pruned. Every other parameter: True."""
     from .gemm_limits import cluster_applies, raster_applies
 
-    for option, applies in (("_cluster", lambda role: cluster_applies(params.get(f"{role}_mma"), params.get("tile_m"))),
-                            ("_raster_experts", lambda role: raster_applies(params.get(f"{role}_mma"),
-                                                                            params.get(f"{role}_cluster", 1)))):
-        if key.endswith(option):
-            return applies(key[: -len(option)])
+    role = key.split("_", 1)[0]  # glu / down
+    if key.endswith("_cluster"):
+        return cluster_applies(params.get(f"{role}_mma"), params.get("tile_m"))
+    if key.endswith("_raster_experts"):
+        return raster_applies(params.get(f"{role}_mma"), params.get(f"{role}_cluster", 1))
     return True
 
 
