@@ -31,6 +31,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from moe_aot.layout import max_tiles  # noqa: E402
 from moe_aot.spec import make_spec  # noqa: E402
 
 RASTER_GROUP = 8  # templates/grouped_gemm.py RASTER_GROUP (the template module needs the DSL)
@@ -41,7 +42,7 @@ def tile_experts(experts: int, top_k: int, tokens: int, tile_m: int, rng: np.ran
     picks = np.argsort(rng.random((tokens, experts)), axis=1)[:, :top_k]
     counts = np.bincount(picks.ravel(), minlength=experts)
     used = np.repeat(np.arange(experts), (counts + tile_m - 1) // tile_m)
-    worst = (tokens * top_k + tile_m - 1) // tile_m + experts  # the workspace's tile list
+    worst = max_tiles(tokens, top_k, experts, tile_m)  # the workspace's tile list
     return np.concatenate([used, -np.ones(worst - used.size, dtype=used.dtype)])
 
 
