@@ -129,10 +129,13 @@ def _option_applies(params: dict, key: str) -> bool:
     """Whether the sampler should choose `key` given the parameters chosen so far: a GEMM's
     cluster (glu_cluster / down_cluster) exists only for hopws 128-row and umma 256-row tiles, its
     raster_experts only for hopws / hoppp in single CTAs; asked everywhere, they would make most
-    proposals invalid and get them pruned. Every other parameter: True."""
+    proposals invalid and get them pruned. Every other parameter (route_cluster, the routing
+    kernel's, too): True."""
     from .gemm_limits import cluster_applies, raster_applies
 
-    role = key.split("_", 1)[0]  # glu / down
+    role = key.split("_", 1)[0]
+    if role not in ("glu", "down"):
+        return True
     if key.endswith("_cluster"):
         return cluster_applies(params.get(f"{role}_mma"), params.get("tile_m"))
     if key.endswith("_raster_experts"):

@@ -974,3 +974,17 @@ def test_the_report_table_marks_the_confirmation_measurements():
              for i in (2, 3)]
     page = _table(16, [trial, *again])
     assert page.count("ok (confirmation round)") == 2 and page.count("<td>ok<td>") == 1
+
+
+def test_the_sampler_chooses_the_routing_cluster():
+    """The GEMM-option rule (_option_applies) covers glu_* / down_* only: the routing kernel's
+    route_cluster (1 or 16 CTAs) is the sampler's to choose at every bucket."""
+    import optuna
+
+    assert tuner._option_applies({"tile_m": 64}, "route_cluster")
+    assert not tuner._option_applies({"tile_m": 64, "glu_mma": "warp"}, "glu_cluster")
+    space = tuner.search_space(SPEC)
+    assert set(space["route_cluster"].choices) == {1, 16}
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=3))
+    seen = {tuner.suggest(study.ask(), space).route_cluster for _ in range(24)}
+    assert seen == {1, 16}
