@@ -83,7 +83,8 @@ SESSIONS = ("tuning_2026-12-01", "tuning_2026-12-01b", "tuning_2026-12-01c", "tu
             "tuning_2026-12-02v", "tuning_2026-12-02w", "tuning_2026-12-02x", "tuning_2026-12-02z",
             "tuning_2026-12-03", "tuning_backward_2026-12-03", "tuning_2026-12-03s",
             "tuning_backward_2026-12-03s", "tuning_2026-12-03t", "tuning_2026-12-03n", "tuning_2026-12-03o",
-            "tuning_2026-12-04", "tuning_2026-12-05", "tuning_2026-12-05b")
+            "tuning_2026-12-04", "tuning_2026-12-05", "tuning_2026-12-05b",
+            "tuning_2026-12-06", "tuning_2026-12-06b")
 BACKWARD_BUCKETS = (1024, 4096, 16384)
 FP8_BUCKETS = (1, 16, 64, 256, 1024, 4096, 16384)
 RECORD_FILES = [ROOT / "tools" / "results" / d / "all_records.json" for d in SESSIONS]
