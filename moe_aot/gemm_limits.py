@@ -552,8 +552,9 @@ def check_h_block(precision, h_block, glu_tile_n=None) -> tuple[bool, str]:
     return True, ""
 
 
-def check_fp8(role, precision, n, k, tile_m, tile_n, mma, cluster_m=1, tile_k=FP8_TILE_K) -> tuple[bool, str]:
-    """(ok, reason) of the fp8 rules of one GEMM beyond check_tiles (bf16: always ok)."""
+def check_fp8(role, precision, n, k, tile_m, tile_n, mma, tile_k=FP8_TILE_K) -> tuple[bool, str]:
+    """(ok, reason) of the fp8 rules of one GEMM beyond check_tiles (bf16: always ok). 2-CTA
+    clusters follow check_cluster, as bf16's (templates/hopper_fp8.py)."""
     if precision not in FP8:
         return True, ""
     if tile_k in FP8_TILE_KS[1:] and not (role == "glu" and mma == "hopws"):
@@ -563,8 +564,6 @@ def check_fp8(role, precision, n, k, tile_m, tile_n, mma, cluster_m=1, tile_k=FP
         what = "2I and H" if role == "glu" else "H and I"
         return False, (f"{precision}: {what} must be multiples of {SCALE_BLOCK} (got N={n}, K={k}: "
                        f"the scale blocks and 128-element k-tiles)")
-    if cluster_m > 1:
-        return False, f"{precision}: no 2-CTA clusters yet (cluster {cluster_m})"
     if role == "glu" and tile_n % (2 * H_SCALE_BLOCK):
         return False, (f"{precision} GEMM1: tile_n {tile_n} must be a multiple of {2 * H_SCALE_BLOCK} "
                        f"(whole {H_SCALE_BLOCK}-column scale blocks of its output)")

@@ -828,7 +828,7 @@ def gemm_can_implement(n: int, k: int, tile_m: int, t: GemmTiles, target: str, p
     then the template's own rules (gemm_limits.check_gemm / check_fp8, the one copy both use)."""
     if t.mma not in TARGET_LIMITS[target]["mma"]:
         return False, f"{t.mma} MMA is not available on {target} (has {', '.join(TARGET_LIMITS[target]['mma'])})"
-    ok, why = limits.check_fp8(role, precision, n, k, tile_m, t.tile_n, t.mma, t.cluster, t.tile_k)
+    ok, why = limits.check_fp8(role, precision, n, k, tile_m, t.tile_n, t.mma, t.tile_k)
     if not ok:
         return False, why
     ok, why = limits.check_raster(t.mma, t.cluster, precision, t.raster_experts)

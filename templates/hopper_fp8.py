@@ -31,7 +31,11 @@ k-tiles 128 or 256 wide (two swizzle atoms and two promotions per k-tile), GEMM2
 tile_n a multiple of 128 (whole 64-column output blocks; of 2 * h_block); promoting GEMMs at most 64
 accumulators per thread (tile_n <= 128 at 64 rows per warpgroup), or cooperative tiles (64 or
 128 rows) of 256 columns promoted in two 128-column parts (``_mainloop_parts``); fp8-block128 GEMM2 tile_n
-(or part) dividing 128; no 2-CTA clusters. ``gemm_limits.check_fp8`` holds the rules.
+(or part) dividing 128. 2-CTA clusters (cluster_m 2, 128-row cooperative tiles) as hopper_gemm's:
+the pair of an expert's M tiles shares each weight tile by multicast, the scales are each CTA's
+own loads; every warpgroup multiplies every tile (no skip_padding: the promotion's loop has no
+per-warpgroup branch), and the duplicate tile of a pair writes nothing. ``gemm_limits.check_fp8``
+holds the rules.
 """
 
 import cuda.bindings.driver as cuda
@@ -183,7 +187,10 @@ class _Fp8Consumer:
                                               epi, expert, bt, bn, k_tiles)
             if const_expr(self.pingpong):  # the other warpgroup's tile comes next in the ring
                 read.advance(k_tiles)
-            self._epilogue_fp8(ctid, tiled_mma, acc, tCcC, pairs, scales, epi, expert, bt * self.tile_m, bn)
+            if const_expr(self.cluster_m == 1):
+                self._epilogue_fp8(ctid, tiled_mma, acc, tCcC, pairs, scales, epi, expert, bt * self.tile_m, bn)
+            elif t >= 0:  # not the cluster's duplicate tile (see hopper_gemm's _produce_mc)
+                self._epilogue_fp8(ctid, tiled_mma, acc, tCcC, pairs, scales, epi, expert, bt * self.tile_m, bn)
             pipe_s.consumer_wait(sstate)
             t = tiles[sstate.index]
 
@@ -349,8 +356,12 @@ class HopperGluGemmFp8(_Fp8Consumer, HopperGluGemm):
                  stream: cuda.CUstream):
         grid, block = self._launch_common(self.n // self.tile_n, tile_expert)
         tma_b, mWt = self._make_tma_b(w13)
-        self.kernel_fp8(tma_b, mWt, x, xs, w13s, sorted_ids, tile_expert, h, hs).launch(
-            grid=grid, block=block, stream=stream, use_pdl=self.pdl, min_blocks_per_mp=1)
+        if const_expr(self.cluster_m == 1):
+            self.kernel_fp8(tma_b, mWt, x, xs, w13s, sorted_ids, tile_expert, h, hs).launch(
+                grid=grid, block=block, stream=stream, use_pdl=self.pdl, min_blocks_per_mp=1)
+        else:
+            self.kernel_fp8_mc(tma_b, self._make_tma_bm(w13), mWt, x, xs, w13s, sorted_ids, tile_expert,
+                               h, hs).launch(grid=grid, block=block, stream=stream, **self._launch_kw())
 
     @cute.kernel
     def kernel_fp8(self, tma_b: cute.CopyAtom, mWt: cute.Tensor, mX: cute.Tensor, mXs: cute.Tensor,
@@ -359,6 +370,16 @@ class HopperGluGemmFp8(_Fp8Consumer, HopperGluGemm):
         tidx, _, _ = cute.arch.thread_idx()
         self._ws_tiles(tidx, None, None, tma_b, mWt, mX, mIds, mTileExpert,
                        (mH, mHs, mXs, mWs, mTileExpert))
+
+    @cute.kernel
+    def kernel_fp8_mc(self, tma_b: cute.CopyAtom, tma_bm: cute.CopyAtom, mWt: cute.Tensor, mX: cute.Tensor,
+                      mXs: cute.Tensor, mWs: cute.Tensor, mIds: cute.Tensor, mTileExpert: cute.Tensor,
+                      mH: cute.Tensor, mHs: cute.Tensor):
+        """cluster_m 2: kernel_fp8 in 2-CTA clusters (hopper_gemm's _produce_mc: an expert's
+        weight tile multicast to the pair of its M tiles)."""
+        tidx, _, _ = cute.arch.thread_idx()
+        self._ws_tiles(tidx, None, None, tma_b, mWt, mX, mIds, mTileExpert,
+                       (mH, mHs, mXs, mWs, mTileExpert), tma_bm)
 
     @cute.jit
     def _load_kscales(self, sa, sb, tCcC, pairs, epi, expert, row0, bn, kt, sub: cutlass.Constexpr,
@@ -472,8 +493,12 @@ class HopperDownGemmFp8(_Fp8Consumer, HopperDownGemm):
         grid, block = self._launch_common(self.n // self.tile_n, tile_expert)
         tma_a, mAt = self._make_tma_a(h)
         tma_b, mWt = self._make_tma_b(w2)
-        self.kernel_fp8(tma_a, mAt, tma_b, mWt, hs, w2s, sorted_ids, tile_expert, topk_weights, y).launch(
-            grid=grid, block=block, stream=stream, use_pdl=self.pdl, min_blocks_per_mp=1)
+        if const_expr(self.cluster_m == 1):
+            self.kernel_fp8(tma_a, mAt, tma_b, mWt, hs, w2s, sorted_ids, tile_expert, topk_weights, y).launch(
+                grid=grid, block=block, stream=stream, use_pdl=self.pdl, min_blocks_per_mp=1)
+        else:
+            self.kernel_fp8_mc(tma_a, mAt, tma_b, self._make_tma_bm(w2), mWt, hs, w2s, sorted_ids, tile_expert,
+                               topk_weights, y).launch(grid=grid, block=block, stream=stream, **self._launch_kw())
 
     @cute.kernel
     def kernel_fp8(self, tma_a: cute.CopyAtom, mAt: cute.Tensor, tma_b: cute.CopyAtom,
@@ -482,6 +507,15 @@ class HopperDownGemmFp8(_Fp8Consumer, HopperDownGemm):
         tidx, _, _ = cute.arch.thread_idx()
         self._ws_tiles(tidx, tma_a, mAt, tma_b, mWt, None, mIds, mTileExpert,
                        (mIds, mTopkW, mY, mHs, mWs, mTileExpert))
+
+    @cute.kernel
+    def kernel_fp8_mc(self, tma_a: cute.CopyAtom, mAt: cute.Tensor, tma_b: cute.CopyAtom,
+                      tma_bm: cute.CopyAtom, mWt: cute.Tensor, mHs: cute.Tensor, mWs: cute.Tensor,
+                      mIds: cute.Tensor, mTileExpert: cute.Tensor, mTopkW: cute.Tensor, mY: cute.Tensor):
+        """cluster_m 2: kernel_fp8 in 2-CTA clusters (see HopperGluGemmFp8.kernel_fp8_mc)."""
+        tidx, _, _ = cute.arch.thread_idx()
+        self._ws_tiles(tidx, tma_a, mAt, tma_b, mWt, None, mIds, mTileExpert,
+                       (mIds, mTopkW, mY, mHs, mWs, mTileExpert), tma_bm)
 
     @cute.jit
     def _load_kscales(self, sa, sb, tCcC, pairs, epi, expert, row0, bn, kt, sub: cutlass.Constexpr,

@@ -84,8 +84,6 @@ class _HopperWs:
             raise ValueError(f"{type(self).__name__} implements mma in {MMAS}, not {mma!r}")
         super().__init__(*args, mma=mma, **kwargs)  # the tile rules
         ok, reason = limits.check_cluster(mma, self.tile_m, cluster_m)
-        if ok and cluster_m > 1 and self.fp8:
-            ok, reason = False, f"{self.precision}: no 2-CTA clusters yet (cluster {cluster_m})"
         if ok:
             ok, reason = limits.check_raster(mma, cluster_m, self.precision, raster_experts)
         if not ok:

@@ -121,8 +121,10 @@ def test_fp8_variants_and_their_refusals(precision):
     bf = make_spec("deepseek-v3")
     assert "precision" not in dict(V.default_variant(bf, 4096).kernels(bf)[1].params)  # bf16 kernels as before
     space = V.candidate_space(spec)
-    assert space and all(t.mma in ("hopws", "warp") and t.tile_k in (128, 256) and t.cluster == 1
+    assert space and all(t.mma in ("hopws", "warp") and t.tile_k in (128, 256)
                          for var in space for t in (var.glu, var.down))
+    # 2-CTA clusters (the weight tile multicast to an expert's pair of M tiles): 128-row hopws only
+    assert {(var.tile_m, t.mma) for var in space for t in (var.glu, var.down) if t.cluster > 1} == {(128, "hopws")}
     # 256-wide k-tiles: GEMM1's on the cooperative core only
     assert {(role, t.mma) for var in space for role, t in (("glu", var.glu), ("down", var.down))
             if t.tile_k == 256} == {("glu", "hopws")}
@@ -138,7 +140,7 @@ def test_fp8_variants_and_their_refusals(precision):
             (128, G(192, 128, 4, "hopws"), G(128, 128, 6, "hopws"), "multiple of 128"),
             (128, G(128, 64, 6, "hopws"), G(128, 128, 6, "hopws"), "tile_k 64 must be 128"),
             (64, G(128, 128, 8, "hoppp"), G(128, 128, 6, "hoppp"), "runs on mma in"),
-            (128, G(128, 128, 6, "hopws", 2), G(128, 128, 6, "hopws"), "clusters"),
+            (64, G(128, 128, 6, "hopws", 2), G(128, 128, 6, "hopws"), "cluster"),
             (16, G(128, 64, 6, "warp"), G(32, 128, 8, "warp"), "tile_k 64 must be one of (128, 256)"),
             (16, G(128, 256, 4, "warp"), G(32, 128, 8, "warp"), "256-wide k-tiles are GEMM1's"),
             (64, G(128, 128, 6, "hopws"), G(128, 256, 4, "hopws"), "256-wide k-tiles are GEMM1's"),
@@ -151,8 +153,8 @@ def test_fp8_variants_and_their_refusals(precision):
         assert not ok and "must divide 128" in reason, reason
 
 
-@pytest.mark.parametrize("mma", ["hopws", "hopws256", "hopws256h128", "hopws64x256", "hopwsk256", "warp",
-                                 "warp256h128"])
+@pytest.mark.parametrize("mma", ["hopws", "hopws256", "hopws256h128", "hopws64x256", "hopwsk256", "hopwsc2",
+                                 "warp", "warp256h128"])
 def test_fp8_kernels_compile(tmp_path, mma):
     """The routing launch that quantizes x and both fp8 GEMMs compile on this CPU machine into libraries whose
     cubins hold fp8 wgmma (QGMMA) on the Hopper core, e4m3 mma.sync on the mma.sync one; both
@@ -180,6 +182,10 @@ def test_fp8_kernels_compile(tmp_path, mma):
         spec = make_spec(experts=8, top_k=2, hidden=512, intermediate=256, precision="fp8-block128")
         v = V.LayerVariant(64, V.GemmTiles(128, 256, 3, "hopws"), V.GemmTiles(128, 128, 3, "hopws"))
         want_mma = r"wgmma\.mma_async\.sync\.aligned\.m64n128k32\.f32\.e4m3\.e4m3"
+    elif mma == "hopwsc2":  # 2-CTA clusters: an expert's pair of M tiles shares each weight tile by multicast
+        v = V.LayerVariant(128, V.GemmTiles(256, 128, 3, "hopws", 2), V.GemmTiles(256, 128, 3, "hopws", 2),
+                           h_block=128)
+        want_mma = r"wgmma\.mma_async\.sync\.aligned\.m64n128k32\.f32\.e4m3\.e4m3"
     elif mma == "warp256h128":  # 8 lanes share a row's 128-column h block in GEMM1's epilogue
         v = V.LayerVariant(16, V.GemmTiles(256, 128, 2, "warp"), V.GemmTiles(32, 128, 2, "warp"), h_block=128)
         want_mma = r"mma\.sync\.aligned\.m16n8k32\.row\.col\.f32\.e4m3\.e4m3\.f32"
@@ -194,6 +200,12 @@ def test_fp8_kernels_compile(tmp_path, mma):
         assert art.library[:4] == b"\x7fELF"
         if kv.role != "routing":
             assert re.search(want_mma, art.ptx), kv.name
+        if mma == "hopwsc2" and kv.role != "routing":
+            # the weights' multicast TMA (a pair of one expert) and the plain one (two experts'
+            # leftover tiles), the pair list's ballots, and no local memory
+            body = art.ptx[art.ptx.index(".entry"):]
+            assert ".multicast::cluster" in body and "vote.sync.ballot" in body, kv.name
+            assert "ld.local" not in body and "st.local" not in body, kv.name
         tool = cuobjdump()
         if mma in ("hopws64x256", "hopwsk256") and kv.role != "routing" and tool:  # no spills at 64 rows either
             cubin = tmp_path / f"{kv.role}.cubin"

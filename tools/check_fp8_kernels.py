@@ -84,6 +84,10 @@ CONFIGS = [
     ("f8w64", "warp", PRECISIONS, 64, (128, 4), (64, 4)),
     ("f8w16n256", "warp", PRECISIONS, 16, (256, 4), (64, 6)),
     ("f8w16n256h", "warp", PRECISIONS, 16, (256, 4), (64, 6), 128),  # 8 lanes per h block
+    # 2-CTA clusters ("hopws:c2"): the pair of an expert's M tiles shares each weight tile by
+    # multicast (hopper_gemm's _produce_mc), against the same tiles in single CTAs
+    ("f8n256hc2", "hopws:c2", ("fp8",), 128, (256, 4), (256, 4), 128),
+    ("f8n256bbhc2", "hopws:c2", ("fp8-block128",), 128, (256, 4), (256, 4), 128),
     ("bf_w16", "warp", ("bf16",), 16, (32, 8), (32, 8)),
     ("bf_hw128", "hopws", ("bf16",), 128, (256, 4), (256, 4)),
     ("bf_pp64", "hoppp", ("bf16",), 64, (256, 5), (256, 5)),
@@ -92,7 +96,8 @@ CONFIGS = [
 
 EXPERIMENTAL = ("f8p",)
 # config -> the config it is measured against (same tiles, h scaled per 64 columns)
-VERSUS = {"f8n256h": "f8n256", "f8n256bbh": "f8n256bb", "f8w16n256h": "f8w16n256", "f8c64s8": "f8c64",
+VERSUS = {"f8n256hc2": "f8n256h", "f8n256bbhc2": "f8n256bbh",
+          "f8n256h": "f8n256", "f8n256bbh": "f8n256bb", "f8w16n256h": "f8w16n256", "f8c64s8": "f8c64",
           "f8c64n256": "f8c64", "f8c64n256s5": "f8c64", "f8c64k256": "f8c64", "f8c64k256s3": "f8c64"}
 
 
@@ -132,13 +137,16 @@ def compile_all(out_dir: Path, arch: str, only=None) -> None:
         else:
             glu_cls, down_cls = (HopperGluGemmFp8, HopperDownGemmFp8) if fp8 else (HopperGluGemm, HopperDownGemm)
         hb = {"h_block": v["h_block"]} if v["h_block"] != 64 else {}  # the 64-block kernels as built before
+        mma, _, cluster = v["mma"].partition(":c")  # "hopws:c2": 2-CTA clusters along M
+        if cluster:
+            hb["cluster_m"] = int(cluster)
         objs = [
             (glu_cls(v["E"], v["H"], v["I"], v["k"], interleave=INTERLEAVE, tile_m=v["tile_m"],
                      tile_n=v["glu"][0], tile_k=v["glu"][2] if len(v["glu"]) > 2 else tk,
-                     stages=v["glu"][1], mma=v["mma"],
+                     stages=v["glu"][1], mma=mma,
                      precision=v["precision"], **hb), v["glu_name"]),
             (down_cls(v["E"], v["H"], v["I"], v["k"], tile_m=v["tile_m"], tile_n=v["down"][0],
-                      tile_k=tk, stages=v["down"][1], mma=v["mma"], precision=v["precision"], **hb),
+                      tile_k=tk, stages=v["down"][1], mma=mma, precision=v["precision"], **hb),
              v["down_name"]),
         ]
         if fp8 and v["quant_name"] not in done:
