@@ -165,6 +165,9 @@ def compile_all(out_dir: Path, arch: str, only=None) -> None:
 
 # ----------------------------------------------------------------------------- run (GPU)
 def run_all(kdir: Path, out_dir: Path, iters: int, tokens=None, only=None, models=None) -> int:
+    import os
+
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # before CUDA starts
     import torch
 
     from moe_aot.harness import fp8 as F8R
@@ -215,6 +218,11 @@ def run_all(kdir: Path, out_dir: Path, iters: int, tokens=None, only=None, model
             weights[v["model"]] = (w_gate, w_up, w2)
         w_gate, w_up, w2 = weights[v["model"]]
         if prec not in wq:
+            # one precision's weights at a time (the manifest is sorted by model, then precision):
+            # DeepSeek-V3's bf16 weights, one fp8 copy and the layer check's bf16 w13 fit an 80 GB
+            # card, two fp8 copies did not (the H100, 2026-12-06)
+            wq.clear()
+            torch.cuda.empty_cache()
             if prec == "bf16":
                 wq[prec] = (interleave_gate_up(w_gate, w_up, INTERLEAVE), None, w2, None)
             else:
