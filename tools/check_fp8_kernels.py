@@ -136,17 +136,18 @@ def compile_all(out_dir: Path, arch: str, only=None) -> None:
             glu_cls, down_cls = (WarpGluGemmFp8, WarpDownGemmFp8) if fp8 else (GroupedGluGemm, GroupedDownGemm)
         else:
             glu_cls, down_cls = (HopperGluGemmFp8, HopperDownGemmFp8) if fp8 else (HopperGluGemm, HopperDownGemm)
-        hb = {"h_block": v["h_block"]} if v["h_block"] != 64 else {}  # the 64-block kernels as built before
+        # constructor options named only when set: the 64-block single-CTA kernels as built before
+        opts = {"h_block": v["h_block"]} if v["h_block"] != 64 else {}
         mma, _, cluster = v["mma"].partition(":c")  # "hopws:c2": 2-CTA clusters along M
         if cluster:
-            hb["cluster_m"] = int(cluster)
+            opts["cluster_m"] = int(cluster)
         objs = [
             (glu_cls(v["E"], v["H"], v["I"], v["k"], interleave=INTERLEAVE, tile_m=v["tile_m"],
                      tile_n=v["glu"][0], tile_k=v["glu"][2] if len(v["glu"]) > 2 else tk,
                      stages=v["glu"][1], mma=mma,
-                     precision=v["precision"], **hb), v["glu_name"]),
+                     precision=v["precision"], **opts), v["glu_name"]),
             (down_cls(v["E"], v["H"], v["I"], v["k"], tile_m=v["tile_m"], tile_n=v["down"][0],
-                      tile_k=tk, stages=v["down"][1], mma=mma, precision=v["precision"], **hb),
+                      tile_k=tk, stages=v["down"][1], mma=mma, precision=v["precision"], **opts),
              v["down_name"]),
         ]
         if fp8 and v["quant_name"] not in done:
