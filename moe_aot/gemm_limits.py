@@ -129,6 +129,29 @@ def promote_parts(mma, tile_m, tile_n) -> int:
     if mma == "hopws" and tile_m in (64, 128) and tile_n > PROMOTE_PART_N:
         return tile_n // PROMOTE_PART_N
     return 1
+
+
+# k-tiles whose partial sums a promoting GEMM adds up on the tensor cores before one promotion:
+# 1 (every K block of 128), or more where the scales are the same for every K block and the tile
+# is promoted in column parts: "fp8" GEMM1 (x per token, w13 per expert). GEMM2's A (h) has a
+# scale per h_block columns and fp8-block128 one per 128x128 weight block, so both stay at 1.
+PROMOTE_EVERY = (1, 2, 4)
+
+
+def check_promote_every(role, precision, parts, k_tiles, stages, every) -> tuple[bool, str]:
+    """(ok, reason) of ``every`` k-tiles per promotion (see PROMOTE_EVERY): the consumers hold
+    ``every`` stages at once, so it must divide the k-tiles and leave the producer a stage."""
+    if every == 1:
+        return True, ""
+    if every not in PROMOTE_EVERY:
+        return False, f"promote_every {every} must be one of {PROMOTE_EVERY}"
+    if role != "glu" or precision != "fp8" or parts < 2:
+        return False, (f"promote_every {every}: only 'fp8' GEMM1 tiles promoted in column parts have the "
+                       f"same scales for every K block (this is {precision!r} {role}, {parts} part(s))")
+    if k_tiles % every or every >= stages:
+        return False, (f"promote_every {every} must divide the {k_tiles} k-tiles and be below the "
+                       f"{stages} stages")
+    return True, ""
 # the cores fp8 is built on: the cooperative one (the ping-pong one crashed in its first GPU
 # check at 1 token, under timing only, memcheck clean: tools/results/NOTES.md, 2026-12-01) and
 # mma.sync's e4m3 m16n8k32 (sm_89+)

@@ -70,11 +70,16 @@ class GemmTiles:
     # boundaries (templates/hopper_gemm.py), so that no short expert's weight tiles are read by two
     # groups. Named ("xe") only when set, so every older name (and database key) is unchanged.
     raster_experts: bool = False
+    # k-tiles whose partial sums the tensor cores add up before one promotion (gemm_limits.
+    # PROMOTE_EVERY, check_promote_every): > 1 only for "fp8" GEMM1 tiles promoted in column parts
+    # (templates/hopper_fp8.py _mainloop_grouped). Named ("p2") only when > 1, so every older name
+    # (and database key) is unchanged.
+    promote: int = 1
 
     def __init__(self, tile_n: int = 128, tile_k: int = 64, stages: int = 3, mma: str = "warp", cluster: int = 1,
-                 raster_experts: bool = False):
+                 raster_experts: bool = False, promote: int = 1):
         vars(self).update(tile_n=tile_n, tile_k=tile_k, stages=stages, mma=mma, cluster=cluster,
-                          raster_experts=raster_experts)
+                          raster_experts=raster_experts, promote=promote)
 
     @property
     def tag(self) -> str:
@@ -91,6 +96,7 @@ class GemmTiles:
         return ((("tile_n", self.tile_n), ("tile_k", self.tile_k), ("stages", self.stages), ("mma", self.mma))
                 + ((("cluster_m", self.cluster),) if self.cluster > 1 else ())
                 + ((("raster_experts", True),) if self.raster_experts else ())
+                + ((("promote_every", self.promote),) if self.promote > 1 else ())
                 + ((("precision", precision),) if precision != "bf16" else ()))
 
 
@@ -176,6 +182,15 @@ class LayerVariant:
                      if limits.raster_applies(t.mma, t.cluster, spec.precision) else t for t in (self.glu, self.down))
         twin = dataclasses.replace(self, glu=glu, down=down)
         return twin if twin != self and can_implement(spec, twin)[0] else None
+
+    def promote_twin(self, spec: LayerSpec) -> "LayerVariant | None":
+        """The same layer with GEMM1 promoted once per 2 k-tiles ("fp8" GEMM1 in column parts,
+        gemm_limits.check_promote_every); None where GEMM1 cannot or already does (measured side
+        by side by the tuner's seeds)."""
+        if self.glu.promote != 1:
+            return None
+        twin = dataclasses.replace(self, glu=dataclasses.replace(self.glu, promote=2))
+        return twin if can_implement(spec, twin)[0] else None
 
     def pingpong_twin(self, spec: LayerSpec) -> "LayerVariant | None":
         """This layer on 64-row ping-pong tiles (mma "hoppp") in both GEMMs, routing and PDL as
@@ -748,12 +763,13 @@ def blockscale_kernel(shape: BlockScaleShape) -> KernelVariant:
 # and its own layout; a field of OMIT_AT_DEFAULT is left out at its default, so adding one kept
 # every older name (and database key). name() and parse() both read these tables, and a test
 # checks that they name every field.
-GEMM_NAME = (("tile_n", "n"), ("tile_k", "k"), ("stages", "s"), ("mma", ""), ("cluster", "c"), ("raster_experts", "xe"))
+GEMM_NAME = (("tile_n", "n"), ("tile_k", "k"), ("stages", "s"), ("mma", ""), ("cluster", "c"), ("raster_experts", "xe"),
+             ("promote", "p"))
 LAYER_NAME = (("tile_m", "_m"), ("route_cluster", "r"), ("glu", "_glu"), ("down", "_down"), ("h_block", "_h"),
               ("pdl", "_pdl"))
 DECODE_NAME = (("max_tokens", "_t"), ("warps", "w"), ("stages", "s"), ("seg_bytes", "b"), ("producer", "_"),
                ("sync", "_"), ("ctas", "_c"))
-OMIT_AT_DEFAULT = {"cluster", "raster_experts", "pdl", "h_block"}
+OMIT_AT_DEFAULT = {"cluster", "raster_experts", "promote", "pdl", "h_block"}
 _LAYOUTS = {"GemmTiles": GEMM_NAME, "LayerVariant": LAYER_NAME, "DecodeVariant": DECODE_NAME}
 
 
@@ -814,8 +830,9 @@ def _build(cls, layout, groups):
 
 def _c(t: GemmTiles) -> str:
     """A GEMM kernel name's options after its MMA: the cluster ("_c2"), raster groups cut at
-    experts ("_xe"); empty at the defaults."""
-    return (f"_{t.cluster_tag}" if t.cluster > 1 else "") + ("_xe" if t.raster_experts else "")
+    experts ("_xe"), k-tiles per promotion ("_p2"); empty at the defaults."""
+    return ((f"_{t.cluster_tag}" if t.cluster > 1 else "") + ("_xe" if t.raster_experts else "")
+            + (f"_p{t.promote}" if t.promote > 1 else ""))
 
 
 WGMMA_MMAS = limits.WGMMA  # wgmma tiles (hopws/hoppp: TMA, a producer warpgroup, persistent)
@@ -832,6 +849,10 @@ def gemm_can_implement(n: int, k: int, tile_m: int, t: GemmTiles, target: str, p
     if not ok:
         return False, why
     ok, why = limits.check_raster(t.mma, t.cluster, precision, t.raster_experts)
+    if not ok:
+        return False, why
+    ok, why = limits.check_promote_every(role, precision, limits.promote_parts(t.mma, tile_m, t.tile_n),
+                                         k // t.tile_k, t.stages, t.promote)
     if not ok:
         return False, why
     ok, why = limits.check_blockscaled(role, precision, n, k, tile_m, t.tile_n, t.tile_k, t.stages, t.mma, arch=target)
@@ -903,9 +924,9 @@ def candidate_space(spec: LayerSpec) -> list[LayerVariant]:
         tiles = {}
         for role, n_dim, k_dim in (("glu", 2 * spec.intermediate, spec.hidden),
                                    ("down", spec.hidden, spec.intermediate)):
-            tiles[role] = [t for t in (GemmTiles(n, k, st, mma, c, xe) for n, k, st, mma, c, xe in
+            tiles[role] = [t for t in (GemmTiles(n, k, st, mma, c, xe, pe) for n, k, st, mma, c, xe, pe in
                                        itertools.product(TILE_N, tile_ks(spec.precision), STAGES, lim["mma"],
-                                                         GEMM_CLUSTERS, (False, True)))
+                                                         GEMM_CLUSTERS, (False, True), limits.PROMOTE_EVERY))
                            if gemm_can_implement(n_dim, k_dim, m, t, spec.target, spec.precision, role)[0]
                            and (role == "down" or limits.check_glu_shape(spec.intermediate, t.tile_n,
                                                                          INTERLEAVE, spec.activation)[0])]

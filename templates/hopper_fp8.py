@@ -112,7 +112,7 @@ def down_fp8_arguments(gemm):
 class _Fp8Consumer:
     """The fp8 consumer loop of both GEMMs (see the module docstring)."""
 
-    def _fp8_init(self, h_block):
+    def _fp8_init(self, h_block, promote_every=1):
         if not self.fp8:
             raise ValueError(f"{type(self).__name__} is the fp8 GEMM; precision {self.precision!r} is not fp8")
         ok, why = limits.check_h_block(self.precision, h_block, self.tile_n if self.glu else None)
@@ -128,6 +128,12 @@ class _Fp8Consumer:
         # partial sums pipelined; gemm_limits.promote_parts)
         self.parts = limits.promote_parts(self.mma, self.tile_m, self.tile_n) if self.mma != "warp" else 1
         self.part_n = self.tile_n // self.parts
+        # k-tiles summed on the tensor cores per promotion ("fp8" GEMM1 in parts: _mainloop_grouped)
+        ok, why = limits.check_promote_every("glu" if self.glu else "down", self.precision, self.parts,
+                                             self.k // self.tile_k, self.stages, promote_every)
+        if not ok:
+            raise ValueError(why)
+        self.promote_every = promote_every
 
     @cute.jit
     def _consume_ws(self, ctid, pipe, sched, tiled_mma, sA, sB, epi, num_m_tiles):
@@ -179,7 +185,10 @@ class _Fp8Consumer:
                 sstate.advance()
             acc.fill(0.0)
             tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
-            if const_expr(self.parts > 1):
+            if const_expr(self.promote_every > 1):
+                read = self._mainloop_grouped(pipe, read, part_mma, tCrA, tCrB, acc, part, tCcC, pairs,
+                                              epi, expert, bt, bn, k_tiles)
+            elif const_expr(self.parts > 1):
                 read = self._mainloop_parts(pipe, read, part_mma, tCrA, tCrB, acc, part, tCcC, pairs,
                                             epi, expert, bt, bn, k_tiles)
             else:
@@ -289,6 +298,46 @@ class _Fp8Consumer:
         return read
 
     @cute.jit
+    def _mainloop_grouped(self, pipe, read, part_mma, tCrA, tCrB, acc, part, tCcC, pairs, epi,
+                          expert, bt, bn, k_tiles):
+        """_mainloop_parts with ``promote_every`` (P) k-tiles per promotion ("fp8" GEMM1, whose
+        scales are the same for every K block): per group of P k-tiles and part j, the part's
+        wgmmas over all P stages accumulate into ``part`` on the tensor cores, then one wait and
+        one promotion into acc's columns of part j; the group's P stages are released after its
+        last part. 1/P of the promotions, scale loads and waits of _mainloop_parts; the tensor
+        cores' own accumulation runs over P * 128 of K instead of 128 (Hopper's fp8 wgmma keeps
+        fewer bits than fp32: the kernel check measures what that costs). Returns the ring state
+        past the tile's k-tiles."""
+        P = self.promote_every
+        sa = cute.make_rmem_tensor(cute.make_layout(self.acc_rows), Float32)
+        sb = cute.make_rmem_tensor(cute.make_layout(2), Float32)
+        row0 = bt * self.tile_m
+        nk = self.kblocks * self.ka_per_block  # wgmma k32 instructions per k-tile
+        for grp in range(k_tiles // P):
+            self._load_kscales(sa, sb, tCcC, pairs, epi, expert, row0, bn, grp * P, 0)
+            for j in cutlass.range_constexpr(self.parts):
+                cur = read.clone()
+                cute.nvgpu.warpgroup.fence()
+                for p in cutlass.range_constexpr(P):
+                    if const_expr(j == 0):
+                        pipe.consumer_wait(cur)
+                        cute.arch.fence_proxy("async.shared", space="cta")  # A by cp.async
+                    stage = cur.index
+                    for k in cutlass.range_constexpr(nk):
+                        # the group's first wgmma overwrites the part (no zero fill, as in _mainloop_parts)
+                        part_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, p > 0 or k > 0)
+                        cute.gemm(part_mma, part, tCrA[None, None, k, stage],
+                                  cute.append_ones(tCrB[None, j, k, stage], up_to_rank=2), part)
+                    cur.advance()
+                cute.nvgpu.warpgroup.commit_group()
+                cute.nvgpu.warpgroup.wait_group(0)
+                self._promote(acc, part, sa, sb, j * cute.size(part))
+            for p in cutlass.range_constexpr(P):
+                pipe.consumer_release(read)
+                read.advance()
+        return read
+
+    @cute.jit
     def _issue(self, pipe, read, stage, tiled_mma, part, tCrA, tCrB, sub: cutlass.Constexpr):
         """Zero ``part`` and issue K block ``sub`` of the current k-tile into it as one wgmma
         group; the first block of a k-tile waits for its stage, the last one moves ``read`` on.
@@ -343,9 +392,9 @@ class HopperGluGemmFp8(_Fp8Consumer, HopperGluGemm):
     used tile (padding rows: zeros and scale 0).
     """
 
-    def __init__(self, *args, h_block: int = HB, **kwargs):
+    def __init__(self, *args, h_block: int = HB, promote_every: int = 1, **kwargs):
         super().__init__(*args, **kwargs)
-        self._fp8_init(h_block)
+        self._fp8_init(h_block, promote_every)
 
     def fake_arguments(self):
         return glu_fp8_arguments(self)

@@ -134,6 +134,16 @@ def test_fp8_variants_and_their_refusals(precision):
     assert wide == {64, 128}
     assert {var.glu.tile_n for var in space if var.glu.mma == "warp"} == {128, 256}
     assert {var.tile_m for var in space if var.glu.mma == "warp"} == set(V.TILE_M)
+    # GEMM1 promoted once per 2 (4) k-tiles: "fp8" only (its scales are the same for every K block),
+    # cooperative tiles promoted in column parts, never GEMM2
+    promoted = [var for var in space if var.glu.promote > 1]
+    assert all(var.down.promote == 1 for var in space)
+    if precision == "fp8":
+        assert promoted and all(var.glu.mma == "hopws" and var.glu.tile_n > 128 and var.glu.stages > var.glu.promote
+                                for var in promoted)
+        assert {var.glu.promote for var in promoted} <= set(limits.PROMOTE_EVERY[1:])
+    else:
+        assert not promoted
     G = V.GemmTiles
     for tm, glu, down, why in (
             (64, G(128, 128, 6, "hopws"), G(192, 128, 4, "hopws"), "accumulator registers"),
@@ -145,16 +155,26 @@ def test_fp8_variants_and_their_refusals(precision):
             (16, G(128, 256, 4, "warp"), G(32, 128, 8, "warp"), "256-wide k-tiles are GEMM1's"),
             (64, G(128, 128, 6, "hopws"), G(128, 256, 4, "hopws"), "256-wide k-tiles are GEMM1's"),
             (16, G(64, 128, 6, "warp"), G(32, 128, 8, "warp"), "tile_n 64 must be a multiple of 128"),
-            (128, G(256, 128, 3, "warp"), G(32, 128, 8, "warp"), "with its partial sums")):
+            (128, G(256, 128, 3, "warp"), G(32, 128, 8, "warp"), "with its partial sums"),
+            (128, G(256, 128, 4, "hopws"), G(256, 128, 4, "hopws", promote=2), "same scales for every K block"),
+            (128, G(128, 128, 6, "hopws", promote=2), G(128, 128, 6, "hopws"), "same scales for every K block"),
+            (128, G(256, 128, 4, "hopws", promote=3), G(256, 128, 4, "hopws"), "must be one of")):
         ok, reason = V.can_implement(spec, V.LayerVariant(tm, glu, down))
         assert not ok and why in reason, reason
+    glu_p = G(256, 128, 4, "hopws", promote=2)
+    ok, reason = V.can_implement(spec, V.LayerVariant(128, glu_p, G(256, 128, 4, "hopws"), h_block=128))
+    assert ok == (precision == "fp8"), reason  # block128's weight scales differ per K block
+    if precision == "fp8":
+        ok, reason = V.can_implement(spec, V.LayerVariant(128, G(256, 128, 4, "hopws", promote=4),
+                                                          G(256, 128, 4, "hopws"), h_block=128))
+        assert not ok and "below the 4 stages" in reason, reason  # the producer keeps a stage
     if precision == "fp8-block128":
         ok, reason = V.can_implement(spec, V.LayerVariant(16, G(128, 128, 6, "warp"), G(256, 128, 4, "warp")))
         assert not ok and "must divide 128" in reason, reason
 
 
 @pytest.mark.parametrize("mma", ["hopws", "hopws256", "hopws256h128", "hopws64x256", "hopwsk256", "hopwsc2",
-                                 "warp", "warp256h128"])
+                                 "hopwsp2", "warp", "warp256h128"])
 def test_fp8_kernels_compile(tmp_path, mma):
     """The routing launch that quantizes x and both fp8 GEMMs compile on this CPU machine into libraries whose
     cubins hold fp8 wgmma (QGMMA) on the Hopper core, e4m3 mma.sync on the mma.sync one; both
@@ -186,6 +206,11 @@ def test_fp8_kernels_compile(tmp_path, mma):
         v = V.LayerVariant(128, V.GemmTiles(256, 128, 3, "hopws", 2), V.GemmTiles(256, 128, 3, "hopws", 2),
                            h_block=128)
         want_mma = r"wgmma\.mma_async\.sync\.aligned\.m64n128k32\.f32\.e4m3\.e4m3"
+    elif mma == "hopwsp2":  # "fp8" GEMM1 promoted once per 2 k-tiles (the tensor cores sum 256 of K)
+        spec = make_spec(experts=8, top_k=2, hidden=512, intermediate=256, precision="fp8")
+        v = V.LayerVariant(128, V.GemmTiles(256, 128, 3, "hopws", promote=2), V.GemmTiles(256, 128, 3, "hopws"),
+                           h_block=128)
+        want_mma = r"wgmma\.mma_async\.sync\.aligned\.m64n128k32\.f32\.e4m3\.e4m3"
     elif mma == "warp256h128":  # 8 lanes share a row's 128-column h block in GEMM1's epilogue
         v = V.LayerVariant(16, V.GemmTiles(256, 128, 2, "warp"), V.GemmTiles(32, 128, 2, "warp"), h_block=128)
         want_mma = r"mma\.sync\.aligned\.m16n8k32\.row\.col\.f32\.e4m3\.e4m3\.f32"
@@ -207,6 +232,16 @@ def test_fp8_kernels_compile(tmp_path, mma):
             assert ".multicast::cluster" in body and "vote.sync.ballot" in body, kv.name
             assert "ld.local" not in body and "st.local" not in body, kv.name
         tool = cuobjdump()
+        if mma == "hopwsp2" and kv.role == "glu":
+            # per group of 2 k-tiles and part: 8 k32 wgmmas (2 parts: 16 in the loop body), one wait
+            # each and one promotion; the kernel's name says so
+            assert "_hopws_p2_" in kv.name and len(re.findall(want_mma, art.ptx)) == 16, kv.name
+            if tool:
+                cubin = tmp_path / f"{kv.role}.cubin"
+                cubin.write_bytes(art.cubin)
+                sass = subprocess.run([tool, "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+                assert len(re.findall(r"WARPGROUP\.DEPBAR", sass)) == 2, kv.name
+                assert len(re.findall(r"\bQGMMA\b", sass)) == 16 and not re.search(r"\b(STL|LDL)\b", sass), kv.name
         if mma in ("hopws64x256", "hopwsk256") and kv.role != "routing" and tool:  # no spills at 64 rows either
             cubin = tmp_path / f"{kv.role}.cubin"
             cubin.write_bytes(art.cubin)

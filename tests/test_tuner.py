@@ -716,10 +716,15 @@ def test_fp8_seeds_measure_h_scaled_per_128_columns_beside_64(tmp_path):
                                        "median_us": 1.0, "default_us": 1.1}])
     seeds = tuner.seed_variants(tmp_path, GPU, [spec], [16, 4096])
     got = seeds[(spec.workload_key, 4096)]
-    twins = [v for v in got if v.h_block == 128]
+    twins = [v for v in got if v.h_block == 128 and v.glu.promote == 1]
     # the old default's twin is the default now (measured as the default, not seeded again)
     assert base.h_block_twin(spec) == default_variant(spec, 4096)
     assert twins == [pick.h_block_twin(spec)]
+    # GEMM1 promoted once per 2 k-tiles: the pick's and the default's twins (and nothing else changed)
+    promoted = [v for v in got if v.glu.promote == 2]
+    assert pick.promote_twin(spec) in promoted and default_variant(spec, 4096).promote_twin(spec) in promoted
+    assert all(dataclasses.replace(v, glu=dataclasses.replace(v.glu, promote=1)) in [pick, base, *got,
+               default_variant(spec, 4096)] and v.down.promote == 1 for v in promoted)
     assert [dataclasses.replace(v, h_block=64) for v in twins] == [pick]
     assert all(can_implement(spec, v)[0] for v in got)
     assert all(v.h_block == 64 for v in seeds[(spec.workload_key, 16)])

@@ -19,7 +19,7 @@ def test_every_compile_time_field_changes_the_names():
     for role, t in (("glu", base.glu), ("down", base.down)):
         for f in dataclasses.fields(GemmTiles):
             other = {"tile_n": 64, "tile_k": 32, "stages": 5, "mma": "hoppp", "cluster": 2,
-                     "raster_experts": True}[f.name]
+                     "raster_experts": True, "promote": 2}[f.name]
             v = dataclasses.replace(base, **{role: dataclasses.replace(t, **{f.name: other})})
             assert _kernel_names(SPEC, v)[role] != names[role], (role, f.name)
             assert v.name(SPEC) != base.name(SPEC)
@@ -62,6 +62,7 @@ def _name_tokens(kv) -> dict:
               "mma": f"_{p.get('mma')}", "activation": f"_{p.get('activation')}_",
               "cluster_m": f"_{p.get('mma')}_c{p.get('cluster_m')}", "h_block": f"_h{p.get('h_block')}",
               "raster_experts": "_xe" if p.get("raster_experts") else None,
+              "promote_every": f"_p{p.get('promote_every')}",
               "precision": f"_{str(p.get('precision')).replace('-', '')}_"}
     if "hidden" in p:
         tokens["hidden"] = f"h{p['hidden']}"

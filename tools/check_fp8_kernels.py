@@ -88,6 +88,10 @@ CONFIGS = [
     # multicast (hopper_gemm's _produce_mc), against the same tiles in single CTAs
     ("f8n256hc2", "hopws:c2", ("fp8",), 128, (256, 4), (256, 4), 128),
     ("f8n256bbhc2", "hopws:c2", ("fp8-block128",), 128, (256, 4), (256, 4), 128),
+    # "fp8" GEMM1 promoted once per 2 (4) k-tiles ("hopws:p2": gemm_limits.PROMOTE_EVERY), the
+    # tensor cores summing 256 (512) of K per partial sum; GEMM2 as f8n256h's
+    ("f8n256hp2", "hopws:p2", ("fp8",), 128, (256, 4), (256, 4), 128),
+    ("f8n256hp2s5", "hopws:p2", ("fp8",), 128, (256, 5), (256, 4), 128),
     ("bf_w16", "warp", ("bf16",), 16, (32, 8), (32, 8)),
     ("bf_hw128", "hopws", ("bf16",), 128, (256, 4), (256, 4)),
     ("bf_pp64", "hoppp", ("bf16",), 64, (256, 5), (256, 5)),
@@ -96,7 +100,7 @@ CONFIGS = [
 
 EXPERIMENTAL = ("f8p",)
 # config -> the config it is measured against (same tiles, h scaled per 64 columns)
-VERSUS = {"f8n256hc2": "f8n256h", "f8n256bbhc2": "f8n256bbh",
+VERSUS = {"f8n256hc2": "f8n256h", "f8n256hp2": "f8n256h", "f8n256hp2s5": "f8n256h", "f8n256bbhc2": "f8n256bbh",
           "f8n256h": "f8n256", "f8n256bbh": "f8n256bb", "f8w16n256h": "f8w16n256", "f8c64s8": "f8c64",
           "f8c64n256": "f8c64", "f8c64n256s5": "f8c64", "f8c64k256": "f8c64", "f8c64k256s3": "f8c64"}
 
@@ -138,14 +142,19 @@ def compile_all(out_dir: Path, arch: str, only=None) -> None:
             glu_cls, down_cls = (HopperGluGemmFp8, HopperDownGemmFp8) if fp8 else (HopperGluGemm, HopperDownGemm)
         # constructor options named only when set: the 64-block single-CTA kernels as built before
         opts = {"h_block": v["h_block"]} if v["h_block"] != 64 else {}
-        mma, _, cluster = v["mma"].partition(":c")  # "hopws:c2": 2-CTA clusters along M
-        if cluster:
-            opts["cluster_m"] = int(cluster)
+        # "hopws:c2": 2-CTA clusters along M; "hopws:p2": GEMM1 promoted once per 2 k-tiles
+        mma, *flags = v["mma"].split(":")
+        glu_opts = {}
+        for f in flags:
+            if f[0] == "c":
+                opts["cluster_m"] = int(f[1:])
+            elif f[0] == "p":
+                glu_opts["promote_every"] = int(f[1:])
         objs = [
             (glu_cls(v["E"], v["H"], v["I"], v["k"], interleave=INTERLEAVE, tile_m=v["tile_m"],
                      tile_n=v["glu"][0], tile_k=v["glu"][2] if len(v["glu"]) > 2 else tk,
                      stages=v["glu"][1], mma=mma,
-                     precision=v["precision"], **opts), v["glu_name"]),
+                     precision=v["precision"], **opts, **glu_opts), v["glu_name"]),
             (down_cls(v["E"], v["H"], v["I"], v["k"], tile_m=v["tile_m"], tile_n=v["down"][0],
                       tile_k=tk, stages=v["down"][1], mma=mma, precision=v["precision"], **opts),
              v["down_name"]),
