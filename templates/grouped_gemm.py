@@ -56,9 +56,13 @@ AB_DTYPES = {"bf16": BFloat16, "fp8": Float8E4M3FN, "fp8-block128": Float8E4M3FN
 
 @cute.jit
 def glu_act(g, activation: cutlass.Constexpr):
-    """The gate's activation: "swiglu" SiLU(g), "geglu" GELU(g) with the tanh approximation."""
+    """The gate's activation: "swiglu" SiLU(g), "geglu" GELU(g) with the tanh approximation.
+    The sigmoid's reciprocal is rcp.approx.ftz (one MUFU.RCP, <= 1 ulp). cute.math.rcp with
+    fastmath emitted rcp.rn.f32 per element (in SASS MUFU.RCP, Newton FFMAs and a branch to a slow
+    path), in GEMM1's epilogue, which nothing overlaps in cooperative tiles (NOTES 2026-12-06).
+    1 + exp(-g) is >= 1 or +inf (rcp 0: SiLU 0)."""
     if const_expr(activation == "swiglu"):
-        return g * cute.math.rcp(1.0 + cute.math.exp(-g, fastmath=True), fastmath=True)
+        return g * cute.math.rcp(1.0 + cute.math.exp(-g, fastmath=True), approx=True, ftz=True)
     else:
         inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)
         return 0.5 * g * (1.0 + cute.math.tanh(inner, fastmath=True))
@@ -73,7 +77,8 @@ def glu(g, u, activation: cutlass.Constexpr):
         lim = limits.SWIGLUOAI_LIMIT
         gc = cute.where(g > lim, lim, g)
         uc = cute.where(u > lim, lim, cute.where(u < -lim, -lim, u))
-        sig = cute.math.rcp(1.0 + cute.math.exp(-limits.SWIGLUOAI_ALPHA * gc, fastmath=True), fastmath=True)
+        sig = cute.math.rcp(1.0 + cute.math.exp(-limits.SWIGLUOAI_ALPHA * gc, fastmath=True),
+                            approx=True, ftz=True)
         return (uc + 1.0) * (gc * sig)
     else:
         return glu_act(g, activation) * u

@@ -236,6 +236,9 @@ def test_fp8_kernels_compile(tmp_path, mma):
             # per group of 2 k-tiles and part: 8 k32 wgmmas (2 parts: 16 in the loop body), one wait
             # each and one promotion; the kernel's name says so
             assert "_hopws_p2_" in kv.name and len(re.findall(want_mma, art.ptx)) == 16, kv.name
+            # the SiLU's reciprocal: rcp.approx per element (not rcp.rn, a Newton step and a slow
+            # path each); only the h blocks' scales (amax / 448) keep an exact one
+            assert art.ptx.count("rcp.approx.ftz.f32") == 64 and art.ptx.count("rcp.rn.f32") == 2, kv.name
             if tool:
                 cubin = tmp_path / f"{kv.role}.cubin"
                 cubin.write_bytes(art.cubin)
