@@ -131,6 +131,18 @@ def promote_parts(mma, tile_m, tile_n) -> int:
     return 1
 
 
+def check_fast_act(role, precision, fast_act) -> tuple[bool, str]:
+    """(ok, reason) of a GEMM1 whose activation takes its sigmoid's reciprocal as rcp.approx
+    (templates/grouped_gemm.py glu_act): GEMM1 only (the GLU is its epilogue), on every template
+    derived from GroupedGluGemm, i.e. not the block-scaled ones."""
+    if not fast_act:
+        return True, ""
+    if role != "glu" or precision in BLOCKSCALED:
+        return False, (f"fast_act is GEMM1's activation (not built for {role} in {precision}); "
+                       f"it needs role 'glu' and a precision other than {', '.join(BLOCKSCALED)}")
+    return True, ""
+
+
 # k-tiles whose partial sums a promoting GEMM adds up on the tensor cores before one promotion:
 # 1 (every K block of 128), or more where the scales are the same for every K block and the tile
 # is promoted in column parts: "fp8" GEMM1 (x per token, w13 per expert). GEMM2's A (h) has a

@@ -128,7 +128,8 @@ def suggest(trial: optuna.Trial, space: dict[str, CategoricalDistribution]) -> L
 def _option_applies(params: dict, key: str) -> bool:
     """Whether the sampler should choose `key` given the parameters chosen so far: a GEMM's
     cluster (glu_cluster / down_cluster) exists only for hopws 128-row and umma 256-row tiles, its
-    raster_experts only for hopws / hoppp in single CTAs, promote only for GEMM1 on hopws (fp8);
+    raster_experts only for hopws / hoppp in single CTAs, promote only for GEMM1 on hopws (fp8),
+    fast_act only for GEMM1;
     asked everywhere, they would make most
     proposals invalid and get them pruned. Every other parameter (route_cluster, the routing
     kernel's, too): True."""
@@ -143,6 +144,8 @@ def _option_applies(params: dict, key: str) -> bool:
         return raster_applies(params.get(f"{role}_mma"), params.get(f"{role}_cluster", 1))
     if key.endswith("_promote"):  # fp8 GEMM1 on the cooperative core only (check_promote_every)
         return role == "glu" and params.get("glu_mma") == "hopws"
+    if key.endswith("_fast_act"):  # GEMM1's activation (check_fast_act)
+        return role == "glu"
     return True
 
 
@@ -690,9 +693,11 @@ def seed_variants(tuned_dir: Path | None, gpu: str, specs, buckets,
     the 2-CTA-cluster twins (LayerVariant.cluster_twins) of the pick, or of the default where there
     is none, and the pick's and the default's twins with raster groups cut at expert boundaries
     (LayerVariant.raster_twin), then fp8 GEMM1 promoted once per 2 k-tiles (LayerVariant.promote_twin)
-    in the pick, the default and the pick's cluster twins. After a template change these are what a new default must
-    be measured against first (the newest family first: a small --trials measures the pick and its
-    ping-pong twins). Without `tuned_dir`, only the `extra` variants."""
+    in the pick, the default and the pick's cluster twins, and GEMM1's activation on rcp.approx
+    (LayerVariant.fast_act_twin) in the pick, the default and their promoted twins. After a
+    template change these are what a new default must be measured against first (the newest
+    family first: a small --trials measures the pick and its ping-pong twins). Without
+    `tuned_dir`, only the `extra` variants."""
     from .variants import default_variant
 
     path = tuned_path(tuned_dir, gpu) if tuned_dir is not None else None
@@ -713,6 +718,9 @@ def seed_variants(tuned_dir: Path | None, gpu: str, specs, buckets,
                 seeds += [four and four.raster_twin(spec), base.raster_twin(spec)]
                 # fp8 GEMM1 promoted once per 2 k-tiles: of the pick, the default and the pick's 2-CTA twins
                 seeds += [v and v.promote_twin(spec) for v in (four, base, *(four or base).cluster_twins())]
+                # GEMM1's activation on rcp.approx: of the pick, the default and the promoted twins
+                seeds += [v and v.fast_act_twin(spec) for v in (four, base, four and four.promote_twin(spec),
+                                                                 base.promote_twin(spec))]
             out[(spec.workload_key, tokens)] = [v for v in dict.fromkeys(seeds)
                                                if v is not None and v != base and can_implement(spec, v)[0]]
     return out

@@ -75,11 +75,15 @@ class GemmTiles:
     # (templates/hopper_fp8.py _mainloop_grouped). Named ("p2") only when > 1, so every older name
     # (and database key) is unchanged.
     promote: int = 1
+    # GEMM1: the activation's sigmoid reciprocal as rcp.approx (templates/grouped_gemm.py glu_act,
+    # gemm_limits.check_fast_act). Named ("fa") only when set, so every older name (and database
+    # key) is unchanged, and so are the binaries the committed picks were measured with.
+    fast_act: bool = False
 
     def __init__(self, tile_n: int = 128, tile_k: int = 64, stages: int = 3, mma: str = "warp", cluster: int = 1,
-                 raster_experts: bool = False, promote: int = 1):
+                 raster_experts: bool = False, promote: int = 1, fast_act: bool = False):
         vars(self).update(tile_n=tile_n, tile_k=tile_k, stages=stages, mma=mma, cluster=cluster,
-                          raster_experts=raster_experts, promote=promote)
+                          raster_experts=raster_experts, promote=promote, fast_act=fast_act)
 
     @property
     def tag(self) -> str:
@@ -97,6 +101,7 @@ class GemmTiles:
                 + ((("cluster_m", self.cluster),) if self.cluster > 1 else ())
                 + ((("raster_experts", True),) if self.raster_experts else ())
                 + ((("promote_every", self.promote),) if self.promote > 1 else ())
+                + ((("fast_act", True),) if self.fast_act else ())
                 + ((("precision", precision),) if precision != "bf16" else ()))
 
 
@@ -190,6 +195,14 @@ class LayerVariant:
         if self.glu.promote != 1:
             return None
         twin = dataclasses.replace(self, glu=dataclasses.replace(self.glu, promote=2))
+        return twin if can_implement(spec, twin)[0] else None
+
+    def fast_act_twin(self, spec: LayerSpec) -> "LayerVariant | None":
+        """The same layer with GEMM1's activation on rcp.approx (GemmTiles.fast_act); None where
+        GEMM1 cannot or already does (measured side by side by the tuner's seeds)."""
+        if self.glu.fast_act:
+            return None
+        twin = dataclasses.replace(self, glu=dataclasses.replace(self.glu, fast_act=True))
         return twin if can_implement(spec, twin)[0] else None
 
     def pingpong_twin(self, spec: LayerSpec) -> "LayerVariant | None":
@@ -764,12 +777,12 @@ def blockscale_kernel(shape: BlockScaleShape) -> KernelVariant:
 # every older name (and database key). name() and parse() both read these tables, and a test
 # checks that they name every field.
 GEMM_NAME = (("tile_n", "n"), ("tile_k", "k"), ("stages", "s"), ("mma", ""), ("cluster", "c"), ("raster_experts", "xe"),
-             ("promote", "p"))
+             ("promote", "p"), ("fast_act", "fa"))
 LAYER_NAME = (("tile_m", "_m"), ("route_cluster", "r"), ("glu", "_glu"), ("down", "_down"), ("h_block", "_h"),
               ("pdl", "_pdl"))
 DECODE_NAME = (("max_tokens", "_t"), ("warps", "w"), ("stages", "s"), ("seg_bytes", "b"), ("producer", "_"),
                ("sync", "_"), ("ctas", "_c"))
-OMIT_AT_DEFAULT = {"cluster", "raster_experts", "promote", "pdl", "h_block"}
+OMIT_AT_DEFAULT = {"cluster", "raster_experts", "promote", "fast_act", "pdl", "h_block"}
 _LAYOUTS = {"GemmTiles": GEMM_NAME, "LayerVariant": LAYER_NAME, "DecodeVariant": DECODE_NAME}
 
 
@@ -830,9 +843,10 @@ def _build(cls, layout, groups):
 
 def _c(t: GemmTiles) -> str:
     """A GEMM kernel name's options after its MMA: the cluster ("_c2"), raster groups cut at
-    experts ("_xe"), k-tiles per promotion ("_p2"); empty at the defaults."""
+    experts ("_xe"), k-tiles per promotion ("_p2"), the approximate activation ("_fa"); empty at
+    the defaults."""
     return ((f"_{t.cluster_tag}" if t.cluster > 1 else "") + ("_xe" if t.raster_experts else "")
-            + (f"_p{t.promote}" if t.promote > 1 else ""))
+            + (f"_p{t.promote}" if t.promote > 1 else "") + ("_fa" if t.fast_act else ""))
 
 
 WGMMA_MMAS = limits.WGMMA  # wgmma tiles (hopws/hoppp: TMA, a producer warpgroup, persistent)
@@ -853,6 +867,9 @@ def gemm_can_implement(n: int, k: int, tile_m: int, t: GemmTiles, target: str, p
         return False, why
     ok, why = limits.check_promote_every(role, precision, limits.promote_parts(t.mma, tile_m, t.tile_n),
                                          k // t.tile_k, t.stages, t.promote)
+    if not ok:
+        return False, why
+    ok, why = limits.check_fast_act(role, precision, t.fast_act)
     if not ok:
         return False, why
     ok, why = limits.check_blockscaled(role, precision, n, k, tile_m, t.tile_n, t.tile_k, t.stages, t.mma, arch=target)
@@ -924,9 +941,10 @@ def candidate_space(spec: LayerSpec) -> list[LayerVariant]:
         tiles = {}
         for role, n_dim, k_dim in (("glu", 2 * spec.intermediate, spec.hidden),
                                    ("down", spec.hidden, spec.intermediate)):
-            tiles[role] = [t for t in (GemmTiles(n, k, st, mma, c, xe, pe) for n, k, st, mma, c, xe, pe in
+            tiles[role] = [t for t in (GemmTiles(*args) for args in
                                        itertools.product(TILE_N, tile_ks(spec.precision), STAGES, lim["mma"],
-                                                         GEMM_CLUSTERS, (False, True), limits.PROMOTE_EVERY))
+                                                         GEMM_CLUSTERS, (False, True), limits.PROMOTE_EVERY,
+                                                         (False, True)))
                            if gemm_can_implement(n_dim, k_dim, m, t, spec.target, spec.precision, role)[0]
                            and (role == "down" or limits.check_glu_shape(spec.intermediate, t.tile_n,
                                                                          INTERLEAVE, spec.activation)[0])]

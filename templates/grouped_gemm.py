@@ -55,33 +55,38 @@ AB_DTYPES = {"bf16": BFloat16, "fp8": Float8E4M3FN, "fp8-block128": Float8E4M3FN
 
 
 @cute.jit
-def glu_act(g, activation: cutlass.Constexpr):
+def glu_act(g, activation: cutlass.Constexpr, approx: cutlass.Constexpr = False):
     """The gate's activation: "swiglu" SiLU(g), "geglu" GELU(g) with the tanh approximation.
-    The sigmoid's reciprocal is rcp.approx.ftz (one MUFU.RCP, <= 1 ulp). cute.math.rcp with
-    fastmath emitted rcp.rn.f32 per element (in SASS MUFU.RCP, Newton FFMAs and a branch to a slow
-    path), in GEMM1's epilogue, which nothing overlaps in cooperative tiles (NOTES 2026-12-06).
-    1 + exp(-g) is >= 1 or +inf (rcp 0: SiLU 0)."""
+    approx (a GEMM1's ``fast_act``): the sigmoid's reciprocal as rcp.approx.ftz (one MUFU.RCP,
+    <= 1 ulp) instead of cute.math.rcp with fastmath, which emits rcp.rn.f32 per element (in SASS
+    MUFU.RCP, Newton FFMAs and a branch to a slow path) in an epilogue that nothing overlaps in
+    cooperative tiles (NOTES 2026-12-06). 1 + exp(-g) is >= 1 or +inf (rcp 0: SiLU 0)."""
     if const_expr(activation == "swiglu"):
-        return g * cute.math.rcp(1.0 + cute.math.exp(-g, fastmath=True), approx=True, ftz=True)
+        if const_expr(approx):
+            return g * cute.math.rcp(1.0 + cute.math.exp(-g, fastmath=True), approx=True, ftz=True)
+        return g * cute.math.rcp(1.0 + cute.math.exp(-g, fastmath=True), fastmath=True)
     else:
         inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)
         return 0.5 * g * (1.0 + cute.math.tanh(inner, fastmath=True))
 
 
 @cute.jit
-def glu(g, u, activation: cutlass.Constexpr):
+def glu(g, u, activation: cutlass.Constexpr, approx: cutlass.Constexpr = False):
     """h from fp32 gate and up values: act(g) * u, or for "swigluoai" (gpt-oss) the clamped form
     (min(u, L) clamped to [-L, L] + 1) * gc * sigmoid(ALPHA * gc) with gc = min(g, L)
-    (gemm_limits.SWIGLUOAI_ALPHA / SWIGLUOAI_LIMIT)."""
+    (gemm_limits.SWIGLUOAI_ALPHA / SWIGLUOAI_LIMIT); approx as glu_act's."""
     if const_expr(activation == "swigluoai"):
         lim = limits.SWIGLUOAI_LIMIT
         gc = cute.where(g > lim, lim, g)
         uc = cute.where(u > lim, lim, cute.where(u < -lim, -lim, u))
-        sig = cute.math.rcp(1.0 + cute.math.exp(-limits.SWIGLUOAI_ALPHA * gc, fastmath=True),
-                            approx=True, ftz=True)
+        e = 1.0 + cute.math.exp(-limits.SWIGLUOAI_ALPHA * gc, fastmath=True)
+        if const_expr(approx):
+            sig = cute.math.rcp(e, approx=True, ftz=True)
+        else:
+            sig = cute.math.rcp(e, fastmath=True)
         return (uc + 1.0) * (gc * sig)
     else:
-        return glu_act(g, activation) * u
+        return glu_act(g, activation, approx) * u
 
 
 def glu_gate_block(hb: int, interleave: int) -> int:
@@ -584,10 +589,12 @@ class GroupedGluGemm(_GroupedGemmBase):
                  tile_m: int = 128, tile_n: int = 128, tile_k: int = 64, stages: int = 4,
                  mma: str = "warp", warps_m: int | None = None, warps_n: int | None = None,
                  pdl: bool = False, ctas: int = PERSISTENT_CTAS, precision: str = "bf16",
-                 bias: bool = False, save_preact: bool = False):
+                 bias: bool = False, save_preact: bool = False, fast_act: bool = False):
         ok, reason = self.can_implement(num_experts, hidden, intermediate, top_k, activation,
                                         interleave, tile_m, tile_n, tile_k, stages, mma,
                                         warps_m, warps_n, precision=precision)
+        if ok and fast_act:
+            ok, reason = limits.check_fast_act("glu", precision, fast_act)
         if ok and bias and precision not in limits.BIAS_PRECISIONS:
             ok, reason = False, f"expert biases are built for {', '.join(limits.BIAS_PRECISIONS)}, not {precision}"
         if ok and save_preact:
@@ -598,6 +605,7 @@ class GroupedGluGemm(_GroupedGemmBase):
         self.top_k, self.activation, self.interleave = top_k, activation, interleave
         self.bias = bool(bias)
         self.save_preact = bool(save_preact)
+        self.fast_act = bool(fast_act)  # the activation's reciprocal as rcp.approx (glu_act)
         super().__init__(2 * intermediate, hidden, tile_m, tile_n, tile_k, stages, mma,
                          warps_m, warps_n, pdl, ctas, precision)
 
@@ -832,11 +840,11 @@ class GroupedGluGemm(_GroupedGemmBase):
 
     @cute.jit
     def _act(self, g):
-        return glu_act(g, self.activation)
+        return glu_act(g, self.activation, self.fast_act)
 
     @cute.jit
     def _glu(self, g, u):
-        return glu(g, u, self.activation)
+        return glu(g, u, self.activation, self.fast_act)
 
 
 class GroupedDownGemm(_GroupedGemmBase):

@@ -158,7 +158,8 @@ def test_fp8_variants_and_their_refusals(precision):
             (128, G(256, 128, 3, "warp"), G(32, 128, 8, "warp"), "with its partial sums"),
             (128, G(256, 128, 4, "hopws"), G(256, 128, 4, "hopws", promote=2), "same scales for every K block"),
             (128, G(128, 128, 6, "hopws", promote=2), G(128, 128, 6, "hopws"), "same scales for every K block"),
-            (128, G(256, 128, 4, "hopws", promote=3), G(256, 128, 4, "hopws"), "must be one of")):
+            (128, G(256, 128, 4, "hopws", promote=3), G(256, 128, 4, "hopws"), "must be one of"),
+            (128, G(256, 128, 4, "hopws"), G(256, 128, 4, "hopws", fast_act=True), "fast_act is GEMM1's")):
         ok, reason = V.can_implement(spec, V.LayerVariant(tm, glu, down))
         assert not ok and why in reason, reason
     glu_p = G(256, 128, 4, "hopws", promote=2)
@@ -206,10 +207,10 @@ def test_fp8_kernels_compile(tmp_path, mma):
         v = V.LayerVariant(128, V.GemmTiles(256, 128, 3, "hopws", 2), V.GemmTiles(256, 128, 3, "hopws", 2),
                            h_block=128)
         want_mma = r"wgmma\.mma_async\.sync\.aligned\.m64n128k32\.f32\.e4m3\.e4m3"
-    elif mma == "hopwsp2":  # "fp8" GEMM1 promoted once per 2 k-tiles (the tensor cores sum 256 of K)
+    elif mma == "hopwsp2":  # "fp8" GEMM1 promoted once per 2 k-tiles (the tensor cores sum 256 of K), fast_act
         spec = make_spec(experts=8, top_k=2, hidden=512, intermediate=256, precision="fp8")
-        v = V.LayerVariant(128, V.GemmTiles(256, 128, 3, "hopws", promote=2), V.GemmTiles(256, 128, 3, "hopws"),
-                           h_block=128)
+        v = V.LayerVariant(128, V.GemmTiles(256, 128, 3, "hopws", promote=2, fast_act=True),
+                           V.GemmTiles(256, 128, 3, "hopws"), h_block=128)
         want_mma = r"wgmma\.mma_async\.sync\.aligned\.m64n128k32\.f32\.e4m3\.e4m3"
     elif mma == "warp256h128":  # 8 lanes share a row's 128-column h block in GEMM1's epilogue
         v = V.LayerVariant(16, V.GemmTiles(256, 128, 2, "warp"), V.GemmTiles(32, 128, 2, "warp"), h_block=128)
@@ -235,10 +236,12 @@ def test_fp8_kernels_compile(tmp_path, mma):
         if mma == "hopwsp2" and kv.role == "glu":
             # per group of 2 k-tiles and part: 8 k32 wgmmas (2 parts: 16 in the loop body), one wait
             # each and one promotion; the kernel's name says so
-            assert "_hopws_p2_" in kv.name and len(re.findall(want_mma, art.ptx)) == 16, kv.name
-            # the SiLU's reciprocal: rcp.approx per element (not rcp.rn, a Newton step and a slow
-            # path each); only the h blocks' scales (amax / 448) keep an exact one
+            assert "_hopws_p2_fa_" in kv.name and len(re.findall(want_mma, art.ptx)) == 16, kv.name
+            # fast_act: the SiLU's reciprocal is rcp.approx per element (not rcp.rn, a Newton step
+            # and a slow path each); only the h blocks' scales (amax / 448) keep an exact one
             assert art.ptx.count("rcp.approx.ftz.f32") == 64 and art.ptx.count("rcp.rn.f32") == 2, kv.name
+        if mma == "hopws256" and kv.role == "glu":  # without fast_act: rcp.rn as the committed picks were built
+            assert art.ptx.count("rcp.approx") == 0 and art.ptx.count("rcp.rn.f32") >= 64, kv.name
             if tool:
                 cubin = tmp_path / f"{kv.role}.cubin"
                 cubin.write_bytes(art.cubin)

@@ -19,7 +19,7 @@ def test_every_compile_time_field_changes_the_names():
     for role, t in (("glu", base.glu), ("down", base.down)):
         for f in dataclasses.fields(GemmTiles):
             other = {"tile_n": 64, "tile_k": 32, "stages": 5, "mma": "hoppp", "cluster": 2,
-                     "raster_experts": True, "promote": 2}[f.name]
+                     "raster_experts": True, "promote": 2, "fast_act": True}[f.name]
             v = dataclasses.replace(base, **{role: dataclasses.replace(t, **{f.name: other})})
             assert _kernel_names(SPEC, v)[role] != names[role], (role, f.name)
             assert v.name(SPEC) != base.name(SPEC)
@@ -63,6 +63,7 @@ def _name_tokens(kv) -> dict:
               "cluster_m": f"_{p.get('mma')}_c{p.get('cluster_m')}", "h_block": f"_h{p.get('h_block')}",
               "raster_experts": "_xe" if p.get("raster_experts") else None,
               "promote_every": f"_p{p.get('promote_every')}",
+              "fast_act": "_fa" if p.get("fast_act") else None,
               "precision": f"_{str(p.get('precision')).replace('-', '')}_"}
     if "hidden" in p:
         tokens["hidden"] = f"h{p['hidden']}"
