@@ -689,19 +689,23 @@ def test_seed_variants_measure_the_pick_its_twins_and_its_cluster_twins(tmp_path
     assert got[1].pdl and got[1].glu.mma == got[2].down.mma == "hoppp" and not got[2].pdl
     clustered = [v for v in got if v.down.cluster == 2]
     assert [(v.glu.cluster, v.down.cluster, v.pdl) for v in clustered] == [(1, 2, True), (2, 2, True)]
-    # last, the raster twins (hopws / hoppp single CTAs: both GEMMs cut their groups at experts)
+    # then the raster twins (hopws / hoppp single CTAs: both GEMMs cut their groups at experts)
     rastered = [v for v in got if v.glu.raster_experts or v.down.raster_experts]
-    assert rastered == got[-2:] == [pick.raster_twin(SPEC), base.raster_twin(SPEC)]
+    assert rastered == got[-4:-2] == [pick.raster_twin(SPEC), base.raster_twin(SPEC)]
+    # last, GEMM1's activation on rcp.approx (bf16: no promoted twins) of the pick and the default
+    assert got[-2:] == [pick.fast_act_twin(SPEC), base.fast_act_twin(SPEC)]
+    assert all(v.glu.fast_act and not v.down.fast_act for v in got[-2:])
     assert all(v.glu.raster_experts and v.down.raster_experts and v.glu.cluster == v.down.cluster == 1
                for v in rastered)
     assert dataclasses.replace(rastered[0], glu=pick.glu, down=pick.down) == pick
-    assert base not in got and len(got) == 9
+    assert base not in got and len(got) == 11
     assert all(can_implement(SPEC, v)[0] for v in got)
-    # no pick for 16 tokens: the default's ping-pong twin and its PDL twin, and no cluster or
-    # raster twin for its mma.sync tiles
+    # no pick for 16 tokens: the default's ping-pong twin, its PDL twin and its fast_act twin, and no
+    # cluster or raster twin for its mma.sync tiles
     base16 = default_variant(SPEC, 16)
     assert base16.raster_twin(SPEC) is None
-    assert seeds[(SPEC.workload_key, 16)] == [base16.pingpong_twin(SPEC), base16.pdl_twin()]
+    assert seeds[(SPEC.workload_key, 16)] == [base16.pingpong_twin(SPEC), base16.pdl_twin(),
+                                              base16.fast_act_twin(SPEC)]
 
 
 def test_fp8_seeds_measure_h_scaled_per_128_columns_beside_64(tmp_path):
@@ -716,7 +720,7 @@ def test_fp8_seeds_measure_h_scaled_per_128_columns_beside_64(tmp_path):
                                        "median_us": 1.0, "default_us": 1.1}])
     seeds = tuner.seed_variants(tmp_path, GPU, [spec], [16, 4096])
     got = seeds[(spec.workload_key, 4096)]
-    twins = [v for v in got if v.h_block == 128 and v.glu.promote == 1]
+    twins = [v for v in got if v.h_block == 128 and v.glu.promote == 1 and not v.glu.fast_act]
     # the old default's twin is the default now (measured as the default, not seeded again)
     assert base.h_block_twin(spec) == default_variant(spec, 4096)
     assert twins == [pick.h_block_twin(spec)]
