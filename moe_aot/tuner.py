@@ -129,9 +129,8 @@ def _option_applies(params: dict, key: str) -> bool:
     """Whether the sampler should choose `key` given the parameters chosen so far: a GEMM's
     cluster (glu_cluster / down_cluster) exists only for hopws 128-row and umma 256-row tiles, its
     raster_experts only for hopws / hoppp in single CTAs, promote only for GEMM1 on hopws (fp8),
-    fast_act only for GEMM1;
-    asked everywhere, they would make most
-    proposals invalid and get them pruned. Every other parameter (route_cluster, the routing
+    fast_act only for GEMM1; asked everywhere, they would make most proposals invalid and get them
+    pruned. Every other parameter (route_cluster, the routing
     kernel's, too): True."""
     from .gemm_limits import cluster_applies, raster_applies
 
