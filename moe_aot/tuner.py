@@ -716,10 +716,10 @@ def seed_variants(tuned_dir: Path | None, gpu: str, specs, buckets,
                 seeds += [four and four.h_block_twin(spec), base.h_block_twin(spec)] + (four or base).cluster_twins()
                 seeds += [four and four.raster_twin(spec), base.raster_twin(spec)]
                 # fp8 GEMM1 promoted once per 2 k-tiles: of the pick, the default and the pick's 2-CTA twins
-                seeds += [v and v.promote_twin(spec) for v in (four, base, *(four or base).cluster_twins())]
-                # GEMM1's activation on rcp.approx: of the pick, the default and the promoted twins
-                seeds += [v and v.fast_act_twin(spec) for v in (four, base, four and four.promote_twin(spec),
-                                                                 base.promote_twin(spec))]
+                promoted = [v and v.promote_twin(spec) for v in (four, base, *(four or base).cluster_twins())]
+                seeds += promoted
+                # GEMM1's activation on rcp.approx: of the pick, the default and their promoted twins
+                seeds += [v and v.fast_act_twin(spec) for v in (four, base, *promoted[:2])]
             out[(spec.workload_key, tokens)] = [v for v in dict.fromkeys(seeds)
                                                if v is not None and v != base and can_implement(spec, v)[0]]
     return out
