@@ -136,7 +136,7 @@ class _Fp8Consumer:
         self.promote_every = promote_every
 
     @cute.jit
-    def _consume_ws(self, ctid, pipe, sched, tiled_mma, sA, sB, epi, num_m_tiles):
+    def _consume_ws(self, ctid, pipe, sched, tiled_mma, sA, sB, epi, num_m_tiles, order=None):
         pipe_s, tiles, s_pairs, s_scales = sched
         k_tiles = self.k // self.tile_k
         warp_group = cute.arch.make_warp_uniform(ctid // 128)
@@ -166,9 +166,11 @@ class _Fp8Consumer:
         scales = cute.make_rmem_tensor(cute.make_layout(self.acc_rows), Float32)
         read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         sstate = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, SCHED_SLOTS)
+        turn = None
         if const_expr(self.pingpong):
             read.advance(warp_group * k_tiles)
             sstate.advance(warp_group)
+            order, turn = self._order_of(order, warp_group)  # hopper_gemm._make_order
         mTileExpert = epi[-1]
         pipe_s.consumer_wait(sstate)
         t = tiles[sstate.index]
@@ -185,6 +187,8 @@ class _Fp8Consumer:
                 sstate.advance()
             acc.fill(0.0)
             tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+            if const_expr(self.pingpong):
+                order.wait(turn)  # the other warpgroup's mainloop is done
             if const_expr(self.promote_every > 1):
                 read = self._mainloop_grouped(pipe, read, part_mma, tCrA, tCrB, acc, part, tCcC, pairs,
                                               epi, expert, bt, bn, k_tiles)
@@ -195,6 +199,7 @@ class _Fp8Consumer:
                 read = self._mainloop_promote(pipe, read, tiled_mma, tCrA, tCrB, acc, part, tCcC, pairs,
                                               epi, expert, bt, bn, k_tiles)
             if const_expr(self.pingpong):  # the other warpgroup's tile comes next in the ring
+                order.arrive(turn)
                 read.advance(k_tiles)
             if const_expr(self.cluster_m == 1):
                 self._epilogue_fp8(ctid, tiled_mma, acc, tCcC, pairs, scales, epi, expert, bt * self.tile_m, bn)

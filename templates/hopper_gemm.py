@@ -161,12 +161,36 @@ class _HopperWs:
         return sched, tiles, pairs, scales
 
     @cute.jit
+    def _make_order(self):
+        """hoppp: the turns of the two consumer warpgroups' mainloops (``pipeline.PipelineOrder``,
+        one mbarrier per warpgroup, 128 arrivals each): a warpgroup waits for its turn before its
+        tile's first full-barrier wait and hands the turn on after its last one. Without it a
+        warpgroup may wait on a stage whose previous fill (the other warpgroup's) has not landed:
+        its parity wait then passes one phase early (the producer publishing a tile means its
+        loads were issued, not that they landed), it reads a stage not yet filled and releases
+        it, and the ring's phases drift apart (fp8 GEMM2 with as many stages as k-tiles crashed
+        under timing, 2026-12-01; the wgrad ping-pong hung the same way, NOTES 2026-12-02). Group
+        0 creates it; _consume_ws makes each warpgroup's own view."""
+        bars = cutlass.memory.SmemAllocator().allocate_array(Int64, 2, byte_alignment=8)
+        return pipeline.PipelineOrder.create(barrier_storage=bars, depth=1, length=2, group_id=0,
+                                             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 128))
+
+    @cute.jit
+    def _order_of(self, order, warp_group):
+        """hoppp: warpgroup ``warp_group``'s view of the turns of _make_order and its state
+        (warpgroup 0 has the first turn: its state starts one phase on)."""
+        mine = pipeline.PipelineOrder(order.sync_object_full, 1, 2, warp_group,
+                                      pipeline.PipelineState(1, Int32(0), Int32(0), 1 - warp_group))
+        return mine, pipeline.PipelineState(1, Int32(0), Int32(0), 1 - warp_group)
+
+    @cute.jit
     def _ws_tiles(self, tidx, tma_a, mAt, tma_b, mWt, mA, mIds, mTileExpert, epi, tma_bm=None):
         self._grid_dependency_wait()
         tiled_mma = self._make_tiled_mma()
         sA, sB, _ = self._smem_tensors()
         pipe = self._make_pipeline()
         sched = self._make_schedule()
+        order = self._make_order() if const_expr(self.pingpong) else None
         s_units = None
         if const_expr(self.cluster_m > 1):
             s_units = cute.make_tensor(
@@ -194,7 +218,7 @@ class _HopperWs:
                                  sA, sB, epi, bid, nctas, total, num_m_tiles)
         else:
             self._set_regs(False)
-            self._consume_ws(tidx - _LOAD_THREADS, pipe, sched, tiled_mma, sA, sB, epi, num_m_tiles)
+            self._consume_ws(tidx - _LOAD_THREADS, pipe, sched, tiled_mma, sA, sB, epi, num_m_tiles, order)
 
     @cute.jit
     def _b_tiles(self, mWt, expert, bn):
@@ -548,7 +572,7 @@ class _HopperWs:
         return code % n_tiles, code // n_tiles
 
     @cute.jit
-    def _consume_ws(self, ctid, pipe, sched, tiled_mma, sA, sB, epi, num_m_tiles):
+    def _consume_ws(self, ctid, pipe, sched, tiled_mma, sA, sB, epi, num_m_tiles, order=None):
         pipe_s, tiles, s_pairs, s_scales = sched
         k_tiles = self.k // self.tile_k
         warp_group = cute.arch.make_warp_uniform(ctid // 128)
@@ -569,11 +593,13 @@ class _HopperWs:
         read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         sstate = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, SCHED_SLOTS)
+        turn = None
         if const_expr(self.pingpong):
             # warpgroup 1 starts at the schedule's second tile, past the first tile's k-tiles
             read.advance(warp_group * k_tiles)
             release.advance(warp_group * k_tiles)
             sstate.advance(warp_group)
+            order, turn = self._order_of(order, warp_group)
         pipe_s.consumer_wait(sstate)
         t = tiles[sstate.index]
         while self._more(t):
@@ -581,6 +607,8 @@ class _HopperWs:
             live = self._rows_live(t, warp_group, s_pairs, sstate)
             acc.fill(0.0)
             tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+            if const_expr(self.pingpong):
+                order.wait(turn)  # the other warpgroup's mainloop has passed its last full barrier
             cute.nvgpu.warpgroup.fence()
             for kt in range(k_tiles):
                 pipe.consumer_wait(read)
@@ -597,6 +625,8 @@ class _HopperWs:
                     pipe.consumer_release(release)
                     release.advance()
                 read.advance()
+            if const_expr(self.pingpong):
+                order.arrive(turn)  # the other warpgroup's turn (harmless if it has no tile left)
             cute.nvgpu.warpgroup.wait_group(0)
             pipe.consumer_release(release)
             release.advance()

@@ -173,7 +173,7 @@ def compile_all(out_dir: Path, arch: str, only=None) -> None:
 
 
 # ----------------------------------------------------------------------------- run (GPU)
-def run_all(kdir: Path, out_dir: Path, iters: int, tokens=None, only=None, models=None) -> int:
+def run_all(kdir: Path, out_dir: Path, iters: int, tokens=None, only=None, models=None, repeat: int = 0) -> int:
     import os
 
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # before CUDA starts
@@ -316,6 +316,12 @@ def run_all(kdir: Path, out_dir: Path, iters: int, tokens=None, only=None, model
                            down_check={"rel_err": err_y, "row_err_max": row_y},
                            layer_vs_bf16=err_layer)
                 res["quant"]["us"] = timed(lambda: quant(x, xq, xs))
+            if repeat:
+                # a race shows as a run that differs from the checked one (METHOD.md)
+                differ = _repeat_runs(repeat, glu, down, glu_args, down_args,
+                                      (h, y) if prec == "bf16" else (h, hs, y))
+                res["repeat"] = {"runs": repeat, "differ": differ}
+                ok = ok and differ == 0
             t_glu = timed(lambda: glu(*glu_args))
             t_down = timed(lambda: down(*down_args))
             mk = m * k
@@ -333,11 +339,33 @@ def run_all(kdir: Path, out_dir: Path, iters: int, tokens=None, only=None, model
                 line += (f" | quant {res['quant']['us']:.1f}us err {err_q:.1e}/{err_qs:.1e} glu err "
                          f"{err_h:.1e}/{row_h:.1e} hs {err_hs:.0e} (unq {err_h_unq:.1e}) pad0 {pad_ok} down err "
                          f"{err_y:.1e}/{row_y:.1e} layer-vs-bf16 {err_layer:.2e}")
+            if repeat:
+                line += f" | repeat {res['repeat']['differ']}/{repeat} differ"
             print(line, flush=True)
             (out_dir / "results.json").write_text(json.dumps(results, indent=1))
     print(f"{len(results) - failures}/{len(results)} passed", flush=True)
     versus_table(results)
     return 1 if failures else 0
+
+
+def _repeat_runs(repeat, glu, down, glu_args, down_args, outs):
+    """``repeat`` runs of glu then down, back to back, each on outputs ``outs`` poisoned first
+    (all bits set: NaN in bf16, fp32 and e4m3); returns how many runs left any output not
+    bit-identical to the outputs as they are now."""
+    import torch
+
+    first = [o.clone() for o in outs]
+    bad = torch.zeros((), dtype=torch.int32, device=outs[0].device)
+    for _ in range(repeat):
+        for o in outs:
+            o.view(torch.uint8).fill_(0xFF)
+        glu(*glu_args)
+        down(*down_args)
+        moved = torch.zeros((), dtype=torch.bool, device=bad.device)
+        for o, f in zip(outs, first):
+            moved |= (o.view(torch.uint8) != f.view(torch.uint8)).any()
+        bad += moved.int()
+    return int(bad.item())
 
 
 def versus_table(results) -> None:
@@ -367,6 +395,8 @@ def main():
     ap.add_argument("--only", help="comma-separated config tags (default: all)")
     ap.add_argument("--models", help="comma-separated model names (default: all)")
     ap.add_argument("--tokens", help="comma-separated token counts (default: %s)" % TOKENS)
+    ap.add_argument("--repeat", type=int, default=0,
+                    help="after each check and timing, that many more runs compared bit for bit with the checked one")
     ns = ap.parse_args()
     only = ns.only.split(",") if ns.only else None
     if ns.compile:
@@ -374,7 +404,7 @@ def main():
     if ns.run:
         sys.exit(run_all(ns.run, ns.out, ns.iters,
                          [int(t) for t in ns.tokens.split(",")] if ns.tokens else None, only,
-                         ns.models.split(",") if ns.models else None))
+                         ns.models.split(",") if ns.models else None, ns.repeat))
     if not ns.compile and not ns.run:
         ap.error("give --compile DIR and/or --run DIR")
 

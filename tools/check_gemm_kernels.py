@@ -227,9 +227,11 @@ def _inputs(v, m, dev, gen):
     return x, topk_w, topk_ids, sorted_ids, tile_expert
 
 
-def _check_point(v, glu, down, weights, inputs, m):
+def _check_point(v, glu, down, weights, inputs, m, repeat=0):
     """Run both kernels once on NaN-poisoned outputs and compare with the fp32 reference, every
-    row; returns the result row (timings None) and the two kernels' launch closures."""
+    row; then, where ``repeat``, that many more runs back to back, each on freshly poisoned
+    outputs, compared bit for bit with the first (a race shows as a run that differs: METHOD.md).
+    Returns the result row (timings None) and the two kernels' launch closures."""
     import torch
 
     k, hd, inter, tm = v["k"], v["H"], v["I"], v["tile_m"]
@@ -288,15 +290,40 @@ def _check_point(v, glu, down, weights, inputs, m):
     err_y = rel_err(y, y_ref)
     row_h, row_y = row_err(h[valid], h_ref[valid]), row_err(y, y_ref)
     ok = err_h <= 1e-2 and pad_ok and err_y <= 1e-2 and row_h <= 3e-2 and row_y <= 3e-2
+    differ = _repeat_runs(repeat, glu, down, (x, w13, sorted_ids, tile_expert, h),
+                          (h, w2, sorted_ids, tile_expert, topk_w, y), (h, y)) if repeat else 0
+    ok = ok and differ == 0
     res = {"variant": v["tag"], "mma": v["mma"], "tile_m": tm, "glu_tiles": v["glu"],
            "down_tiles": v["down"], "model": v["model"], "tokens": m,
            "experts_used": int(torch.unique(topk_ids).numel()),
            "tiles": int((tile_expert >= 0).sum()), "T": int(tile_expert.numel()),
            "glu": {"rel_err": err_h, "padding_zero": pad_ok, "row_err_max": row_h},
            "down": {"rel_err": err_y, "row_err_max": row_y}, "ok": ok}
+    if repeat:
+        res["repeat"] = {"runs": repeat, "differ": differ}
     fns = (lambda: glu(x, w13, sorted_ids, tile_expert, h),
            lambda: down(h, w2, sorted_ids, tile_expert, topk_w, y))
     return res, fns
+
+
+def _repeat_runs(repeat, glu, down, glu_args, down_args, outs):
+    """``repeat`` runs of glu then down, back to back, each on outputs ``outs`` poisoned (NaN)
+    first; returns how many runs left any output not bit-identical to the outputs as they are
+    now (NaN compared as NaN: rows no kernel writes stay poisoned)."""
+    import torch
+
+    first = [o.clone() for o in outs]
+    bad = torch.zeros((), dtype=torch.int32, device=outs[0].device)
+    for _ in range(repeat):
+        for o in outs:
+            o.fill_(float("nan"))
+        glu(*glu_args)
+        down(*down_args)
+        moved = torch.zeros((), dtype=torch.bool, device=bad.device)
+        for o, f in zip(outs, first):
+            moved |= (o.view(torch.int16) != f.view(torch.int16)).any()
+        bad += moved.int()
+    return int(bad.item())
 
 
 def _rates(v, res, part, us):
@@ -313,7 +340,8 @@ def _line(res):
             f"E_used={res['experts_used']:3d} glu err {g['rel_err']:.2e}/{g['row_err_max']:.1e} "
             f"pad0 {g['padding_zero']} {g['us']:9.1f}us {g['TBps']:5.2f}TB/s {g['TFLOPs']:6.1f}TF | "
             f"down err {d['rel_err']:.2e}/{d['row_err_max']:.1e} {d['us']:9.1f}us {d['TBps']:5.2f}TB/s "
-            f"{d['TFLOPs']:6.1f}TF")
+            f"{d['TFLOPs']:6.1f}TF" + (f" | repeat {res['repeat']['differ']}/{res['repeat']['runs']} differ"
+                                       if "repeat" in res else ""))
 
 
 def _manifest(kdir: Path, only=None, models=None):
@@ -329,7 +357,7 @@ def _manifest(kdir: Path, only=None, models=None):
 
 
 def run_all(kdir: Path, out_dir: Path, iters: int, tokens=None, only=None, models=None,
-            graph: bool = False) -> int:
+            graph: bool = False, repeat: int = 0) -> int:
     import torch
 
     from moe_aot.runtime.library import KernelLibrary
@@ -361,7 +389,8 @@ def run_all(kdir: Path, out_dir: Path, iters: int, tokens=None, only=None, model
         for m in v["tokens"]:
             if tokens and m not in tokens:
                 continue
-            res, (f_glu, f_down) = _check_point(v, glu, down, weights_cache[key], _inputs(v, m, dev, gen), m)
+            res, (f_glu, f_down) = _check_point(v, glu, down, weights_cache[key], _inputs(v, m, dev, gen), m,
+                                                repeat)
             _rates(v, res, "glu", timed(f_glu))
             _rates(v, res, "down", timed(f_down))
             if graph:
@@ -376,12 +405,13 @@ def run_all(kdir: Path, out_dir: Path, iters: int, tokens=None, only=None, model
 
 
 def run_ab(kdir: Path, out_dir: Path, pair, rounds: int, replays: int, warmup_s: float, tokens=None,
-           models=None) -> int:
+           models=None, base: Path | None = None, repeat: int = 0) -> int:
     """Two configs side by side (``pair`` = (A, B)): per model and token count both run on the
     same inputs and routing and are checked; then ``rounds`` timings of each in mirrored order
     (A B B A ...), each a CUDA-graph replay of GEMM1 and GEMM2 in turn after ``warmup_s`` of
     untimed replays (the clock a sustained load runs at); per kernel the median over its
-    rounds' medians, and B / A. Writes OUT/ab.json."""
+    rounds' medians, and B / A. A's binaries come from ``base`` where given (the same config
+    compiled from other sources: A and B may then be one tag). Writes OUT/ab.json."""
     import statistics
 
     import torch
@@ -391,50 +421,57 @@ def run_ab(kdir: Path, out_dir: Path, pair, rounds: int, replays: int, warmup_s:
 
     torch.backends.cuda.matmul.allow_tf32 = False
     out_dir.mkdir(parents=True, exist_ok=True)
-    man = _manifest(kdir, list(pair), models)
-    by = {(v["tag"], v["model"]): v for v in man}
+    dirs = (base or kdir, kdir)
+    by = {}  # (slot 0 = A / 1 = B, model) -> the config's manifest entry
+    for slot, d in enumerate(dirs):
+        by.update({(slot, v["model"]): v for v in _manifest(d, [pair[slot]], models)})
+    man = sorted(by.values(), key=lambda v: [m[0] for m in MODELS].index(v["model"]))
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev)
     gen.manual_seed(0)
     rows, failures = [], 0
     for model in dict.fromkeys(v["model"] for v in man):
-        if (pair[0], model) not in by or (pair[1], model) not in by:
+        if (0, model) not in by or (1, model) not in by:
             continue
-        va, vb = by[(pair[0], model)], by[(pair[1], model)]
+        va, vb = by[(0, model)], by[(1, model)]
         if va["tile_m"] != vb["tile_m"]:
             raise SystemExit(f"--ab: {pair} have tile heights {va['tile_m']} and {vb['tile_m']}; "
                              "the pair must share one routing layout")
         torch.cuda.empty_cache()
         weights = _weights(va, dev, gen)
-        libs = {t: (KernelLibrary.from_dir(kdir / by[(t, model)]["glu_name"]),
-                    KernelLibrary.from_dir(kdir / by[(t, model)]["down_name"])) for t in pair}
+        libs = {t: (KernelLibrary.from_dir(dirs[t] / by[(t, model)]["glu_name"]),
+                    KernelLibrary.from_dir(dirs[t] / by[(t, model)]["down_name"])) for t in (0, 1)}
         for m in va["tokens"]:
             if (tokens and m not in tokens) or m not in vb["tokens"]:
                 continue
             inputs = _inputs(va, m, dev, gen)
             res, fns = {}, {}
-            for t in pair:
-                res[t], fns[t] = _check_point(by[(t, model)], *libs[t], weights, inputs, m)
-            times = {t: ([], []) for t in pair}
+            for t in (0, 1):
+                res[t], fns[t] = _check_point(by[(t, model)], *libs[t], weights, inputs, m, repeat)
+                if base and t == 0:
+                    res[t]["variant"] += "@base"
+            times = {t: ([], []) for t in (0, 1)}
             for r in range(rounds):
-                for t in (pair if r % 2 == 0 else pair[::-1]):
+                for t in ((0, 1) if r % 2 == 0 else (1, 0)):
                     per = graph_times_us(list(fns[t]), 2 * replays, warmup_s)
                     times[t][0].append(statistics.median(per[0::2]))
                     times[t][1].append(statistics.median(per[1::2]))
-            for t in pair:
+            for t in (0, 1):
                 _rates(by[(t, model)], res[t], "glu", statistics.median(times[t][0]))
                 _rates(by[(t, model)], res[t], "down", statistics.median(times[t][1]))
                 res[t]["glu"]["rounds_us"], res[t]["down"]["rounds_us"] = times[t]
                 failures += not res[t]["ok"]
                 print(_line(res[t]), flush=True)
-            a, b = res[pair[0]], res[pair[1]]
+            a, b = res[0], res[1]
             row = {"model": model, "tokens": m, "tiles": a["tiles"], "a": a, "b": b,
                    "glu_b_over_a": b["glu"]["us"] / a["glu"]["us"],
                    "down_b_over_a": b["down"]["us"] / a["down"]["us"]}
             rows.append(row)
-            print(f"  {pair[1]} / {pair[0]}: glu {row['glu_b_over_a']:.3f} down {row['down_b_over_a']:.3f}",
+            a_name = f"{pair[0]}@base" if base else pair[0]
+            print(f"  {pair[1]} / {a_name}: glu {row['glu_b_over_a']:.3f} down {row['down_b_over_a']:.3f}",
                   flush=True)
-            (out_dir / "ab.json").write_text(json.dumps({"pair": pair, "rounds": rounds, "replays": replays,
+            (out_dir / "ab.json").write_text(json.dumps({"pair": pair, "base": str(base) if base else None,
+                                                         "rounds": rounds, "replays": replays,
                                                          "warmup_s": warmup_s, "rows": rows}, indent=1))
     print(f"{2 * len(rows) - failures}/{2 * len(rows)} passed", flush=True)
     return 1 if failures else 0
@@ -457,6 +494,10 @@ def main():
     ap.add_argument("--rounds", type=int, default=4, help="--ab: timings of each config (default 4)")
     ap.add_argument("--replays", type=int, default=20, help="--ab: graph replays of each kernel per round")
     ap.add_argument("--warmup", type=float, default=0.3, help="--ab: seconds of untimed replays before each round")
+    ap.add_argument("--base", metavar="DIR", type=Path,
+                    help="--ab: config A's binaries from DIR (the same config compiled from other sources)")
+    ap.add_argument("--repeat", type=int, default=0,
+                    help="with --run: after each check, that many more runs compared bit for bit with the first")
     ns = ap.parse_args()
     if ns.compile:
         compile_all(ns.compile, ns.arch, ns.only.split(",") if ns.only else None)
@@ -466,12 +507,12 @@ def main():
             ap.error(f"--ab takes two config tags A,B, not {ns.ab!r}")
         sys.exit(run_ab(ns.run, ns.out, pair, ns.rounds, ns.replays, ns.warmup,
                         [int(t) for t in ns.tokens.split(",")] if ns.tokens else None,
-                        ns.models.split(",") if ns.models else None))
+                        ns.models.split(",") if ns.models else None, ns.base, ns.repeat))
     if ns.run:
         sys.exit(run_all(ns.run, ns.out, ns.iters,
                          [int(t) for t in ns.tokens.split(",")] if ns.tokens else None,
                          ns.only.split(",") if ns.only else None,
-                         ns.models.split(",") if ns.models else None, ns.graph))
+                         ns.models.split(",") if ns.models else None, ns.graph, ns.repeat))
     if not ns.compile and not ns.run:
         ap.error("give --compile DIR and/or --run DIR")
 
