@@ -164,9 +164,11 @@ def check_promote_every(role, precision, parts, k_tiles, stages, every) -> tuple
         return False, (f"promote_every {every} must divide the {k_tiles} k-tiles and be below the "
                        f"{stages} stages")
     return True, ""
-# the cores fp8 is built on: the cooperative one (the ping-pong one crashed in its first GPU
-# check at 1 token, under timing only, memcheck clean: tools/results/NOTES.md, 2026-12-01) and
-# mma.sync's e4m3 m16n8k32 (sm_89+)
+# the cores fp8 is built on: the cooperative one and mma.sync's e4m3 m16n8k32 (sm_89+). The
+# ping-pong one crashed under timing on 2026-12-01; the cause was a parity wait passing a phase
+# early (fixed 2026-12-06: hopper_gemm._make_order), and since then it is correct, but no faster
+# than the cooperative 64-row tiles at 16-1024 tokens (H100: time 1.00x GEMM1, 1.02x GEMM2 as a
+# geomean, 0.88-1.14x; tools/results/NOTES.md), so the tuner is not offered it.
 FP8_MMAS = ("hopws", "warp")
 
 

@@ -199,7 +199,7 @@ class _Fp8Consumer:
                 read = self._mainloop_promote(pipe, read, tiled_mma, tCrA, tCrB, acc, part, tCcC, pairs,
                                               epi, expert, bt, bn, k_tiles)
             if const_expr(self.pingpong):  # the other warpgroup's tile comes next in the ring
-                order.arrive(turn)
+                turn = self._hand_turn(order, turn)
                 read.advance(k_tiles)
             if const_expr(self.cluster_m == 1):
                 self._epilogue_fp8(ctid, tiled_mma, acc, tCcC, pairs, scales, epi, expert, bt * self.tile_m, bn)

@@ -22,7 +22,10 @@ layout in the raster order of the other kernels. Per CTA:
       schedule. The producer fills the ring in tile order, so warpgroup 1's k-tiles follow
       warpgroup 0's: its mainloop runs while warpgroup 0 writes its epilogue, and the other
       way round. Each warpgroup skips the other's k-tiles in the ring's stage/phase state and
-      reads every other schedule slot; the producer ends the schedule in both slots.
+      reads every other schedule slot; the producer ends the schedule in both slots. The two
+      mainloops take turns in schedule order (``_make_order``): a warpgroup starts waiting on
+      its tile's stages only once the other has passed its last full barrier, since a parity
+      wait on a stage whose previous fill has not landed would pass a phase early.
 
 The stage/phase state runs on across tiles. Padding rows of A (GEMM1) are never loaded: they hold
 whatever the stage held before, which reaches only those rows' outputs (rows of a product are
@@ -182,6 +185,14 @@ class _HopperWs:
         mine = pipeline.PipelineOrder(order.sync_object_full, 1, 2, warp_group,
                                       pipeline.PipelineState(1, Int32(0), Int32(0), 1 - warp_group))
         return mine, pipeline.PipelineState(1, Int32(0), Int32(0), 1 - warp_group)
+
+    @cute.jit
+    def _hand_turn(self, order, turn):
+        """hoppp: hand the turn to the other warpgroup; returns ``turn`` advanced (rebind it in
+        the caller: the DSL carries a loop's state only through names assigned or whose methods
+        are called in the loop, not through arguments mutated by a callee)."""
+        order.arrive(turn)
+        return turn
 
     @cute.jit
     def _ws_tiles(self, tidx, tma_a, mAt, tma_b, mWt, mA, mIds, mTileExpert, epi, tma_bm=None):
@@ -612,6 +623,9 @@ class _HopperWs:
             cute.nvgpu.warpgroup.fence()
             for kt in range(k_tiles):
                 pipe.consumer_wait(read)
+                if const_expr(self.pingpong):
+                    if kt == k_tiles - 1:  # its last full barrier passed: the other warpgroup's turn
+                        turn = self._hand_turn(order, turn)  # (harmless where it has no tile left)
                 if const_expr(self.glu):
                     # A arrived by cp.async (generic proxy); wgmma reads through the async proxy
                     cute.arch.fence_proxy("async.shared", space="cta")
@@ -625,8 +639,6 @@ class _HopperWs:
                     pipe.consumer_release(release)
                     release.advance()
                 read.advance()
-            if const_expr(self.pingpong):
-                order.arrive(turn)  # the other warpgroup's turn (harmless if it has no tile left)
             cute.nvgpu.warpgroup.wait_group(0)
             pipe.consumer_release(release)
             release.advance()

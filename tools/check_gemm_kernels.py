@@ -308,17 +308,20 @@ def _check_point(v, glu, down, weights, inputs, m, repeat=0):
 
 def _repeat_runs(repeat, glu, down, glu_args, down_args, outs):
     """``repeat`` runs of glu then down, back to back, each on outputs ``outs`` poisoned (NaN)
-    first; returns how many runs left any output not bit-identical to the outputs as they are
-    now (NaN compared as NaN: rows no kernel writes stay poisoned)."""
+    first; returns how many runs left any output not bit-identical to those of one more run
+    before them (compared as bits: rows no kernel writes stay the same NaN)."""
     import torch
 
-    first = [o.clone() for o in outs]
+    first = None
     bad = torch.zeros((), dtype=torch.int32, device=outs[0].device)
-    for _ in range(repeat):
+    for i in range(repeat + 1):  # run 0 (poisoned the same way) is what the others are compared with
         for o in outs:
             o.fill_(float("nan"))
         glu(*glu_args)
         down(*down_args)
+        if first is None:
+            first = [o.clone() for o in outs]
+            continue
         moved = torch.zeros((), dtype=torch.bool, device=bad.device)
         for o, f in zip(outs, first):
             moved |= (o.view(torch.int16) != f.view(torch.int16)).any()
