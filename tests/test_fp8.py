@@ -416,3 +416,26 @@ def test_fp8_reference_follows_the_h_block(precision):
     r128 = fp8_ref.moe_fp8_reference(x, w13, (w2q, w2s), tw, ids, precision, h_block=128)
     assert torch.equal(r64, fp8_ref.moe_fp8_reference(x, w13, (w2q, w2s), tw, ids, precision, h_block=64))
     assert 0 < rel_err(r128, r64) < 0.05  # another rounding of h, within what e4m3 costs
+
+
+def test_fp8_pingpong_gemm2_takes_turns(monkeypatch, tmp_path):
+    """The fp8 ping-pong GEMM2 that crashed under timing on 2026-12-01 (Qwen3-30B: 6 k-tiles, 6
+    stages, 64x128 tiles): its two consumer warpgroups' mainloops take turns (two mbarriers of 128
+    arrivals, waited on with a parity the loop flips), the race's fix. The core is still not
+    offered for fp8 (FP8_MMAS); the tools widen it as here."""
+    import cutlass.cute as cute
+    from moe_aot_templates.hopper_fp8 import HopperDownGemmFp8
+    from test_gemm_templates import _mbarrier_init_counts, _turn_parity_flips
+
+    assert "hoppp" not in limits.FP8_MMAS
+    with pytest.raises(ValueError, match="runs on mma in"):
+        HopperDownGemmFp8(128, 2048, 768, 8, tile_m=64, tile_n=128, tile_k=128, stages=6, mma="hoppp",
+                          precision="fp8")
+    monkeypatch.setattr(limits, "FP8_MMAS", limits.WARP_SPECIALIZED)
+    obj = HopperDownGemmFp8(128, 2048, 768, 8, tile_m=64, tile_n=128, tile_k=128, stages=6, mma="hoppp",
+                            precision="fp8")
+    ptx = cute.compile(obj, *[f for _, f in obj.fake_arguments()],
+                       options=f"--gpu-arch sm_90a --keep-ptx --dump-dir {tmp_path}").__ptx__
+    body = ptx[ptx.index(".entry"):]
+    assert _mbarrier_init_counts(body) == [1] * 6 + [4] * 6 + [1, 1] + [128, 128] + [128, 128]
+    assert _turn_parity_flips(body)

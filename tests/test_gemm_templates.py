@@ -198,6 +198,20 @@ def _mbarrier_init_counts(ptx: str) -> list[int]:
     return [int(consts[r]) for r in re.findall(r"mbarrier\.init\.shared\.b64\s+\[[^\]]+\],\s*(%r\d+);", ptx)]
 
 
+def _turn_parity_flips(body: str) -> bool:
+    """Whether the ping-pong turns (hopper_gemm._make_order: the kernel's last two mbarriers) are
+    waited on with a parity the loop flips (`xor.b32 %rP, %rP, 1`) rather than one fixed before
+    it: the DSL carries loop state only through names the loop rebinds, and a turn state mutated
+    by a callee stayed at its first phase (a deadlock at the second tile, 2026-12-06)."""
+    import re
+
+    off = re.findall(r"mbarrier\.init\.shared\.b64\s+\[%r\d+(?:\+(\d+))?\]", body)[-2]
+    regs = set(re.findall(r"add\.s32\s+(%r\d+),\s*%r\d+,\s*" + off + ";", body))
+    parities = [p for a, p in re.findall(r"try_wait\.parity\.shared\.b64\s+P1,\s*\[(%r\d+)\],\s*(%r\d+)", body)
+                if a in regs]
+    return bool(parities) and all(re.search(r"xor\.b32\s+" + p + r",\s*" + p + r",\s*1;", body) for p in parities)
+
+
 @pytest.mark.parametrize("role, tile_m, tile_n, stages", [("glu", 64, 256, 5), ("down", 64, 256, 5),
                                                           ("down", 64, 128, 8), ("glu", 128, 128, 6),
                                                           ("down", 128, 128, 6)])
@@ -207,7 +221,8 @@ def test_hoppp_pingpong_gives_each_warpgroup_its_own_tiles(role, tile_m, tile_n,
     empty barriers count the 4 warps of one warpgroup (hopws at 128 rows: 8) and the schedule
     slots its 128 threads; registers are moved to the consumers as for hopws's 384 threads;
     the same TMA/cp.async pipeline and register epilogue as hopws; a 128-row warpgroup tile is two
-    64-row blocks of wgmma (and of 16-byte epilogue stores) per warpgroup."""
+    64-row blocks of wgmma (and of 16-byte epilogue stores) per warpgroup. The two mainloops take
+    turns: two more mbarriers of 128 arrivals, waited on with a parity that flips per tile."""
     from moe_aot_templates.hopper_gemm import HopperDownGemm, HopperGluGemm
 
     cls = HopperGluGemm if role == "glu" else HopperDownGemm
@@ -218,7 +233,8 @@ def test_hoppp_pingpong_gives_each_warpgroup_its_own_tiles(role, tile_m, tile_n,
                        options=f"--gpu-arch sm_90a --keep-ptx --dump-dir {tmp_path}").__ptx__
     body = ptx[ptx.index(".entry"):]
     full = 1 + 128 if role == "glu" else 1  # TMA (+ GEMM1's 128 cp.async arrivals)
-    assert _mbarrier_init_counts(body) == [full] * stages + [4] * stages + [1, 1] + [128, 128]
+    assert _mbarrier_init_counts(body) == [full] * stages + [4] * stages + [1, 1] + [128, 128] + [128, 128]
+    assert _turn_parity_flips(body)
     assert "setmaxnreg" in body and "wgmma.mma_async" in body
     assert "ld.local" not in body and "st.local" not in body
     assert "cp.async.wait_group" not in body
@@ -228,7 +244,9 @@ def test_hoppp_pingpong_gives_each_warpgroup_its_own_tiles(role, tile_m, tile_n,
     hopws = cls(**QWEN3_30B, tile_m=128, tile_n=tile_n, tile_k=64, stages=4)
     ptx2 = cute.compile(hopws, *[f for _, f in hopws.fake_arguments()],
                         options=f"--gpu-arch sm_90a --keep-ptx --dump-dir {tmp_path}").__ptx__
-    assert _mbarrier_init_counts(ptx2[ptx2.index(".entry"):])[4:8] == [8] * 4  # the check can fail
+    body2 = ptx2[ptx2.index(".entry"):]
+    assert _mbarrier_init_counts(body2)[4:8] == [8] * 4  # the check can fail
+    assert len(_mbarrier_init_counts(body2)) == 4 + 4 + 2 + 2  # stages, schedule slots: no turns
     with pytest.raises(ValueError, match="256 fp32 accumulator registers"):
         cls(**QWEN3_30B, tile_m=128, tile_n=256, tile_k=64, stages=4, mma="hoppp")
     with pytest.raises(ValueError, match="needs mma hopws"):
