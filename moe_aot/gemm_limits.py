@@ -261,8 +261,8 @@ def smem_bytes(tile_m, tile_n, tile_k, stages, mma="warp", precision="bf16", clu
     accumulator tile (persistent kernels: no staging, their epilogue stores from registers; a
     full and an empty mbarrier per stage, and the two-slot tile schedule: 4 mbarriers, 2 tile
     indices, and per slot each row's pair and routing weight, 64 + 16 * tile_m bytes with
-    alignment; 2-CTA clusters: the list of paired tiles, 4 bytes per entry) + the allocator's
-    alignment slack."""
+    alignment; ping-pong: the two mbarriers of the mainloops' turns; 2-CTA clusters: the list of
+    paired tiles, 4 bytes per entry) + the allocator's alignment slack."""
     if mma in UMMA:
         return umma_smem_bytes(tile_m, tile_n, tile_k, stages, cluster_m)
     ab = stages * (tile_m + tile_n) * tile_k * ELEM_BYTES[precision]
@@ -270,6 +270,8 @@ def smem_bytes(tile_m, tile_n, tile_k, stages, mma="warp", precision="bf16", clu
         ab = w4_pipeline_bytes(tile_m, tile_n, tile_k, stages)
     c = 0 if mma in PERSISTENT else tile_m * (tile_n + 8) * 4
     bars = 16 * stages + 64 + 16 * tile_m if mma in WARP_SPECIALIZED else 0
+    if mma in PINGPONG:
+        bars += 16  # hopper_gemm._make_order
     if cluster_m > 1:
         bars += 4 * PAIR_LIST_WORDS
     return max(ab, c) + 1024 + bars

@@ -235,6 +235,8 @@ def test_hoppp_pingpong_gives_each_warpgroup_its_own_tiles(role, tile_m, tile_n,
     full = 1 + 128 if role == "glu" else 1  # TMA (+ GEMM1's 128 cp.async arrivals)
     assert _mbarrier_init_counts(body) == [full] * stages + [4] * stages + [1, 1] + [128, 128] + [128, 128]
     assert _turn_parity_flips(body)
+    assert cls.smem_bytes(tile_m, tile_n, 64, stages, "hoppp") == \
+        cls.smem_bytes(tile_m, tile_n, 64, stages, "hopws") + 16  # the turns' two mbarriers
     assert "setmaxnreg" in body and "wgmma.mma_async" in body
     assert "ld.local" not in body and "st.local" not in body
     assert "cp.async.wait_group" not in body
