@@ -7,6 +7,9 @@ references of exactly what they consume, and time them beside the bf16 GEMMs of 
                         count: fresh random bf16 weights and inputs, quantized on the GPU (weights
                         by moe_aot.runtime.fp8, x by the quantization kernel); outputs poisoned
                         (NaN) before every run; prints errors and times, writes OUT/results.json
+  --repeat N            with --run: N more runs of GEMM1 and GEMM2 back to back on freshly poisoned
+                        outputs, compared bit for bit with one more run before them (a race shows
+                        as runs that differ; the point then fails)
 
 Checks (each over the whole output and its worst row):
   quant  dequant(xq, xs) against torch's quantize_x of the same x (and the scales themselves)

@@ -10,6 +10,11 @@
                         --rounds timings of each in mirrored order at the sustained clock; OUT/ab.json
                         (a cold-L2 timing of one config after another reads the GPU's clock drift
                         between them as well: +-10% at the power cap, 2026-12-03)
+    --base DIR          with --ab: A's binaries from DIR (the same config compiled from other
+                        sources, e.g. before a template change: --ab X,X --base OLD)
+  --repeat N            with --run: after each check, N more runs back to back on freshly poisoned
+                        outputs, compared bit for bit with one more run before them (a race shows
+                        as runs that differ; the point then fails)
 
 Routing is built here by a small torch function with the router's semantics (the real routing
 kernel lives elsewhere): per expert its routed pairs, ascending p, at rows [off_e, off_e+count_e),
