@@ -36,7 +36,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from kernel_timing import cold_l2_timer  # noqa: E402
+from kernel_timing import cold_l2_timer, repeat_runs  # noqa: E402
 
 # (name, E, top_k, H, I): the fp8-capable presets (GPT-OSS's H = 2880 is not a multiple of 128)
 MODELS = [
@@ -320,9 +320,9 @@ def run_all(kdir: Path, out_dir: Path, iters: int, tokens=None, only=None, model
                            layer_vs_bf16=err_layer)
                 res["quant"]["us"] = timed(lambda: quant(x, xq, xs))
             if repeat:
-                # a race shows as a run that differs from the checked one (METHOD.md)
-                differ = _repeat_runs(repeat, glu, down, glu_args, down_args,
-                                      (h, y) if prec == "bf16" else (h, hs, y))
+                # a race shows as runs that differ (METHOD.md)
+                differ = repeat_runs(repeat, glu, down, glu_args, down_args,
+                                     (h, y) if prec == "bf16" else (h, hs, y))
                 res["repeat"] = {"runs": repeat, "differ": differ}
                 ok = ok and differ == 0
             t_glu = timed(lambda: glu(*glu_args))
@@ -349,29 +349,6 @@ def run_all(kdir: Path, out_dir: Path, iters: int, tokens=None, only=None, model
     print(f"{len(results) - failures}/{len(results)} passed", flush=True)
     versus_table(results)
     return 1 if failures else 0
-
-
-def _repeat_runs(repeat, glu, down, glu_args, down_args, outs):
-    """``repeat`` runs of glu then down, back to back, each on outputs ``outs`` poisoned first
-    (all bits set: NaN in bf16, fp32 and e4m3); returns how many runs left any output not
-    bit-identical to those of one more run before them (poisoned the same way)."""
-    import torch
-
-    first = None
-    bad = torch.zeros((), dtype=torch.int32, device=outs[0].device)
-    for i in range(repeat + 1):  # run 0 (poisoned the same way) is what the others are compared with
-        for o in outs:
-            o.view(torch.uint8).fill_(0xFF)
-        glu(*glu_args)
-        down(*down_args)
-        if first is None:
-            first = [o.clone() for o in outs]
-            continue
-        moved = torch.zeros((), dtype=torch.bool, device=bad.device)
-        for o, f in zip(outs, first):
-            moved |= (o.view(torch.uint8) != f.view(torch.uint8)).any()
-        bad += moved.int()
-    return int(bad.item())
 
 
 def versus_table(results) -> None:

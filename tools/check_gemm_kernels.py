@@ -32,7 +32,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from kernel_timing import cold_l2_timer  # noqa: E402
+from kernel_timing import cold_l2_timer, repeat_runs  # noqa: E402
 
 # (name, E, top_k, H, I)
 MODELS = [
@@ -235,7 +235,7 @@ def _inputs(v, m, dev, gen):
 def _check_point(v, glu, down, weights, inputs, m, repeat=0):
     """Run both kernels once on NaN-poisoned outputs and compare with the fp32 reference, every
     row; then, where ``repeat``, that many more runs back to back, each on freshly poisoned
-    outputs, compared bit for bit with the first (a race shows as a run that differs: METHOD.md).
+    outputs, compared bit for bit (kernel_timing.repeat_runs; a race shows as runs that differ).
     Returns the result row (timings None) and the two kernels' launch closures."""
     import torch
 
@@ -295,8 +295,8 @@ def _check_point(v, glu, down, weights, inputs, m, repeat=0):
     err_y = rel_err(y, y_ref)
     row_h, row_y = row_err(h[valid], h_ref[valid]), row_err(y, y_ref)
     ok = err_h <= 1e-2 and pad_ok and err_y <= 1e-2 and row_h <= 3e-2 and row_y <= 3e-2
-    differ = _repeat_runs(repeat, glu, down, (x, w13, sorted_ids, tile_expert, h),
-                          (h, w2, sorted_ids, tile_expert, topk_w, y), (h, y)) if repeat else 0
+    differ = repeat_runs(repeat, glu, down, (x, w13, sorted_ids, tile_expert, h),
+                         (h, w2, sorted_ids, tile_expert, topk_w, y), (h, y)) if repeat else 0
     ok = ok and differ == 0
     res = {"variant": v["tag"], "mma": v["mma"], "tile_m": tm, "glu_tiles": v["glu"],
            "down_tiles": v["down"], "model": v["model"], "tokens": m,
@@ -310,28 +310,6 @@ def _check_point(v, glu, down, weights, inputs, m, repeat=0):
            lambda: down(h, w2, sorted_ids, tile_expert, topk_w, y))
     return res, fns
 
-
-def _repeat_runs(repeat, glu, down, glu_args, down_args, outs):
-    """``repeat`` runs of glu then down, back to back, each on outputs ``outs`` poisoned (NaN)
-    first; returns how many runs left any output not bit-identical to those of one more run
-    before them (compared as bits: rows no kernel writes stay the same NaN)."""
-    import torch
-
-    first = None
-    bad = torch.zeros((), dtype=torch.int32, device=outs[0].device)
-    for i in range(repeat + 1):  # run 0 (poisoned the same way) is what the others are compared with
-        for o in outs:
-            o.fill_(float("nan"))
-        glu(*glu_args)
-        down(*down_args)
-        if first is None:
-            first = [o.clone() for o in outs]
-            continue
-        moved = torch.zeros((), dtype=torch.bool, device=bad.device)
-        for o, f in zip(outs, first):
-            moved |= (o.view(torch.int16) != f.view(torch.int16)).any()
-        bad += moved.int()
-    return int(bad.item())
 
 
 def _rates(v, res, part, us):

@@ -1,4 +1,5 @@
-"""Cold-L2 timing of one kernel launch, shared by the kernel-check tools (not the product)."""
+"""Cold-L2 timing of one kernel launch, and repeated runs compared bit for bit, shared by the
+kernel-check tools (not the product)."""
 from __future__ import annotations
 
 
@@ -24,3 +25,27 @@ def cold_l2_timer(device, iters: int):
         return times[len(times) // 2]
 
     return timed
+
+
+def repeat_runs(repeat: int, glu, down, glu_args, down_args, outs) -> int:
+    """``repeat`` runs of glu then down, back to back, each on outputs ``outs`` poisoned first
+    (every byte 0xFF: NaN in bf16, fp32 and e4m3); returns how many runs left any output not
+    bit-identical to those of one more run before them, poisoned the same way (rows no kernel
+    writes stay the same NaN). A race shows as runs that differ (METHOD.md)."""
+    import torch
+
+    first = None
+    bad = torch.zeros((), dtype=torch.int32, device=outs[0].device)
+    for _ in range(repeat + 1):  # run 0 is what the others are compared with
+        for o in outs:
+            o.view(torch.uint8).fill_(0xFF)
+        glu(*glu_args)
+        down(*down_args)
+        if first is None:
+            first = [o.clone() for o in outs]
+            continue
+        moved = torch.zeros((), dtype=torch.bool, device=bad.device)
+        for o, f in zip(outs, first):
+            moved |= (o.view(torch.uint8) != f.view(torch.uint8)).any()
+        bad += moved.int()
+    return int(bad.item())
