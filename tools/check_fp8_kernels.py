@@ -379,7 +379,8 @@ def main():
     ap.add_argument("--models", help="comma-separated model names (default: all)")
     ap.add_argument("--tokens", help="comma-separated token counts (default: %s)" % TOKENS)
     ap.add_argument("--repeat", type=int, default=0,
-                    help="after each check and timing, that many more runs compared bit for bit with the checked one")
+                    help="after each check, that many more runs back to back compared bit for bit with one more run "
+                         "before them (kernel_timing.repeat_runs)")
     ns = ap.parse_args()
     only = ns.only.split(",") if ns.only else None
     if ns.compile:

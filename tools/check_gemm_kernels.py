@@ -311,7 +311,6 @@ def _check_point(v, glu, down, weights, inputs, m, repeat=0):
     return res, fns
 
 
-
 def _rates(v, res, part, us):
     """Fill res[part]'s time and its weight-byte and useful-FLOP rates."""
     m, k, hd, inter = res["tokens"], v["k"], v["H"], v["I"]
@@ -453,8 +452,7 @@ def run_ab(kdir: Path, out_dir: Path, pair, rounds: int, replays: int, warmup_s:
                    "glu_b_over_a": b["glu"]["us"] / a["glu"]["us"],
                    "down_b_over_a": b["down"]["us"] / a["down"]["us"]}
             rows.append(row)
-            a_name = f"{pair[0]}@base" if base else pair[0]
-            print(f"  {pair[1]} / {a_name}: glu {row['glu_b_over_a']:.3f} down {row['down_b_over_a']:.3f}",
+            print(f"  {b['variant']} / {a['variant']}: glu {row['glu_b_over_a']:.3f} down {row['down_b_over_a']:.3f}",
                   flush=True)
             (out_dir / "ab.json").write_text(json.dumps({"pair": pair, "base": str(base) if base else None,
                                                          "rounds": rounds, "replays": replays,
