@@ -4,7 +4,8 @@
 For every model × token count of the benchmark matrix: our layer (routing included) replayed from
 CUDA graphs, the unfused PyTorch path (permutation + torch._grouped_mm + SiLU·up + torch._grouped_mm
 + routing-weight multiply + index_add_) replayed the same way, and the roofline floor
-max(FLOPs / bf16 matmul rate measured in this run, bytes / 4.8 TB/s). Several input sets with
+max(FLOPs / bf16 matmul rate measured in this run, bytes / the GPU's HBM rate: 4.8 TB/s on an H200,
+3.35 on an H100, HBM_BYTES_PER_S). Several input sets with
 different routings are replayed in turn so that consecutive replays do not find the previous
 one's experts in L2; every row is checked against the fp32 reference. Beside that floor, the
 same with the matmul timed after SUSTAINED_MATMUL_S of matmuls (`ours/sustained floor`): the
@@ -55,14 +56,24 @@ from moe_aot.runtime.store import KernelStore  # noqa: E402
 from moe_aot.spec import BENCH_TOKENS, PRESETS, make_spec  # noqa: E402
 from moe_aot.variants import default_variant  # noqa: E402
 
-HBM_BYTES_PER_S = 4.8e12
+# The floor's memory rate per GPU (torch.cuda.get_device_name()): the datasheet's HBM bandwidth.
+HBM_BYTES_PER_S = {"NVIDIA H200": 4.8e12, "NVIDIA H100 80GB HBM3": 3.35e12}
 SUSTAINED_MATMUL_S = 2.0  # matmuls before the sustained-clock timing of the floor's matmul (tools/matmul_clock.py)
 
 
-def floor_us(flops: float, bytes_: float, rate: float) -> float:
-    """The roofline floor (µs): the FLOPs at matmul rate `rate` (FLOP/s) or the bytes at HBM_BYTES_PER_S,
-    whichever takes longer."""
-    return max(flops / rate, bytes_ / HBM_BYTES_PER_S) * 1e6
+def hbm_bytes_per_s(gpu: str | None = None) -> float:
+    """The HBM rate of `gpu` (default: this process's GPU) for the floor; a GPU without one is refused."""
+    gpu = gpu or torch.cuda.get_device_name()
+    if gpu not in HBM_BYTES_PER_S:
+        raise SystemExit(f"no HBM rate known for {gpu!r}, so no floor; known GPUs: {', '.join(HBM_BYTES_PER_S)} "
+                         "(add it to tools/bench.py's HBM_BYTES_PER_S)")
+    return HBM_BYTES_PER_S[gpu]
+
+
+def floor_us(flops: float, bytes_: float, rate: float, hbm: float | None = None) -> float:
+    """The roofline floor (µs): the FLOPs at matmul rate `rate` (FLOP/s) or the bytes at the HBM rate
+    `hbm` (bytes/s; default: this GPU's, hbm_bytes_per_s), whichever takes longer."""
+    return max(flops / rate, bytes_ / (hbm or hbm_bytes_per_s())) * 1e6
 
 
 def run_for(fn, seconds: float) -> None:
@@ -263,8 +274,9 @@ def _state_text(state, *keys) -> str:
 def markdown(result: dict) -> str:
     lines = [f"# Fused MoE layer on {result['device']} ({result['date']})", "",
              f"Command: `{result['command']}`; bf16 matmul rate measured in the run: "
-             f"{result['matmul_tflops']:.0f} TFLOP/s{_matmul_clock(result)}; HBM 4.8 TB/s. Times are medians of "
-             "CUDA-graph replays (µs); ratios below 1 in `torch/ours` mean PyTorch was faster. `SM MHz, W, mJ`: "
+             f"{result['matmul_tflops']:.0f} TFLOP/s{_matmul_clock(result)}; HBM {result['hbm_tbps']:g} TB/s. "
+             "Times are medians of CUDA-graph replays (µs); ratios below 1 in `torch/ours` mean PyTorch was "
+             "faster. `SM MHz, W, mJ`: "
              f"over {ENERGY_S} s of further replays of ours, the SM clock (median of NVML samples every 20 ms), "
              "the board power and the energy per layer (both from the board's energy counter); `torch mJ`: the "
              "same energy of the unfused path.", "",
@@ -349,7 +361,7 @@ def main():
     result = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "device": torch.cuda.get_device_name(),
         "command": "python3 tools/bench.py " + " ".join(sys.argv[1:]), "matmul_tflops": rate / 1e12,
-        "hbm_tbps": HBM_BYTES_PER_S / 1e12, "seconds": round(time.time() - t0, 1), "matmul_gpu_state": mm_state,
+        "hbm_tbps": hbm_bytes_per_s() / 1e12, "seconds": round(time.time() - t0, 1), "matmul_gpu_state": mm_state,
         "matmul_sustained_tflops": rate_s / 1e12, "matmul_sustained_gpu_state": mm_state_s,
         "rows": rows,
         "summary": {"geomean_ours_over_floor": geo([r["ours_over_floor"] for r in rows]),

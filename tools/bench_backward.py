@@ -12,9 +12,10 @@ all captured in CUDA graphs and replayed.
 
 Per point: the forward alone and forward + backward for both (backward = the difference), their
 ratio, the floor of forward + backward (3x the forward's FLOPs over the bf16 matmul rate measured
-in the run, or 3x the selected experts' weight bytes over 4.8 TB/s) and the backward's (2x each),
-the backward's also at the matmul rate after SUSTAINED_MATMUL_S of matmuls (`sust.`: the clock the
-H200 holds at its power cap, as tools/bench.py's column), for ours and torch's, the activation bytes autograd
+in the run, or 3x the selected experts' weight bytes over the HBM rate, 4.8 TB/s on an H200) and
+the backward's (2x each), the backward's also at the matmul rate after SUSTAINED_MATMUL_S of
+matmuls (`sust.`: the clock the H200 holds at its power cap, as tools/bench.py's column), for ours
+and torch's, the activation bytes autograd
 saves for the backward (saved_tensors_hooks, the weights not counted) for both, and the relative
 difference between ours and torch's gradients (both bf16). Build the database with
 `moe-aot build --backward` so that the backward finds its compiled GLU kernel and the forward its

@@ -4,8 +4,9 @@
 For every fp8-capable model × token count and each fp8 precision: the whole layer (routing and
 x's quantization included) replayed from CUDA graphs over several input sets, as tools/bench.py
 times the bf16 layer; our bf16 layer on the same bf16 weights in the same run; the fp8 floor
-max(FLOPs / fp8 matmul rate measured in this run (torch._scaled_mm, e4m3, 8192^3), bytes / 4.8
-TB/s) with the selected experts' weights at one byte per element plus their scales and the bf16
+max(FLOPs / fp8 matmul rate measured in this run (torch._scaled_mm, e4m3, 8192^3), bytes / the
+GPU's HBM rate (tools/bench.py's HBM_BYTES_PER_S: 4.8 TB/s on an H200)) with the selected experts'
+weights at one byte per element plus their scales and the bf16
 activations in and out, and beside it the same floor with the fp8 matmul timed after
 SUSTAINED_MATMUL_S of back-to-back fp8 matmuls (`x sust.`: the clock the H200 holds under a large
 layer, its power cap, as tools/bench.py does for bf16); each kernel alone; the error against the
@@ -30,7 +31,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench import SUSTAINED_MATMUL_S, WARMUP_S, floor_us, graph_time_us, matmul_rate, run_for  # noqa: E402
+from bench import SUSTAINED_MATMUL_S, WARMUP_S, floor_us, graph_time_us, hbm_bytes_per_s, matmul_rate, run_for  # noqa: E402
 
 from moe_aot.gemm_limits import FP8, SCALE_BLOCK  # noqa: E402
 from moe_aot.harness.measure import graph_times_us, input_sets  # noqa: E402
@@ -154,7 +155,8 @@ def markdown(result: dict) -> str:
              f"Command: `{result['command']}`; fp8 matmul rate measured in the run (torch._scaled_mm, "
              f"8192^3): {result['fp8_matmul_tflops']:.0f} TFLOP/s, bf16 {result['bf16_matmul_tflops']:.0f}; "
              f"after {SUSTAINED_MATMUL_S:g} s of fp8 matmuls {result['fp8_matmul_sustained_tflops']:.0f}; "
-             "HBM 4.8 TB/s. Medians of CUDA-graph replays (µs). `x floor`: time over the fp8 floor; "
+             f"HBM {result.get('hbm_tbps', 4.8):g} TB/s. Medians of CUDA-graph replays (µs). "
+             "`x floor`: time over the fp8 floor; "
              "`x sust.`: over the floor at the sustained fp8 matmul rate; "
              "`bf16/fp8`: our bf16 layer's time over this one's (same weights, same run); `err`: against "
              "the fp32 reference of the fp8 math; `vs bf16`: against the bf16 layer's reference "
@@ -211,7 +213,7 @@ def main():
     result = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "device": torch.cuda.get_device_name(),
               "command": "python3 tools/bench_fp8.py " + " ".join(sys.argv[1:]),
               "fp8_matmul_tflops": rate8 / 1e12, "fp8_matmul_sustained_tflops": rate8_s / 1e12,
-              "bf16_matmul_tflops": rate16 / 1e12,
+              "bf16_matmul_tflops": rate16 / 1e12, "hbm_tbps": hbm_bytes_per_s() / 1e12,
               "seconds": round(time.time() - t0, 1), "rows": rows, "summary": summary}
     out = Path(ns.out)
     out.mkdir(parents=True, exist_ok=True)
