@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import math
 import statistics
@@ -182,6 +183,37 @@ def time_alt(layer, variant, served, M, w13, w2, replays, sets) -> dict:
         return {"variant": variant.name(layer.spec), "error": f"{type(exc).__name__}: {exc}"[:300]}
 
 
+def _out_of_memory(exc) -> None:
+    print(f"  torch's unfused path: out of memory ({str(exc)[:120]})", flush=True)
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def torch_err(spec, x, w_gu_t, w2_t, tw, ids, unfused_kw, ref):
+    """The unfused PyTorch path's relative error against our layer's reference (None: out of memory)."""
+    try:
+        return rel_err(torch_unfused(x, w_gu_t, w2_t, tw, ids, spec.experts, **unfused_kw), ref)
+    except torch.OutOfMemoryError as exc:
+        _out_of_memory(exc)
+        return None
+
+
+def torch_times(spec, sets, w_gu_t, w2_t, unfused_kw, replays, nvml):
+    """The unfused PyTorch path replayed on the same input sets: (median µs, GPU state), or
+    (None, None) where it does not fit in the GPU's memory beside our layer (DeepSeek-V3 at 16384
+    tokens on an 80 GB H100: its transposed weight copies and its graphs' activations)."""
+    gc.collect()  # our layer's graphs and their private memory pools
+    torch.cuda.empty_cache()
+    try:
+        theirs, t_state = timed_graphs([lambda s=s: torch_unfused(s[0], w_gu_t, w2_t, s[1], s[2], spec.experts,
+                                                                  **unfused_kw)
+                                        for s in sets], replays, 0.0, nvml, ENERGY_S)
+        return statistics.median(theirs), t_state
+    except torch.OutOfMemoryError as exc:
+        _out_of_memory(exc)
+        return None, None
+
+
 def bench_model(name: str, tokens_list, replays: int, rate: float, store, pdl: bool = False,
                 alts=(), peers=None, nvml=None, rate_sustained: float | None = None) -> list[dict]:
     spec = make_spec(name, target="sm_90a")
@@ -204,7 +236,7 @@ def bench_model(name: str, tokens_list, replays: int, rate: float, store, pdl: b
         layer.forward(x, w13, w2, tw, ids, out=out)
         ref = served_reference(layer, x, w13, w2, tw, ids)  # the four kernels', or the decode kernel's
         err = rel_err(out, ref)
-        t_err = rel_err(torch_unfused(x, w_gu_t, w2_t, tw, ids, spec.experts, **unfused_kw), ref)
+        t_err = torch_err(spec, x, w_gu_t, w2_t, tw, ids, unfused_kw, ref)
         del ref
         # the model's tensors bound as defaults: they are deleted (del below) once the model is done
         ours, state = timed_graphs([lambda s=s, lay=layer, w=(w13, w2): lay.forward(s[0], *w, s[1], s[2], out=s[3],
@@ -214,16 +246,13 @@ def bench_model(name: str, tokens_list, replays: int, rate: float, store, pdl: b
         selected = statistics.mean(int(torch.unique(s[2]).numel()) for s in sets)
         # each GEMM alone, right after the layer's replays (the same sustained clock state)
         gemms = gemm_times(layer, M, replays, spec, selected)
-        theirs, t_state = timed_graphs([lambda s=s: torch_unfused(s[0], w_gu_t, w2_t, s[1], s[2], spec.experts,
-                                                                  **unfused_kw)
-                                        for s in sets], replays, 0.0, nvml, ENERGY_S)
-        theirs = statistics.median(theirs)
+        theirs, t_state = torch_times(spec, sets, w_gu_t, w2_t, unfused_kw, replays, nvml)
         flops = 6 * M * spec.top_k * spec.hidden * spec.intermediate
         bytes_ = selected * 3 * spec.hidden * spec.intermediate * 2 + 2 * M * spec.hidden * 2
         floor = floor_us(flops, bytes_, rate)
         row = {"model": name, "tokens": M, "ours_us": round(ours, 2), "floor_us": round(floor, 2),
-               "torch_us": round(theirs, 2), "rel_err": err, "torch_rel_err": t_err,
-               "ours_over_floor": round(ours / floor, 3), "torch_over_ours": round(theirs / ours, 3),
+               "torch_us": theirs and round(theirs, 2), "rel_err": err, "torch_rel_err": t_err,
+               "ours_over_floor": round(ours / floor, 3), "torch_over_ours": theirs and round(theirs / ours, 3),
                "variant": layer.served(M).name(spec), "experts_selected": selected}
         row["gemms"] = gemms
         if rate_sustained:  # the same floor with the matmul's rate at the clock the GPU sustains
@@ -256,8 +285,9 @@ def bench_model(name: str, tokens_list, replays: int, rate: float, store, pdl: b
             print(f"  twin {row['twin_variant']}: {row.get('twin_us')} us, rel err {row.get('twin_rel_err')}"
                   f"{', ' + row['twin_error'] if 'twin_error' in row else ''}", flush=True)
         rows.append(row)
-        print(f"{name:16} M={M:6} ours {ours:9.1f} us  floor {floor:9.1f}  torch {theirs:9.1f}  "
-              f"ours/floor {ours / floor:5.2f}  torch/ours {theirs / ours:5.2f}  err {err:.1e}", flush=True)
+        print(f"{name:16} M={M:6} ours {ours:9.1f} us  floor {floor:9.1f}  torch {theirs or float('nan'):9.1f}  "
+              f"ours/floor {ours / floor:5.2f}  torch/ours {(theirs or float('nan')) / ours:5.2f}  err {err:.1e}",
+              flush=True)
     del w13, w2, W13, W2, layer
     torch.cuda.empty_cache()
     return rows
@@ -294,7 +324,7 @@ def markdown(result: dict) -> str:
                 for k in ("glu", "down")]
         line = (f"| {r['model']} | {r['tokens']} | {r['ours_us']:.1f} | {r['floor_us']:.1f} | "
                 f"{r['ours_over_floor']:.2f} | {r.get('ours_over_sustained_floor', float('nan')):.2f} | "
-                f"{r['torch_us']:.1f} | {r['torch_over_ours']:.2f} | "
+                f"{_num(r['torch_us'], '.1f')} | {_num(r['torch_over_ours'], '.2f')} | "
                 f"{r.get('vllm_over_ours', float('nan')):.2f} | {r['rel_err']:.1e} | {gtxt[0]} | {gtxt[1]} | "
                 f"{_state_text(r.get('gpu_state'))} | {_state_text(r.get('torch_gpu_state'), 'mj_per_replay')} | "
                 f"`{r['variant'].split('_', 6)[-1]}` |")
@@ -322,9 +352,18 @@ def markdown(result: dict) -> str:
                   f"{g['geomean_ours_over_sustained_floor']:.2f}."]
     lines += ["", f"Geometric mean ours/floor {g['geomean_ours_over_floor']:.2f}; "
               f"geometric mean torch/ours {g['geomean_torch_over_ours']:.2f}; max rel err {g['max_rel_err']:.1e}."]
+    oom = [f"{r['model']} {r['tokens']}" for r in result["rows"] if r.get("torch_us", 0) is None]
+    if oom:
+        lines[-1] += (" The unfused path did not fit in the GPU's memory (OOM, left out of its geomean) at "
+                      f"{', '.join(oom)}.")
     if "geomean_torch_over_ours_energy" in g:
         lines[-1] += f" Energy per layer, torch/ours: geomean {g['geomean_torch_over_ours_energy']:.2f}."
     return "\n".join(lines) + "\n"
+
+
+def _num(v, fmt: str) -> str:
+    """A table cell: the number, or "OOM" where the unfused path did not fit in memory."""
+    return "OOM" if v is None else format(v, fmt)
 
 
 def _matmul_clock(result, which: str = "") -> str:
@@ -365,12 +404,12 @@ def main():
         "matmul_sustained_tflops": rate_s / 1e12, "matmul_sustained_gpu_state": mm_state_s,
         "rows": rows,
         "summary": {"geomean_ours_over_floor": geo([r["ours_over_floor"] for r in rows]),
-                    "geomean_torch_over_ours": geo([r["torch_over_ours"] for r in rows]),
+                    "geomean_torch_over_ours": geo([r["torch_over_ours"] for r in rows if r["torch_over_ours"]]),
                     "max_rel_err": max(r["rel_err"] for r in rows),
                     "geomean_ours_over_sustained_floor": geo([r["ours_over_sustained_floor"] for r in rows])},
     }
     mj = [(r["torch_gpu_state"]["mj_per_replay"], r["gpu_state"]["mj_per_replay"]) for r in rows
-          if "mj_per_replay" in r.get("gpu_state", {}) and "mj_per_replay" in r.get("torch_gpu_state", {})]
+          if "mj_per_replay" in r.get("gpu_state", {}) and "mj_per_replay" in (r.get("torch_gpu_state") or {})]
     if mj:
         result["summary"]["geomean_torch_over_ours_energy"] = geo([t / o for t, o in mj if o > 0 and t > 0])
     vl = [r["vllm_over_ours"] for r in rows if "vllm_over_ours" in r]
