@@ -24,6 +24,8 @@ from moe_aot.variants import (
 
 ROOT = Path(__file__).resolve().parents[1]
 TUNED = ROOT / "cache" / "tuned" / "NVIDIA_H200.jsonl"
+H100 = "NVIDIA H100 80GB HBM3"
+TUNED_H100 = picks.tuned_path(ROOT / "cache" / "tuned", H100)
 # every record of the H200 tuning sessions of 2026-12-01 (`moe-aot tune --compile-only --seed-picks`
 # + `moe-aot measure`), each dumped from its database, oldest first: a bucket's picks come from the
 # newest session that measured it (the second re-measured the 256-16384-token buckets with the
@@ -84,7 +86,7 @@ SESSIONS = ("tuning_2026-12-01", "tuning_2026-12-01b", "tuning_2026-12-01c", "tu
             "tuning_2026-12-03", "tuning_backward_2026-12-03", "tuning_2026-12-03s",
             "tuning_backward_2026-12-03s", "tuning_2026-12-03t", "tuning_2026-12-03n", "tuning_2026-12-03o",
             "tuning_2026-12-04", "tuning_2026-12-05", "tuning_2026-12-05b",
-            "tuning_2026-12-06", "tuning_2026-12-06b")
+            "tuning_2026-12-06", "tuning_2026-12-06b", "tuning_2026-12-06h")
 BACKWARD_BUCKETS = (1024, 4096, 16384)
 FP8_BUCKETS = (1, 16, 64, 256, 1024, 4096, 16384)
 RECORD_FILES = [ROOT / "tools" / "results" / d / "all_records.json" for d in SESSIONS]
@@ -112,11 +114,11 @@ def _records(files=tuple(RECORD_FILES), with_session=False) -> list[dict]:
     return out
 
 
-def _assert_measured_binaries(db, spec, served, workload):
+def _assert_measured_binaries(db, spec, served, workload, gpu="NVIDIA H200"):
     """Each served pick builds to the binaries its record measured (same content digest), except
     the picks a REBUILT change reached since, which must build to other ones."""
     measured = {(r["variant"], r["tokens"]): (r["content"], i)
-                for r, i in _records(with_session=True) if r["workload"] == workload}
+                for r, i in _records(with_session=True) if (r["workload"], r["gpu"]) == (workload, gpu)}
     for tokens, v in served.items():
         content, session = measured[(v.name(spec), tokens)]
         rebuilt = [why for family, last, why in REBUILT
@@ -147,12 +149,12 @@ def _spec(workload):
     raise KeyError(workload)
 
 
-def derive_from_committed_records(records=None) -> list[dict]:
-    """The H200 picks from the session's records, as `moe-aot export` writes them (here without
+def derive_from_committed_records(records=None, gpu="NVIDIA H200") -> list[dict]:
+    """`gpu`'s picks from the sessions' records, as `moe-aot export` writes them (here without
     the database, so the default's records are found by its name; in one session the name and
     the content of a variant go together)."""
     recs = [RecordRow(**{**r, "created_at": datetime.fromisoformat(r["created_at"])})
-            for r in (_records() if records is None else records)]
+            for r in (_records() if records is None else records) if r["gpu"] == gpu]
     assert all(r.content for r in recs)
     for bucket in {(r.workload, r.gpu, r.tokens) for r in recs}:  # one session, one driver per bucket
         assert len({r.driver for r in recs if (r.workload, r.gpu, r.tokens) == bucket}) == 1
@@ -166,14 +168,23 @@ def derive_from_committed_records(records=None) -> list[dict]:
     return lines
 
 
-def test_committed_picks_are_derived_from_the_records_and_never_slower_than_the_default():
-    rows = picks.read_tuned_file(TUNED)  # refuses a pick slower than its default's record
-    assert rows == derive_from_committed_records()
+# per GPU with a committed file: (its file, how many picks it holds). The H200: bf16 five models x
+# seven buckets and gpt-oss's shape with plain SwiGLU; fp8 and fp8-block128 four models x seven
+# buckets; the backward five models x three buckets. The H100: bf16 five models x seven buckets.
+SHIPPED = {"NVIDIA H200": (TUNED, 35 + 7 + 2 * 4 * len(FP8_BUCKETS) + len(MODELS) * len(BACKWARD_BUCKETS)),
+           H100: (TUNED_H100, 15)}
+
+
+@pytest.mark.parametrize("gpu", sorted(SHIPPED))
+def test_committed_picks_are_derived_from_the_records_and_never_slower_than_the_default(gpu):
+    path, count = SHIPPED[gpu]
+    rows = picks.read_tuned_file(path)  # refuses a pick slower than its default's record
+    assert rows == derive_from_committed_records(gpu=gpu)
     recs = _records()
     confirmed = 0
     for r in rows:
-        bucket = [x for x in recs
-                  if (x["workload"], x["tokens"]) == (r["workload"], r["tokens"]) and x["status"] == "ok"]
+        bucket = [x for x in recs if (x["workload"], x["gpu"], x["tokens"]) == (r["workload"], gpu, r["tokens"])
+                  and x["status"] == "ok"]
         spec = _spec(r["workload"])
         backward = r["workload"].endswith(BACKWARD_SUFFIX)
         assert r["default"] == picks.bucket_default(spec, r["tokens"], backward).name(spec)
@@ -189,41 +200,47 @@ def test_committed_picks_are_derived_from_the_records_and_never_slower_than_the_
             pick_us = sorted(x["median_us"] for x in bucket if x["variant"] == r["variant"])
             assert len(pick_us) >= 3 and round(pick_us[0], 3) <= r["median_us"] <= round(pick_us[-1], 3), r
             assert r["median_us"] <= r["default_us"] <= round(max(default_us), 3), r  # the file keeps 3 decimals
-    assert len(rows) == 35 + 7 + 4 * 2 * len(FP8_BUCKETS) + len(MODELS) * len(BACKWARD_BUCKETS)
+    assert len(rows) == count
     assert confirmed == len(rows)  # every bucket had a confirmation round
 
 
-def test_committed_picks_are_valid_variants():
-    rows = [json.loads(line) for line in TUNED.read_text().splitlines() if line.strip()]
-    # bf16: five models x seven buckets (and gpt-oss's shape with plain SwiGLU); fp8 and
-    # fp8-block128: four models x seven buckets; the backward: five models x two buckets
-    assert len(rows) == 35 + 7 + 2 * 4 * len(FP8_BUCKETS) + len(MODELS) * len(BACKWARD_BUCKETS)
+def test_every_committed_picks_file_is_checked():
+    assert sorted((ROOT / "cache" / "tuned").glob("*.jsonl")) == sorted(p for p, _ in SHIPPED.values())
+
+
+@pytest.mark.parametrize("gpu", sorted(SHIPPED))
+def test_committed_picks_are_valid_variants(gpu):
+    path, count = SHIPPED[gpu]
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    assert len(rows) == count
     for r in rows:
-        assert r["gpu"] == "NVIDIA H200" and r["target"] == "sm_90a" and r["median_us"] > 0
+        assert r["gpu"] == gpu and r["target"] == "sm_90a" and r["median_us"] > 0
         v = parse_variant(r["variant"])
         backward = r["workload"].endswith(BACKWARD_SUFFIX)
         assert isinstance(v, BackwardVariant) == backward
         assert (can_implement_backward if backward else can_implement)(_spec(r["workload"]), v)[0], r["variant"]
 
 
-@pytest.mark.parametrize("precision", ["bf16", "fp8-block128"])
-def test_build_turns_the_committed_picks_into_binaries(tmp_path, precision):
+@pytest.mark.parametrize("gpu,precision", [("NVIDIA H200", "bf16"), ("NVIDIA H200", "fp8-block128"), (H100, "bf16")])
+def test_build_turns_the_committed_picks_into_binaries(tmp_path, gpu, precision):
     url = f"sqlite:///{tmp_path / 'deploy.sqlite'}"
     res = CliRunner().invoke(main, ["build", "--models", "qwen3-30b-a3b", "--target", "sm_90a", "--gpu",
-                                    "NVIDIA H200", "--tuned-dir", str(TUNED.parent), "--db", url, "-j", "1",
+                                    gpu, "--tuned-dir", str(TUNED.parent), "--db", url, "-j", "1",
                                     "--precision", precision])
     assert res.exit_code == 0, res.output
     spec = make_spec("qwen3-30b-a3b", precision=precision)
-    served = KernelStore(url).picks(spec, "NVIDIA H200")
-    assert sorted(served) == ([1, 16, 64, 256, 1024, 4096, 16384] if precision == "bf16" else list(FP8_BUCKETS))
+    served = KernelStore(url).picks(spec, gpu)
+    committed = sorted(r["tokens"] for r in picks.read_tuned_file(SHIPPED[gpu][0])
+                       if r["workload"] == spec.workload_key)
+    assert sorted(served) == committed  # the H200's: all seven buckets (SHIPPED's counts)
     # the binaries built here are the ones that were measured: same content digest as the pick's
     # record (REBUILT: other binaries, for the picks a deliberate change rebuilt since)
     from moe_aot.database import Database
 
     with Database(url) as db:
-        _assert_measured_binaries(db, spec, served, spec.workload_key)
+        _assert_measured_binaries(db, spec, served, spec.workload_key, gpu)
     again = CliRunner().invoke(main, ["build", "--models", "qwen3-30b-a3b", "--target", "sm_90a", "--gpu",
-                                      "NVIDIA H200", "--tuned-dir", str(TUNED.parent), "--db", url,
+                                      gpu, "--tuned-dir", str(TUNED.parent), "--db", url,
                                       "--precision", precision])
     assert again.exit_code == 0 and "0 compiled" in again.output
 
