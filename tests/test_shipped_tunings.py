@@ -79,6 +79,9 @@ TUNED_H100 = picks.tuned_path(ROOT / "cache" / "tuned", H100)
 # timing, two confirmation rounds. 2026-12-05b: the same 13 studies once the decode kernel's lanes
 # went on by default (h lane-major for e4m3 weights, bf16 widened by integer ops; every decode
 # kernel's binary changed): the same 5 trials per study, sustained timing, two confirmation rounds.
+# 2026-12-06h and i: the H100's own bf16 picks ("NVIDIA H100 80GB HBM3"), five presets, all seven
+# buckets (h: 256, 1024, 4096 tokens, 8 trials per study; i: 1, 16, 64, 16384, 5 trials), seeded by
+# the H200's picks, sustained timing, two confirmation rounds each.
 SESSIONS = ("tuning_2026-12-01", "tuning_2026-12-01b", "tuning_2026-12-01c", "tuning_2026-12-01e",
             "tuning_2026-12-01f", "tuning_2026-12-01g", "tuning_2026-12-01h", "tuning_2026-12-01i",
             "tuning_2026-12-01j", "tuning_2026-12-01l", "tuning_2026-12-02t", "tuning_2026-12-02u",
@@ -86,7 +89,8 @@ SESSIONS = ("tuning_2026-12-01", "tuning_2026-12-01b", "tuning_2026-12-01c", "tu
             "tuning_2026-12-03", "tuning_backward_2026-12-03", "tuning_2026-12-03s",
             "tuning_backward_2026-12-03s", "tuning_2026-12-03t", "tuning_2026-12-03n", "tuning_2026-12-03o",
             "tuning_2026-12-04", "tuning_2026-12-05", "tuning_2026-12-05b",
-            "tuning_2026-12-06", "tuning_2026-12-06b", "tuning_2026-12-06h")
+            "tuning_2026-12-06", "tuning_2026-12-06b", "tuning_2026-12-06h",
+            "tuning_2026-12-06i")
 BACKWARD_BUCKETS = (1024, 4096, 16384)
 FP8_BUCKETS = (1, 16, 64, 256, 1024, 4096, 16384)
 RECORD_FILES = [ROOT / "tools" / "results" / d / "all_records.json" for d in SESSIONS]
@@ -172,7 +176,7 @@ def derive_from_committed_records(records=None, gpu="NVIDIA H200") -> list[dict]
 # seven buckets and gpt-oss's shape with plain SwiGLU; fp8 and fp8-block128 four models x seven
 # buckets; the backward five models x three buckets. The H100: bf16 five models x seven buckets.
 SHIPPED = {"NVIDIA H200": (TUNED, 35 + 7 + 2 * 4 * len(FP8_BUCKETS) + len(MODELS) * len(BACKWARD_BUCKETS)),
-           H100: (TUNED_H100, 15)}
+           H100: (TUNED_H100, 35)}
 
 
 @pytest.mark.parametrize("gpu", sorted(SHIPPED))

@@ -325,7 +325,7 @@ def markdown(result: dict) -> str:
         line = (f"| {r['model']} | {r['tokens']} | {r['ours_us']:.1f} | {r['floor_us']:.1f} | "
                 f"{r['ours_over_floor']:.2f} | {r.get('ours_over_sustained_floor', float('nan')):.2f} | "
                 f"{_num(r['torch_us'], '.1f')} | {_num(r['torch_over_ours'], '.2f')} | "
-                f"{r.get('vllm_over_ours', float('nan')):.2f} | {r['rel_err']:.1e} | {gtxt[0]} | {gtxt[1]} | "
+                f"{_num(r.get('vllm_over_ours'), '.2f', '-')} | {r['rel_err']:.1e} | {gtxt[0]} | {gtxt[1]} | "
                 f"{_state_text(r.get('gpu_state'))} | {_state_text(r.get('torch_gpu_state'), 'mj_per_replay')} | "
                 f"`{r['variant'].split('_', 6)[-1]}` |")
         if twins:
@@ -361,9 +361,9 @@ def markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _num(v, fmt: str) -> str:
-    """A table cell: the number, or "OOM" where the unfused path did not fit in memory."""
-    return "OOM" if v is None else format(v, fmt)
+def _num(v, fmt: str, missing: str = "OOM") -> str:
+    """A table cell: the number, or `missing` (the unfused path's: it did not fit in memory)."""
+    return missing if v is None else format(v, fmt)
 
 
 def _matmul_clock(result, which: str = "") -> str:
