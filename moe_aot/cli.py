@@ -380,6 +380,9 @@ def _tiles(text: str):
 @click.option("--seed-picks", "seed_dir", default=None,
               help="With --compile-only: after each bucket's default, try first the committed pick for --gpu "
                    "in this folder of tuned picks (e.g. cache/tuned), its PDL twin and the default's PDL twin.")
+@click.option("--seed-gpu", default=None,
+              help="With --seed-picks: seed from this GPU's picks in that folder instead of --gpu's, e.g. a GPU "
+                   "with no picks yet from the H200's (--seed-gpu \"NVIDIA H200\"); the studies stay --gpu's.")
 @click.option("--try", "try_tiles", multiple=True,
               help="With --compile-only: try these tiles early in every bucket they can serve (after the "
                    "default and, with --seed-picks, the committed pick); a variant name's tunable part, e.g. "
@@ -395,8 +398,8 @@ def _tiles(text: str):
 @click.option("--export-dir", default=None, help=EXPORT_HELP)
 @click.option("--db", "db_url", default=None, help=DB_HELP)
 def tune_cmd(models, spec_file, target, experts, top_k, hidden, intermediate, activation, precision, tokens, gpu,
-             trials, timeout_s, jobs, compile_only, replays, warmup_s, seed, confirm, seed_dir, try_tiles, backward,
-             export_dir, db_url):
+             trials, timeout_s, jobs, compile_only, replays, warmup_s, seed, confirm, seed_dir, seed_gpu, try_tiles,
+             backward, export_dir, db_url):
     """Search tile configurations with optuna per token bucket: compile in a CPU pool, measure on the
     GPU (CUDA-graph replays, median, after a check against the reference), record every trial and
     keep the best. With --compile-only, only the compiling half (see `moe-aot measure`). With
@@ -410,6 +413,8 @@ def tune_cmd(models, spec_file, target, experts, top_k, hidden, intermediate, ac
     jobs = jobs if jobs is not None else max(1, (os.cpu_count() or 2) - 1)
     url = _where(db_url)
     _open(url).close()  # the schema and a readable error before optuna touches the URL
+    if seed_gpu and not seed_dir:
+        raise click.UsageError("--seed-gpu goes with --seed-picks DIR, the folder its picks are read from")
     try:
         if backward:
             _tune_backward(url, specs, buckets, gpu, compile_only, jobs, replays, warmup_s, confirm,
@@ -427,7 +432,12 @@ def tune_cmd(models, spec_file, target, experts, top_k, hidden, intermediate, ac
 
                 if seed_dir and not Path(seed_dir).is_dir():
                     raise click.BadParameter(f"{seed_dir!r} is not a folder of tuned picks", param_hint="--seed-picks")
-                seeds = tuner.seed_variants(Path(seed_dir) if seed_dir else None, gpu, specs, buckets, extra)
+                if seed_gpu and not picks.tuned_path(Path(seed_dir), seed_gpu).exists():
+                    have = sorted({r["gpu"] for r in picks.read_tuned(Path(seed_dir))})
+                    raise click.BadParameter(f"{seed_dir!r} holds no picks for {seed_gpu!r}; GPUs with picks there: "
+                                             f"{', '.join(map(repr, have)) or 'none'}", param_hint="--seed-gpu")
+                seeds = tuner.seed_variants(Path(seed_dir) if seed_dir else None, seed_gpu or gpu, specs, buckets,
+                                            extra)
             if confirm is not None:
                 raise click.UsageError("--confirm goes with measuring: --compile-only measures nothing "
                                        "(`moe-aot measure --confirm K` confirms on the GPU machine)")

@@ -997,3 +997,32 @@ def test_the_sampler_chooses_the_routing_cluster():
     study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=3))
     seen = {tuner.suggest(study.ask(), space).route_cluster for _ in range(24)}
     assert seen == {1, 16}
+
+
+def test_seed_gpu_seeds_one_gpus_studies_from_another_gpus_picks(tmp_path, monkeypatch):
+    """`tune --compile-only --gpu A --seed-picks DIR --seed-gpu B`: the studies are A's, seeded
+    with B's committed picks and their twins (how the H100's first picks were seeded from the
+    H200's); B without picks in DIR, or --seed-gpu without --seed-picks, is refused."""
+    pick = LayerVariant.parse("moe_layer_sm90a_bf16_e128k8h2048i768_swiglu_m128r16_glun192k64s4hopws"
+                              "_downn256k64s4hopws_pdl")
+    entry = {"workload": SPEC.workload_key, "target": SPEC.target, "tokens": 4096, "gpu": GPU,
+             "variant": pick.name(SPEC), "default": default_variant(SPEC, 4096).name(SPEC), "median_us": 1.0,
+             "default_us": 1.1}
+    picks.write_tuned(tmp_path / "tuned", GPU, [entry])
+    got = {}
+    monkeypatch.setattr(tuner, "prepare", lambda url, specs, buckets, gpu, **kw: got.update(gpu=gpu, **kw) or 0)
+    base = ["tune", "--compile-only", "--model", "qwen3-30b-a3b", "--tokens", "4096", "--gpu", "Another GPU",
+            "--db", f"sqlite:///{tmp_path / 't.sqlite'}"]
+    r = CliRunner().invoke(main, [*base, "--seed-picks", str(tmp_path / "tuned"), "--seed-gpu", GPU])
+    assert r.exit_code == 0, r.output
+    assert got["gpu"] == "Another GPU"
+    assert got["seeds"] == tuner.seed_variants(tmp_path / "tuned", GPU, [SPEC], [4096])
+    assert got["seeds"][(SPEC.workload_key, 4096)][0] == pick
+    # without --seed-gpu the folder has nothing for "Another GPU": the twins of the default only
+    CliRunner().invoke(main, [*base, "--seed-picks", str(tmp_path / "tuned")])
+    assert pick not in got["seeds"][(SPEC.workload_key, 4096)]
+    r = CliRunner().invoke(main, [*base, "--seed-picks", str(tmp_path / "tuned"), "--seed-gpu", "NVIDIA B200"])
+    assert r.exit_code != 0
+    assert f"holds no picks for 'NVIDIA B200'; GPUs with picks there: {GPU!r}" in r.output
+    r = CliRunner().invoke(main, [*base, "--seed-gpu", GPU])
+    assert r.exit_code != 0 and "--seed-gpu goes with --seed-picks DIR" in r.output
