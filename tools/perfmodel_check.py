@@ -57,12 +57,18 @@ def spearman(a, b) -> float:
     return cov / (va * vb) if va and vb else 0.0
 
 
+# the GPU whose records the model's sm_90a constants were fitted on (the H100's picks' records are
+# another GPU's: slower memory, so other times for the same variants)
+GPU = "NVIDIA H200"
+
+
 def buckets(pattern: str) -> dict:
-    """(workload, tokens) -> {variant name: median of its measured medians}."""
+    """(workload, tokens) -> {variant name: median of its measured medians} over GPU's records."""
     times = defaultdict(lambda: defaultdict(list))
     for path in sorted(glob.glob(pattern)):
         for r in json.load(open(path)):
-            if r.get("status") == "ok" and r.get("median_us") and r["workload"].endswith("_bf16"):
+            if (r.get("status") == "ok" and r.get("median_us") and r["workload"].endswith("_bf16")
+                    and r["gpu"] == GPU):
                 times[(r["workload"], r["tokens"])][r["variant"]].append(r["median_us"])
     return {key: {v: statistics.median(ts) for v, ts in vs.items()} for key, vs in times.items()}
 
