@@ -81,7 +81,9 @@ TUNED_H100 = picks.tuned_path(ROOT / "cache" / "tuned", H100)
 # kernel's binary changed): the same 5 trials per study, sustained timing, two confirmation rounds.
 # 2026-12-06h and i: the H100's own bf16 picks ("NVIDIA H100 80GB HBM3"), five presets, all seven
 # buckets (h: 256, 1024, 4096 tokens, 8 trials per study; i: 1, 16, 64, 16384, 5 trials), seeded by
-# the H200's picks, sustained timing, two confirmation rounds each.
+# the H200's picks, sustained timing, two confirmation rounds each. 2026-12-06j: the H100's fp8 and
+# fp8-block128 picks at 1024 and 4096 tokens (four presets; 3 trials per study: the default, the
+# H200's pick and a twin), two confirmation rounds each.
 SESSIONS = ("tuning_2026-12-01", "tuning_2026-12-01b", "tuning_2026-12-01c", "tuning_2026-12-01e",
             "tuning_2026-12-01f", "tuning_2026-12-01g", "tuning_2026-12-01h", "tuning_2026-12-01i",
             "tuning_2026-12-01j", "tuning_2026-12-01l", "tuning_2026-12-02t", "tuning_2026-12-02u",
@@ -90,7 +92,7 @@ SESSIONS = ("tuning_2026-12-01", "tuning_2026-12-01b", "tuning_2026-12-01c", "tu
             "tuning_backward_2026-12-03s", "tuning_2026-12-03t", "tuning_2026-12-03n", "tuning_2026-12-03o",
             "tuning_2026-12-04", "tuning_2026-12-05", "tuning_2026-12-05b",
             "tuning_2026-12-06", "tuning_2026-12-06b", "tuning_2026-12-06h",
-            "tuning_2026-12-06i")
+            "tuning_2026-12-06i", "tuning_2026-12-06j")
 BACKWARD_BUCKETS = (1024, 4096, 16384)
 FP8_BUCKETS = (1, 16, 64, 256, 1024, 4096, 16384)
 RECORD_FILES = [ROOT / "tools" / "results" / d / "all_records.json" for d in SESSIONS]
@@ -174,9 +176,10 @@ def derive_from_committed_records(records=None, gpu="NVIDIA H200") -> list[dict]
 
 # per GPU with a committed file: (its file, how many picks it holds). The H200: bf16 five models x
 # seven buckets and gpt-oss's shape with plain SwiGLU; fp8 and fp8-block128 four models x seven
-# buckets; the backward five models x three buckets. The H100: bf16 five models x seven buckets.
+# buckets; the backward five models x three buckets. The H100: bf16 five models x seven buckets;
+# fp8 and fp8-block128 four models x two buckets (1024, 4096).
 SHIPPED = {"NVIDIA H200": (TUNED, 35 + 7 + 2 * 4 * len(FP8_BUCKETS) + len(MODELS) * len(BACKWARD_BUCKETS)),
-           H100: (TUNED_H100, 35)}
+           H100: (TUNED_H100, 35 + 2 * 4 * 2)}
 
 
 @pytest.mark.parametrize("gpu", sorted(SHIPPED))
@@ -225,7 +228,8 @@ def test_committed_picks_are_valid_variants(gpu):
         assert (can_implement_backward if backward else can_implement)(_spec(r["workload"]), v)[0], r["variant"]
 
 
-@pytest.mark.parametrize("gpu,precision", [("NVIDIA H200", "bf16"), ("NVIDIA H200", "fp8-block128"), (H100, "bf16")])
+@pytest.mark.parametrize("gpu,precision", [("NVIDIA H200", "bf16"), ("NVIDIA H200", "fp8-block128"), (H100, "bf16"),
+                                           (H100, "fp8-block128")])
 def test_build_turns_the_committed_picks_into_binaries(tmp_path, gpu, precision):
     url = f"sqlite:///{tmp_path / 'deploy.sqlite'}"
     res = CliRunner().invoke(main, ["build", "--models", "qwen3-30b-a3b", "--target", "sm_90a", "--gpu",
