@@ -379,7 +379,8 @@ def _tiles(text: str):
               help=CONFIRM_HELP + " Not with --compile-only (`moe-aot measure` confirms).")
 @click.option("--seed-picks", "seed_dir", default=None,
               help="With --compile-only: after each bucket's default, try first the committed pick for --gpu "
-                   "in this folder of tuned picks (e.g. cache/tuned), its PDL twin and the default's PDL twin.")
+                   "(or --seed-gpu) in this folder of tuned picks (e.g. cache/tuned), then its twins and the "
+                   "default's (tuner.seed_variants).")
 @click.option("--seed-gpu", default=None,
               help="With --seed-picks: seed from this GPU's picks in that folder instead of --gpu's, e.g. a GPU "
                    "with no picks yet from the H200's (--seed-gpu \"NVIDIA H200\"); the studies stay --gpu's.")

@@ -1019,7 +1019,7 @@ def test_seed_gpu_seeds_one_gpus_studies_from_another_gpus_picks(tmp_path, monke
     assert got["seeds"] == tuner.seed_variants(tmp_path / "tuned", GPU, [SPEC], [4096])
     assert got["seeds"][(SPEC.workload_key, 4096)][0] == pick
     # without --seed-gpu the folder has nothing for "Another GPU": the twins of the default only
-    CliRunner().invoke(main, [*base, "--seed-picks", str(tmp_path / "tuned")])
+    assert CliRunner().invoke(main, [*base, "--seed-picks", str(tmp_path / "tuned")]).exit_code == 0
     assert pick not in got["seeds"][(SPEC.workload_key, 4096)]
     r = CliRunner().invoke(main, [*base, "--seed-picks", str(tmp_path / "tuned"), "--seed-gpu", "NVIDIA B200"])
     assert r.exit_code != 0

@@ -381,6 +381,7 @@ def main():
     ap.add_argument("--alts", default="", help="also time these variants beside ours: default,default_pdl")
     ap.add_argument("--peers", default=None, help="peer timings (../shared/bench/peers_h200.json) for vllm_over_ours")
     ns = ap.parse_args()
+    hbm_bytes_per_s()  # a GPU without a known HBM rate has no floor: refused before anything runs
     peers = None
     if ns.peers:
         peers = {(r["model"], r["tokens"]): r["vllm_us"] for r in json.loads(Path(ns.peers).read_text())["rows"]}

@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-from bench import SUSTAINED_MATMUL_S, floor_us, graph_time_us, matmul_rate, torch_unfused  # noqa: E402
+from bench import SUSTAINED_MATMUL_S, floor_us, graph_time_us, hbm_bytes_per_s, matmul_rate, torch_unfused  # noqa: E402
 
 from moe_aot.harness.reference import glu_fn, rel_err  # noqa: E402
 from moe_aot.harness.verify import random_routing  # noqa: E402
@@ -181,6 +181,7 @@ def main():
     ap.add_argument("--profile", action="store_true", help="print the kernel table of one step of each path")
     ap.add_argument("--wgrad", action="store_true", help="also ours with the compiled weight-gradient GEMMs")
     ns = ap.parse_args()
+    hbm_bytes_per_s()  # a GPU without a known HBM rate has no floor: refused before anything runs
     ns.out.mkdir(parents=True, exist_ok=True)
     rate = matmul_rate()[0]
     sustained = matmul_rate(warmup_s=SUSTAINED_MATMUL_S)[0]

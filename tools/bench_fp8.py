@@ -189,6 +189,7 @@ def main():
     ap.add_argument("--tokens", default=",".join(map(str, TOKENS)))
     ap.add_argument("--replays", type=int, default=50)
     ns = ap.parse_args()
+    hbm_bytes_per_s()  # a GPU without a known HBM rate has no floor: refused before anything runs
     for m in ns.models.split(","):
         try:
             make_spec(m, precision="fp8")
