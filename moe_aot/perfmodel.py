@@ -25,7 +25,7 @@ measurement the tuner recorded.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from . import gemm_limits as limits
 
@@ -61,6 +61,23 @@ DEVICES = {
     # assumed ~1.5x HBM's. None of it measured here: no Spark was available.
     "sm_121a": Device("NVIDIA GB10 (DGX Spark)", 48, 273e9, 0.76, 125e12, 100 * 1024, 1536, 3.75e-6, 3e-6, 2e-6),
 }
+# Cards of a modeled target that differ from its entry above, by the name CUDA reports
+# (torch.cuda.get_device_name). H100 SXM 80GB: the H200's die (132 SMs, 989 TFLOP/s dense bf16)
+# with 3.35 TB/s HBM3 (NVIDIA's datasheet); its streaming fraction, latency and fixed costs are
+# taken as the H200's, which tools/perfmodel_check.py --gpu "NVIDIA H100 80GB HBM3" checks against
+# the H100's tuning records.
+GPU_DEVICES = {
+    "NVIDIA H100 80GB HBM3": replace(DEVICES["sm_90a"], name="NVIDIA H100 80GB HBM3", dram_bytes_s=3.35e12),
+}
+
+
+def device_of(gpu: str) -> Device:
+    """The model's device for a GPU name: its own entry, or the modeled target's whose entry bears
+    that name; any other name is refused, naming the ones the model knows."""
+    known = {**{d.name: d for d in DEVICES.values()}, **GPU_DEVICES}
+    if gpu not in known:
+        raise ValueError(f"the performance model has no device named {gpu!r}; it knows {', '.join(sorted(known))}")
+    return known[gpu]
 # Fraction of the tensor rate a family's mainloop reaches on full tiles. Started from the H200
 # kernel checks (tools/results/NOTES.md: mma.sync 250-335 TFLOP/s, one-CTA wgmma 440-600, the persistent
 # TMA cores 560-670, of 989), then these constants, REREAD, NARROW_EXP and the H200 entry's

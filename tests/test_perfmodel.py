@@ -70,6 +70,34 @@ def test_the_model_orders_the_h200_measurements():
     assert regret <= 1.10 and spearman >= 0.7, (regret, spearman)
 
 
+def test_the_model_picks_within_ten_percent_on_the_h100():
+    """The H100's device (the H200's with 3.35 TB/s of HBM) against the H100's own tuning records:
+    the model's pick per bucket within a geomean 10% of the best measured (1.041 over 30 buckets
+    when added). Its Spearman is not bounded: the H100's rounds measured 4-8 seeded variants per
+    bucket, mostly twins within a few percent, so their order is mostly noise. The H200's device
+    puts its memory-bound predictions 1.4x shorter than the H100's."""
+    import sys
+
+    from moe_aot.perfmodel import device_of
+
+    sys.path.insert(0, str(ROOT / "tools"))
+    from perfmodel_check import evaluate
+
+    h100, h200 = device_of("NVIDIA H100 80GB HBM3"), device_of("NVIDIA H200")
+    assert h100.dram_bytes_s == 3.35e12 and h100.bf16_flops == h200.bf16_flops
+    spec = make_spec("deepseek-v3")
+    v = default_variant(spec, 16)
+    ratio = predict(spec, v, 16, h100)["seconds"] / predict(spec, v, 16, h200)["seconds"]
+    assert 1.3 <= ratio <= 4.8 / 3.35 + 1e-6, ratio
+    with pytest.raises(ValueError, match="no device named 'NVIDIA A100'.*NVIDIA H100 80GB HBM3"):
+        device_of("NVIDIA A100")
+
+    rows = evaluate(str(ROOT / "tools/results/tuning_*/all_records.json"), "NVIDIA H100 80GB HBM3")["rows"]
+    assert len(rows) >= 25
+    regret = math.exp(sum(math.log(r["regret"]) for r in rows) / len(rows))
+    assert regret <= 1.10, regret
+
+
 @pytest.mark.parametrize("model", sorted(PRESETS))
 def test_spark_defaults_are_the_models_and_fit_gb10(model):
     """sm_121a's defaults come from the model: valid for the target (mma.sync, one-CTA routing,

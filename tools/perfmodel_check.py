@@ -1,15 +1,19 @@
 #!/usr/bin/env python3
-"""How well moe_aot/perfmodel.py orders variants: its predictions against every H200 measurement
-the tuner recorded (tools/results/tuning_*/all_records.json), per (layer, token bucket).
+"""How well moe_aot/perfmodel.py orders variants: its predictions against every measurement one GPU's
+tuner rounds recorded (tools/results/tuning_*/all_records.json), per (layer, token bucket).
 
-    python3 tools/perfmodel_check.py [--out tools/results] [--records 'tools/results/tuning_*/all_records.json']
+    python3 tools/perfmodel_check.py [--gpu "NVIDIA H200"] [--out tools/results]
+                                     [--records 'tools/results/tuning_*/all_records.json']
 
 Per bucket with at least 4 measured bf16 variants (a variant measured in several sessions counts
 once, at its median): Spearman's rank correlation between predicted and measured time, the
 regret of trusting the model (measured time of the variant it ranks first / the best measured),
 whether its top 3 hold the best, and the ratio predicted / measured of the best. Then the same
 for the documented default instead of the model (the default's measured time / the best), so the
-two can be compared. Writes OUT/perfmodel_h200.{json,md}. CPU only, no DSL.
+two can be compared. The model runs with --gpu's device (perfmodel.device_of: the H200's constants
+were fitted on the H200's records; the H100's entry changes only the HBM rate). Writes
+OUT/perfmodel_h200.{json,md} for the H200, OUT/perfmodel_<gpu>.{json,md} for another GPU. CPU only,
+no DSL.
 """
 from __future__ import annotations
 
@@ -25,7 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from moe_aot.perfmodel import predict  # noqa: E402
+from moe_aot.perfmodel import device_of, predict  # noqa: E402
 from moe_aot.spec import make_spec  # noqa: E402
 from moe_aot.variants import LayerVariant, can_implement, default_variant  # noqa: E402
 
@@ -57,26 +61,26 @@ def spearman(a, b) -> float:
     return cov / (va * vb) if va and vb else 0.0
 
 
-# the GPU whose records the model's sm_90a constants were fitted on (the H100's picks' records are
-# another GPU's: slower memory, so other times for the same variants)
+# the GPU whose records the model's sm_90a constants were fitted on, and the default of --gpu (the
+# H100's records are another GPU's: slower memory, so other times for the same variants)
 GPU = "NVIDIA H200"
 
 
-def buckets(pattern: str) -> dict:
-    """(workload, tokens) -> {variant name: median of its measured medians} over GPU's records."""
+def buckets(pattern: str, gpu: str = GPU) -> dict:
+    """(workload, tokens) -> {variant name: median of its measured medians} over gpu's records."""
     times = defaultdict(lambda: defaultdict(list))
     for path in sorted(glob.glob(pattern)):
         for r in json.load(open(path)):
             if (r.get("status") == "ok" and r.get("median_us") and r["workload"].endswith("_bf16")
-                    and r["gpu"] == GPU):
+                    and r["gpu"] == gpu):
                 times[(r["workload"], r["tokens"])][r["variant"]].append(r["median_us"])
     return {key: {v: statistics.median(ts) for v, ts in vs.items()} for key, vs in times.items()}
 
 
-def measured_buckets(pattern: str):
+def measured_buckets(pattern: str, gpu: str = GPU):
     """(workload, tokens, spec, measured) per bf16 bucket with >= 4 measured variants that the
     templates can still build, measured = [(variant, µs)]."""
-    for (workload, tokens), measured in sorted(buckets(pattern).items()):
+    for (workload, tokens), measured in sorted(buckets(pattern, gpu).items()):
         spec = spec_of(workload)
         if spec is None:
             continue
@@ -92,11 +96,12 @@ def measured_buckets(pattern: str):
             yield workload, tokens, spec, vs
 
 
-def evaluate(pattern: str) -> dict:
+def evaluate(pattern: str, gpu: str = GPU) -> dict:
+    dev = device_of(gpu)
     rows = []
-    for workload, tokens, spec, vs in measured_buckets(pattern):
+    for workload, tokens, spec, vs in measured_buckets(pattern, gpu):
         measured = {v.name(spec): us for v, us in vs}
-        pairs = [(v, us, predict(spec, v, tokens)["seconds"] * 1e6) for v, us in vs]
+        pairs = [(v, us, predict(spec, v, tokens, dev)["seconds"] * 1e6) for v, us in vs]
         meas = [p[1] for p in pairs]
         pred = [p[2] for p in pairs]
         best = min(meas)
@@ -174,13 +179,23 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path("tools/results"))
     ap.add_argument("--records", default="tools/results/tuning_*/all_records.json")
+    ap.add_argument("--gpu", default=GPU, help=f"whose records, with that GPU's model device (default {GPU!r})")
     ap.add_argument("--fit", action="store_true", help="fit the model's H200 constants instead (prints them)")
     ns = ap.parse_args()
+    try:
+        device_of(ns.gpu)
+    except ValueError as e:
+        ap.error(str(e))
     if ns.fit:
+        if ns.gpu != GPU:
+            ap.error(f"--fit fits the {GPU}'s constants, on its records; --gpu {ns.gpu!r} is not that")
         fit(ns.records)
         return 0
-    res = evaluate(ns.records)
+    res = evaluate(ns.records, ns.gpu)
     rows = res["rows"]
+    if not rows:
+        print(f"no {ns.gpu} bucket with >= 4 measured bf16 variants in {ns.records}", file=sys.stderr)
+        return 1
     geo = lambda xs: math.exp(sum(math.log(x) for x in xs) / len(xs))  # noqa: E731
     summary = {
         "buckets": len(rows),
@@ -197,8 +212,9 @@ def main() -> int:
         summary["geomean_model_regret_same_buckets"] = geo([r["regret"] for r in with_default])
     res["summary"] = summary
     ns.out.mkdir(parents=True, exist_ok=True)
-    (ns.out / "perfmodel_h200.json").write_text(json.dumps(res, indent=1))
-    lines = ["# The performance model against the H200 tuning records", "",
+    stem = "perfmodel_h200" if ns.gpu == GPU else "perfmodel_" + re.sub(r"[^a-z0-9]+", "_", ns.gpu.lower()).strip("_")
+    (ns.out / f"{stem}.json").write_text(json.dumps(res, indent=1))
+    lines = [f"# The performance model against the {ns.gpu} tuning records", "",
              f"Command: `python3 tools/perfmodel_check.py {' '.join(sys.argv[1:])}` (moe_aot/perfmodel.py; records: "
              f"`{ns.records}`, bf16 buckets with >= 4 measured variants).", "",
              "| layer | tokens | variants | Spearman | regret (model's pick / best) | best in model's top 3 "
@@ -216,7 +232,7 @@ def main() -> int:
         lines.append(f"Where the documented default was measured ({len(with_default)} buckets): its regret geomean "
                      f"{s['geomean_default_regret']:.3f}, the model's pick's "
                      f"{s['geomean_model_regret_same_buckets']:.3f}.")
-    (ns.out / "perfmodel_h200.md").write_text("\n".join(lines) + "\n")
+    (ns.out / f"{stem}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines[-2:]))
     return 0
 
