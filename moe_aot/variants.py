@@ -897,7 +897,7 @@ def can_implement(spec: LayerSpec, variant: LayerVariant | DecodeVariant) -> tup
     for role, t, n_dim, k_dim in (("glu", variant.glu, 2 * spec.intermediate, spec.hidden),
                                   ("down", variant.down, spec.hidden, spec.intermediate)):
         if role == "glu":
-            ok, why = limits.check_glu_shape(spec.intermediate, t.tile_n, INTERLEAVE, spec.activation)
+            ok, why = glu_tiles_fit(spec, t)
             if not ok:
                 return False, f"glu: {why}"
         ok, why = gemm_can_implement(n_dim, k_dim, variant.tile_m, t, spec.target, spec.precision, role)
@@ -905,6 +905,23 @@ def can_implement(spec: LayerSpec, variant: LayerVariant | DecodeVariant) -> tup
             return False, f"{role}: {why}"
     ok, why = limits.check_h_block(spec.precision, variant.h_block, variant.glu.tile_n)
     return (True, "ok") if ok else (False, why)
+
+
+# the activations whose GEMM1 epilogue takes a sigmoid's reciprocal, which fast_act puts on
+# rcp.approx (templates/grouped_gemm.py glu_act); geglu's tanh GELU takes none
+FAST_ACT_ACTIVATIONS = ("swiglu", "swigluoai")
+
+
+def glu_tiles_fit(spec: LayerSpec, t: GemmTiles) -> tuple[bool, str]:
+    """(ok, reason) of GEMM1 tiles for the layer's GLU beyond the GEMM's own limits: the gate/up
+    interleave against tile_n (gemm_limits.check_glu_shape), and fast_act only where the activation
+    has a reciprocal to approximate (a geglu layer's fast_act binary would be its default's kernel
+    under another name)."""
+    ok, why = limits.check_glu_shape(spec.intermediate, t.tile_n, INTERLEAVE, spec.activation)
+    if ok and t.fast_act and spec.activation not in FAST_ACT_ACTIVATIONS:
+        ok, why = False, (f"fast_act approximates the sigmoid's reciprocal of {' and '.join(FAST_ACT_ACTIVATIONS)}; "
+                          f"{spec.activation}'s tanh GELU has none")
+    return ok, why
 
 
 TILE_M = (16, 32, 64, 128)
@@ -946,8 +963,7 @@ def candidate_space(spec: LayerSpec) -> list[LayerVariant]:
                                                          GEMM_CLUSTERS, (False, True), limits.PROMOTE_EVERY,
                                                          (False, True)))
                            if gemm_can_implement(n_dim, k_dim, m, t, spec.target, spec.precision, role)[0]
-                           and (role == "down" or limits.check_glu_shape(spec.intermediate, t.tile_n,
-                                                                         INTERLEAVE, spec.activation)[0])]
+                           and (role == "down" or glu_tiles_fit(spec, t)[0])]
         for g, d, c, pdl in itertools.product(tiles["glu"], tiles["down"], clusters, (False, True)):
             if not limits.check_layer_tile_m(m, g.mma, g.cluster, d.mma, d.cluster)[0]:
                 continue

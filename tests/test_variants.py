@@ -224,3 +224,26 @@ def test_name_layouts_name_every_field_and_parse_inverts_them():
         assert v.name(spec) == name
     assert LayerVariant.parse("x_m128r16_glun256k64s4hopwsc2_downn128k64s6hoppp_pdl") == LayerVariant(
         128, GemmTiles(256, 64, 4, "hopws", 2), GemmTiles(128, 64, 6, "hoppp"), 16, True)
+
+
+def test_fast_act_only_where_the_activation_takes_a_sigmoid():
+    """fast_act puts a sigmoid's reciprocal on rcp.approx: swiglu and swigluoai have one, geglu's
+    tanh GELU has none, so a geglu layer's fast_act variant would be the default's kernel under
+    another name. It is refused (naming why), has no twin, and is not in the tuner's space."""
+    from moe_aot.tuner import search_space
+
+    swiglu = make_spec(experts=8, top_k=2, hidden=1024, intermediate=512, activation="swiglu")
+    geglu = make_spec(experts=8, top_k=2, hidden=1024, intermediate=512, activation="geglu")
+    base = LayerVariant(128, GemmTiles(128, 64, 4, "hopws"), GemmTiles(128, 64, 4, "hopws"))
+    fast = dataclasses.replace(base, glu=dataclasses.replace(base.glu, fast_act=True))
+    assert can_implement(swiglu, base)[0] and can_implement(geglu, base)[0]
+    assert can_implement(swiglu, fast)[0]
+    ok, why = can_implement(geglu, fast)
+    assert not ok and "fast_act" in why and "geglu" in why and "swiglu" in why
+    assert base.fast_act_twin(swiglu) == fast and base.fast_act_twin(geglu) is None
+    assert not any(v.glu.fast_act for v in candidate_space(geglu))
+    assert any(v.glu.fast_act for v in candidate_space(swiglu))
+    assert search_space(geglu)["glu_fast_act"].choices == (False,)
+    assert set(search_space(swiglu)["glu_fast_act"].choices) == {False, True}
+    gpt = make_spec("gpt-oss-120b")
+    assert any(v.glu.fast_act for v in candidate_space(gpt))
