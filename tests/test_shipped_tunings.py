@@ -83,7 +83,8 @@ TUNED_H100 = picks.tuned_path(ROOT / "cache" / "tuned", H100)
 # buckets (h: 256, 1024, 4096 tokens, 8 trials per study; i: 1, 16, 64, 16384, 5 trials), seeded by
 # the H200's picks, sustained timing, two confirmation rounds each. 2026-12-06j: the H100's fp8 and
 # fp8-block128 picks at 1024 and 4096 tokens (four presets; 3 trials per study: the default, the
-# H200's pick and a twin), two confirmation rounds each.
+# H200's pick and a twin), two confirmation rounds each. 2026-12-06k: the H100's fp8 and
+# fp8-block128 picks at 1, 16, 64, 256 and 16384 tokens (the same studies), two rounds each.
 SESSIONS = ("tuning_2026-12-01", "tuning_2026-12-01b", "tuning_2026-12-01c", "tuning_2026-12-01e",
             "tuning_2026-12-01f", "tuning_2026-12-01g", "tuning_2026-12-01h", "tuning_2026-12-01i",
             "tuning_2026-12-01j", "tuning_2026-12-01l", "tuning_2026-12-02t", "tuning_2026-12-02u",
@@ -92,7 +93,7 @@ SESSIONS = ("tuning_2026-12-01", "tuning_2026-12-01b", "tuning_2026-12-01c", "tu
             "tuning_backward_2026-12-03s", "tuning_2026-12-03t", "tuning_2026-12-03n", "tuning_2026-12-03o",
             "tuning_2026-12-04", "tuning_2026-12-05", "tuning_2026-12-05b",
             "tuning_2026-12-06", "tuning_2026-12-06b", "tuning_2026-12-06h",
-            "tuning_2026-12-06i", "tuning_2026-12-06j")
+            "tuning_2026-12-06i", "tuning_2026-12-06j", "tuning_2026-12-06k")
 BACKWARD_BUCKETS = (1024, 4096, 16384)
 FP8_BUCKETS = (1, 16, 64, 256, 1024, 4096, 16384)
 RECORD_FILES = [ROOT / "tools" / "results" / d / "all_records.json" for d in SESSIONS]
@@ -177,9 +178,9 @@ def derive_from_committed_records(records=None, gpu="NVIDIA H200") -> list[dict]
 # per GPU with a committed file: (its file, how many picks it holds). The H200: bf16 five models x
 # seven buckets and gpt-oss's shape with plain SwiGLU; fp8 and fp8-block128 four models x seven
 # buckets; the backward five models x three buckets. The H100: bf16 five models x seven buckets;
-# fp8 and fp8-block128 four models x two buckets (1024, 4096).
+# fp8 and fp8-block128 four models x seven buckets.
 SHIPPED = {"NVIDIA H200": (TUNED, 35 + 7 + 2 * 4 * len(FP8_BUCKETS) + len(MODELS) * len(BACKWARD_BUCKETS)),
-           H100: (TUNED_H100, 35 + 2 * 4 * 2)}
+           H100: (TUNED_H100, 35 + 2 * 4 * len(FP8_BUCKETS))}
 
 
 @pytest.mark.parametrize("gpu", sorted(SHIPPED))
