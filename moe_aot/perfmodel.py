@@ -78,6 +78,8 @@ def device_of(gpu: str) -> Device:
     if gpu not in known:
         raise ValueError(f"the performance model has no device named {gpu!r}; it knows {', '.join(sorted(known))}")
     return known[gpu]
+
+
 # Fraction of the tensor rate a family's mainloop reaches on full tiles. Started from the H200
 # kernel checks (tools/results/NOTES.md: mma.sync 250-335 TFLOP/s, one-CTA wgmma 440-600, the persistent
 # TMA cores 560-670, of 989), then these constants, REREAD, NARROW_EXP and the H200 entry's

@@ -52,13 +52,15 @@ from moe_aot.harness.measure import graph_times_us, input_sets, measure_variant,
 from moe_aot.harness.reference import glu_fn, rel_err  # noqa: E402
 from moe_aot.harness.verify import random_weights, served_reference  # noqa: E402
 from moe_aot.layout import split_gate_up  # noqa: E402
+from moe_aot.perfmodel import device_of  # noqa: E402
 from moe_aot.runtime.layer import MoeLayer, split_biases  # noqa: E402
 from moe_aot.runtime.store import KernelStore  # noqa: E402
 from moe_aot.spec import BENCH_TOKENS, PRESETS, make_spec  # noqa: E402
 from moe_aot.variants import default_variant  # noqa: E402
 
-# The floor's memory rate per GPU (torch.cuda.get_device_name()): the datasheet's HBM bandwidth.
-HBM_BYTES_PER_S = {"NVIDIA H200": 4.8e12, "NVIDIA H100 80GB HBM3": 3.35e12}
+# The floor's memory rate per GPU (torch.cuda.get_device_name()): the datasheet's HBM bandwidth, as
+# the performance model holds it (moe_aot/perfmodel.py), for the cards this benchmark has run on.
+HBM_BYTES_PER_S = {gpu: device_of(gpu).dram_bytes_s for gpu in ("NVIDIA H200", "NVIDIA H100 80GB HBM3")}
 SUSTAINED_MATMUL_S = 2.0  # matmuls before the sustained-clock timing of the floor's matmul (tools/matmul_clock.py)
 
 
@@ -67,7 +69,7 @@ def hbm_bytes_per_s(gpu: str | None = None) -> float:
     gpu = gpu or torch.cuda.get_device_name()
     if gpu not in HBM_BYTES_PER_S:
         raise SystemExit(f"no HBM rate known for {gpu!r}, so no floor; known GPUs: {', '.join(HBM_BYTES_PER_S)} "
-                         "(add it to tools/bench.py's HBM_BYTES_PER_S)")
+                         "(add it to tools/bench.py's HBM_BYTES_PER_S, its rate to moe_aot/perfmodel.py)")
     return HBM_BYTES_PER_S[gpu]
 
 
