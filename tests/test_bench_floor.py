@@ -1,5 +1,6 @@
 """tools/bench.py's floor: the bytes go at the running GPU's HBM rate, and a GPU the table does not
-know is refused rather than measured against another card's rate."""
+know is refused rather than measured against another card's rate; the result files carry the
+card's name."""
 import importlib.util
 import sys
 from pathlib import Path
@@ -24,3 +25,12 @@ def test_the_floor_takes_the_gpus_hbm_rate():
 def test_an_unknown_gpu_has_no_floor():
     with pytest.raises(SystemExit, match=r"no HBM rate known for 'NVIDIA B200', so no floor; known GPUs: NVIDIA H200"):
         bench.hbm_bytes_per_s("NVIDIA B200")
+
+
+def test_result_files_are_named_after_the_card():
+    # bench.py, bench_fp8.py and bench_backward.py write bench[_fp8|_backward]_<card>.{json,md}
+    assert bench.card_tag("NVIDIA H200") == "h200"
+    assert bench.card_tag("NVIDIA H100 80GB HBM3") == "h100"
+    assert bench.card_tag("NVIDIA GB10") == "gb10"
+    with pytest.raises(SystemExit, match=r"cannot name result files after the GPU 'NVIDIA': its name has no model"):
+        bench.card_tag("NVIDIA")

@@ -29,7 +29,8 @@ Per row also: each grouped GEMM alone (a CUDA graph of that one kernel on the ro
 input set), as µs, TFLOP/s of useful (routed) FLOPs and TB/s of the selected experts' weights;
 with --peers, the ratio of the peer's (vLLM's) time at that point to ours.
 
-Writes DIR/bench_h200.json and DIR/bench_h200.md.
+Writes DIR/bench_<card>.json and DIR/bench_<card>.md, <card> the GPU's short name (card_tag: h200,
+h100, ...).
 """
 from __future__ import annotations
 
@@ -71,6 +72,18 @@ def hbm_bytes_per_s(gpu: str | None = None) -> float:
         raise SystemExit(f"no HBM rate known for {gpu!r}, so no floor; known GPUs: {', '.join(HBM_BYTES_PER_S)} "
                          "(add it to tools/bench.py's HBM_BYTES_PER_S, its rate to moe_aot/perfmodel.py)")
     return HBM_BYTES_PER_S[gpu]
+
+
+def card_tag(gpu: str | None = None) -> str:
+    """The GPU's short name in the result files' names (default: this process's GPU): the first word
+    after the vendor, lower case, e.g. 'NVIDIA H200' -> 'h200', 'NVIDIA H100 80GB HBM3' -> 'h100'."""
+    words = (gpu or torch.cuda.get_device_name()).split()
+    if words and words[0].upper() == "NVIDIA":
+        words = words[1:]
+    tag = "".join(c for c in (words[0] if words else "").lower() if c.isalnum())
+    if not tag:
+        raise SystemExit(f"cannot name result files after the GPU {gpu!r}: its name has no model word")
+    return tag
 
 
 def floor_us(flops: float, bytes_: float, rate: float, hbm: float | None = None) -> float:
@@ -421,8 +434,8 @@ def main():
                                  points_with_vllm=len(vl))
     out = Path(ns.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "bench_h200.json").write_text(json.dumps(result, indent=1))
-    (out / "bench_h200.md").write_text(markdown(result))
+    (out / f"bench_{card_tag()}.json").write_text(json.dumps(result, indent=1))
+    (out / f"bench_{card_tag()}.md").write_text(markdown(result))
     print(markdown(result))
 
 

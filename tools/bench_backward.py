@@ -24,7 +24,7 @@ Ours runs each bucket's backward variant (its tuned pick, else variants.default_
 'backward variant' column), the compiled weight-gradient GEMMs (templates/hopper_wgrad.py) where it
 has them; --wgrad: also ours with them always and never (autograd.USE_WGRAD_KERNELS True / False),
 in the same run.
-Writes DIR/bench_backward_h200.{json,md}.
+Writes DIR/bench_backward_<card>.{json,md} (<card>: bench.card_tag, e.g. h200).
 """
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-from bench import SUSTAINED_MATMUL_S, floor_us, graph_time_us, hbm_bytes_per_s, matmul_rate, torch_unfused  # noqa: E402
+from bench import SUSTAINED_MATMUL_S, card_tag, floor_us, graph_time_us, hbm_bytes_per_s, matmul_rate, torch_unfused  # noqa: E402
 
 from moe_aot.harness.reference import glu_fn, rel_err  # noqa: E402
 from moe_aot.harness.verify import random_routing  # noqa: E402
@@ -208,7 +208,7 @@ def main():
                       f"{r['nowgrad_bwd']:9.1f} ({r['torch_bwd'] / r['nowgrad_bwd']:.2f}x) "
                       f"diff {max(r['wgrad_grad_rel_diff'].values()):.1e}", flush=True)
             torch.cuda.empty_cache()
-            (ns.out / "bench_backward_h200.json").write_text(json.dumps(
+            (ns.out / f"bench_backward_{card_tag()}.json").write_text(json.dumps(
                 {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "device": torch.cuda.get_device_name(),
                  "matmul_tflops": rate / 1e12, "matmul_sustained_tflops": sustained / 1e12,
                  "command": " ".join(sys.argv), "rows": rows}, indent=1))
@@ -260,7 +260,7 @@ def main():
         g = lambda k, p: math.exp(sum(math.log(r[f"torch_{k}"] / r[f"{p}_{k}"]) for r in wrows) / len(wrows))  # noqa: E731
         lines += ["", f"Geometric means: always fwd+bwd {g('step', 'wgrad'):.2f}, backward {g('bwd', 'wgrad'):.2f}; "
                   f"never {g('step', 'nowgrad'):.2f}, {g('bwd', 'nowgrad'):.2f}."]
-    (ns.out / "bench_backward_h200.md").write_text("\n".join(lines) + "\n")
+    (ns.out / f"bench_backward_{card_tag()}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(line for line in lines if line.startswith("Geometric")))
 
 

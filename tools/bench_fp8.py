@@ -15,8 +15,9 @@ reference of the unquantized weights (what fp8 costs, reported).
 
     python3 tools/bench_fp8.py --out DIR [--models a,b] [--tokens 1,16,...] [--replays 50]
 
-Writes DIR/bench_fp8_h200.json and DIR/bench_fp8_h200.md. Needs the fp8 and bf16 kernels of the
-models in the database (`moe-aot build --precision fp8 ...`, `--precision fp8-block128`, bf16).
+Writes DIR/bench_fp8_<card>.json and DIR/bench_fp8_<card>.md (<card>: bench.card_tag, e.g. h200).
+Needs the fp8 and bf16 kernels of the models in the database (`moe-aot build --precision fp8 ...`,
+`--precision fp8-block128`, bf16).
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench import SUSTAINED_MATMUL_S, WARMUP_S, floor_us, graph_time_us, hbm_bytes_per_s, matmul_rate, run_for  # noqa: E402
+from bench import SUSTAINED_MATMUL_S, WARMUP_S, card_tag, floor_us, graph_time_us, hbm_bytes_per_s, matmul_rate, run_for  # noqa: E402
 
 from moe_aot.gemm_limits import FP8, SCALE_BLOCK  # noqa: E402
 from moe_aot.harness.measure import graph_times_us, input_sets  # noqa: E402
@@ -218,8 +219,8 @@ def main():
               "seconds": round(time.time() - t0, 1), "rows": rows, "summary": summary}
     out = Path(ns.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "bench_fp8_h200.json").write_text(json.dumps(result, indent=1))
-    (out / "bench_fp8_h200.md").write_text(markdown(result))
+    (out / f"bench_fp8_{card_tag()}.json").write_text(json.dumps(result, indent=1))
+    (out / f"bench_fp8_{card_tag()}.md").write_text(markdown(result))
     print(markdown(result))
 
 
