@@ -29,6 +29,7 @@ Writes DIR/bench_backward_<card>.{json,md} (<card>: bench.card_tag, e.g. h200).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import sys
@@ -91,12 +92,21 @@ def _path(name, spec, M, fwd, leaves, grad, replays, weights, profile):
     return {"fwd": t_fwd, "step": t_step, "saved": saved_bytes(fwd, weights)}, sample
 
 
+def _weights(shape, scale, gen):
+    """bf16 normal weights times `scale`, drawn one expert at a time: DeepSeek-V3's w1 drawn at once
+    in fp32 is a 28 GiB temporary, which an 80 GB card cannot hold beside the rest."""
+    w = torch.empty(shape, device=DEV, dtype=torch.bfloat16)
+    for e in range(shape[0]):
+        w[e] = torch.randn(shape[1:], device=DEV, generator=gen) * scale
+    return w
+
+
 def point(spec, M, replays, rate, gen, profile=False, wgrad=False, sustained=None):
     """Both paths on the same inputs, one after the other (so that DeepSeek-V3's weights and
     gradients fit beside only one path's)."""
     H, I, E, K = spec.hidden, spec.intermediate, spec.experts, spec.top_k
-    w1 = (torch.randn(E, 2 * I, H, device=DEV, generator=gen) * H ** -0.5).bfloat16()  # gate rows first
-    w2 = (torch.randn(E, H, I, device=DEV, generator=gen) * I ** -0.5).bfloat16().requires_grad_()
+    w1 = _weights((E, 2 * I, H), H ** -0.5, gen)  # gate rows first
+    w2 = _weights((E, H, I), I ** -0.5, gen).requires_grad_()
     x = torch.randn(M, H, device=DEV, generator=gen).bfloat16().requires_grad_()
     tw, ids = random_routing(M, spec, DEV, generator=gen)
     tw.requires_grad_()
@@ -137,7 +147,8 @@ def point(spec, M, replays, rate, gen, profile=False, wgrad=False, sustained=Non
                 forced[flag] = (used, res, g)
         finally:
             autograd.USE_WGRAD_KERNELS = saved_flag
-    w13 = b13 = None
+    w13 = b13 = leaves = None  # ours' weights go before torch's path runs (leaves held w13 too)
+    gc.collect()
     torch.cuda.empty_cache()
     w1.requires_grad_()
     if b1 is not None:
@@ -193,6 +204,8 @@ def main():
             r = point(spec, M, ns.replays, rate, gen, ns.profile, ns.wgrad, sustained)
             r["model"] = model
             rows.append(r)
+            gc.collect()  # the point's graphs and tensors (closures keep some in cycles) before the next
+            torch.cuda.empty_cache()
             print(f"{model:16s} {M:6d} step ours {r['ours_step']:9.1f} torch-GEMMs {r['recompute_step']:9.1f} "
                   f"torch {r['torch_step']:9.1f} "
                   f"({r['step_speedup']:.2f}x)  bwd ours {r['ours_bwd']:9.1f} recompute {r['recompute_bwd']:9.1f} "

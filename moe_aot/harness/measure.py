@@ -21,12 +21,18 @@ INPUT_SETS = 4
 
 def capture_graph(fn) -> torch.cuda.CUDAGraph:
     """A CUDA graph of `fn`, after one call on a side stream (lazy loads and allocations happen
-    outside the capture)."""
+    outside the capture). The allocator's cached free blocks are released before that call and
+    before the capture: blocks cached for another stream serve neither a new side stream nor the
+    graph's private pool, so each capture would otherwise hold its outputs' bytes once more (a
+    DeepSeek-V3 backward's gradients are 21 GiB per input set, which an 80 GB card cannot hold
+    three times beside the weights)."""
+    torch.cuda.empty_cache()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         fn()
     torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.empty_cache()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         fn()
