@@ -85,6 +85,9 @@ TUNED_H100 = picks.tuned_path(ROOT / "cache" / "tuned", H100)
 # fp8-block128 picks at 1024 and 4096 tokens (four presets; 3 trials per study: the default, the
 # H200's pick and a twin), two confirmation rounds each. 2026-12-06k: the H100's fp8 and
 # fp8-block128 picks at 1, 16, 64, 256 and 16384 tokens (the same studies), two rounds each.
+# tuning_backward_2026-12-06h: the H100's backward (`tune --backward`, five presets, 1024, 4096 and
+# 16384 tokens, every candidate, the combination and two rounds each); DeepSeek-V3 at 16384 ran out
+# of memory on the 80 GB card in every trial (no pick).
 SESSIONS = ("tuning_2026-12-01", "tuning_2026-12-01b", "tuning_2026-12-01c", "tuning_2026-12-01e",
             "tuning_2026-12-01f", "tuning_2026-12-01g", "tuning_2026-12-01h", "tuning_2026-12-01i",
             "tuning_2026-12-01j", "tuning_2026-12-01l", "tuning_2026-12-02t", "tuning_2026-12-02u",
@@ -93,7 +96,7 @@ SESSIONS = ("tuning_2026-12-01", "tuning_2026-12-01b", "tuning_2026-12-01c", "tu
             "tuning_backward_2026-12-03s", "tuning_2026-12-03t", "tuning_2026-12-03n", "tuning_2026-12-03o",
             "tuning_2026-12-04", "tuning_2026-12-05", "tuning_2026-12-05b",
             "tuning_2026-12-06", "tuning_2026-12-06b", "tuning_2026-12-06h",
-            "tuning_2026-12-06i", "tuning_2026-12-06j", "tuning_2026-12-06k")
+            "tuning_2026-12-06i", "tuning_2026-12-06j", "tuning_2026-12-06k", "tuning_backward_2026-12-06h")
 BACKWARD_BUCKETS = (1024, 4096, 16384)
 FP8_BUCKETS = (1, 16, 64, 256, 1024, 4096, 16384)
 RECORD_FILES = [ROOT / "tools" / "results" / d / "all_records.json" for d in SESSIONS]
@@ -169,7 +172,10 @@ def derive_from_committed_records(records=None, gpu="NVIDIA H200") -> list[dict]
     for w, g, n in sorted({(r.workload, r.gpu, r.tokens) for r in recs}):
         spec = _spec(w)
         default = picks.bucket_default(spec, n, w.endswith(BACKWARD_SUFFIX)).name(spec)
-        best, base = picks.choose_pick([r for r in recs if (r.workload, r.gpu, r.tokens) == (w, g, n)], default)
+        chosen = picks.choose_pick([r for r in recs if (r.workload, r.gpu, r.tokens) == (w, g, n)], default)
+        if chosen is None:  # nothing measured there (every trial failed), so the tuner deployed nothing
+            continue
+        best, base = chosen
         lines.append(picks.pick_line(picks.Pick(w, "sm_90a", g, n, best.variant, best.median_us, best.id, "",
                                                 default, base.median_us if base.status == "ok" else None)))
     return lines
@@ -178,9 +184,10 @@ def derive_from_committed_records(records=None, gpu="NVIDIA H200") -> list[dict]
 # per GPU with a committed file: (its file, how many picks it holds). The H200: bf16 five models x
 # seven buckets and gpt-oss's shape with plain SwiGLU; fp8 and fp8-block128 four models x seven
 # buckets; the backward five models x three buckets. The H100: bf16 five models x seven buckets;
-# fp8 and fp8-block128 four models x seven buckets.
+# fp8 and fp8-block128 four models x seven buckets; the backward five models x three buckets but
+# DeepSeek-V3's 16384 (out of memory there in tuning_backward_2026-12-06h).
 SHIPPED = {"NVIDIA H200": (TUNED, 35 + 7 + 2 * 4 * len(FP8_BUCKETS) + len(MODELS) * len(BACKWARD_BUCKETS)),
-           H100: (TUNED_H100, 35 + 2 * 4 * len(FP8_BUCKETS))}
+           H100: (TUNED_H100, 35 + 2 * 4 * len(FP8_BUCKETS) + len(MODELS) * len(BACKWARD_BUCKETS) - 1)}
 
 
 @pytest.mark.parametrize("gpu", sorted(SHIPPED))
@@ -284,7 +291,8 @@ def test_the_re_derivation_uses_confirmation_rounds_in_the_records():
     assert new["median_us"] == new["default_us"] == 698.0
 
 
-def test_build_backward_turns_the_committed_backward_picks_into_binaries(tmp_path):
+@pytest.mark.parametrize("gpu", sorted(SHIPPED))
+def test_build_backward_turns_the_committed_backward_picks_into_binaries(tmp_path, gpu):
     """`build --backward` compiles the committed backward picks and deploys them; the runtime's
     lookup serves them, and their binaries are the ones that were measured (REBUILT aside)."""
     from moe_aot.database import Database
@@ -292,14 +300,14 @@ def test_build_backward_turns_the_committed_backward_picks_into_binaries(tmp_pat
 
     url = f"sqlite:///{tmp_path / 'deploy.sqlite'}"
     res = CliRunner().invoke(main, ["build", "--models", "qwen3-30b-a3b", "--target", "sm_90a", "--gpu",
-                                    "NVIDIA H200", "--tuned-dir", str(TUNED.parent), "--db", url, "-j", "2",
+                                    gpu, "--tuned-dir", str(TUNED.parent), "--db", url, "-j", "2",
                                     "--tokens", "4096,16384", "--backward"])
     assert res.exit_code == 0, res.output
     assert f"{len(BACKWARD_BUCKETS)} backward pick(s)" in res.output
     spec = make_spec("qwen3-30b-a3b")
-    served = KernelStore(url).picks(spec, "NVIDIA H200", backward=True)
-    committed = {r["tokens"]: r["variant"] for r in picks.read_tuned_file(TUNED)
+    served = KernelStore(url).picks(spec, gpu, backward=True)
+    committed = {r["tokens"]: r["variant"] for r in picks.read_tuned_file(SHIPPED[gpu][0])
                  if r["workload"] == backward_workload(spec)}
     assert {t: v.name(spec) for t, v in served.items()} == committed
     with Database(url) as db:
-        _assert_measured_binaries(db, spec, served, backward_workload(spec))
+        _assert_measured_binaries(db, spec, served, backward_workload(spec), gpu)
