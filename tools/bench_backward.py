@@ -46,6 +46,7 @@ from moe_aot.harness.reference import glu_fn, rel_err  # noqa: E402
 from moe_aot.harness.verify import random_routing  # noqa: E402
 from moe_aot.integrations import autograd, op  # noqa: E402, F401
 from moe_aot.integrations.functional import prepare_fused_bias, prepare_fused_gate_up  # noqa: E402
+from moe_aot.layout import split_gate_up  # noqa: E402
 from moe_aot.spec import make_spec  # noqa: E402
 
 DEV = torch.device("cuda")
@@ -117,6 +118,7 @@ def point(spec, M, replays, rate, gen, profile=False, wgrad=False, sustained=Non
         b1 = (torch.randn(E, 2 * I, device=DEV, generator=gen) * 0.5).bfloat16()
         b2 = (torch.randn(E, H, device=DEV, generator=gen) * 0.5).bfloat16().requires_grad_()
     w13 = prepare_fused_gate_up(w1).requires_grad_()
+    w1 = None  # rebuilt from w13 for torch's path: both at once do not fit beside DeepSeek-V3's gradients on 80 GB
     b13 = None if b1 is None else prepare_fused_bias(b1).requires_grad_()
     ours_extra = (b13, b2) if spec.bias else ()
 
@@ -147,6 +149,7 @@ def point(spec, M, replays, rate, gen, profile=False, wgrad=False, sustained=Non
                 forced[flag] = (used, res, g)
         finally:
             autograd.USE_WGRAD_KERNELS = saved_flag
+    w1 = torch.cat(split_gate_up(w13.detach()), dim=1)  # the kernels' interleave undone: gate rows first
     w13 = b13 = leaves = None  # ours' weights go before torch's path runs (leaves held w13 too)
     gc.collect()
     torch.cuda.empty_cache()
