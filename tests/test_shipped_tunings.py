@@ -87,7 +87,9 @@ TUNED_H100 = picks.tuned_path(ROOT / "cache" / "tuned", H100)
 # fp8-block128 picks at 1, 16, 64, 256 and 16384 tokens (the same studies), two rounds each.
 # tuning_backward_2026-12-06h: the H100's backward (`tune --backward`, five presets, 1024, 4096 and
 # 16384 tokens, every candidate, the combination and two rounds each); DeepSeek-V3 at 16384 ran out
-# of memory on the 80 GB card in every trial (no pick).
+# of memory on the 80 GB card in every trial. tuning_backward_2026-12-06i: that bucket again once
+# the graph capture released the allocator's cache: the candidates with compiled weight gradients
+# ran, those with torch's (the default among them) still ran out of memory.
 SESSIONS = ("tuning_2026-12-01", "tuning_2026-12-01b", "tuning_2026-12-01c", "tuning_2026-12-01e",
             "tuning_2026-12-01f", "tuning_2026-12-01g", "tuning_2026-12-01h", "tuning_2026-12-01i",
             "tuning_2026-12-01j", "tuning_2026-12-01l", "tuning_2026-12-02t", "tuning_2026-12-02u",
@@ -96,7 +98,8 @@ SESSIONS = ("tuning_2026-12-01", "tuning_2026-12-01b", "tuning_2026-12-01c", "tu
             "tuning_backward_2026-12-03s", "tuning_2026-12-03t", "tuning_2026-12-03n", "tuning_2026-12-03o",
             "tuning_2026-12-04", "tuning_2026-12-05", "tuning_2026-12-05b",
             "tuning_2026-12-06", "tuning_2026-12-06b", "tuning_2026-12-06h",
-            "tuning_2026-12-06i", "tuning_2026-12-06j", "tuning_2026-12-06k", "tuning_backward_2026-12-06h")
+            "tuning_2026-12-06i", "tuning_2026-12-06j", "tuning_2026-12-06k", "tuning_backward_2026-12-06h",
+            "tuning_backward_2026-12-06i")
 BACKWARD_BUCKETS = (1024, 4096, 16384)
 FP8_BUCKETS = (1, 16, 64, 256, 1024, 4096, 16384)
 RECORD_FILES = [ROOT / "tools" / "results" / d / "all_records.json" for d in SESSIONS]
@@ -184,10 +187,13 @@ def derive_from_committed_records(records=None, gpu="NVIDIA H200") -> list[dict]
 # per GPU with a committed file: (its file, how many picks it holds). The H200: bf16 five models x
 # seven buckets and gpt-oss's shape with plain SwiGLU; fp8 and fp8-block128 four models x seven
 # buckets; the backward five models x three buckets. The H100: bf16 five models x seven buckets;
-# fp8 and fp8-block128 four models x seven buckets; the backward five models x three buckets but
-# DeepSeek-V3's 16384 (out of memory there in tuning_backward_2026-12-06h).
+# fp8 and fp8-block128 four models x seven buckets; the backward five models x three buckets.
 SHIPPED = {"NVIDIA H200": (TUNED, 35 + 7 + 2 * 4 * len(FP8_BUCKETS) + len(MODELS) * len(BACKWARD_BUCKETS)),
-           H100: (TUNED_H100, 35 + 2 * 4 * len(FP8_BUCKETS) + len(MODELS) * len(BACKWARD_BUCKETS) - 1)}
+           H100: (TUNED_H100, 35 + 2 * 4 * len(FP8_BUCKETS) + len(MODELS) * len(BACKWARD_BUCKETS))}
+
+
+# the buckets whose default never ran in their records (so their pick has no default time)
+DEFAULT_FAILED = {(H100, "e256_k8_h7168_i2048_swiglu_bf16_bwd", 16384)}  # torch's weight gradients: out of memory
 
 
 @pytest.mark.parametrize("gpu", sorted(SHIPPED))
@@ -196,7 +202,7 @@ def test_committed_picks_are_derived_from_the_records_and_never_slower_than_the_
     rows = picks.read_tuned_file(path)  # refuses a pick slower than its default's record
     assert rows == derive_from_committed_records(gpu=gpu)
     recs = _records()
-    confirmed = 0
+    confirmed, failed_defaults = 0, []
     for r in rows:
         bucket = [x for x in recs if (x["workload"], x["gpu"], x["tokens"]) == (r["workload"], gpu, r["tokens"])
                   and x["status"] == "ok"]
@@ -204,7 +210,12 @@ def test_committed_picks_are_derived_from_the_records_and_never_slower_than_the_
         backward = r["workload"].endswith(BACKWARD_SUFFIX)
         assert r["default"] == picks.bucket_default(spec, r["tokens"], backward).name(spec)
         default_us = [x["median_us"] for x in bucket if x["variant"] == r["default"]]
-        if len(default_us) == 1:  # no confirmation round: the fastest single record
+        if not default_us:  # the default failed every time (the H100's DeepSeek-V3 16384 backward: out of
+            # memory): no bar, the pick is a measured candidate and the file says the default has no time
+            assert r["default_us"] is None and r["variant"] != r["default"], r
+            assert r["median_us"] in {round(x["median_us"], 3) for x in bucket if x["variant"] == r["variant"]}, r
+            failed_defaults.append((gpu, r["workload"], r["tokens"]))
+        elif len(default_us) == 1:  # no confirmation round: the fastest single record
             assert r["median_us"] == round(min(x["median_us"] for x in bucket), 3) <= round(default_us[0], 3), r
             # a round measures the candidates within 10% of the fastest with the default: none was
             # due only where the default was fastest by more than that
@@ -216,7 +227,8 @@ def test_committed_picks_are_derived_from_the_records_and_never_slower_than_the_
             assert len(pick_us) >= 3 and round(pick_us[0], 3) <= r["median_us"] <= round(pick_us[-1], 3), r
             assert r["median_us"] <= r["default_us"] <= round(max(default_us), 3), r  # the file keeps 3 decimals
     assert len(rows) == count
-    assert confirmed == len(rows)  # every bucket had a confirmation round
+    assert confirmed + len(failed_defaults) == len(rows)  # every other bucket had a confirmation round
+    assert set(failed_defaults) <= DEFAULT_FAILED
 
 
 def test_every_committed_picks_file_is_checked():
