@@ -77,7 +77,8 @@ def hbm_bytes_per_s(gpu: str | None = None) -> float:
 def card_tag(gpu: str | None = None) -> str:
     """The GPU's short name in the result files' names (default: this process's GPU): the first word
     after the vendor, lower case, e.g. 'NVIDIA H200' -> 'h200', 'NVIDIA H100 80GB HBM3' -> 'h100'."""
-    words = (gpu or torch.cuda.get_device_name()).split()
+    gpu = gpu or torch.cuda.get_device_name()
+    words = gpu.split()
     if words and words[0].upper() == "NVIDIA":
         words = words[1:]
     tag = "".join(c for c in (words[0] if words else "").lower() if c.isalnum())
@@ -434,8 +435,9 @@ def main():
                                  points_with_vllm=len(vl))
     out = Path(ns.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"bench_{card_tag()}.json").write_text(json.dumps(result, indent=1))
-    (out / f"bench_{card_tag()}.md").write_text(markdown(result))
+    stem = f"bench_{card_tag()}"
+    (out / f"{stem}.json").write_text(json.dumps(result, indent=1))
+    (out / f"{stem}.md").write_text(markdown(result))
     print(markdown(result))
 
 

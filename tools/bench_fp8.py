@@ -219,8 +219,9 @@ def main():
               "seconds": round(time.time() - t0, 1), "rows": rows, "summary": summary}
     out = Path(ns.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"bench_fp8_{card_tag()}.json").write_text(json.dumps(result, indent=1))
-    (out / f"bench_fp8_{card_tag()}.md").write_text(markdown(result))
+    stem = f"bench_fp8_{card_tag()}"
+    (out / f"{stem}.json").write_text(json.dumps(result, indent=1))
+    (out / f"{stem}.md").write_text(markdown(result))
     print(markdown(result))
 
 
