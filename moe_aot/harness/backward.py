@@ -118,6 +118,30 @@ def measure_backward(spec, variant, tokens: int, w13, w2, store, device, replays
     ok = errors.pop("ok")
     if not ok:
         return {"ok": False, "errors": errors}
-    times, state = timed_graphs([lambda s=s: run(s) for s in sets], replays, warmup_s, nvml)
+    timed = _timed_fitting([lambda s=s: run(s) for s in sets], replays, warmup_s, nvml)
     torch.cuda.empty_cache()  # the graphs' pools (each set's gradients) go with them
-    return {"ok": True, "errors": errors, **summarize(times), **timing_method(warmup_s, state)}
+    if timed is None:
+        raise torch.cuda.OutOfMemoryError(f"{variant.name(spec)} at {tokens} tokens: one captured "
+                                          "backward does not fit in this GPU's memory")
+    times, state, used = timed
+    return {"ok": True, "errors": errors, **summarize(times), **timing_method(warmup_s, state),
+            "input_sets": used}
+
+
+def _timed_fitting(fns, replays: int, warmup_s: float, nvml):
+    """timed_graphs over all of `fns`, or over the first alone where the graphs of all do not fit
+    (each holds its own gradients: torch's weight gradients at DeepSeek-V3 16384 tokens need
+    three 21 GiB pools with two input sets, more than an 80 GB card has). Past L2's size (the
+    only sizes where this happens) a second routing changes nothing the replays could reuse.
+    (times, gpu state, input sets used), or None where one graph does not fit either."""
+    for n in (len(fns), 1) if len(fns) > 1 else (1,):
+        oom = False
+        try:
+            times, state = timed_graphs(fns[:n], replays, warmup_s, nvml)
+        except torch.cuda.OutOfMemoryError:
+            oom = True  # retried outside the handler, so its traceback frees the captured graphs
+        if not oom:
+            return times, state, n
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+    return None
