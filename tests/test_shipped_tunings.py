@@ -90,6 +90,10 @@ TUNED_H100 = picks.tuned_path(ROOT / "cache" / "tuned", H100)
 # of memory on the 80 GB card in every trial. tuning_backward_2026-12-06i: that bucket again once
 # the graph capture released the allocator's cache: the candidates with compiled weight gradients
 # ran, those with torch's (the default among them) still ran out of memory.
+# 2026-12-06l, m and n: the H200 again, the buckets whose picks the ping-pong turns rebuilt (REBUILT)
+# and their neighbours, with the fast_act and 2-CTA twins as seeds (`tune --compile-only --trials 12
+# --seed-picks cache/tuned`, sustained timing, two confirmation rounds each): l fp8 at 4096 tokens
+# (four presets), m bf16 at 4096 and 16384, n bf16 at 256 and 1024 (five presets each).
 SESSIONS = ("tuning_2026-12-01", "tuning_2026-12-01b", "tuning_2026-12-01c", "tuning_2026-12-01e",
             "tuning_2026-12-01f", "tuning_2026-12-01g", "tuning_2026-12-01h", "tuning_2026-12-01i",
             "tuning_2026-12-01j", "tuning_2026-12-01l", "tuning_2026-12-02t", "tuning_2026-12-02u",
@@ -99,7 +103,7 @@ SESSIONS = ("tuning_2026-12-01", "tuning_2026-12-01b", "tuning_2026-12-01c", "tu
             "tuning_2026-12-04", "tuning_2026-12-05", "tuning_2026-12-05b",
             "tuning_2026-12-06", "tuning_2026-12-06b", "tuning_2026-12-06h",
             "tuning_2026-12-06i", "tuning_2026-12-06j", "tuning_2026-12-06k", "tuning_backward_2026-12-06h",
-            "tuning_backward_2026-12-06i")
+            "tuning_backward_2026-12-06i", "tuning_2026-12-06l", "tuning_2026-12-06m", "tuning_2026-12-06n")
 BACKWARD_BUCKETS = (1024, 4096, 16384)
 FP8_BUCKETS = (1, 16, 64, 256, 1024, 4096, 16384)
 RECORD_FILES = [ROOT / "tools" / "results" / d / "all_records.json" for d in SESSIONS]
