@@ -318,3 +318,36 @@ def test_the_tuners_backward_check_passes_true_gradients_and_catches_wrong_ones(
     assert not broken(0, lambda t: t[0, 0].fill_(float("nan")))
     assert not broken(1, lambda t: t[1, 0, 0].fill_(1e-3))  # an expert without rows
     assert not broken(3, lambda t: t.mul_(1.05))  # the routing weights' gradient
+
+
+def test_backward_timing_falls_back_to_one_input_set_where_two_do_not_fit(monkeypatch):
+    """measure_backward's timing: all input sets' graphs where they fit; the first set alone where
+    capturing them all runs out of memory (torch's weight gradients at DeepSeek-V3 16384 tokens on
+    80 GB); None where one does not fit either. The GPU timing is faked, the control flow is real."""
+    import torch
+
+    from moe_aot.harness import backward as hb
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    calls = []
+
+    def timed(limit):
+        def fake(fns, replays, warmup_s, nvml):
+            calls.append(len(fns))
+            if len(fns) > limit:
+                raise torch.cuda.OutOfMemoryError("CUDA out of memory (faked)")
+            return [f() for f in fns], {"sm_mhz": 1980}
+        return fake
+
+    fns = [lambda: 1.0, lambda: 2.0]
+    monkeypatch.setattr(hb, "timed_graphs", timed(2))
+    assert hb._timed_fitting(fns, 10, 0.0, None) == ([1.0, 2.0], {"sm_mhz": 1980}, 2) and calls == [2]
+    calls.clear()
+    monkeypatch.setattr(hb, "timed_graphs", timed(1))
+    assert hb._timed_fitting(fns, 10, 0.0, None) == ([1.0], {"sm_mhz": 1980}, 1) and calls == [2, 1]
+    calls.clear()
+    monkeypatch.setattr(hb, "timed_graphs", timed(0))
+    assert hb._timed_fitting(fns, 10, 0.0, None) is None and calls == [2, 1]
+    calls.clear()
+    assert hb._timed_fitting(fns[:1], 10, 0.0, None) is None and calls == [1]  # one set: tried once
