@@ -132,8 +132,8 @@ def _timed_fitting(fns, replays: int, warmup_s: float, nvml):
     """timed_graphs over all of `fns`, or over the first alone where the graphs of all do not fit
     (each holds its own gradients: at DeepSeek-V3 16384 tokens two input sets' 21 GiB graph
     pools plus torch's weight gradients' 14 GiB dW13 are more than an 80 GB card holds beside the
-    weights). Past L2's size (the
-    only sizes where this happens) a second routing changes nothing the replays could reuse.
+    weights). Past L2's size (the only sizes where this happens) a second routing changes nothing
+    the replays could reuse.
     (times, gpu state, input sets used), or None where one graph does not fit either."""
     for n in (len(fns), 1) if len(fns) > 1 else (1,):
         oom = False
