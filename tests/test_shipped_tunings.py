@@ -94,6 +94,8 @@ TUNED_H100 = picks.tuned_path(ROOT / "cache" / "tuned", H100)
 # and their neighbours, with the fast_act and 2-CTA twins as seeds (`tune --compile-only --trials 12
 # --seed-picks cache/tuned`, sustained timing, two confirmation rounds each): l fp8 at 4096 tokens
 # (four presets), m bf16 at 4096 and 16384, n bf16 at 256 and 1024 (five presets each).
+# 2026-12-07h: the H100's fp8 picks at 1024, 4096 and 16384 tokens again (four presets; `tune
+# --compile-only --trials 12 --seed-picks cache/tuned`, so the p2fa twins were measured), two rounds.
 SESSIONS = ("tuning_2026-12-01", "tuning_2026-12-01b", "tuning_2026-12-01c", "tuning_2026-12-01e",
             "tuning_2026-12-01f", "tuning_2026-12-01g", "tuning_2026-12-01h", "tuning_2026-12-01i",
             "tuning_2026-12-01j", "tuning_2026-12-01l", "tuning_2026-12-02t", "tuning_2026-12-02u",
@@ -103,7 +105,8 @@ SESSIONS = ("tuning_2026-12-01", "tuning_2026-12-01b", "tuning_2026-12-01c", "tu
             "tuning_2026-12-04", "tuning_2026-12-05", "tuning_2026-12-05b",
             "tuning_2026-12-06", "tuning_2026-12-06b", "tuning_2026-12-06h",
             "tuning_2026-12-06i", "tuning_2026-12-06j", "tuning_2026-12-06k", "tuning_backward_2026-12-06h",
-            "tuning_backward_2026-12-06i", "tuning_2026-12-06l", "tuning_2026-12-06m", "tuning_2026-12-06n")
+            "tuning_backward_2026-12-06i", "tuning_2026-12-06l", "tuning_2026-12-06m", "tuning_2026-12-06n",
+            "tuning_2026-12-07h")
 BACKWARD_BUCKETS = (1024, 4096, 16384)
 FP8_BUCKETS = (1, 16, 64, 256, 1024, 4096, 16384)
 RECORD_FILES = [ROOT / "tools" / "results" / d / "all_records.json" for d in SESSIONS]

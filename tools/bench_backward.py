@@ -68,7 +68,21 @@ def saved_bytes(fn, weights=()) -> int:
 
 def _path(name, spec, M, fwd, leaves, grad, replays, weights, profile):
     """One path's measurements: a sample of its gradients (x, topk_weights, the first 8 experts'
-    weight gradients), its CUDA-graph times and saved bytes; its graphs are freed on return."""
+    weight gradients), its CUDA-graph times and saved bytes; its graphs are freed on return.
+    (None, None) where the path does not fit in the GPU's memory (DeepSeek-V3 at 16384 tokens on an
+    80 GB H100 with torch's weight-gradient GEMMs: their 14 GiB dW13 beside the weights, the
+    gradients and the graph's activations); the other paths and points still run."""
+    try:
+        return _measure_path(name, spec, M, fwd, leaves, grad, replays, weights, profile)
+    except torch.OutOfMemoryError as exc:
+        why = str(exc).split(". ")[0]
+    gc.collect()  # outside the handler: the traceback's frames held the failed step's tensors
+    torch.cuda.empty_cache()
+    print(f"  {name}, {spec.workload_key} {M} tokens: out of memory ({why})", flush=True)
+    return None, None
+
+
+def _measure_path(name, spec, M, fwd, leaves, grad, replays, weights, profile):
     def step():
         return torch.autograd.grad(fwd(), leaves, grad)
 
@@ -100,6 +114,33 @@ def _weights(shape, scale, gen):
     for e in range(shape[0]):
         w[e] = torch.randn(shape[1:], device=DEV, generator=gen) * scale
     return w
+
+
+def _get(res, key):
+    return None if res is None else res[key]
+
+
+def _bwd(res):  # the backward alone: forward + backward less the forward
+    return None if res is None else res["step"] - res["fwd"]
+
+
+def _ratio(a, b):
+    return None if a is None or b is None else a / b
+
+
+def _f(v, fmt=".0f") -> str:
+    """A table cell: the number, or 'OOM' for a path that did not fit in the GPU's memory."""
+    return "OOM" if v is None else format(v, fmt)
+
+
+def _geo(rows, num, den) -> float | None:
+    """Geometric mean of row[num] / row[den] over the rows where both paths ran."""
+    rs = [r[num] / r[den] for r in rows if r.get(num) is not None and r.get(den) is not None]
+    return math.exp(sum(math.log(v) for v in rs) / len(rs)) if rs else None
+
+
+def _max_diff(d) -> float | None:
+    return None if d is None else max(d.values())
 
 
 def point(spec, M, replays, rate, gen, profile=False, wgrad=False, sustained=None):
@@ -162,28 +203,87 @@ def point(spec, M, replays, rate, gen, profile=False, wgrad=False, sustained=Non
 
     ref, ref_g = _path("torch", spec, M, ref_fwd, [x, w1, w2, tw, *((b1, b2) if spec.bias else ())], grad, replays,
                        (w1, w2), profile)
-    ref_g[2] = prepare_fused_gate_up(ref_g[2])  # gate rows first -> the kernels' interleave, to compare
-    diffs = {n: rel_err(a, b.float()) for n, a, b in zip(("x", "topk_weights", "w13", "w2"), ours_g, ref_g)}
+    if ref_g is not None:
+        ref_g[2] = prepare_fused_gate_up(ref_g[2])  # gate rows first -> the kernels' interleave, to compare
+
+    def diffs(g):  # relative gradient differences against torch's path (None: one of them did not fit)
+        if g is None or ref_g is None:
+            return None
+        return {n: rel_err(a, b.float()) for n, a, b in zip(("x", "topk_weights", "w13", "w2"), g, ref_g)}
+
     flops = 6 * M * K * H * I
     weight_bytes = min(E, M * K) * 3 * H * I * 2
     floor_step = floor_us(3 * flops, 3 * weight_bytes, rate)  # the backward: 2x FLOPs and weight bytes
     row = {"floor_bwd_us": floor_us(2 * flops, 2 * weight_bytes, rate),
            "floor_bwd_sustained_us": floor_us(2 * flops, 2 * weight_bytes, sustained or rate),
-           "tokens": M, "ours_fwd": ours["fwd"], "torch_fwd": ref["fwd"], "ours_step": ours["step"],
-           "torch_step": ref["step"], "ours_bwd": ours["step"] - ours["fwd"], "torch_bwd": ref["step"] - ref["fwd"],
-           "floor_step_us": floor_step, "saved_bytes_ours": ours["saved"], "saved_bytes_torch": ref["saved"],
-           "recompute_fwd": recompute["fwd"], "recompute_step": recompute["step"],
-           "recompute_bwd": recompute["step"] - recompute["fwd"], "saved_bytes_recompute": recompute["saved"],
-           "grad_rel_diff": diffs, "fused_gemms": fused, "bwd_variant": plan[0].name(spec) if fused else None}
-    row["step_speedup"] = row["torch_step"] / row["ours_step"]
-    row["bwd_speedup"] = row["torch_bwd"] / row["ours_bwd"]
+           "tokens": M, "floor_step_us": floor_step, "grad_rel_diff": diffs(ours_g), "fused_gemms": fused,
+           "bwd_variant": plan[0].name(spec) if fused else None}
+    for key, res in (("ours", ours), ("torch", ref), ("recompute", recompute)):
+        row.update({f"{key}_fwd": _get(res, "fwd"), f"{key}_step": _get(res, "step"), f"{key}_bwd": _bwd(res),
+                    f"saved_bytes_{key}": _get(res, "saved")})
+    row["step_speedup"] = _ratio(row["torch_step"], row["ours_step"])
+    row["bwd_speedup"] = _ratio(row["torch_bwd"], row["ours_bwd"])
     row["wgrad_auto"] = auto_used
     for flag, (used, res, g) in forced.items():
         key = "wgrad" if flag else "nowgrad"
-        row.update({f"{key}_used": used, f"{key}_step": res["step"], f"{key}_bwd": res["step"] - res["fwd"],
-                    f"{key}_grad_rel_diff": {n: rel_err(a, b.float()) for n, a, b in
-                                             zip(("x", "topk_weights", "w13", "w2"), g, ref_g)}})
+        row.update({f"{key}_used": used, f"{key}_step": _get(res, "step"), f"{key}_bwd": _bwd(res),
+                    f"{key}_grad_rel_diff": diffs(g)})
     return row
+
+
+def table_md(rows, device: str, date: str, rate: float, sustained: float, argv) -> list[str]:
+    """The markdown table's lines for `rows` (point()'s), a path that ran out of memory shown as OOM
+    and left out of the geometric means."""
+    lines = [f"# Training step of the fused MoE layer on {device} ({date})", "",
+             f"Command: `python3 tools/bench_backward.py {' '.join(argv)}`; bf16 matmul rate {rate / 1e12:.0f} "
+             f"TFLOP/s, {sustained / 1e12:.0f} after {SUSTAINED_MATMUL_S:.0f} s of matmuls (`sust.`). "
+             "µs, medians of CUDA-graph replays; ours = fused_moe_train (pre-activations kept, the "
+             "backward's compiled dH/dX where the database has them: column 'fused'), torch GEMMs = the same with "
+             "every backward GEMM torch's, torch = autograd through the unfused path.", "",
+             "| model | tokens | fused | fwd+bwd ours | torch GEMMs | torch | torch/ours | bwd ours | torch GEMMs "
+             "| torch | torch/ours | step floor | step ours/floor | bwd floor | bwd ours/floor [sust.] "
+             "| bwd torch/floor [sust.] | activations saved MiB ours / torch "
+             "| grad diff | backward variant |", "|" + "---|" * 19]
+    for r in rows:
+        per = lambda a, b: _f(_ratio(r[a], r[b]), ".2f")  # noqa: E731
+        mib = lambda k: None if r[k] is None else r[k] / 2**20  # noqa: E731
+        lines.append(f"| {r['model']} | {r['tokens']} | {r['fused_gemms']} | {_f(r['ours_step'])} | "
+                     f"{_f(r['recompute_step'])} | {_f(r['torch_step'])} | {_f(r['step_speedup'], '.2f')} | "
+                     f"{_f(r['ours_bwd'])} | {_f(r['recompute_bwd'])} | {_f(r['torch_bwd'])} | "
+                     f"{_f(r['bwd_speedup'], '.2f')} | {r['floor_step_us']:.0f} | "
+                     f"{per('ours_step', 'floor_step_us')} | "
+                     f"{r['floor_bwd_us']:.0f} | {per('ours_bwd', 'floor_bwd_us')} "
+                     f"[{per('ours_bwd', 'floor_bwd_sustained_us')}] | "
+                     f"{per('torch_bwd', 'floor_bwd_us')} [{per('torch_bwd', 'floor_bwd_sustained_us')}] | "
+                     f"{_f(mib('saved_bytes_ours'))} / {_f(mib('saved_bytes_torch'))} | "
+                     f"{_f(_max_diff(r['grad_rel_diff']), '.1e')} | "
+                     f"`{(r.get('bwd_variant') or '-').split('_dh')[-1]}` |")
+    g2 = lambda num, den: _f(_geo(rows, num, den), ".2f")  # noqa: E731
+    lines += ["", f"Geometric means (over the rows where both paths fit in memory; OOM: out of memory): "
+              f"fwd+bwd torch/ours {g2('torch_step', 'ours_step')}, backward torch/ours {g2('torch_bwd', 'ours_bwd')}; "
+              f"with the backward's GEMMs all torch's {g2('torch_step', 'recompute_step')} and "
+              f"{g2('torch_bwd', 'recompute_bwd')}. Backward over its floor: ours {g2('ours_bwd', 'floor_bwd_us')} "
+              f"[{g2('ours_bwd', 'floor_bwd_sustained_us')} sustained], torch {g2('torch_bwd', 'floor_bwd_us')} "
+              f"[{g2('torch_bwd', 'floor_bwd_sustained_us')}]: a "
+              "backward k times faster than torch's runs at (torch's ratio) / k of the floor."]
+    wrows = [r for r in rows if "wgrad_step" in r]
+    if wrows:
+        lines += ["", "Ours with the compiled weight-gradient GEMMs always and never (same run; µs, torch/ours; "
+                  "'ours uses': whether the backward variant above has them):", "",
+                  "| model | tokens | ours uses | always: fwd+bwd | torch/ours | bwd | torch/ours | never: fwd+bwd "
+                  "| torch/ours | bwd | torch/ours | grad diff |",
+                  "|" + "---|" * 12]
+        for r in wrows:
+            per = lambda a, b: _f(_ratio(r[a], r[b]), ".2f")  # noqa: E731
+            lines.append(f"| {r['model']} | {r['tokens']} | {r['wgrad_auto']} | {_f(r['wgrad_step'])} | "
+                         f"{per('torch_step', 'wgrad_step')} | {_f(r['wgrad_bwd'])} | "
+                         f"{per('torch_bwd', 'wgrad_bwd')} | "
+                         f"{_f(r['nowgrad_step'])} | {per('torch_step', 'nowgrad_step')} | {_f(r['nowgrad_bwd'])} | "
+                         f"{per('torch_bwd', 'nowgrad_bwd')} | {_f(_max_diff(r['wgrad_grad_rel_diff']), '.1e')} |")
+        g = lambda k, p: _f(_geo(wrows, f"torch_{k}", f"{p}_{k}"), ".2f")  # noqa: E731
+        lines += ["", f"Geometric means: always fwd+bwd {g('step', 'wgrad')}, backward {g('bwd', 'wgrad')}; "
+                  f"never {g('step', 'nowgrad')}, {g('bwd', 'nowgrad')}."]
+    return lines
 
 
 def main():
@@ -209,73 +309,29 @@ def main():
             rows.append(r)
             gc.collect()  # the point's graphs and tensors (closures keep some in cycles) before the next
             torch.cuda.empty_cache()
-            print(f"{model:16s} {M:6d} step ours {r['ours_step']:9.1f} torch-GEMMs {r['recompute_step']:9.1f} "
-                  f"torch {r['torch_step']:9.1f} "
-                  f"({r['step_speedup']:.2f}x)  bwd ours {r['ours_bwd']:9.1f} recompute {r['recompute_bwd']:9.1f} "
-                  f"torch {r['torch_bwd']:9.1f} "
-                  f"({r['bwd_speedup']:.2f}x) fused {r['fused_gemms']}  floor {r['floor_step_us']:.0f}  "
-                  f"saved {r['saved_bytes_ours'] / 2**20:.0f} / {r['saved_bytes_torch'] / 2**20:.0f} MiB  "
-                  f"diff {max(r['grad_rel_diff'].values()):.1e} "
+            mib = lambda k: None if r[k] is None else r[k] / 2**20  # noqa: E731
+            print(f"{model:16s} {M:6d} step ours {_f(r['ours_step'], '9.1f')} torch-GEMMs "
+                  f"{_f(r['recompute_step'], '9.1f')} torch {_f(r['torch_step'], '9.1f')} "
+                  f"({_f(r['step_speedup'], '.2f')}x)  bwd ours {_f(r['ours_bwd'], '9.1f')} recompute "
+                  f"{_f(r['recompute_bwd'], '9.1f')} torch {_f(r['torch_bwd'], '9.1f')} "
+                  f"({_f(r['bwd_speedup'], '.2f')}x) fused {r['fused_gemms']}  floor {r['floor_step_us']:.0f}  "
+                  f"saved {_f(mib('saved_bytes_ours'))} / {_f(mib('saved_bytes_torch'))} MiB  "
+                  f"diff {_f(_max_diff(r['grad_rel_diff']), '.1e')} "
                   f"[{time.perf_counter() - t0:.0f}s]", flush=True)
             if "wgrad_step" in r:
                 print(f"{'':16s} {'':6s} weight-gradient kernels used by ours: {r['wgrad_auto']}; always "
-                      f"({r['wgrad_used']}): step {r['wgrad_step']:9.1f} bwd {r['wgrad_bwd']:9.1f} "
-                      f"({r['torch_bwd'] / r['wgrad_bwd']:.2f}x); never: step {r['nowgrad_step']:9.1f} bwd "
-                      f"{r['nowgrad_bwd']:9.1f} ({r['torch_bwd'] / r['nowgrad_bwd']:.2f}x) "
-                      f"diff {max(r['wgrad_grad_rel_diff'].values()):.1e}", flush=True)
+                      f"({r['wgrad_used']}): step {_f(r['wgrad_step'], '9.1f')} bwd {_f(r['wgrad_bwd'], '9.1f')} "
+                      f"({_f(_ratio(r['torch_bwd'], r['wgrad_bwd']), '.2f')}x); never: step "
+                      f"{_f(r['nowgrad_step'], '9.1f')} bwd {_f(r['nowgrad_bwd'], '9.1f')} "
+                      f"({_f(_ratio(r['torch_bwd'], r['nowgrad_bwd']), '.2f')}x) "
+                      f"diff {_f(_max_diff(r['wgrad_grad_rel_diff']), '.1e')}", flush=True)
             torch.cuda.empty_cache()
             (ns.out / f"bench_backward_{card_tag()}.json").write_text(json.dumps(
                 {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "device": torch.cuda.get_device_name(),
                  "matmul_tflops": rate / 1e12, "matmul_sustained_tflops": sustained / 1e12,
                  "command": " ".join(sys.argv), "rows": rows}, indent=1))
-    geo = lambda k: math.exp(sum(math.log(r[k]) for r in rows) / len(rows))  # noqa: E731
-    lines = [f"# Training step of the fused MoE layer on {torch.cuda.get_device_name()} "
-             f"({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})", "",
-             f"Command: `python3 tools/bench_backward.py {' '.join(sys.argv[1:])}`; bf16 matmul rate {rate / 1e12:.0f} "
-             f"TFLOP/s, {sustained / 1e12:.0f} after {SUSTAINED_MATMUL_S:.0f} s of matmuls (`sust.`). "
-             "µs, medians of CUDA-graph replays; ours = fused_moe_train (pre-activations kept, the "
-             "backward's compiled dH/dX where the database has them: column 'fused'), torch GEMMs = the same with "
-             "every backward GEMM torch's, torch = autograd through the unfused path.", "",
-             "| model | tokens | fused | fwd+bwd ours | torch GEMMs | torch | torch/ours | bwd ours | torch GEMMs "
-             "| torch | torch/ours | step floor | step ours/floor | bwd floor | bwd ours/floor [sust.] "
-             "| bwd torch/floor [sust.] | activations saved MiB ours / torch "
-             "| grad diff | backward variant |", "|" + "---|" * 19]
-    for r in rows:
-        lines.append(f"| {r['model']} | {r['tokens']} | {r['fused_gemms']} | {r['ours_step']:.0f} | "
-                     f"{r['recompute_step']:.0f} | "
-                     f"{r['torch_step']:.0f} | {r['step_speedup']:.2f} | {r['ours_bwd']:.0f} | "
-                     f"{r['recompute_bwd']:.0f} | {r['torch_bwd']:.0f} | {r['bwd_speedup']:.2f} | "
-                     f"{r['floor_step_us']:.0f} | {r['ours_step'] / r['floor_step_us']:.2f} | "
-                     f"{r['floor_bwd_us']:.0f} | {r['ours_bwd'] / r['floor_bwd_us']:.2f} "
-                     f"[{r['ours_bwd'] / r['floor_bwd_sustained_us']:.2f}] | "
-                     f"{r['torch_bwd'] / r['floor_bwd_us']:.2f} [{r['torch_bwd'] / r['floor_bwd_sustained_us']:.2f}] | "
-                     f"{r['saved_bytes_ours'] / 2**20:.0f} / {r['saved_bytes_torch'] / 2**20:.0f} | "
-                     f"{max(r['grad_rel_diff'].values()):.1e} | "
-                     f"`{(r.get('bwd_variant') or '-').split('_dh')[-1]}` |")
-    rc = lambda k: math.exp(sum(math.log(r[f"torch_{k}"] / r[f"recompute_{k}"]) for r in rows) / len(rows))  # noqa: E731
-    ratio = lambda a, b: math.exp(sum(math.log(r[a] / r[b]) for r in rows) / len(rows))  # noqa: E731
-    lines += ["", f"Geometric means: fwd+bwd torch/ours {geo('step_speedup'):.2f}, backward torch/ours "
-              f"{geo('bwd_speedup'):.2f}; with the backward's GEMMs all torch's {rc('step'):.2f} and {rc('bwd'):.2f}. "
-              f"Backward over its floor: ours {ratio('ours_bwd', 'floor_bwd_us'):.2f} "
-              f"[{ratio('ours_bwd', 'floor_bwd_sustained_us'):.2f} sustained], torch "
-              f"{ratio('torch_bwd', 'floor_bwd_us'):.2f} [{ratio('torch_bwd', 'floor_bwd_sustained_us'):.2f}]: a "
-              "backward k times faster than torch's runs at (torch's ratio) / k of the floor."]
-    wrows = [r for r in rows if "wgrad_step" in r]
-    if wrows:
-        lines += ["", "Ours with the compiled weight-gradient GEMMs always and never (same run; µs, torch/ours; "
-                  "'ours uses': whether the backward variant above has them):", "",
-                  "| model | tokens | ours uses | always: fwd+bwd | torch/ours | bwd | torch/ours | never: fwd+bwd "
-                  "| torch/ours | bwd | torch/ours | grad diff |",
-                  "|" + "---|" * 12]
-        for r in wrows:
-            lines.append(f"| {r['model']} | {r['tokens']} | {r['wgrad_auto']} | {r['wgrad_step']:.0f} | "
-                         f"{r['torch_step'] / r['wgrad_step']:.2f} | {r['wgrad_bwd']:.0f} | "
-                         f"{r['torch_bwd'] / r['wgrad_bwd']:.2f} | {r['nowgrad_step']:.0f} | "
-                         f"{r['torch_step'] / r['nowgrad_step']:.2f} | {r['nowgrad_bwd']:.0f} | "
-                         f"{r['torch_bwd'] / r['nowgrad_bwd']:.2f} | {max(r['wgrad_grad_rel_diff'].values()):.1e} |")
-        g = lambda k, p: math.exp(sum(math.log(r[f"torch_{k}"] / r[f"{p}_{k}"]) for r in wrows) / len(wrows))  # noqa: E731
-        lines += ["", f"Geometric means: always fwd+bwd {g('step', 'wgrad'):.2f}, backward {g('bwd', 'wgrad'):.2f}; "
-                  f"never {g('step', 'nowgrad'):.2f}, {g('bwd', 'nowgrad'):.2f}."]
+    lines = table_md(rows, torch.cuda.get_device_name(), time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), rate,
+                     sustained, sys.argv[1:])
     (ns.out / f"bench_backward_{card_tag()}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(line for line in lines if line.startswith("Geometric")))
 
