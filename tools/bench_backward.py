@@ -24,6 +24,8 @@ Ours runs each bucket's backward variant (its tuned pick, else variants.default_
 'backward variant' column), the compiled weight-gradient GEMMs (templates/hopper_wgrad.py) where it
 has them; --wgrad: also ours with them always and never (autograd.USE_WGRAD_KERNELS True / False),
 in the same run.
+A path that does not fit in the GPU's memory at a point reads OOM in its cells, the geometric means
+are taken over the points where both of their paths ran, and the run goes on.
 Writes DIR/bench_backward_<card>.{json,md} (<card>: bench.card_tag, e.g. h200).
 """
 from __future__ import annotations
