@@ -145,6 +145,16 @@ def _max_diff(d) -> float | None:
     return None if d is None else max(d.values())
 
 
+def _per(r, num, den) -> str:
+    """The cell of r[num] / r[den] (OOM where either path did not fit)."""
+    return _f(_ratio(r[num], r[den]), ".2f")
+
+
+def _mib(r, key) -> str:
+    """The cell of r[key] bytes in MiB (OOM where the path did not fit)."""
+    return _f(None if r[key] is None else r[key] / 2**20)
+
+
 def point(spec, M, replays, rate, gen, profile=False, wgrad=False, sustained=None):
     """Both paths on the same inputs, one after the other (so that DeepSeek-V3's weights and
     gradients fit beside only one path's)."""
@@ -247,17 +257,15 @@ def table_md(rows, device: str, date: str, rate: float, sustained: float, argv) 
              "| bwd torch/floor [sust.] | activations saved MiB ours / torch "
              "| grad diff | backward variant |", "|" + "---|" * 19]
     for r in rows:
-        per = lambda a, b: _f(_ratio(r[a], r[b]), ".2f")  # noqa: E731
-        mib = lambda k: None if r[k] is None else r[k] / 2**20  # noqa: E731
         lines.append(f"| {r['model']} | {r['tokens']} | {r['fused_gemms']} | {_f(r['ours_step'])} | "
                      f"{_f(r['recompute_step'])} | {_f(r['torch_step'])} | {_f(r['step_speedup'], '.2f')} | "
                      f"{_f(r['ours_bwd'])} | {_f(r['recompute_bwd'])} | {_f(r['torch_bwd'])} | "
                      f"{_f(r['bwd_speedup'], '.2f')} | {r['floor_step_us']:.0f} | "
-                     f"{per('ours_step', 'floor_step_us')} | "
-                     f"{r['floor_bwd_us']:.0f} | {per('ours_bwd', 'floor_bwd_us')} "
-                     f"[{per('ours_bwd', 'floor_bwd_sustained_us')}] | "
-                     f"{per('torch_bwd', 'floor_bwd_us')} [{per('torch_bwd', 'floor_bwd_sustained_us')}] | "
-                     f"{_f(mib('saved_bytes_ours'))} / {_f(mib('saved_bytes_torch'))} | "
+                     f"{_per(r, 'ours_step', 'floor_step_us')} | "
+                     f"{r['floor_bwd_us']:.0f} | {_per(r, 'ours_bwd', 'floor_bwd_us')} "
+                     f"[{_per(r, 'ours_bwd', 'floor_bwd_sustained_us')}] | "
+                     f"{_per(r, 'torch_bwd', 'floor_bwd_us')} [{_per(r, 'torch_bwd', 'floor_bwd_sustained_us')}] | "
+                     f"{_mib(r, 'saved_bytes_ours')} / {_mib(r, 'saved_bytes_torch')} | "
                      f"{_f(_max_diff(r['grad_rel_diff']), '.1e')} | "
                      f"`{(r.get('bwd_variant') or '-').split('_dh')[-1]}` |")
     g2 = lambda num, den: _f(_geo(rows, num, den), ".2f")  # noqa: E731
@@ -276,12 +284,12 @@ def table_md(rows, device: str, date: str, rate: float, sustained: float, argv) 
                   "| torch/ours | bwd | torch/ours | grad diff |",
                   "|" + "---|" * 12]
         for r in wrows:
-            per = lambda a, b: _f(_ratio(r[a], r[b]), ".2f")  # noqa: E731
             lines.append(f"| {r['model']} | {r['tokens']} | {r['wgrad_auto']} | {_f(r['wgrad_step'])} | "
-                         f"{per('torch_step', 'wgrad_step')} | {_f(r['wgrad_bwd'])} | "
-                         f"{per('torch_bwd', 'wgrad_bwd')} | "
-                         f"{_f(r['nowgrad_step'])} | {per('torch_step', 'nowgrad_step')} | {_f(r['nowgrad_bwd'])} | "
-                         f"{per('torch_bwd', 'nowgrad_bwd')} | {_f(_max_diff(r['wgrad_grad_rel_diff']), '.1e')} |")
+                         f"{_per(r, 'torch_step', 'wgrad_step')} | {_f(r['wgrad_bwd'])} | "
+                         f"{_per(r, 'torch_bwd', 'wgrad_bwd')} | "
+                         f"{_f(r['nowgrad_step'])} | {_per(r, 'torch_step', 'nowgrad_step')} | "
+                         f"{_f(r['nowgrad_bwd'])} | "
+                         f"{_per(r, 'torch_bwd', 'nowgrad_bwd')} | {_f(_max_diff(r['wgrad_grad_rel_diff']), '.1e')} |")
         g = lambda k, p: _f(_geo(wrows, f"torch_{k}", f"{p}_{k}"), ".2f")  # noqa: E731
         lines += ["", f"Geometric means: always fwd+bwd {g('step', 'wgrad')}, backward {g('bwd', 'wgrad')}; "
                   f"never {g('step', 'nowgrad')}, {g('bwd', 'nowgrad')}."]
@@ -311,21 +319,20 @@ def main():
             rows.append(r)
             gc.collect()  # the point's graphs and tensors (closures keep some in cycles) before the next
             torch.cuda.empty_cache()
-            mib = lambda k: None if r[k] is None else r[k] / 2**20  # noqa: E731
             print(f"{model:16s} {M:6d} step ours {_f(r['ours_step'], '9.1f')} torch-GEMMs "
                   f"{_f(r['recompute_step'], '9.1f')} torch {_f(r['torch_step'], '9.1f')} "
                   f"({_f(r['step_speedup'], '.2f')}x)  bwd ours {_f(r['ours_bwd'], '9.1f')} recompute "
                   f"{_f(r['recompute_bwd'], '9.1f')} torch {_f(r['torch_bwd'], '9.1f')} "
                   f"({_f(r['bwd_speedup'], '.2f')}x) fused {r['fused_gemms']}  floor {r['floor_step_us']:.0f}  "
-                  f"saved {_f(mib('saved_bytes_ours'))} / {_f(mib('saved_bytes_torch'))} MiB  "
+                  f"saved {_mib(r, 'saved_bytes_ours')} / {_mib(r, 'saved_bytes_torch')} MiB  "
                   f"diff {_f(_max_diff(r['grad_rel_diff']), '.1e')} "
                   f"[{time.perf_counter() - t0:.0f}s]", flush=True)
             if "wgrad_step" in r:
                 print(f"{'':16s} {'':6s} weight-gradient kernels used by ours: {r['wgrad_auto']}; always "
                       f"({r['wgrad_used']}): step {_f(r['wgrad_step'], '9.1f')} bwd {_f(r['wgrad_bwd'], '9.1f')} "
-                      f"({_f(_ratio(r['torch_bwd'], r['wgrad_bwd']), '.2f')}x); never: step "
+                      f"({_per(r, 'torch_bwd', 'wgrad_bwd')}x); never: step "
                       f"{_f(r['nowgrad_step'], '9.1f')} bwd {_f(r['nowgrad_bwd'], '9.1f')} "
-                      f"({_f(_ratio(r['torch_bwd'], r['nowgrad_bwd']), '.2f')}x) "
+                      f"({_per(r, 'torch_bwd', 'nowgrad_bwd')}x) "
                       f"diff {_f(_max_diff(r['wgrad_grad_rel_diff']), '.1e')}", flush=True)
             torch.cuda.empty_cache()
             (ns.out / f"bench_backward_{card_tag()}.json").write_text(json.dumps(
