@@ -393,7 +393,8 @@ def _tiles(text: str):
                    f"{','.join(map(str, BACKWARD_TOKENS))}) its default, the variants that change one part (dH "
                    "tiles, dX tiles, the data path at 64-row routing tiles (the default's tiles, cooperative and "
                    "ping-pong), the weight gradients: torch's or compiled, with or without the TMA-store "
-                   "epilogue) and the combination of the parts that beat it, each checked against fp32 and timed "
+                   "epilogue), every GEMM torch's around the compiled GLU backward (..._dtorch_wtorch), and the "
+                   "combination of the parts that beat it, each checked against fp32 and timed "
                    "over whole backwards; then a confirmation round (--confirm) and the picks. With "
                    "--compile-only: compile those candidates here.")
 @click.option("--export-dir", default=None, help=EXPORT_HELP)

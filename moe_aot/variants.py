@@ -528,21 +528,36 @@ class BackwardVariant:
     grouped GEMMs (None) or the compiled variable-K GEMMs with (dW13, dW2) tiles. Its name is its
     key in the records and picks (workload backward_workload(spec)); tile_m appears in it as
     "_m64" only when not BWD_TILE_M, so every 128-row name (and database key) is unchanged. Its
-    kernels are named by component, so any combination of compiled components is compiled."""
-    dh: GemmTiles
-    dx: GemmTiles
+    kernels are named by component, so any combination of compiled components is compiled.
+
+    dh and dx both None (TORCH_DATA, named "..._dtorch_wtorch") is the backward whose GEMMs are all
+    torch's grouped GEMMs around the compiled GLU backward (autograd.moe_backward_torch): a choice
+    the tuner measures beside the compiled data paths, since torch's grouped GEMMs win at some
+    shapes (DeepSeek-V3 at 16384 tokens on an H100, tools/results/NOTES.md, forty-first session)."""
+    dh: GemmTiles | None
+    dx: GemmTiles | None
     wgrad: tuple[WgradTiles, WgradTiles] | None = None
     tile_m: int = BWD_TILE_M
+
+    @property
+    def torch_data(self) -> bool:
+        """Whether the data GEMMs (dH, dX) are torch's rather than compiled ones."""
+        return self.dh is None
 
     def name(self, spec: LayerSpec) -> str:
         w = "torch" if self.wgrad is None else f"b{self.wgrad[0].tag}a{self.wgrad[1].tag}"
         m = "" if self.tile_m == BWD_TILE_M else f"_m{self.tile_m}"
+        d = "_dtorch" if self.torch_data else f"_dh{self.dh.tag}_dx{self.dx.tag}"
         return (f"moe_bwd_{arch_tag(spec.target)}_{spec.precision_tag}_{spec.shape_tag}_{spec.activation}"
-                f"{m}_dh{self.dh.tag}_dx{self.dx.tag}_w{w}")
+                f"{m}{d}_w{w}")
 
     def kernels(self, spec: LayerSpec) -> list[KernelVariant]:
-        """In launch order: routing, dH, dX, combine, then dW13 and dW2 when compiled."""
-        out = backward_gemm_kernels(spec, self.dh, self.dx, self.tile_m)
+        """In launch order: routing, dH, dX, combine, then dW13 and dW2 when compiled; with torch's
+        data GEMMs the GLU backward alone (what that path runs of ours)."""
+        if self.torch_data:
+            out = [kv for kv in backward_kernels(spec) if kv.role == "glu_bwd"]
+        else:
+            out = backward_gemm_kernels(spec, self.dh, self.dx, self.tile_m)
         if self.wgrad is not None:
             out += wgrad_kernels(spec, wgrad_tile_map(self.wgrad))
         return out
@@ -550,20 +565,23 @@ class BackwardVariant:
     @classmethod
     def parse(cls, name: str) -> "BackwardVariant":
         """Inverse of the tunable part of name():
-        ...[_m64]_dhn128k64s5hoppp_dxn256k64s4hopws_w(torch|b...a...). A name spelling out the
-        default tile_m ("_m128") is not canonical and refused."""
+        ...[_m64]_dhn128k64s5hoppp_dxn256k64s4hopws_w(torch|b...a...), or ..._dtorch_wtorch. A name
+        spelling out the default tile_m ("_m128") is not canonical and refused."""
         import re
 
         g = r"n(\d+)k(\d+)s(\d+)([a-z]+)"
         w = r"(\d+)x(\d+)s(\d+)(pp)?(ts)?"
-        m = re.search(rf"^moe_bwd_.*?(?:_m(\d+))?_dh{g}_dx{g}_w(?:(torch)|b{w}a{w})$", name)
+        m = re.search(rf"^moe_bwd_.*?(?:_m(\d+))?_(?:dh{g}_dx{g}|(dtorch))_w(?:(torch)|b{w}a{w})$", name)
         if not m or m[1] == str(BWD_TILE_M):
             raise ValueError(f"{name!r} is not a backward variant name")
         v = m.groups()[1:]
-        gemm = lambda t: GemmTiles(int(t[0]), int(t[1]), int(t[2]), t[3])  # noqa: E731
+        gemm = lambda t: None if v[8] else GemmTiles(int(t[0]), int(t[1]), int(t[2]), t[3])  # noqa: E731
         wt = lambda t: WgradTiles(int(t[0]), int(t[1]), int(t[2]), bool(t[3]), bool(t[4]))  # noqa: E731
-        return cls(gemm(v[0:4]), gemm(v[4:8]), None if v[8] else (wt(v[9:14]), wt(v[14:19])),
+        return cls(gemm(v[0:4]), gemm(v[4:8]), None if v[9] else (wt(v[10:15]), wt(v[15:20])),
                    int(m[1]) if m[1] else BWD_TILE_M)
+
+
+TORCH_DATA = BackwardVariant(None, None)  # torch's grouped GEMMs around the compiled GLU backward
 
 
 def wgrad_tile_map(pair: tuple[WgradTiles, WgradTiles]) -> dict:
@@ -587,10 +605,17 @@ BACKWARD_SUFFIX = "_bwd"
 def can_implement_backward(spec: LayerSpec, v: BackwardVariant) -> tuple[bool, str]:
     """(ok, reason) of a backward variant for this layer: bf16 on a target with the persistent
     Hopper core, a routing tile height of gemm_limits.BWD_TILE_MS, each data GEMM's tiles valid
-    for its sizes at that height, each weight-gradient GEMM's tiles valid for its sizes."""
+    for its sizes at that height, each weight-gradient GEMM's tiles valid for its sizes; or
+    TORCH_DATA exactly (torch's data GEMMs only with torch's weight gradients: the compiled ones
+    read the routing kernel's padded tiles, which that path does not run)."""
     if spec.precision != "bf16" or "hopws" not in TARGET_LIMITS[spec.target]["mma"]:
         return False, (f"the fused backward is built for bf16 layers on targets with the persistent Hopper core, "
                        f"not {spec.precision} on {spec.target}")
+    if v.torch_data or v.dx is None:
+        if v != TORCH_DATA:
+            return False, ("torch's data GEMMs go with torch's weight gradients at the default routing tile "
+                           f"height {BWD_TILE_M} only (dH and dX both torch's, or both compiled)")
+        return True, ""
     ok, why = limits.check_backward_tile_m(v.tile_m)
     if not ok:
         return False, why
@@ -648,7 +673,7 @@ def backward_candidates(spec: LayerSpec, tokens: int) -> list[BackwardVariant]:
     tuner's combination of the best parts needs no compile of its own): dH and dX each in the
     first BWD_ALTERNATIVES valid tiles of BWD_DH_TILES / BWD_DX_TILES, the data path at the other
     routing tile height (_row_twins), the weight gradients by torch, in the default compiled tiles,
-    and those with the TMA-store epilogue."""
+    and those with the TMA-store epilogue; last, TORCH_DATA (every GEMM torch's)."""
     base = default_backward(spec, tokens)
     if base is None:
         return []
@@ -660,6 +685,7 @@ def backward_candidates(spec: LayerSpec, tokens: int) -> list[BackwardVariant]:
     if pair is not None:
         ts = tuple(dataclasses.replace(t, tma_store=True) for t in pair)
         out += [dataclasses.replace(base, wgrad=w) for w in (None, pair, ts)]
+    out.append(TORCH_DATA)
     out = [v for v in dict.fromkeys(out) if can_implement_backward(spec, v)[0]]
     return out
 
@@ -686,7 +712,10 @@ def _row_twins(spec: LayerSpec, base: BackwardVariant, tile_m: int) -> list[Back
 def _changed_parts(base: BackwardVariant, v: BackwardVariant) -> dict[str, dict]:
     """The parts `v` changed from `base`, each as the fields it sets: dH and dX each, or, at another
     tile_m, the data path as one part "rows" (its dH and dX kernels are built at its own height, so
-    neither goes with another height's); and the weight gradients."""
+    neither goes with another height's); and the weight gradients. TORCH_DATA is none of these
+    (its whole path is another one): {}, so that no combination takes a part of it."""
+    if v.torch_data or base.torch_data:
+        return {}
     if v.tile_m != base.tile_m:
         out = {"rows": {"tile_m": v.tile_m, "dh": v.dh, "dx": v.dx}}
     else:

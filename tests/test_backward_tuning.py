@@ -16,11 +16,13 @@ from moe_aot.database import Database
 from moe_aot.spec import make_spec
 from moe_aot.tuner import Outcome
 from moe_aot.variants import (
+    TORCH_DATA,
     BackwardVariant,
     GemmTiles,
     WgradTiles,
     backward_candidates,
     backward_gemm_tiles,
+    backward_kernels,
     backward_workload,
     can_implement_backward,
     combine_backward,
@@ -44,6 +46,10 @@ def test_candidates_start_at_the_default_and_change_one_part_each(model, tokens)
     cands = backward_candidates(spec, tokens)
     base = default_backward(spec, tokens)
     assert cands[0] == base
+    # last, torch's data GEMMs (every GEMM torch's, around the compiled GLU backward), once
+    assert cands[-1] == TORCH_DATA and cands.count(TORCH_DATA) == 1
+    assert [kv.role for kv in TORCH_DATA.kernels(spec)] == ["glu_bwd"]
+    cands = cands[:-1]
     # the default is what the backward ran before it was tunable: 128-row routing tiles, the data
     # GEMMs' first valid tiles, the compiled weight gradients exactly where the measured rule says
     assert base.tile_m == 128 and (base.dh, base.dx) == backward_gemm_tiles(spec)
@@ -87,6 +93,32 @@ def test_backward_names_keep_every_128_row_key_and_name_the_64_row_tiles():
     assert k64[3:] == k128[3:]
     with pytest.raises(ValueError, match="not a backward variant name"):  # the default height is not spelled
         BackwardVariant.parse(COMMITTED.replace("_dh", "_m128_dh"))
+
+
+def test_torch_data_gemms_are_one_named_variant_outside_the_combination():
+    """variants.TORCH_DATA: its name round-trips, it compiles only the GLU backward (the kernel that
+    path runs; build --backward compiles it anyway), no other combination of torch's and compiled
+    parts is valid, and combine_backward takes no part from it."""
+    spec = make_spec("deepseek-v3")
+    name = TORCH_DATA.name(spec)
+    assert name == "moe_bwd_sm90a_bf16_e256k8h7168i2048_swiglu_dtorch_wtorch"
+    assert BackwardVariant.parse(name) == TORCH_DATA == parse_variant(name) and TORCH_DATA.torch_data
+    assert TORCH_DATA.kernels(spec) == [kv for kv in backward_kernels(spec) if kv.role == "glu_bwd"]
+    assert can_implement_backward(spec, TORCH_DATA) == (True, "")
+    base = default_backward(spec, 4096)
+    pair = backward_candidates(spec, 4096)[-2].wgrad  # the TMA-store weight gradients
+    for bad in (dataclasses.replace(TORCH_DATA, wgrad=pair), dataclasses.replace(TORCH_DATA, tile_m=64),
+                dataclasses.replace(base, dh=None), dataclasses.replace(base, dx=None)):
+        ok, why = can_implement_backward(spec, bad)
+        assert not ok and why.startswith("torch's data GEMMs go with torch's weight gradients"), bad
+    for bad in (name.replace("_wtorch", "_wb128x192s5a64x192s7").replace("dtorch", "dtorchx"),
+                name.replace("_dtorch", "_m64_dtorch").replace("_m64_dtorch", "_m128_dtorch")):
+        with pytest.raises(ValueError, match="not a backward variant name"):
+            BackwardVariant.parse(bad)
+    # the fastest "part" being torch's whole path changes nothing in the combination
+    w = next(v for v in backward_candidates(spec, 4096)[1:] if v.wgrad != base.wgrad)
+    assert combine_backward(base, [TORCH_DATA]) == base
+    assert combine_backward(base, [TORCH_DATA, w]) == w
 
 
 def test_no_backward_variants_where_there_is_no_fused_backward():
@@ -142,11 +174,15 @@ class FakeBackwardMeasurer:
     gpu = GPU
     driver = "999.0 (CUDA 13.0)"
 
-    def __init__(self):
+    def __init__(self, torch_us: float = 1100.0):
         self.calls: list[str] = []
+        self.torch_us = torch_us  # TORCH_DATA's time: by default slower than the default
 
     def __call__(self, spec, v, tokens) -> Outcome:
         self.calls.append(v.name(spec))
+        if v.torch_data:
+            t = self.torch_us
+            return Outcome("ok", median_us=t, stats={"median_us": t, "replays": 20}, rel_err=4e-3)
         if v.dx.tile_n == 64:
             return Outcome("wrong_result", rel_err=0.4, error="relative error of dx 0.4")
         t = 1000.0 + {256: 0, 128: -30, 192: 10}[v.dh.tile_n] + {256: 0, 192: 15, 128: 20}[v.dx.tile_n]
@@ -182,7 +218,7 @@ def test_tuning_records_every_candidate_and_the_combination_and_picks_the_fastes
         # every candidate once, then the combination of the winning parts: 64-row tiles (10 us ahead
         # of the default; dH 128x128 cooperative, 5 us ahead, was measured at 128 rows only, so it
         # does not join them) and weight gradients with TMA stores
-        combo = dataclasses.replace(base, tile_m=64, wgrad=cands[-1].wgrad)
+        combo = dataclasses.replace(base, tile_m=64, wgrad=cands[-2].wgrad)
         assert [r.variant for r in trials] == [v.name(spec) for v in cands] + [combo.name(spec)]
         wrong = [r for r in trials if r.status == "wrong_result"]
         assert [BackwardVariant.parse(r.variant).dx.tile_n for r in wrong] == [64]
@@ -199,6 +235,24 @@ def test_tuning_records_every_candidate_and_the_combination_and_picks_the_fastes
     calls = len(m.calls)
     backward_tune.tune_backward(url, [spec], (4096,), m, confirm_k=2, progress=lambda s: None)
     assert len(m.calls) == calls
+
+
+def test_torch_data_gemms_are_picked_exported_and_built_where_they_are_fastest(tmp_path):
+    url = f"sqlite:///{tmp_path / 'db.sqlite'}"
+    spec = make_spec("deepseek-v3")
+    with Database(url) as db:
+        _fake_compile(db, [spec], (16384,))
+    backward_tune.tune_backward(url, [spec], (16384,), FakeBackwardMeasurer(torch_us=800.0), confirm_k=2,
+                                progress=lambda s: None)
+    out = tmp_path / "tuned"
+    with Database(url, readonly=True) as db:
+        [p] = picks.derive_picks(db, spec, GPU, backward=True)
+        assert p.variant == TORCH_DATA.name(spec) and p.median_us == 800.0
+        picks.export_tuned(db, out, GPU)
+    with Database(f"sqlite:///{tmp_path / 'fresh.sqlite'}") as db:
+        kernels, planned = picks.backward_build_plan(db, [spec], (16384,), GPU, out)
+    assert [(t, v) for _, _, t, v, _ in planned] == [(16384, TORCH_DATA)]
+    assert {kv.role for _, kv in kernels} >= {"glu_bwd", "dh", "dx"}  # the pick's and the default's
 
 
 def test_backward_picks_are_exported_read_back_built_and_served(tmp_path, monkeypatch):

@@ -339,7 +339,7 @@ def test_the_backward_at_each_routing_tile_height_matches_fp32(store, model, til
     spec = make_spec(model, target="sm_90a")
     tokens = 4096
     cands = backward_candidates(spec, tokens)
-    todo = [v for v in cands if v.tile_m == tile_m and v.wgrad == cands[0].wgrad]
+    todo = [v for v in cands if v.tile_m == tile_m and v.wgrad == cands[0].wgrad and not v.torch_data]
     assert todo
     gen = torch.Generator(device=DEV).manual_seed(tokens + tile_m)
     w13, w2, biases = _layer(spec, gen)
@@ -352,6 +352,31 @@ def test_the_backward_at_each_routing_tile_height_matches_fp32(store, model, til
                 pytest.skip(str(exc))
             assert r["ok"], (v.name(spec), r["errors"])
             print(f"{v.name(spec)}: {r['median_us']:.0f} us, errors {r['errors']}")
+    finally:
+        w13 = w2 = biases = None
+        torch.cuda.empty_cache()
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_torch_data_gemms_as_the_backward_variant_match_fp32(store, model):
+    """variants.TORCH_DATA (torch's grouped GEMMs around the compiled GLU backward), as the tuner
+    measures it: the runtime's plan for it carries no compiled data path, and its gradients pass
+    the tuner's own check (harness/backward.py) against fp32 on NaN-poisoned memory at 4096 tokens."""
+    from moe_aot.harness.backward import measure_backward
+    from moe_aot.runtime.layer import backward_plan
+    from moe_aot.variants import TORCH_DATA
+
+    spec = make_spec(model, target="sm_90a")
+    assert backward_plan(spec.experts, spec.top_k, spec.hidden, spec.intermediate, spec.activation, spec.bias, DEV,
+                         4096, store, TORCH_DATA) == (TORCH_DATA, None, None)
+    gen = torch.Generator(device=DEV).manual_seed(29)
+    w13, w2, biases = _layer(spec, gen)
+    try:
+        r = measure_backward(spec, TORCH_DATA, 4096, (w13, biases[0]) if biases else w13,
+                             (w2, biases[1]) if biases else w2, store, DEV, replays=4)
+        assert r["ok"], r["errors"]
+        assert r["median_us"] > 0
+        print(f"{TORCH_DATA.name(spec)}: {r['median_us']:.0f} us, errors {r['errors']}")
     finally:
         w13 = w2 = biases = None
         torch.cuda.empty_cache()

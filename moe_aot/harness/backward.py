@@ -1,7 +1,8 @@
 """The fused backward measured the way the tuner measures the forward (`moe-aot tune --backward`):
 one BackwardVariant's kernels checked against an fp32 reference on NaN-poisoned memory, then the
-whole backward (integrations.autograd.moe_backward_fused, reading the forward's pre-activations)
-replayed from CUDA graphs over several routings, median.
+whole backward (integrations.autograd.moe_backward_fused, reading the forward's pre-activations;
+for variants.TORCH_DATA moe_backward_torch with the compiled GLU backward) replayed from CUDA graphs
+over several routings, median.
 
 The reference runs expert by expert in fp32 from the bf16 inputs (x, the weights, dO, the routing)
 and compares each expert's weight gradients as it goes, so DeepSeek-V3's fp32 weights and
@@ -12,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from ..integrations import autograd
-from ..runtime.layer import backward_plan, split_biases
+from ..runtime.layer import backward_plan, glu_backward_kernel, split_biases
 from ..runtime.store import KernelMissingError
 from ..variants import INTERLEAVE
 from .measure import summarize, timed_graphs, timing_method
@@ -107,9 +108,19 @@ def measure_backward(spec, variant, tokens: int, w13, w2, store, device, replays
                                  "(`moe-aot tune --backward --compile-only` compiles them)")
     _, kern, wk = plan
     sets = sets or backward_inputs(spec, tokens, w13, b13, device)
+    glu = None
+    if kern is None:  # torch's data GEMMs (variants.TORCH_DATA) around the GLU kernel it names
+        glu = glu_backward_kernel(spec.experts, spec.top_k, spec.hidden, spec.intermediate, spec.activation,
+                                  spec.bias, device, store)
+        if glu is None:
+            raise KernelMissingError(f"{variant.name(spec)}: its GLU backward kernel is not in the database "
+                                     "(`moe-aot tune --backward --compile-only` compiles it)")
 
     def run(s):
         x, tw, ids, grad, preact = s
+        if kern is None:
+            return autograd.moe_backward_torch(grad, x, w13, w2, tw, ids, spec.activation, INTERLEAVE, b13, b2,
+                                               preact, glu)
         return autograd.moe_backward_fused(kern, grad, x, w13, w2, tw, ids, spec.activation, b13, b2, preact, wk)
 
     poison_free_memory(device)

@@ -1,11 +1,13 @@
 """The fused MoE op's backward (issue 11, first stage): the gradients of
 `torch.ops.moe_aot.fused_moe` for x, w13, w2, topk_weights and the expert biases, in torch ops.
 
-The forward stays the AOT kernels. The backward's GEMMs are not fused yet: it runs five grouped
-GEMMs (`torch._grouped_mm` on CUDA: GEMM1 recomputed, dH, dW2, dW13, dX) around the GLU's backward,
-which is one compiled CuTe DSL kernel (templates/glu_backward.py, `moe-aot build --backward`) where
-the database has it and torch ops otherwise; fused CuTe GEMMs will replace the torch ones behind
-the same registration. What it already keeps:
+The forward stays the AOT kernels. The backward runs the compiled data path (moe_backward_fused:
+dH with the GLU's backward fused, dX, and torch's or compiled weight-gradient GEMMs) where the
+database has the bucket's backward variant, else (and where the variant picked is torch's data
+GEMMs, variants.TORCH_DATA) moe_backward_torch: five grouped GEMMs (`torch._grouped_mm` on CUDA:
+GEMM1 recomputed unless the forward kept it, dH, dW2, dW13, dX) around the GLU's backward, which is
+one compiled CuTe DSL kernel (templates/glu_backward.py, `moe-aot build --backward`) where the
+database has it and torch ops otherwise. What both keep:
 
 - saved for backward: the op's inputs only (x, weights, routing), no activation: the GLU input is
   recomputed (one GEMM1), and the routing-weight gradient needs no GEMM2 output, since
@@ -183,8 +185,9 @@ def _plan(x, topk_ids, w13, w2, activation, block, bias):
     """(BackwardVariant, BackwardGemms, weight-gradient kernels or None) of the layer's compiled
     backward at this token count (runtime.layer.backward_plan: the bucket's tuned pick, else its
     default) where it applies: CUDA bf16 operands, the kernels' interleave, the kernels in the
-    database; else None. USE_WGRAD_KERNELS True / False overrides the variant's weight gradients
-    with the default compiled ones / torch's."""
+    database; else None. BackwardGemms is None where the pick is torch's data GEMMs
+    (variants.TORCH_DATA). USE_WGRAD_KERNELS True / False overrides a compiled data path's weight
+    gradients with the default compiled ones / torch's."""
     from ..variants import INTERLEAVE
 
     if not (x.is_cuda and x.dtype == w13.dtype == w2.dtype == torch.bfloat16 and block == INTERLEAVE):
@@ -194,7 +197,7 @@ def _plan(x, topk_ids, w13, w2, activation, block, bias):
     E, I2, H = w13.shape
     M, K = topk_ids.shape
     plan = backward_plan(E, K, H, I2 // 2, activation, bias, x.device, M)
-    if plan is None or USE_WGRAD_KERNELS is None:
+    if plan is None or plan[1] is None or USE_WGRAD_KERNELS is None:
         return plan
     v, kern, wk = plan
     if USE_WGRAD_KERNELS is False:
@@ -301,9 +304,18 @@ def moe_backward(grad_out, x, w13, w2, topk_weights, topk_ids, activation="swigl
     it (CUDA, bf16), else in torch ops. ``preact``: the forward's pre-activations as
     fused_moe_train returns them (preact_torch's layout), read instead of recomputing GEMM1."""
     plan = _plan(x, topk_ids, w13, w2, activation, block, b13 is not None)
-    if plan is not None:
+    if plan is not None and plan[1] is not None:
         return moe_backward_fused(plan[1], grad_out, x, w13, w2, topk_weights, topk_ids, activation, b13, b2, preact,
                                   plan[2])
+    return moe_backward_torch(grad_out, x, w13, w2, topk_weights, topk_ids, activation, block, b13, b2, preact)
+
+
+def moe_backward_torch(grad_out, x, w13, w2, topk_weights, topk_ids, activation="swiglu", block=16, b13=None,
+                       b2=None, preact=None, glu=False):
+    """moe_backward with torch's grouped GEMMs (dH, dW2, dW13, dX, and GEMM1 again without
+    ``preact``) around the GLU's backward: the path of operands the compiled data path does not
+    take, and of the backward variant variants.TORCH_DATA. ``glu``: the compiled GLU backward to
+    run (runtime.layer.glu_backward_kernel), None for torch ops, False (default) to look it up."""
     M, K = topk_ids.shape
     E, I2, H = w13.shape
     wdt = w13.dtype
@@ -323,7 +335,7 @@ def moe_backward(grad_out, x, w13, w2, topk_weights, topk_ids, activation="swigl
         a = _gemm1(xs, w13, offs_all, b13, expert)  # GEMM1 again: its input is not saved
     d_out = torch.cat((grad_out.to(wdt), grad_out.new_zeros(1, H, dtype=wdt))).index_select(0, tok_grad)
     G = gmm(d_out, w2, offs_all).view(P, -1, block)  # dO_m W2_e, [P, I] as h's column blocks
-    kernel = _glu_kernel(x, topk_ids, w13, activation, block, b13 is not None)
+    kernel = _glu_kernel(x, topk_ids, w13, activation, block, b13 is not None) if glu is False else glu
     if kernel is not None:  # the compiled GLU backward: one pass over the rows
         da, hw = torch.empty_like(a), torch.empty(P, I2 // 2, dtype=wdt, device=a.device)
         dw = torch.empty(P, dtype=torch.float32, device=a.device)

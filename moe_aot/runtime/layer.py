@@ -954,7 +954,10 @@ def backward_plan(experts: int, top_k: int, hidden: int, intermediate: int, acti
     --backward`, deployed by `build --backward`), else the bucket's default (variants.default_backward),
     else that default with torch's weight gradients; the first whose kernels the database has.
     None where none of them is there or the target has no fused backward (the backward then
-    multiplies with torch's grouped GEMMs). ``variant``: that BackwardVariant only (the tuner)."""
+    multiplies with torch's grouped GEMMs). A pick (or ``variant``) of torch's data GEMMs
+    (variants.TORCH_DATA) is served as (variant, None, None): the backward multiplies with torch's
+    grouped GEMMs by choice, its GLU part compiled where the database has it (glu_backward_kernel).
+    ``variant``: that BackwardVariant only (the tuner)."""
     from ..variants import default_backward
     from .wgrad import wgrad_kernels_for
 
@@ -977,6 +980,9 @@ def backward_plan(experts: int, top_k: int, hidden: int, intermediate: int, acti
     for v in tries:
         if v is None:
             continue
+        if v.torch_data:
+            _BACKWARD[key] = (v, None, None)
+            break
         gemms = backward_gemms(experts, top_k, hidden, intermediate, activation, bias, device, store, (v.dh, v.dx),
                                v.tile_m)
         wk = None if v.wgrad is None else wgrad_kernels_for(experts, top_k, hidden, intermediate, device, store,
