@@ -194,8 +194,10 @@ def choose_pick(records, default: str, default_content: str | None = None,
     beside the default may beat it, each judged by the median of all its measurements (none of
     them failed) against the default's median over its trial and those rounds. `rounds`: the
     complete rounds (default: those complete in `records`). Returns (best, default's record),
-    their median_us replaced by those medians where a round counted, or None when no context
-    has both."""
+    their median_us replaced by those medians where a round counted (the default's over its
+    measurements that ran: a default whose trial failed, as DeepSeek-V3's backward out of memory
+    on an H100, but ran in a round has that bar), the default's None where none of its
+    measurements ran; or None when no context has both."""
     b = _bucket(records, default, default_content, rounds)
     if b is None:
         return None
@@ -219,7 +221,7 @@ def choose_pick(records, default: str, default_content: str | None = None,
     if not ok:
         return None
     best = min(ok, key=lambda r: (r.median_us, not b.is_default(r), r.id))
-    base = b.base
+    base = b.base if b.base.status == "ok" else dataclasses.replace(b.base, median_us=None)
     if base.status == "ok" and best.median_us >= base.median_us:
         best = base
     return best, base
@@ -320,7 +322,7 @@ def derive_picks(db: Database, spec: LayerSpec, gpu: str | None = None, buckets=
             continue
         best, base = got
         picks.append(Pick(workload, spec.target, g, tokens, best.variant, best.median_us, best.id,
-                          best.toolchain, dname, base.median_us if base.status == "ok" else None))
+                          best.toolchain, dname, base.median_us))
     return picks
 
 

@@ -1026,3 +1026,33 @@ def test_seed_gpu_seeds_one_gpus_studies_from_another_gpus_picks(tmp_path, monke
     assert f"holds no picks for 'NVIDIA B200'; GPUs with picks there: {GPU!r}" in r.output
     r = CliRunner().invoke(main, [*base, "--seed-gpu", GPU])
     assert r.exit_code != 0 and "--seed-gpu goes with --seed-picks DIR" in r.output
+
+
+def test_a_default_that_failed_its_trial_but_ran_in_a_round_is_the_picks_bar():
+    """choose_pick where the default's trial failed (the H100's DeepSeek-V3 16384 backward ran out
+    of memory there) and a confirmation round measured it: the pick must beat the default's median
+    over the measurements that ran, which the export then keeps as default_us; without a round the
+    default has no time (None) and any valid record is the pick."""
+    from datetime import datetime, timezone
+
+    from moe_aot.database import RecordRow
+
+    d = default_variant(SPEC, 16).name(SPEC)
+    other = "some_other_variant"
+    now = datetime.now(timezone.utc)
+
+    def rec(i, name, status, us, rnd=None):
+        stats = {} if rnd is None else {"confirm": {"round": rnd, "position": i, "size": 4, "record": 1}}
+        return RecordRow(i, SPEC.workload_key, "sm_90a", "tc", GPU, "d", 16, name, "c" + name, status, us, stats,
+                         None, None, now)
+
+    trials = [rec(1, d, "resource_error", None), rec(2, other, "ok", 500.0)]
+    best, base = picks.choose_pick(trials, d)
+    assert (best.variant, best.median_us, base.median_us) == (other, 500.0, None)
+    again = [rec(3, other, "ok", 490.0, "r"), rec(4, d, "ok", 560.0, "r"), rec(5, d, "ok", 550.0, "r"),
+             rec(6, other, "ok", 495.0, "r")]
+    best, base = picks.choose_pick(trials + again, d)
+    assert (best.variant, best.median_us, base.median_us) == (other, 495.0, 555.0)
+    slower = [dataclasses.replace(r, median_us=600.0) if r.variant == other else r for r in again]
+    best, base = picks.choose_pick(trials + slower, d)
+    assert (best.variant, base.median_us) == (d, 555.0)  # beaten in the round: the default stays
