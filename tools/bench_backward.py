@@ -180,7 +180,7 @@ def point(spec, M, replays, rate, gen, profile=False, wgrad=False, sustained=Non
 
     leaves = [x, w13, w2, tw, *ours_extra]
     plan = autograd._plan(x, ids, w13, w2, spec.activation, 16, spec.bias)
-    fused = plan is not None
+    fused = plan is not None and plan[1] is not None  # the bucket's variant is not torch's data GEMMs (TORCH_DATA)
     saved_fn = autograd._plan
     autograd._plan = lambda *a: None  # the backward multiplying with torch's grouped GEMMs
     try:
@@ -229,7 +229,7 @@ def point(spec, M, replays, rate, gen, profile=False, wgrad=False, sustained=Non
     row = {"floor_bwd_us": floor_us(2 * flops, 2 * weight_bytes, rate),
            "floor_bwd_sustained_us": floor_us(2 * flops, 2 * weight_bytes, sustained or rate),
            "tokens": M, "floor_step_us": floor_step, "grad_rel_diff": diffs(ours_g), "fused_gemms": fused,
-           "bwd_variant": plan[0].name(spec) if fused else None}
+           "bwd_variant": plan[0].name(spec) if plan is not None else None}
     for key, res in (("ours", ours), ("torch", ref), ("recompute", recompute)):
         row.update({f"{key}_fwd": _get(res, "fwd"), f"{key}_step": _get(res, "step"), f"{key}_bwd": _bwd(res),
                     f"saved_bytes_{key}": _get(res, "saved")})
@@ -250,7 +250,8 @@ def table_md(rows, device: str, date: str, rate: float, sustained: float, argv) 
              f"Command: `python3 tools/bench_backward.py {' '.join(argv)}`; bf16 matmul rate {rate / 1e12:.0f} "
              f"TFLOP/s, {sustained / 1e12:.0f} after {SUSTAINED_MATMUL_S:.0f} s of matmuls (`sust.`). "
              "µs, medians of CUDA-graph replays; ours = fused_moe_train (pre-activations kept, the "
-             "backward's compiled dH/dX where the database has them: column 'fused'), torch GEMMs = the same with "
+             "backward's compiled dH/dX where the database has them and the bucket's backward variant is not "
+             "torch's data GEMMs: column 'fused'), torch GEMMs = the same with "
              "every backward GEMM torch's, torch = autograd through the unfused path.", "",
              "| model | tokens | fused | fwd+bwd ours | torch GEMMs | torch | torch/ours | bwd ours | torch GEMMs "
              "| torch | torch/ours | step floor | step ours/floor | bwd floor | bwd ours/floor [sust.] "
