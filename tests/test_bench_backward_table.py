@@ -45,3 +45,17 @@ def test_a_run_where_nothing_fits_has_no_means_rather_than_a_crash():
     lines = bb.table_md([_row("deepseek-v3", 16384, None, None, None)], "NVIDIA H100 80GB HBM3",
                         "2026-12-07 04:05 UTC", 7e14, 6e14, [])
     assert "fwd+bwd torch/ours OOM" in next(line for line in lines if line.startswith("Geometric"))
+
+
+def test_a_paths_mirrored_measurements_are_averaged_and_both_kept():
+    """_merged: a path measured twice (the mirrored order) reads the mean of its forward and step
+    times and keeps both; a measurement that ran out of memory is left out of the mean; a path that
+    never fit is None (an OOM cell)."""
+    a = ({"fwd": 100.0, "step": 300.0, "saved": 7}, "grads")
+    b = ({"fwd": 110.0, "step": 260.0, "saved": 7}, None)
+    m = bb._merged([a, b])
+    assert (m["fwd"], m["step"], m["saved"]) == (105.0, 280.0, 7) and m["runs"] == [(100.0, 300.0), (110.0, 260.0)]
+    assert bb._bwd(m) == 175.0
+    m = bb._merged([(None, None), b])
+    assert (m["fwd"], m["step"]) == (110.0, 260.0) and m["runs"] == [None, (110.0, 260.0)]
+    assert bb._merged([(None, None), (None, None)]) is None

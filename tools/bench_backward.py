@@ -8,7 +8,7 @@ the backward before templates/hopper_bwd.py) against autograd through the unfuse
 all captured in CUDA graphs and replayed.
 
     python3 tools/bench_backward.py --out DIR [--models a,b] [--tokens 4096,16384] [--replays 20] [--profile]
-                                    [--wgrad]
+                                    [--wgrad] [--once]
 
 Per point: the forward alone and forward + backward for both (backward = the difference), their
 ratio, the floor of forward + backward (3x the forward's FLOPs over the bf16 matmul rate measured
@@ -24,6 +24,10 @@ Ours runs each bucket's backward variant (its tuned pick, else variants.default_
 'backward variant' column), the compiled weight-gradient GEMMs (templates/hopper_wgrad.py) where it
 has them; --wgrad: also ours with them always and never (autograd.USE_WGRAD_KERNELS True / False),
 in the same run.
+Ours' paths are measured in mirrored order (torch GEMMs, ours[, always, never], then the same in
+reverse), each reported as the mean of its two measurements (the JSON keeps both as *_runs): at
+Qwen3-235B 16384 tokens on an H100 the same variant measured ~15% apart depending on which path ran
+just before it. --once measures each once, in order.
 A path that does not fit in the GPU's memory at a point reads OOM in its cells, the geometric means
 are taken over the points where both of their paths ran, and the run goes on.
 Writes DIR/bench_backward_<card>.{json,md} (<card>: bench.card_tag, e.g. h200).
@@ -155,9 +159,20 @@ def _mib(r, key) -> str:
     return _f(None if r[key] is None else r[key] / 2**20)
 
 
-def point(spec, M, replays, rate, gen, profile=False, wgrad=False, sustained=None):
-    """Both paths on the same inputs, one after the other (so that DeepSeek-V3's weights and
-    gradients fit beside only one path's)."""
+def _merged(results) -> dict | None:
+    """One path's measurements ((result, gradients) pairs of _path, in the run's order) as one
+    result: the mean of their forward and step times (each a median of replays), and "runs" with
+    each (fwd, step); None where none of them fit in memory."""
+    ran = [r for r, _ in results if r is not None]
+    if not ran:
+        return None
+    return {"fwd": sum(r["fwd"] for r in ran) / len(ran), "step": sum(r["step"] for r in ran) / len(ran),
+            "saved": ran[0]["saved"], "runs": [None if r is None else (r["fwd"], r["step"]) for r, _ in results]}
+
+
+def point(spec, M, replays, rate, gen, profile=False, wgrad=False, sustained=None, once=False):
+    """Every path on the same inputs, one after the other (so that DeepSeek-V3's weights and
+    gradients fit beside only one path's): ours' paths in mirrored order unless ``once``."""
     H, I, E, K = spec.hidden, spec.intermediate, spec.experts, spec.top_k
     w1 = _weights((E, 2 * I, H), H ** -0.5, gen)  # gate rows first
     w2 = _weights((E, H, I), I ** -0.5, gen).requires_grad_()
@@ -181,27 +196,42 @@ def point(spec, M, replays, rate, gen, profile=False, wgrad=False, sustained=Non
     leaves = [x, w13, w2, tw, *ours_extra]
     plan = autograd._plan(x, ids, w13, w2, spec.activation, 16, spec.bias)
     fused = plan is not None and plan[1] is not None  # the bucket's variant is not torch's data GEMMs (TORCH_DATA)
-    saved_fn = autograd._plan
-    autograd._plan = lambda *a: None  # the backward multiplying with torch's grouped GEMMs
-    try:
-        recompute, _ = _path("torch GEMMs", spec, M, ours_fwd, leaves, grad, replays, (w13, w2), profile)
-    finally:
-        autograd._plan = saved_fn
-    ours, ours_g = _path("ours", spec, M, ours_fwd, leaves, grad, replays, (w13, w2), profile)
-    forced = {}  # ours with the compiled weight gradients always (True) / never (False)
     auto_used = fused and plan[2] is not None
-    if wgrad:
-        saved_flag = autograd.USE_WGRAD_KERNELS
+
+    def measure(key, prof):
+        """One measurement of one of ours' paths: "torch GEMMs", "ours", or ours with the compiled
+        weight gradients always (True) / never (False)."""
+        saved_fn, saved_flag = autograd._plan, autograd.USE_WGRAD_KERNELS
         try:
-            for flag in (True, False):
-                autograd.USE_WGRAD_KERNELS = flag
-                p = autograd._plan(x, ids, w13, w2, spec.activation, 16, spec.bias)
-                used = p is not None and p[2] is not None
-                res, g = _path(f"ours, weight-gradient kernels {flag}", spec, M, ours_fwd, leaves, grad, replays,
-                               (w13, w2), profile)
-                forced[flag] = (used, res, g)
+            if key == "torch GEMMs":
+                autograd._plan = lambda *a: None  # the backward multiplying with torch's grouped GEMMs
+            elif key in (True, False):
+                autograd.USE_WGRAD_KERNELS = key
+            name = key if isinstance(key, str) else f"ours, weight-gradient kernels {key}"
+            return _path(name, spec, M, ours_fwd, leaves, grad, replays, (w13, w2), prof)
+        finally:
+            autograd._plan, autograd.USE_WGRAD_KERNELS = saved_fn, saved_flag
+
+    # Mirrored order (A B C D, then D C B A unless `once`), each path's two measurements merged: at
+    # Qwen3-235B 16384 tokens on an H100 one variant measured 22 ms right after torch's GEMM path
+    # and 18.8 ms right after itself (tools/results/NOTES.md, forty-second session).
+    order = ["torch GEMMs", "ours"] + ([True, False] if wgrad else [])
+    runs: dict = {}
+    for i, key in enumerate(order + ([] if once else order[::-1])):
+        res, g = measure(key, profile and i < len(order))
+        runs.setdefault(key, []).append((res, g if i < len(order) else None))  # one gradient sample per path
+    recompute, ours = _merged(runs["torch GEMMs"]), _merged(runs["ours"])
+    ours_g = runs["ours"][0][1]
+    forced = {}  # ours with the compiled weight gradients always (True) / never (False)
+    for flag in ([True, False] if wgrad else []):
+        saved_flag = autograd.USE_WGRAD_KERNELS
+        autograd.USE_WGRAD_KERNELS = flag
+        try:
+            p = autograd._plan(x, ids, w13, w2, spec.activation, 16, spec.bias)
         finally:
             autograd.USE_WGRAD_KERNELS = saved_flag
+        forced[flag] = (p is not None and p[2] is not None, _merged(runs[flag]), runs[flag][0][1])
+    runs = None
     w1 = torch.cat(split_gate_up(w13.detach()), dim=1)  # the kernels' interleave undone: gate rows first
     w13 = b13 = leaves = None  # ours' weights go before torch's path runs (leaves held w13 too)
     gc.collect()
@@ -233,13 +263,15 @@ def point(spec, M, replays, rate, gen, profile=False, wgrad=False, sustained=Non
     for key, res in (("ours", ours), ("torch", ref), ("recompute", recompute)):
         row.update({f"{key}_fwd": _get(res, "fwd"), f"{key}_step": _get(res, "step"), f"{key}_bwd": _bwd(res),
                     f"saved_bytes_{key}": _get(res, "saved")})
+        if res is not None and "runs" in res:
+            row[f"{key}_runs"] = res["runs"]
     row["step_speedup"] = _ratio(row["torch_step"], row["ours_step"])
     row["bwd_speedup"] = _ratio(row["torch_bwd"], row["ours_bwd"])
     row["wgrad_auto"] = auto_used
     for flag, (used, res, g) in forced.items():
         key = "wgrad" if flag else "nowgrad"
         row.update({f"{key}_used": used, f"{key}_step": _get(res, "step"), f"{key}_bwd": _bwd(res),
-                    f"{key}_grad_rel_diff": diffs(g)})
+                    f"{key}_grad_rel_diff": diffs(g), f"{key}_runs": _get(res, "runs")})
     return row
 
 
@@ -252,7 +284,9 @@ def table_md(rows, device: str, date: str, rate: float, sustained: float, argv) 
              "µs, medians of CUDA-graph replays; ours = fused_moe_train (pre-activations kept, the "
              "backward's compiled dH/dX where the database has them and the bucket's backward variant is not "
              "torch's data GEMMs: column 'fused'), torch GEMMs = the same with "
-             "every backward GEMM torch's, torch = autograd through the unfused path.", "",
+             "every backward GEMM torch's, torch = autograd through the unfused path. Ours' paths (ours, torch "
+             "GEMMs, --wgrad's) run in mirrored order (A B .. B A; --once: once each), each cell the mean of "
+             "its two measurements (the JSON's *_runs has both).", "",
              "| model | tokens | fused | fwd+bwd ours | torch GEMMs | torch | torch/ours | bwd ours | torch GEMMs "
              "| torch | torch/ours | step floor | step ours/floor | bwd floor | bwd ours/floor [sust.] "
              "| bwd torch/floor [sust.] | activations saved MiB ours / torch "
@@ -305,6 +339,9 @@ def main():
     ap.add_argument("--replays", type=int, default=20)
     ap.add_argument("--profile", action="store_true", help="print the kernel table of one step of each path")
     ap.add_argument("--wgrad", action="store_true", help="also ours with the compiled weight-gradient GEMMs")
+    ap.add_argument("--once", action="store_true",
+                    help="measure ours' paths once each, in order, rather than mirrored (A B .. B A, the times "
+                         "of each path's two measurements averaged)")
     ns = ap.parse_args()
     hbm_bytes_per_s()  # a GPU without a known HBM rate has no floor: refused before anything runs
     ns.out.mkdir(parents=True, exist_ok=True)
@@ -315,7 +352,7 @@ def main():
         spec = make_spec(model, target="sm_90a")
         for M in [int(t) for t in ns.tokens.split(",")]:
             t0 = time.perf_counter()
-            r = point(spec, M, ns.replays, rate, gen, ns.profile, ns.wgrad, sustained)
+            r = point(spec, M, ns.replays, rate, gen, ns.profile, ns.wgrad, sustained, ns.once)
             r["model"] = model
             rows.append(r)
             gc.collect()  # the point's graphs and tensors (closures keep some in cycles) before the next
