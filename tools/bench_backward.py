@@ -198,6 +198,8 @@ def point(spec, M, replays, rate, gen, profile=False, wgrad=False, sustained=Non
     fused = plan is not None and plan[1] is not None  # the bucket's variant is not torch's data GEMMs (TORCH_DATA)
     auto_used = fused and plan[2] is not None
 
+    used = {}  # per --wgrad flag: whether ours' plan then has the compiled weight gradients
+
     def measure(key, prof):
         """One measurement of one of ours' paths: "torch GEMMs", "ours", or ours with the compiled
         weight gradients always (True) / never (False)."""
@@ -207,6 +209,8 @@ def point(spec, M, replays, rate, gen, profile=False, wgrad=False, sustained=Non
                 autograd._plan = lambda *a: None  # the backward multiplying with torch's grouped GEMMs
             elif key in (True, False):
                 autograd.USE_WGRAD_KERNELS = key
+                p = autograd._plan(x, ids, w13, w2, spec.activation, 16, spec.bias)
+                used[key] = p is not None and p[2] is not None
             name = key if isinstance(key, str) else f"ours, weight-gradient kernels {key}"
             return _path(name, spec, M, ours_fwd, leaves, grad, replays, (w13, w2), prof)
         finally:
@@ -222,15 +226,8 @@ def point(spec, M, replays, rate, gen, profile=False, wgrad=False, sustained=Non
         runs.setdefault(key, []).append((res, g if i < len(order) else None))  # one gradient sample per path
     recompute, ours = _merged(runs["torch GEMMs"]), _merged(runs["ours"])
     ours_g = runs["ours"][0][1]
-    forced = {}  # ours with the compiled weight gradients always (True) / never (False)
-    for flag in ([True, False] if wgrad else []):
-        saved_flag = autograd.USE_WGRAD_KERNELS
-        autograd.USE_WGRAD_KERNELS = flag
-        try:
-            p = autograd._plan(x, ids, w13, w2, spec.activation, 16, spec.bias)
-        finally:
-            autograd.USE_WGRAD_KERNELS = saved_flag
-        forced[flag] = (p is not None and p[2] is not None, _merged(runs[flag]), runs[flag][0][1])
+    # ours with the compiled weight gradients always (True) / never (False)
+    forced = {flag: (used[flag], _merged(runs[flag]), runs[flag][0][1]) for flag in ([True, False] if wgrad else [])}
     runs = None
     w1 = torch.cat(split_gate_up(w13.detach()), dim=1)  # the kernels' interleave undone: gate rows first
     w13 = b13 = leaves = None  # ours' weights go before torch's path runs (leaves held w13 too)
