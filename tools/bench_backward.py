@@ -8,7 +8,7 @@ the backward before templates/hopper_bwd.py) against autograd through the unfuse
 all captured in CUDA graphs and replayed.
 
     python3 tools/bench_backward.py --out DIR [--models a,b] [--tokens 4096,16384] [--replays 20] [--profile]
-                                    [--wgrad] [--once]
+                                    [--wgrad] [--once] [--warmup S]
 
 Per point: the forward alone and forward + backward for both (backward = the difference), their
 ratio, the floor of forward + backward (3x the forward's FLOPs over the bf16 matmul rate measured
@@ -27,7 +27,9 @@ in the same run.
 Ours' paths are measured in mirrored order (torch GEMMs, ours[, always, never], then the same in
 reverse), each reported as the mean of its two measurements (the JSON keeps both as *_runs): at
 Qwen3-235B 16384 tokens on an H100 the same variant measured ~15% apart depending on which path ran
-just before it. --once measures each once, in order.
+just before it. --once measures each once, in order. --warmup S replays each path's graphs untimed for
+S seconds before timing them; the SM clock, power and throttle reasons during each timed step are
+printed and kept in the JSON (*_states).
 A path that does not fit in the GPU's memory at a point reads OOM in its cells, the geometric means
 are taken over the points where both of their paths ran, and the run goes on.
 Writes DIR/bench_backward_<card>.{json,md} (<card>: bench.card_tag, e.g. h200).
@@ -38,6 +40,7 @@ import argparse
 import gc
 import json
 import math
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -48,6 +51,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 from bench import SUSTAINED_MATMUL_S, card_tag, floor_us, graph_time_us, hbm_bytes_per_s, matmul_rate, torch_unfused  # noqa: E402
 
+from moe_aot.harness.gpustate import Nvml  # noqa: E402
+from moe_aot.harness.measure import timed_graphs  # noqa: E402
 from moe_aot.harness.reference import glu_fn, rel_err  # noqa: E402
 from moe_aot.harness.verify import random_routing  # noqa: E402
 from moe_aot.integrations import autograd, op  # noqa: E402, F401
@@ -70,6 +75,9 @@ def saved_bytes(fn, weights=()) -> int:
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         fn()
     return sum(n for ptr, n in seen.items() if ptr not in skip)
+
+
+TIMING = {"warmup_s": 0.0, "nvml": None}  # main() sets them: --warmup, and the GPU's NVML reader (None: no readings)
 
 
 def _path(name, spec, M, fwd, leaves, grad, replays, weights, profile):
@@ -107,10 +115,15 @@ def _measure_path(name, spec, M, fwd, leaves, grad, replays, weights, profile):
               + p.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70),
               flush=True)
     with torch.no_grad():
-        t_fwd = graph_time_us([fwd], replays)
-    t_step = graph_time_us([step], replays)
+        t_fwd = graph_time_us([fwd], replays, TIMING["warmup_s"])
+    times, state = timed_graphs([step], replays, TIMING["warmup_s"], TIMING["nvml"])
     torch.cuda.empty_cache()
-    return {"fwd": t_fwd, "step": t_step, "saved": saved_bytes(fwd, weights)}, sample
+    # state: the SM clock, power and throttle reasons during the step's timed replays ({} without NVML)
+    print(f"  {name}, {spec.workload_key} {M} tokens: fwd {t_fwd:.1f} step {statistics.median(times):.1f} us, "
+          f"SM {state.get('sm_mhz', '-')} MHz (min {state.get('sm_mhz_min', '-')}), {state.get('power_w', '-')} W, "
+          f"{','.join(state.get('reasons', [])) or '-'}", flush=True)
+    return {"fwd": t_fwd, "step": statistics.median(times), "saved": saved_bytes(fwd, weights),
+            "step_state": state}, sample
 
 
 def _weights(shape, scale, gen):
@@ -167,7 +180,8 @@ def _merged(results) -> dict | None:
     if not ran:
         return None
     return {"fwd": sum(r["fwd"] for r in ran) / len(ran), "step": sum(r["step"] for r in ran) / len(ran),
-            "saved": ran[0]["saved"], "runs": [None if r is None else (r["fwd"], r["step"]) for r, _ in results]}
+            "saved": ran[0]["saved"], "runs": [None if r is None else (r["fwd"], r["step"]) for r, _ in results],
+            "states": [None if r is None else r.get("step_state") for r, _ in results]}
 
 
 def point(spec, M, replays, rate, gen, profile=False, wgrad=False, sustained=None, once=False):
@@ -262,13 +276,17 @@ def point(spec, M, replays, rate, gen, profile=False, wgrad=False, sustained=Non
                     f"saved_bytes_{key}": _get(res, "saved")})
         if res is not None and "runs" in res:
             row[f"{key}_runs"] = res["runs"]
+            row[f"{key}_states"] = res["states"]
+        elif res is not None:
+            row[f"{key}_states"] = [res.get("step_state")]
     row["step_speedup"] = _ratio(row["torch_step"], row["ours_step"])
     row["bwd_speedup"] = _ratio(row["torch_bwd"], row["ours_bwd"])
     row["wgrad_auto"] = auto_used
     for flag, (used, res, g) in forced.items():
         key = "wgrad" if flag else "nowgrad"
         row.update({f"{key}_used": used, f"{key}_step": _get(res, "step"), f"{key}_bwd": _bwd(res),
-                    f"{key}_grad_rel_diff": diffs(g), f"{key}_runs": _get(res, "runs")})
+                    f"{key}_grad_rel_diff": diffs(g), f"{key}_runs": _get(res, "runs"),
+                    f"{key}_states": _get(res, "states")})
     return row
 
 
@@ -339,7 +357,13 @@ def main():
     ap.add_argument("--once", action="store_true",
                     help="measure ours' paths once each, in order, rather than mirrored (A B .. B A, the times "
                          "of each path's two measurements averaged)")
+    ap.add_argument("--warmup", type=float, default=0.0,
+                    help="seconds of untimed replays of each path's graphs before they are timed (the clocks settle "
+                         "after a change of load); the step's SM clock and power during its timing are in the JSON "
+                         "(*_states) either way")
     ns = ap.parse_args()
+    TIMING["warmup_s"] = ns.warmup
+    TIMING["nvml"] = Nvml.of_torch_device(torch.cuda.current_device())
     hbm_bytes_per_s()  # a GPU without a known HBM rate has no floor: refused before anything runs
     ns.out.mkdir(parents=True, exist_ok=True)
     rate = matmul_rate()[0]
