@@ -193,6 +193,33 @@ def test_forward_refuses_a_workspace_too_small(small_db):
         layer.forward(*args, workspace=ws)
 
 
+def test_release_workspaces_frees_every_cached_layers_buffers(small_db, monkeypatch):
+    """release_workspaces drops each cached layer's workspace (and the plans pointing into it):
+    its buffers are freed, their bytes reported, and the next call allocates again."""
+    import gc
+    import weakref
+
+    from moe_aot.runtime import layer as rt
+
+    url, spec = small_db
+    layers = [MoeLayer(spec, KernelStore(url), device=torch.device("cpu"), variants={}) for _ in range(2)]
+    monkeypatch.setattr(rt, "_LAYERS", {("a",): layers[0], ("b",): layers[1], ("c",): MoeLayer(
+        spec, KernelStore(url), device=torch.device("cpu"), variants={})})  # one never called: nothing to drop
+    held = []
+    for layer, tokens in zip(layers, (300, 7)):
+        ws = layer.workspace(tokens)
+        layer._plans[("stale",)] = (ws,)  # a plan pointing into the workspace keeps it alive unless dropped
+        bufs = [t for t in vars(ws).values() if isinstance(t, torch.Tensor)]
+        held.append((sum(t.untyped_storage().nbytes() for t in bufs), [weakref.ref(t) for t in bufs]))
+    del ws, bufs
+    assert rt.release_workspaces() == sum(n for n, _ in held) > 0
+    gc.collect()
+    assert all(r() is None for _, refs in held for r in refs), "a released workspace's buffer is still alive"
+    assert all(la._workspace is None and not la._plans and la._last is None for la in layers)
+    assert rt.release_workspaces() == 0  # nothing left to release
+    assert layers[0].workspace(16).max_tokens == 16  # allocated again, for the new size
+
+
 def test_bound_launch_swaps_only_data_pointers():
     import ctypes
 

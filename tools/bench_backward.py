@@ -7,7 +7,7 @@ the backward before templates/hopper_bwd.py) against autograd through the unfuse
 (tools/bench.py's torch_unfused: torch._grouped_mm GEMMs, SiLU·up, index_add_),
 all captured in CUDA graphs and replayed.
 
-    python3 tools/bench_backward.py --out DIR [--models a,b] [--tokens 4096,16384] [--replays 20] [--profile]
+    python3 tools/bench_backward.py --out DIR [--models a,b] [--tokens 4096,16384] [--replays 30] [--profile]
                                     [--wgrad] [--once] [--warmup S]
 
 Per point: the forward alone and forward + backward for both (backward = the difference), their
@@ -25,11 +25,13 @@ Ours runs each bucket's backward variant (its tuned pick, else variants.default_
 has them; --wgrad: also ours with them always and never (autograd.USE_WGRAD_KERNELS True / False),
 in the same run.
 Ours' paths are measured in mirrored order (torch GEMMs, ours[, always, never], then the same in
-reverse), each reported as the mean of its two measurements (the JSON keeps both as *_runs): at
-Qwen3-235B 16384 tokens on an H100 the same variant measured ~15% apart depending on which path ran
-just before it. --once measures each once, in order. --warmup S replays each path's graphs untimed for
-S seconds before timing them; the SM clock, power and throttle reasons during each timed step are
-printed and kept in the JSON (*_states).
+reverse), each reported as the mean of its two measurements (the JSON keeps both as *_runs;
+--once: each once, in order). Each timing replays its graphs untimed for --warmup seconds (default
+1) and then times --replays replays (default 30): at Qwen3-235B 16384 tokens on an H100, 10
+replays without a warm-up put the same variant's backward 19-24 ms apart by its position in the
+run; with these defaults every step measurement fell within +-1.5% (tools/results/NOTES.md,
+forty-third session). The SM clock, power and throttle reasons during each timing are printed and
+kept in the JSON (*_states). The cached layers' workspaces are released between points.
 A path that does not fit in the GPU's memory at a point reads OOM in its cells, the geometric means
 are taken over the points where both of their paths ran, and the run goes on.
 Writes DIR/bench_backward_<card>.{json,md} (<card>: bench.card_tag, e.g. h200).
@@ -49,7 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-from bench import SUSTAINED_MATMUL_S, card_tag, floor_us, graph_time_us, hbm_bytes_per_s, matmul_rate, torch_unfused  # noqa: E402
+from bench import SUSTAINED_MATMUL_S, card_tag, floor_us, hbm_bytes_per_s, matmul_rate, torch_unfused  # noqa: E402
 
 from moe_aot.harness.gpustate import Nvml  # noqa: E402
 from moe_aot.harness.measure import timed_graphs  # noqa: E402
@@ -58,6 +60,7 @@ from moe_aot.harness.verify import random_routing  # noqa: E402
 from moe_aot.integrations import autograd, op  # noqa: E402, F401
 from moe_aot.integrations.functional import prepare_fused_bias, prepare_fused_gate_up  # noqa: E402
 from moe_aot.layout import split_gate_up  # noqa: E402
+from moe_aot.runtime.layer import release_workspaces  # noqa: E402
 from moe_aot.spec import make_spec  # noqa: E402
 
 DEV = torch.device("cuda")
@@ -115,15 +118,21 @@ def _measure_path(name, spec, M, fwd, leaves, grad, replays, weights, profile):
               + p.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70),
               flush=True)
     with torch.no_grad():
-        t_fwd = graph_time_us([fwd], replays, TIMING["warmup_s"])
+        f_times, f_state = timed_graphs([fwd], replays, TIMING["warmup_s"], TIMING["nvml"])
     times, state = timed_graphs([step], replays, TIMING["warmup_s"], TIMING["nvml"])
     torch.cuda.empty_cache()
-    # state: the SM clock, power and throttle reasons during the step's timed replays ({} without NVML)
-    print(f"  {name}, {spec.workload_key} {M} tokens: fwd {t_fwd:.1f} step {statistics.median(times):.1f} us, "
-          f"SM {state.get('sm_mhz', '-')} MHz (min {state.get('sm_mhz_min', '-')}), {state.get('power_w', '-')} W, "
-          f"{','.join(state.get('reasons', [])) or '-'}", flush=True)
-    return {"fwd": t_fwd, "step": statistics.median(times), "saved": saved_bytes(fwd, weights),
-            "step_state": state}, sample
+    t_fwd, t_step = statistics.median(f_times), statistics.median(times)
+    # states: the SM clock, power and throttle reasons during the timed replays ({} without NVML)
+    print(f"  {name}, {spec.workload_key} {M} tokens: fwd {t_fwd:.1f} us at {_state(f_state)}; "
+          f"step {t_step:.1f} us at {_state(state)}", flush=True)
+    return {"fwd": t_fwd, "step": t_step, "saved": saved_bytes(fwd, weights), "step_state": state,
+            "fwd_state": f_state}, sample
+
+
+def _state(st: dict) -> str:
+    """A timing's GPU state in a log line: SM clock (median / min), power, throttle reasons."""
+    return (f"{st.get('sm_mhz', '-')} / {st.get('sm_mhz_min', '-')} MHz, {st.get('power_w', '-')} W, "
+            f"{','.join(st.get('reasons', [])) or '-'}")
 
 
 def _weights(shape, scale, gen):
@@ -181,7 +190,8 @@ def _merged(results) -> dict | None:
         return None
     return {"fwd": sum(r["fwd"] for r in ran) / len(ran), "step": sum(r["step"] for r in ran) / len(ran),
             "saved": ran[0]["saved"], "runs": [None if r is None else (r["fwd"], r["step"]) for r, _ in results],
-            "states": [None if r is None else r.get("step_state") for r, _ in results]}
+            "states": [None if r is None else {"fwd": r.get("fwd_state"), "step": r.get("step_state")}
+                       for r, _ in results]}
 
 
 def point(spec, M, replays, rate, gen, profile=False, wgrad=False, sustained=None, once=False):
@@ -278,7 +288,7 @@ def point(spec, M, replays, rate, gen, profile=False, wgrad=False, sustained=Non
             row[f"{key}_runs"] = res["runs"]
             row[f"{key}_states"] = res["states"]
         elif res is not None:
-            row[f"{key}_states"] = [res.get("step_state")]
+            row[f"{key}_states"] = [{"fwd": res.get("fwd_state"), "step": res.get("step_state")}]
     row["step_speedup"] = _ratio(row["torch_step"], row["ours_step"])
     row["bwd_speedup"] = _ratio(row["torch_bwd"], row["ours_bwd"])
     row["wgrad_auto"] = auto_used
@@ -296,7 +306,8 @@ def table_md(rows, device: str, date: str, rate: float, sustained: float, argv) 
     lines = [f"# Training step of the fused MoE layer on {device} ({date})", "",
              f"Command: `python3 tools/bench_backward.py {' '.join(argv)}`; bf16 matmul rate {rate / 1e12:.0f} "
              f"TFLOP/s, {sustained / 1e12:.0f} after {SUSTAINED_MATMUL_S:.0f} s of matmuls (`sust.`). "
-             "µs, medians of CUDA-graph replays; ours = fused_moe_train (pre-activations kept, the "
+             f"µs, medians of CUDA-graph replays (after {TIMING['warmup_s']:g} s of untimed ones); "
+             "ours = fused_moe_train (pre-activations kept, the "
              "backward's compiled dH/dX where the database has them and the bucket's backward variant is not "
              "torch's data GEMMs: column 'fused'), torch GEMMs = the same with "
              "every backward GEMM torch's, torch = autograd through the unfused path. Ours' paths (ours, torch "
@@ -351,13 +362,13 @@ def main():
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--models", default="qwen3-30b-a3b,qwen3-235b-a22b,gpt-oss-120b,deepseek-v3,mixtral-8x7b")
     ap.add_argument("--tokens", default="4096,16384")
-    ap.add_argument("--replays", type=int, default=20)
+    ap.add_argument("--replays", type=int, default=30)
     ap.add_argument("--profile", action="store_true", help="print the kernel table of one step of each path")
     ap.add_argument("--wgrad", action="store_true", help="also ours with the compiled weight-gradient GEMMs")
     ap.add_argument("--once", action="store_true",
                     help="measure ours' paths once each, in order, rather than mirrored (A B .. B A, the times "
                          "of each path's two measurements averaged)")
-    ap.add_argument("--warmup", type=float, default=0.0,
+    ap.add_argument("--warmup", type=float, default=1.0,
                     help="seconds of untimed replays of each path's graphs before they are timed (the clocks settle "
                          "after a change of load); the step's SM clock and power during its timing are in the JSON "
                          "(*_states) either way")
@@ -376,7 +387,11 @@ def main():
             r = point(spec, M, ns.replays, rate, gen, ns.profile, ns.wgrad, sustained, ns.once)
             r["model"] = model
             rows.append(r)
-            gc.collect()  # the point's graphs and tensors (closures keep some in cycles) before the next
+            # the point's graphs and tensors (closures keep some in cycles), and the cached layers'
+            # workspaces (GBs each at 16384 tokens: DeepSeek-V3 did not fit on an 80 GB H100 after
+            # three other models' points), before the next point
+            release_workspaces()
+            gc.collect()
             torch.cuda.empty_cache()
             print(f"{model:16s} {M:6d} step ours {_f(r['ours_step'], '9.1f')} torch-GEMMs "
                   f"{_f(r['recompute_step'], '9.1f')} torch {_f(r['torch_step'], '9.1f')} "

@@ -290,6 +290,20 @@ class MoeLayer:
             self._last = None
         return ws
 
+    def release_workspace(self) -> int:
+        """Drop this layer's workspace and the plans that point into it, so that its GPU memory
+        can go back to the allocator (the next call allocates one again, for its own size).
+        Returns the bytes the workspace's buffers held."""
+        ws, self._workspace = self._workspace, None
+        self._plans.clear()
+        self._fast.clear()
+        self._last = None
+        if ws is None:
+            return 0
+        bufs = [t for t in vars(ws).values() if isinstance(t, torch.Tensor)]
+        bufs += [t for pair in (ws.decode or {}).values() for t in pair]
+        return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in bufs}.values())
+
     # -- checks --------------------------------------------------------------------------------
     def check_inputs(self, x, w13, w2, topk_weights, topk_ids, out, b13=None, b2=None) -> None:
         """Raise KernelArgumentError naming the first bad input (weights as forward takes them;
@@ -855,6 +869,15 @@ def moe_forward(x, w13_prepared, w2, topk_weights, topk_ids, out=None, workspace
     E, I2, H = shape or w13.shape
     layer = _layer_for(E, topk_ids.shape[1], H, I2 // 2, activation, precision, bias, x.device, store, target)
     return layer.forward(x, w13_prepared, w2, topk_weights, topk_ids, out, workspace)
+
+
+def release_workspaces() -> int:
+    """Drop the workspaces of every layer the process has cached (moe_forward, the torch op, the
+    autograd function): at 16384 tokens each holds GB of buffers sized for the largest call so
+    far, which stay allocated between calls. Call torch.cuda.empty_cache() after it to hand the
+    memory back to the driver. Returns the bytes released; the layers and their loaded kernels
+    stay, and the next call at a size allocates that size's workspace again."""
+    return sum(layer.release_workspace() for layer in _LAYERS.values())
 
 
 def _layer_for(experts, top_k, hidden, intermediate, activation, precision, bias, device, store,
