@@ -26,12 +26,14 @@ has them; --wgrad: also ours with them always and never (autograd.USE_WGRAD_KERN
 in the same run.
 Ours' paths are measured in mirrored order (torch GEMMs, ours[, always, never], then the same in
 reverse), each reported as the mean of its two measurements (the JSON keeps both as *_runs;
---once: each once, in order). Each timing replays its graphs untimed for --warmup seconds (default
-1) and then times --replays replays (default 30): at Qwen3-235B 16384 tokens on an H100, 10
-replays without a warm-up put the same variant's backward 19-24 ms apart by its position in the
-run; with these defaults every step measurement fell within +-1.5% (tools/results/NOTES.md,
-forty-third session). The SM clock, power and throttle reasons during each timing are printed and
-kept in the JSON (*_states). The cached layers' workspaces are released between points.
+--once: each once, in order). A path's forward and step graphs are replayed in turn, untimed for
+--warmup seconds (default 1), then --replays times each (default 30), so that the backward (their
+difference) is taken at one clock: at Qwen3-235B 16384 tokens on an H100, 10 replays of each alone
+without a warm-up put the same variant's backward 19-24 ms apart by its position in the run; with
+a warm-up and 30 replays every step measurement fell within +-1.5%, but the forward timed alone
+still moved by up to 16% (tools/results/NOTES.md, forty-third session). The SM clock, power and
+throttle reasons during each timing are printed and kept in the JSON (*_states). The cached layers'
+workspaces are released between points.
 A path that does not fit in the GPU's memory at a point reads OOM in its cells, the geometric means
 are taken over the points where both of their paths ran, and the run goes on.
 Writes DIR/bench_backward_<card>.{json,md} (<card>: bench.card_tag, e.g. h200).
@@ -117,16 +119,20 @@ def _measure_path(name, spec, M, fwd, leaves, grad, replays, weights, profile):
         print(f"--- {name} step, {spec.workload_key} {M} tokens ---\n"
               + p.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70),
               flush=True)
-    with torch.no_grad():
-        f_times, f_state = timed_graphs([fwd], replays, TIMING["warmup_s"], TIMING["nvml"])
-    times, state = timed_graphs([step], replays, TIMING["warmup_s"], TIMING["nvml"])
+    def fwd_alone():
+        with torch.no_grad():
+            return fwd()
+
+    # The forward's and the step's graphs replayed in turn (forward, step, forward, ...), so that both
+    # are timed at the same clocks: the backward is their difference, and the forward timed on its own
+    # before the step moved by up to 16% between measurements at one clock (forty-third session).
+    times, state = timed_graphs([fwd_alone, step], 2 * replays, TIMING["warmup_s"], TIMING["nvml"])
     torch.cuda.empty_cache()
-    t_fwd, t_step = statistics.median(f_times), statistics.median(times)
-    # states: the SM clock, power and throttle reasons during the timed replays ({} without NVML)
-    print(f"  {name}, {spec.workload_key} {M} tokens: fwd {t_fwd:.1f} us at {_state(f_state)}; "
-          f"step {t_step:.1f} us at {_state(state)}", flush=True)
-    return {"fwd": t_fwd, "step": t_step, "saved": saved_bytes(fwd, weights), "step_state": state,
-            "fwd_state": f_state}, sample
+    t_fwd, t_step = statistics.median(times[0::2]), statistics.median(times[1::2])
+    # state: the SM clock, power and throttle reasons during the timed replays ({} without NVML)
+    print(f"  {name}, {spec.workload_key} {M} tokens: fwd {t_fwd:.1f} step {t_step:.1f} us at {_state(state)}",
+          flush=True)
+    return {"fwd": t_fwd, "step": t_step, "saved": saved_bytes(fwd, weights), "state": state}, sample
 
 
 def _state(st: dict) -> str:
@@ -190,8 +196,7 @@ def _merged(results) -> dict | None:
         return None
     return {"fwd": sum(r["fwd"] for r in ran) / len(ran), "step": sum(r["step"] for r in ran) / len(ran),
             "saved": ran[0]["saved"], "runs": [None if r is None else (r["fwd"], r["step"]) for r, _ in results],
-            "states": [None if r is None else {"fwd": r.get("fwd_state"), "step": r.get("step_state")}
-                       for r, _ in results]}
+            "states": [None if r is None else r.get("state") for r, _ in results]}
 
 
 def point(spec, M, replays, rate, gen, profile=False, wgrad=False, sustained=None, once=False):
@@ -288,7 +293,7 @@ def point(spec, M, replays, rate, gen, profile=False, wgrad=False, sustained=Non
             row[f"{key}_runs"] = res["runs"]
             row[f"{key}_states"] = res["states"]
         elif res is not None:
-            row[f"{key}_states"] = [{"fwd": res.get("fwd_state"), "step": res.get("step_state")}]
+            row[f"{key}_states"] = [res.get("state")]
     row["step_speedup"] = _ratio(row["torch_step"], row["ours_step"])
     row["bwd_speedup"] = _ratio(row["torch_bwd"], row["ours_bwd"])
     row["wgrad_auto"] = auto_used
@@ -390,9 +395,12 @@ def main():
             # the point's graphs and tensors (closures keep some in cycles), and the cached layers'
             # workspaces (GBs each at 16384 tokens: DeepSeek-V3 did not fit on an 80 GB H100 after
             # three other models' points), before the next point
-            release_workspaces()
+            released = release_workspaces()
             gc.collect()
             torch.cuda.empty_cache()
+            print(f"{'':16s} {'':6s} after the point: {released / 2**30:.1f} GiB of workspaces released; "
+                  f"{torch.cuda.memory_allocated() / 2**30:.1f} GiB allocated, "
+                  f"{torch.cuda.memory_reserved() / 2**30:.1f} GiB reserved", flush=True)
             print(f"{model:16s} {M:6d} step ours {_f(r['ours_step'], '9.1f')} torch-GEMMs "
                   f"{_f(r['recompute_step'], '9.1f')} torch {_f(r['torch_step'], '9.1f')} "
                   f"({_f(r['step_speedup'], '.2f')}x)  bwd ours {_f(r['ours_bwd'], '9.1f')} recompute "

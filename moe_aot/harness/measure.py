@@ -27,7 +27,7 @@ def capture_graph(fn) -> torch.cuda.CUDAGraph:
     DeepSeek-V3 backward's gradients are 21 GiB per input set, which an 80 GB card cannot hold
     three times beside the weights)."""
     torch.cuda.empty_cache()
-    side = torch.cuda.Stream()
+    side = _side_stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         fn()
@@ -37,6 +37,19 @@ def capture_graph(fn) -> torch.cuda.CUDAGraph:
     with torch.cuda.graph(g):
         fn()
     return g
+
+
+_SIDE: dict[int, torch.cuda.Stream] = {}
+
+
+def _side_stream() -> torch.cuda.Stream:
+    """One side stream per device for every capture's first call: torch keeps a cuBLAS workspace
+    for each (handle, stream) pair that ran a cuBLAS call, for the life of the process, so a new
+    stream per capture would leave one behind each time a captured function calls cuBLAS."""
+    dev = torch.cuda.current_device()
+    if dev not in _SIDE:
+        _SIDE[dev] = torch.cuda.Stream(dev)
+    return _SIDE[dev]
 
 
 def graph_times_us(fns, replays: int, warmup_s: float = 0.0) -> list[float]:
