@@ -59,3 +59,24 @@ def test_a_paths_mirrored_measurements_are_averaged_and_both_kept():
     m = bb._merged([(None, None), b])
     assert (m["fwd"], m["step"]) == (110.0, 260.0) and m["runs"] == [None, (110.0, 260.0)]
     assert bb._merged([(None, None), (None, None)]) is None
+
+
+def test_saved_bytes_leaves_no_reference_cycle():
+    """saved_bytes counts what autograd saves without keeping it: a node that saves its own output
+    (sigmoid) must not hold that output alive after the forward's result is dropped."""
+    import gc
+    import weakref
+
+    import torch
+
+    x = torch.randn(100, 100, requires_grad=True)
+    kept = []
+
+    def fwd():
+        y = torch.sigmoid(x.float() * 2)
+        kept.append(weakref.ref(y))
+        return y.sum()
+
+    assert bb.saved_bytes(fwd, weights=(x,)) == 100 * 100 * 4  # sigmoid's output; x (a weight) not counted
+    gc.collect()
+    assert kept[0]() is None, "the forward's output outlived saved_bytes"

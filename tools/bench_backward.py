@@ -76,7 +76,10 @@ def saved_bytes(fn, weights=()) -> int:
 
     def pack(t):
         seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
+        # detached: a node saving its own output (sigmoid's) would otherwise hold that tensor, whose
+        # grad_fn is the node, in a cycle through C++ that Python's gc cannot break; the forward's
+        # tensors then outlived their point (GiBs a point on an H100, forty-third session)
+        return t.detach()
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         fn()
     return sum(n for ptr, n in seen.items() if ptr not in skip)
@@ -133,6 +136,24 @@ def _measure_path(name, spec, M, fwd, leaves, grad, replays, weights, profile):
     print(f"  {name}, {spec.workload_key} {M} tokens: fwd {t_fwd:.1f} step {t_step:.1f} us at {_state(state)}",
           flush=True)
     return {"fwd": t_fwd, "step": t_step, "saved": saved_bytes(fwd, weights), "state": state}, sample
+
+
+def _live_tensors(min_bytes: int = 2**28) -> list[str]:
+    """The CUDA tensors of at least min_bytes that are still alive, each with its autograd node and
+    what refers to it from Python (a tensor that only the gc's own list reaches is held from C++:
+    an autograd node, a cycle through one): what kept memory after a point."""
+    out = []
+    for o in gc.get_objects():
+        try:
+            big = isinstance(o, torch.Tensor) and o.is_cuda and o.untyped_storage().nbytes() >= min_bytes
+        except Exception:  # noqa: BLE001 (objects gc holds may be half-built; they are skipped)
+            continue
+        if big:
+            refs = [type(r).__name__ + (f":{r.f_code.co_name}" if hasattr(r, "f_code") else "")
+                    for r in gc.get_referrers(o)]
+            out.append(f"{tuple(o.shape)} {o.dtype} {o.untyped_storage().nbytes() / 2**30:.2f} GiB, grad_fn "
+                       f"{type(o.grad_fn).__name__ if o.grad_fn else None}; referrers: {', '.join(refs[:5])}")
+    return out
 
 
 def _state(st: dict) -> str:
@@ -401,6 +422,9 @@ def main():
             print(f"{'':16s} {'':6s} after the point: {released / 2**30:.1f} GiB of workspaces released; "
                   f"{torch.cuda.memory_allocated() / 2**30:.1f} GiB allocated, "
                   f"{torch.cuda.memory_reserved() / 2**30:.1f} GiB reserved", flush=True)
+            if torch.cuda.memory_allocated() >= 2**30:  # what still holds memory after the point
+                for line in _live_tensors():
+                    print(f"{'':16s} {'':6s}   live: {line}", flush=True)
             print(f"{model:16s} {M:6d} step ours {_f(r['ours_step'], '9.1f')} torch-GEMMs "
                   f"{_f(r['recompute_step'], '9.1f')} torch {_f(r['torch_step'], '9.1f')} "
                   f"({_f(r['step_speedup'], '.2f')}x)  bwd ours {_f(r['ours_bwd'], '9.1f')} recompute "
