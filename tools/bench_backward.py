@@ -396,7 +396,7 @@ def main():
                          "of each path's two measurements averaged)")
     ap.add_argument("--warmup", type=float, default=1.0,
                     help="seconds of untimed replays of each path's graphs before they are timed (the clocks settle "
-                         "after a change of load); the step's SM clock and power during its timing are in the JSON "
+                         "after a change of load); the SM clock and power during each timing are in the JSON "
                          "(*_states) either way")
     ns = ap.parse_args()
     TIMING["warmup_s"] = ns.warmup
@@ -414,17 +414,10 @@ def main():
             r["model"] = model
             rows.append(r)
             # the point's graphs and tensors (closures keep some in cycles), and the cached layers'
-            # workspaces (GBs each at 16384 tokens: DeepSeek-V3 did not fit on an 80 GB H100 after
-            # three other models' points), before the next point
+            # workspaces (GBs each at 16384 tokens), before the next point
             released = release_workspaces()
             gc.collect()
             torch.cuda.empty_cache()
-            print(f"{'':16s} {'':6s} after the point: {released / 2**30:.1f} GiB of workspaces released; "
-                  f"{torch.cuda.memory_allocated() / 2**30:.1f} GiB allocated, "
-                  f"{torch.cuda.memory_reserved() / 2**30:.1f} GiB reserved", flush=True)
-            if torch.cuda.memory_allocated() >= 2**30:  # what still holds memory after the point
-                for line in _live_tensors():
-                    print(f"{'':16s} {'':6s}   live: {line}", flush=True)
             print(f"{model:16s} {M:6d} step ours {_f(r['ours_step'], '9.1f')} torch-GEMMs "
                   f"{_f(r['recompute_step'], '9.1f')} torch {_f(r['torch_step'], '9.1f')} "
                   f"({_f(r['step_speedup'], '.2f')}x)  bwd ours {_f(r['ours_bwd'], '9.1f')} recompute "
@@ -440,7 +433,12 @@ def main():
                       f"{_f(r['nowgrad_step'], '9.1f')} bwd {_f(r['nowgrad_bwd'], '9.1f')} "
                       f"({_per(r, 'torch_bwd', 'nowgrad_bwd')}x) "
                       f"diff {_f(_max_diff(r['wgrad_grad_rel_diff']), '.1e')}", flush=True)
-            torch.cuda.empty_cache()
+            print(f"{'':16s} {'':6s} after the point: {released / 2**30:.1f} GiB of workspaces released; "
+                  f"{torch.cuda.memory_allocated() / 2**30:.1f} GiB allocated, "
+                  f"{torch.cuda.memory_reserved() / 2**30:.1f} GiB reserved", flush=True)
+            if torch.cuda.memory_allocated() >= 2**30:  # what still holds memory after the point
+                for line in _live_tensors():
+                    print(f"{'':16s} {'':6s}   live: {line}", flush=True)
             (ns.out / f"bench_backward_{card_tag()}.json").write_text(json.dumps(
                 {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "device": torch.cuda.get_device_name(),
                  "matmul_tflops": rate / 1e12, "matmul_sustained_tflops": sustained / 1e12,
