@@ -31,7 +31,9 @@ reverse), each reported as the mean of its two measurements (the JSON keeps both
 difference) is taken at one clock: at Qwen3-235B 16384 tokens on an H100, 10 replays of each alone
 without a warm-up put the same variant's backward 19-24 ms apart by its position in the run; with
 a warm-up and 30 replays every step measurement fell within +-1.5%, but the forward timed alone
-still moved by up to 16% (tools/results/NOTES.md, forty-third session). The SM clock, power and
+still moved by up to 16% (tools/results/NOTES.md, forty-third session); where the two graphs do not
+fit in memory side by side (torch's unfused path at DeepSeek-V3 16384 tokens on an H100) each is
+timed alone, and the timing's state says `apart`. The SM clock, power and
 throttle reasons during each timing are printed and kept in the JSON (*_states). The cached layers'
 workspaces are released between points.
 A path that does not fit in the GPU's memory at a point reads OOM in its cells, the geometric means
@@ -129,7 +131,18 @@ def _measure_path(name, spec, M, fwd, leaves, grad, replays, weights, profile):
     # The forward's and the step's graphs replayed in turn (forward, step, forward, ...), so that both
     # are timed at the same clocks: the backward is their difference, and the forward timed on its own
     # before the step moved by up to 16% between measurements at one clock (forty-third session).
-    times, state = timed_graphs([fwd_alone, step], 2 * replays, TIMING["warmup_s"], TIMING["nvml"])
+    try:
+        times, state = timed_graphs([fwd_alone, step], 2 * replays, TIMING["warmup_s"], TIMING["nvml"])
+        apart = False
+    except torch.OutOfMemoryError:
+        apart = True  # the two graphs' pools do not fit side by side: time each alone (below, outside the handler)
+    if apart:
+        gc.collect()
+        torch.cuda.empty_cache()
+        f_times = timed_graphs([fwd_alone], replays, TIMING["warmup_s"])[0]
+        s_times, state = timed_graphs([step], replays, TIMING["warmup_s"], TIMING["nvml"])
+        times = [t for pair in zip(f_times, s_times) for t in pair]
+        state = {**state, "apart": True}
     torch.cuda.empty_cache()
     t_fwd, t_step = statistics.median(times[0::2]), statistics.median(times[1::2])
     # state: the SM clock, power and throttle reasons during the timed replays ({} without NVML)
@@ -159,7 +172,7 @@ def _live_tensors(min_bytes: int = 2**28) -> list[str]:
 def _state(st: dict) -> str:
     """A timing's GPU state in a log line: SM clock (median / min), power, throttle reasons."""
     return (f"{st.get('sm_mhz', '-')} / {st.get('sm_mhz_min', '-')} MHz, {st.get('power_w', '-')} W, "
-            f"{','.join(st.get('reasons', [])) or '-'}")
+            f"{','.join(st.get('reasons', [])) or '-'}" + ("; forward and step timed apart" if st.get("apart") else ""))
 
 
 def _weights(shape, scale, gen):
