@@ -80,3 +80,18 @@ def test_saved_bytes_leaves_no_reference_cycle():
     assert bb.saved_bytes(fwd, weights=(x,)) == 100 * 100 * 4  # sigmoid's output; x (a weight) not counted
     gc.collect()
     assert kept[0]() is None, "the forward's output outlived saved_bytes"
+
+
+def test_a_path_timed_apart_is_named_under_the_table():
+    """A path whose forward and step were timed apart (their graphs did not fit side by side) is
+    named below the table; a run where every path was interleaved has no such line."""
+    rows = [_row("a", 4096, (100.0, 300.0), (100.0, 350.0), (150.0, 750.0)),
+            _row("deepseek-v3", 16384, (100.0, 900.0), (100.0, 950.0), (150.0, 1150.0))]
+    rows[1]["torch_states"] = [{"sm_mhz": 1590.0, "apart": True}]
+    rows[1]["ours_states"] = [{"sm_mhz": 1350.0}, {"sm_mhz": 1380.0}]
+    lines = bb.table_md(rows, "NVIDIA H100 80GB HBM3", "2026-12-07 10:11 UTC", 7e14, 6e14, [])
+    [note] = [line for line in lines if line.startswith("Forward and step timed apart")]
+    assert note.endswith(": deepseek-v3 16384 torch.")
+    rows[1]["torch_states"] = [{"sm_mhz": 1590.0}]
+    assert not any(line.startswith("Forward and step timed apart")
+                   for line in bb.table_md(rows, "H100", "2026-12-07", 7e14, 6e14, []))

@@ -368,6 +368,13 @@ def table_md(rows, device: str, date: str, rate: float, sustained: float, argv) 
                      f"{_mib(r, 'saved_bytes_ours')} / {_mib(r, 'saved_bytes_torch')} | "
                      f"{_f(_max_diff(r['grad_rel_diff']), '.1e')} | "
                      f"`{(r.get('bwd_variant') or '-').split('_dh')[-1]}` |")
+    apart = [f"{r['model']} {r['tokens']} {key}" for r in rows
+             for key in ("torch", "ours", "recompute", "wgrad", "nowgrad")
+             if any(st and st.get("apart") for st in r.get(f"{key}_states") or [])]
+    if apart:
+        lines += ["", "Forward and step timed apart (their graphs did not fit in memory side by side), so that path's "
+                  "backward column is not comparable with the others' at its point (the step is): " + "; ".join(apart)
+                  + "."]
     g2 = lambda num, den: _f(_geo(rows, num, den), ".2f")  # noqa: E731
     lines += ["", f"Geometric means (over the rows where both paths fit in memory; OOM: out of memory): "
               f"fwd+bwd torch/ours {g2('torch_step', 'ours_step')}, backward torch/ours {g2('torch_bwd', 'ours_bwd')}; "
