@@ -285,19 +285,21 @@ class MoeLayer:
         if ws is None or ws.max_tokens < tokens:
             ws = Workspace.allocate(self.spec, max(tokens, 1), self.device)
             self._workspace = ws
-            self._plans.clear()  # they point into the old workspace (and keep it alive)
-            self._fast.clear()
-            self._last = None
+            self._drop_plans()  # they point into the old workspace (and keep it alive)
         return ws
+
+    def _drop_plans(self) -> None:
+        """Forget the bound plans (each keeps the workspace it points into alive)."""
+        self._plans.clear()
+        self._fast.clear()
+        self._last = None
 
     def release_workspace(self) -> int:
         """Drop this layer's workspace and the plans that point into it, so that its GPU memory
         can go back to the allocator (the next call allocates one again, for its own size).
         Returns the bytes the workspace's buffers held."""
         ws, self._workspace = self._workspace, None
-        self._plans.clear()
-        self._fast.clear()
-        self._last = None
+        self._drop_plans()
         if ws is None:
             return 0
         bufs = [t for t in vars(ws).values() if isinstance(t, torch.Tensor)]
@@ -519,9 +521,7 @@ class MoeLayer:
                 launch(stream)
             t5 = time.perf_counter()
             if len(self._plans) >= 64:  # bounded: each plan keeps its workspace alive
-                self._plans.clear()
-                self._fast.clear()
-                self._last = None
+                self._drop_plans()
             self._plans[key] = (ws,) + bound
             self._fast[(M, id(ws), id(self.variants))] = self._last = LayerPlan(
                 ws, bound, self.spec, M, self.device, self.store.unpack_dir, self.variants)
