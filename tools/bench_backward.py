@@ -133,18 +133,17 @@ def _measure_path(name, spec, M, fwd, leaves, grad, replays, weights, profile):
     # before the step moved by up to 16% between measurements at one clock (forty-third session).
     try:
         times, state = timed_graphs([fwd_alone, step], 2 * replays, TIMING["warmup_s"], TIMING["nvml"])
-        apart = False
+        f_times, s_times = times[0::2], times[1::2]
     except torch.OutOfMemoryError:
-        apart = True  # the two graphs' pools do not fit side by side: time each alone (below, outside the handler)
-    if apart:
+        f_times = None  # the two graphs' pools do not fit side by side: time each alone (below, outside the handler)
+    if f_times is None:
         gc.collect()
         torch.cuda.empty_cache()
         f_times = timed_graphs([fwd_alone], replays, TIMING["warmup_s"])[0]
         s_times, state = timed_graphs([step], replays, TIMING["warmup_s"], TIMING["nvml"])
-        times = [t for pair in zip(f_times, s_times) for t in pair]
         state = {**state, "apart": True}
     torch.cuda.empty_cache()
-    t_fwd, t_step = statistics.median(times[0::2]), statistics.median(times[1::2])
+    t_fwd, t_step = statistics.median(f_times), statistics.median(s_times)
     # state: the SM clock, power and throttle reasons during the timed replays ({} without NVML)
     print(f"  {name}, {spec.workload_key} {M} tokens: fwd {t_fwd:.1f} step {t_step:.1f} us at {_state(state)}",
           flush=True)
