@@ -48,16 +48,19 @@ def test_a_run_where_nothing_fits_has_no_means_rather_than_a_crash():
 
 
 def test_a_paths_mirrored_measurements_are_averaged_and_both_kept():
-    """_merged: a path measured twice (the mirrored order) reads the mean of its forward and step
-    times and keeps both; a measurement that ran out of memory is left out of the mean; a path that
-    never fit is None (an OOM cell)."""
-    a = ({"fwd": 100.0, "step": 300.0, "saved": 7}, "grads")
-    b = ({"fwd": 110.0, "step": 260.0, "saved": 7}, None)
+    """_merged: a path measured twice (the mirrored order) reads the mean of its forward, backward
+    and step times and keeps each; a measurement that ran out of memory is left out of the mean; a
+    path that never fit is None (an OOM cell). The backward is its own measurement, not the step
+    less the forward."""
+    a = ({"fwd": 100.0, "bwd": 190.0, "step": 300.0, "saved": 7}, "grads")
+    b = ({"fwd": 110.0, "bwd": 160.0, "step": 260.0, "saved": 7}, None)
     m = bb._merged([a, b])
-    assert (m["fwd"], m["step"], m["saved"]) == (105.0, 280.0, 7) and m["runs"] == [(100.0, 300.0), (110.0, 260.0)]
+    assert (m["fwd"], m["bwd"], m["step"], m["saved"]) == (105.0, 175.0, 280.0, 7)
+    assert m["runs"] == [(100.0, 190.0, 300.0), (110.0, 160.0, 260.0)]
     assert bb._bwd(m) == 175.0
+    assert bb._bwd({"fwd": 100.0, "bwd": 150.0, "step": 300.0}) == 150.0
     m = bb._merged([(None, None), b])
-    assert (m["fwd"], m["step"]) == (110.0, 260.0) and m["runs"] == [None, (110.0, 260.0)]
+    assert (m["fwd"], m["step"]) == (110.0, 260.0) and m["runs"] == [None, (110.0, 160.0, 260.0)]
     assert bb._merged([(None, None), (None, None)]) is None
 
 
@@ -80,18 +83,3 @@ def test_saved_bytes_leaves_no_reference_cycle():
     assert bb.saved_bytes(fwd, weights=(x,)) == 100 * 100 * 4  # sigmoid's output; x (a weight) not counted
     gc.collect()
     assert kept[0]() is None, "the forward's output outlived saved_bytes"
-
-
-def test_a_path_timed_apart_is_named_under_the_table():
-    """A path whose forward and step were timed apart (their graphs did not fit side by side) is
-    named below the table; a run where every path was interleaved has no such line."""
-    rows = [_row("a", 4096, (100.0, 300.0), (100.0, 350.0), (150.0, 750.0)),
-            _row("deepseek-v3", 16384, (100.0, 900.0), (100.0, 950.0), (150.0, 1150.0))]
-    rows[1]["torch_states"] = [{"sm_mhz": 1590.0, "apart": True}]
-    rows[1]["ours_states"] = [{"sm_mhz": 1350.0}, {"sm_mhz": 1380.0}]
-    lines = bb.table_md(rows, "NVIDIA H100 80GB HBM3", "2026-12-07 10:11 UTC", 7e14, 6e14, [])
-    [note] = [line for line in lines if line.startswith("Forward and step timed apart")]
-    assert note.endswith(": deepseek-v3 16384 torch.")
-    rows[1]["torch_states"] = [{"sm_mhz": 1590.0}]
-    assert not any(line.startswith("Forward and step timed apart")
-                   for line in bb.table_md(rows, "H100", "2026-12-07", 7e14, 6e14, []))

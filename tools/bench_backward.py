@@ -10,7 +10,7 @@ all captured in CUDA graphs and replayed.
     python3 tools/bench_backward.py --out DIR [--models a,b] [--tokens 4096,16384] [--replays 30] [--profile]
                                     [--wgrad] [--once] [--warmup S]
 
-Per point: the forward alone and forward + backward for both (backward = the difference), their
+Per point: forward + backward and the backward alone for both, their
 ratio, the floor of forward + backward (3x the forward's FLOPs over the bf16 matmul rate measured
 in the run, or 3x the selected experts' weight bytes over the HBM rate, 4.8 TB/s on an H200) and
 the backward's (2x each), the backward's also at the matmul rate after SUSTAINED_MATMUL_S of
@@ -26,14 +26,13 @@ has them; --wgrad: also ours with them always and never (autograd.USE_WGRAD_KERN
 in the same run.
 Ours' paths are measured in mirrored order (torch GEMMs, ours[, always, never], then the same in
 reverse), each reported as the mean of its two measurements (the JSON keeps both as *_runs;
---once: each once, in order). A path's forward and step graphs are replayed in turn, untimed for
---warmup seconds (default 1), then --replays times each (default 30), so that the backward (their
-difference) is taken at one clock: at Qwen3-235B 16384 tokens on an H100, 10 replays of each alone
-without a warm-up put the same variant's backward 19-24 ms apart by its position in the run; with
-a warm-up and 30 replays every step measurement fell within +-1.5%, but the forward timed alone
-still moved by up to 16% (tools/results/NOTES.md, forty-third session); where the two graphs do not
-fit in memory side by side (torch's unfused path at DeepSeek-V3 16384 tokens on an H100) each is
-timed alone, and the timing's state says `apart`. The SM clock, power and
+--once: each once, in order). A path's training forward and its backward are captured as two
+CUDA graphs (one stream, one memory pool) and replayed in turn as forward, backward, and forward
+then backward (the step), untimed for --warmup seconds (default 1), then --replays times each
+(default 30), so that all three are timed at the same clocks and the backward directly. (Until
+the forty-fourth session the backward was the step less a no-grad forward timed beside it; at
+DeepSeek-V3 16384 tokens on an H100 that forward moved by up to 16% at one clock, and the
+subtraction carried it into the backward: tools/results/NOTES.md.) The SM clock, power and
 throttle reasons during each timing are printed and kept in the JSON (*_states). The cached layers'
 workspaces are released between points.
 A path that does not fit in the GPU's memory at a point reads OOM in its cells, the geometric means
@@ -58,7 +57,7 @@ import torch  # noqa: E402
 from bench import SUSTAINED_MATMUL_S, card_tag, floor_us, hbm_bytes_per_s, matmul_rate, torch_unfused  # noqa: E402
 
 from moe_aot.harness.gpustate import Nvml  # noqa: E402
-from moe_aot.harness.measure import timed_graphs  # noqa: E402
+from moe_aot.harness.measure import _side_stream, timed_units  # noqa: E402
 from moe_aot.harness.reference import glu_fn, rel_err  # noqa: E402
 from moe_aot.harness.verify import random_routing  # noqa: E402
 from moe_aot.integrations import autograd, op  # noqa: E402, F401
@@ -124,30 +123,44 @@ def _measure_path(name, spec, M, fwd, leaves, grad, replays, weights, profile):
         print(f"--- {name} step, {spec.workload_key} {M} tokens ---\n"
               + p.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70),
               flush=True)
-    def fwd_alone():
-        with torch.no_grad():
-            return fwd()
-
-    # The forward's and the step's graphs replayed in turn (forward, step, forward, ...), so that both
-    # are timed at the same clocks: the backward is their difference, and the forward timed on its own
-    # before the step moved by up to 16% between measurements at one clock (forty-third session).
-    try:
-        times, state = timed_graphs([fwd_alone, step], 2 * replays, TIMING["warmup_s"], TIMING["nvml"])
-        f_times, s_times = times[0::2], times[1::2]
-    except torch.OutOfMemoryError:
-        f_times = None  # the two graphs' pools do not fit side by side: time each alone (below, outside the handler)
-    if f_times is None:
-        gc.collect()
-        torch.cuda.empty_cache()
-        f_times = timed_graphs([fwd_alone], replays, TIMING["warmup_s"])[0]
-        s_times, state = timed_graphs([step], replays, TIMING["warmup_s"], TIMING["nvml"])
-        state = {**state, "apart": True}
+    # The training forward (autograd recording) and its backward alone, as two graphs on one stream
+    # sharing one memory pool, replayed in turn as forward, backward, forward + backward: each is
+    # timed at the same clocks, and the backward directly. Until the forty-fourth session the
+    # backward was the step less a no-grad forward timed beside it, and that forward timed alone
+    # moved by up to 16% at one clock (DeepSeek-V3 16384, H100; tools/results/NOTES.md).
+    gf, gb, kept = capture_training(fwd, leaves, grad)
+    times, state = timed_units([[gf], [gb], [gf, gb]], 3 * replays, TIMING["warmup_s"], TIMING["nvml"])
+    del gf, gb, kept
     torch.cuda.empty_cache()
-    t_fwd, t_step = statistics.median(f_times), statistics.median(s_times)
+    t_fwd, t_bwd, t_step = (statistics.median(times[i::3]) for i in range(3))
     # state: the SM clock, power and throttle reasons during the timed replays ({} without NVML)
-    print(f"  {name}, {spec.workload_key} {M} tokens: fwd {t_fwd:.1f} step {t_step:.1f} us at {_state(state)}",
-          flush=True)
-    return {"fwd": t_fwd, "step": t_step, "saved": saved_bytes(fwd, weights), "state": state}, sample
+    print(f"  {name}, {spec.workload_key} {M} tokens: fwd {t_fwd:.1f} bwd {t_bwd:.1f} step {t_step:.1f} us "
+          f"(fwd + bwd {t_fwd + t_bwd:.1f}) at {_state(state)}", flush=True)
+    return {"fwd": t_fwd, "bwd": t_bwd, "step": t_step, "saved": saved_bytes(fwd, weights), "state": state}, sample
+
+
+def capture_training(fwd, leaves, grad):
+    """CUDA graphs of a training step's two halves: the forward `fwd()` with autograd recording
+    (what it saves for the backward lands in the graph's pool) and the backward alone
+    (torch.autograd.grad of that forward's output, the graph kept so that it can be replayed).
+    Both are captured on one stream, so the backward's kernels run where the forward's ran, and share
+    one pool (as torch.cuda.make_graphed_callables does); one uncaptured step runs first, so that
+    lazy loads and allocations happen outside the captures. Returns (forward graph, backward graph,
+    what must stay alive while they replay)."""
+    side = _side_stream()
+    side.wait_stream(torch.cuda.current_stream())
+    torch.cuda.empty_cache()
+    with torch.cuda.stream(side):
+        torch.autograd.grad(fwd(), leaves, grad)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    gf, gb = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+    with torch.cuda.graph(gf, stream=side):
+        out = fwd()
+    with torch.cuda.graph(gb, pool=gf.pool(), stream=side):
+        grads = torch.autograd.grad(out, leaves, grad, retain_graph=True)
+    return gf, gb, (out, grads)
 
 
 def _live_tensors(min_bytes: int = 2**28) -> list[str]:
@@ -171,7 +184,7 @@ def _live_tensors(min_bytes: int = 2**28) -> list[str]:
 def _state(st: dict) -> str:
     """A timing's GPU state in a log line: SM clock (median / min), power, throttle reasons."""
     return (f"{st.get('sm_mhz', '-')} / {st.get('sm_mhz_min', '-')} MHz, {st.get('power_w', '-')} W, "
-            f"{','.join(st.get('reasons', [])) or '-'}" + ("; forward and step timed apart" if st.get("apart") else ""))
+            f"{','.join(st.get('reasons', [])) or '-'}")
 
 
 def _weights(shape, scale, gen):
@@ -187,8 +200,8 @@ def _get(res, key):
     return None if res is None else res[key]
 
 
-def _bwd(res):  # the backward alone: forward + backward less the forward
-    return None if res is None else res["step"] - res["fwd"]
+def _bwd(res):  # the backward alone
+    return None if res is None else res["bwd"]
 
 
 def _ratio(a, b):
@@ -222,13 +235,14 @@ def _mib(r, key) -> str:
 
 def _merged(results) -> dict | None:
     """One path's measurements ((result, gradients) pairs of _path, in the run's order) as one
-    result: the mean of their forward and step times (each a median of replays), and "runs" with
-    each (fwd, step); None where none of them fit in memory."""
+    result: the mean of their forward, backward and step times (each a median of replays), and
+    "runs" with each (fwd, bwd, step); None where none of them fit in memory."""
     ran = [r for r, _ in results if r is not None]
     if not ran:
         return None
-    return {"fwd": sum(r["fwd"] for r in ran) / len(ran), "step": sum(r["step"] for r in ran) / len(ran),
-            "saved": ran[0]["saved"], "runs": [None if r is None else (r["fwd"], r["step"]) for r, _ in results],
+    mean = {k: sum(r[k] for r in ran) / len(ran) for k in ("fwd", "bwd", "step")}
+    return {**mean, "saved": ran[0]["saved"],
+            "runs": [None if r is None else (r["fwd"], r["bwd"], r["step"]) for r, _ in results],
             "states": [None if r is None else r.get("state") for r, _ in results]}
 
 
@@ -367,13 +381,6 @@ def table_md(rows, device: str, date: str, rate: float, sustained: float, argv) 
                      f"{_mib(r, 'saved_bytes_ours')} / {_mib(r, 'saved_bytes_torch')} | "
                      f"{_f(_max_diff(r['grad_rel_diff']), '.1e')} | "
                      f"`{(r.get('bwd_variant') or '-').split('_dh')[-1]}` |")
-    apart = [f"{r['model']} {r['tokens']} {key}" for r in rows
-             for key in ("torch", "ours", "recompute", "wgrad", "nowgrad")
-             if any(st and st.get("apart") for st in r.get(f"{key}_states") or [])]
-    if apart:
-        lines += ["", "Forward and step timed apart (their graphs did not fit in memory side by side), so that path's "
-                  "backward column is not comparable with the others' at its point (the step is): " + "; ".join(apart)
-                  + "."]
     g2 = lambda num, den: _f(_geo(rows, num, den), ".2f")  # noqa: E731
     lines += ["", f"Geometric means (over the rows where both paths fit in memory; OOM: out of memory): "
               f"fwd+bwd torch/ours {g2('torch_step', 'ours_step')}, backward torch/ours {g2('torch_bwd', 'ours_bwd')}; "

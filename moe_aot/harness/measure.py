@@ -65,9 +65,17 @@ def timed_graphs(fns, replays: int, warmup_s: float = 0.0, nvml=None,
     power did (gpustate.Sampler.summary; {} without a reader): during the timed replays, or with
     energy_s, during that many seconds of further replays after them (the board's energy counter
     counts millijoules, so per-replay energy needs a window of tenths of a second)."""
+    return timed_units([[capture_graph(fn)] for fn in fns], replays, warmup_s, nvml, energy_s)
+
+
+def timed_units(units, replays: int, warmup_s: float = 0.0, nvml=None,
+                energy_s: float = 0.0) -> tuple[list[float], dict]:
+    """timed_graphs over graphs already captured: `units` is a list of lists of CUDA graphs, timed
+    in turn (replay i times units[i % len(units)]), each unit's graphs replayed back to back between
+    its two events (e.g. a training step's forward graph then its backward graph)."""
     from .gpustate import Sampler
 
-    graphs = [capture_graph(fn) for fn in fns]
+    graphs = [g for unit in units for g in unit]
     for g in graphs:
         g.replay()
     torch.cuda.synchronize()
@@ -78,7 +86,8 @@ def timed_graphs(fns, replays: int, warmup_s: float = 0.0, nvml=None,
     with Sampler(nvml) if timed_window else contextlib.nullcontext() as sampler:
         for i in range(replays):
             starts[i].record()
-            graphs[i % len(graphs)].replay()
+            for g in units[i % len(units)]:
+                g.replay()
             ends[i].record()
         torch.cuda.synchronize()
     times = [s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends)]
@@ -87,7 +96,7 @@ def timed_graphs(fns, replays: int, warmup_s: float = 0.0, nvml=None,
     if nvml is None:
         return times, {}
     with Sampler(nvml) as sampler:
-        n = _replay_for(graphs, energy_s)
+        n = _replay_for(graphs, energy_s) // len(graphs) * len(units)  # units replayed
     return times, sampler.summary(n)
 
 
