@@ -5,7 +5,6 @@ autograd's for the inputs the forward graph last read, however often each graph 
 Needs no compiled kernels (a torch function stands for the layer)."""
 from __future__ import annotations
 
-import importlib.util
 import sys
 from pathlib import Path
 
@@ -17,11 +16,9 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("no CUDA GPU visible", allow_module_level=True)
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tools"))
-_spec = importlib.util.spec_from_file_location("bench_backward", ROOT / "tools" / "bench_backward.py")
-bb = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(bb)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+
+import bench_backward as bb  # noqa: E402
 
 from moe_aot.harness.measure import timed_units  # noqa: E402
 
