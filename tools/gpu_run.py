@@ -4,7 +4,7 @@
     python3 tools/gpu_run.py --out $OUT [--db cache/moe_aot.sqlite] [--tests]
         [--coldstart [--coldstart-compare DIR [--coldstart-compare-db FILE]] [--coldstart-diag]]
         [--bench ARGS] [--bench-fp8 ARGS] [--check-backward ARGS] [--bench-backward ARGS]
-        [--gemm-peers ARGS] [--profile-layer MODEL:TOKENS,...]
+        [--gemm-peers ARGS] [--profile-layer MODEL:TOKENS,...] [--profile-kernels REGEX]
         [--gemm-check DIR [--profile TAGS@TOKENS]] [--measure] [--sanitize MODELS] [--spark-standin DIR]
 
 1. installs the wheels brought along in .whl/ (sqlalchemy, ...) into /tmp/site;
@@ -266,6 +266,10 @@ def main():
     ap.add_argument("--profile-train", metavar="POINTS",
                     help="ncu over one training step (fused_moe_train and its backward) per point, e.g. "
                          "'qwen3-30b-a3b:4096'")
+    ap.add_argument("--profile-kernels", default=None, metavar="REGEX",
+                    help="with --profile-layer / --profile-train: only the kernels whose names match REGEX (ncu "
+                         "--kernel-name regex:REGEX), e.g. 'HopperD[hx]Gemm|[Gg]roup': every section over every "
+                         "kernel of a DeepSeek-V3 16384 training step takes more than 270 s")
     ap.add_argument("--bench-fp8", default=None, help="arguments for tools/bench_fp8.py ('' for defaults)")
     ap.add_argument("--check-backward", default=None, metavar="ARGS",
                     help="arguments for tools/check_backward.py (its --db and --out are given)")
@@ -451,6 +455,7 @@ def main():
         cmd = ["ncu", "--clock-control", "none", "--nvtx", "--nvtx-include", "regex:prof_.*/", "--csv",
                "--page", "details", *[a for sec in NCU_SECTIONS for a in ("--section", sec)],
                "--metrics", ",".join(NCU_METRICS), "--log-file", str(out / f"ncu_{tag}.csv"),
+               *(["--kernel-name", f"regex:{ns.profile_kernels}"] if ns.profile_kernels else []),
                sys.executable, "tools/profile_layer.py", *flags, *points.split(",")]
         rc, log, secs = sh(cmd, log=out / f"ncu_{tag}.log", env=env, timeout=400)
         summary[f"profile_{tag}"] = {"rc": rc, "seconds": round(secs, 1)}
