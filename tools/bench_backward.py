@@ -57,7 +57,7 @@ import torch  # noqa: E402
 from bench import SUSTAINED_MATMUL_S, card_tag, floor_us, hbm_bytes_per_s, matmul_rate, torch_unfused  # noqa: E402
 
 from moe_aot.harness.gpustate import Nvml  # noqa: E402
-from moe_aot.harness.measure import _side_stream, timed_units  # noqa: E402
+from moe_aot.harness.measure import timed_units, warm_up_on_side  # noqa: E402
 from moe_aot.harness.reference import glu_fn, rel_err  # noqa: E402
 from moe_aot.harness.verify import random_routing  # noqa: E402
 from moe_aot.integrations import autograd, op  # noqa: E402, F401
@@ -147,14 +147,7 @@ def capture_training(fwd, leaves, grad):
     one pool (as torch.cuda.make_graphed_callables does); one uncaptured step runs first, so that
     lazy loads and allocations happen outside the captures. Returns (forward graph, backward graph,
     what must stay alive while they replay)."""
-    side = _side_stream()
-    side.wait_stream(torch.cuda.current_stream())
-    torch.cuda.empty_cache()
-    with torch.cuda.stream(side):
-        torch.autograd.grad(fwd(), leaves, grad)
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
+    side = warm_up_on_side(lambda: torch.autograd.grad(fwd(), leaves, grad))
     gf, gb = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
     with torch.cuda.graph(gf, stream=side):
         out = fwd()

@@ -26,6 +26,17 @@ def capture_graph(fn) -> torch.cuda.CUDAGraph:
     graph's private pool, so each capture would otherwise hold its outputs' bytes once more (a
     DeepSeek-V3 backward's gradients are 21 GiB per input set, which an 80 GB card cannot hold
     three times beside the weights)."""
+    warm_up_on_side(fn)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g
+
+
+def warm_up_on_side(fn) -> torch.cuda.Stream:
+    """One uncaptured call of `fn` on the device's side stream, ordered after the current stream's
+    work and before its later work, with the allocator's cached free blocks released before and
+    after it (see capture_graph). Returns the side stream."""
     torch.cuda.empty_cache()
     side = _side_stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -33,10 +44,7 @@ def capture_graph(fn) -> torch.cuda.CUDAGraph:
         fn()
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.empty_cache()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g
+    return side
 
 
 _SIDE: dict[int, torch.cuda.Stream] = {}
