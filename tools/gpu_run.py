@@ -3,7 +3,7 @@
 
     python3 tools/gpu_run.py --out $OUT [--db cache/moe_aot.sqlite] [--tests]
         [--coldstart [--coldstart-compare DIR [--coldstart-compare-db FILE]] [--coldstart-diag]]
-        [--bench ARGS] [--bench-fp8 ARGS] [--check-backward ARGS] [--bench-backward ARGS]
+        [--bench ARGS] [--bench-fp8 ARGS] [--check-backward ARGS] [--profile-backward ARGS] [--bench-backward ARGS]
         [--gemm-peers ARGS] [--profile-layer MODEL:TOKENS,...] [--profile-kernels REGEX]
         [--gemm-check DIR [--profile TAGS@TOKENS]] [--measure] [--sanitize MODELS] [--spark-standin DIR]
 
@@ -180,6 +180,11 @@ NCU_METRICS = ["regex:smsp__average_warps_issue_stalled_.*_per_issue_active\\.ra
                "sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active",
                "l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum",
                "smsp__inst_executed_pipe_lsu.sum", "sm__cycles_elapsed.avg.per_second"]
+# where a kernel's bytes go: DRAM read / written, L2 sectors read / written and the read hit rate
+NCU_BYTES = ["dram__bytes_read.sum", "dram__bytes_write.sum", "lts__t_sectors_op_read.sum",
+             "lts__t_sectors_op_write.sum", "lts__t_sector_op_read_hit_rate.pct",
+             "sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active",
+             "sm__cycles_elapsed.avg.per_second"]
 CUBLAS_CEILING = r"""
 import torch
 for n in (4096, 8192):
@@ -273,6 +278,10 @@ def main():
     ap.add_argument("--bench-fp8", default=None, help="arguments for tools/bench_fp8.py ('' for defaults)")
     ap.add_argument("--check-backward", default=None, metavar="ARGS",
                     help="arguments for tools/check_backward.py (its --db and --out are given)")
+    ap.add_argument("--profile-backward", default=None, metavar="ARGS",
+                    help="ncu (SpeedOfLight and the byte counters of NCU_BYTES) over the launches that "
+                         "tools/check_backward.py ARGS puts in NVTX ranges: one eager launch of our dH and dX per "
+                         "tile choice and of torch's grouped GEMMs on the same products")
     ap.add_argument("--bench-backward", default=None, metavar="ARGS",
                     help="arguments for tools/bench_backward.py (its --out is given)")
     ap.add_argument("--gemm-check", default=None, metavar="DIR",
@@ -433,6 +442,19 @@ def main():
                str(out), *ns.check_backward.split()]
         rc, log, secs = sh(cmd, log=out / "check_backward.log", env=env, timeout=560)
         summary["check_backward"] = {"rc": rc, "seconds": round(secs, 1)}
+    if ns.profile_backward is not None:
+        cmd = ["ncu", "--clock-control", "none", "--nvtx", "--nvtx-include", "regex:prof_.*/", "--csv",
+               "--page", "details", "--section", "SpeedOfLight", "--metrics", ",".join(NCU_BYTES),
+               "--log-file", str(out / "ncu_backward.csv"), sys.executable, "tools/check_backward.py", "--db",
+               f"sqlite:///{Path(ns.db).resolve()}", "--out", str(out / "prof_backward"), "--replays", "2",
+               *ns.profile_backward.split()]
+        rc, log, secs = sh(cmd, log=out / "ncu_backward.log", env=env, timeout=560)
+        summary["profile_backward"] = {"rc": rc, "seconds": round(secs, 1)}
+        print("ncu backward", rc, log[-1500:], flush=True)
+        if rc == 0:
+            rc, log, _ = sh([sys.executable, "tools/ncu_summary.py", str(out / "ncu_backward.csv")], env=env)
+            (out / "ncu_backward_summary.txt").write_text(log)
+            print(log[-6000:], flush=True)
     if ns.bench_backward is not None:
         cmd = [sys.executable, "tools/bench_backward.py", "--out", str(out), *ns.bench_backward.split()]
         rc, log, secs = sh(cmd, log=out / "bench_backward.log", env=env, timeout=560)
