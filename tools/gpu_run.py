@@ -195,13 +195,15 @@ for n in (4096, 8192):
 """
 
 
-def source_profile(out, tag, target, env, top, regions=""):
+def source_profile(out, tag, target, env, top, regions="", kernels=None):
     """ncu's SASS-level stall sampling (SourceCounters) over the command ``target``, saved as
     out/<tag>.csv.gz, with tools/ncu_source_top.py's summary (``top`` instructions per kernel, and
-    the samples per address range of ``regions``) in out/<tag>_top.txt; returns summary's entry."""
+    the samples per address range of ``regions``) in out/<tag>_top.txt; returns summary's entry.
+    ``kernels``: only the kernels whose names match this regex."""
     csv_path = out / f"{tag}.csv"
     cmd = ["ncu", "--clock-control", "none", "--nvtx", "--nvtx-include", "regex:prof_.*/", "--section",
-           "SourceCounters", "--page", "source", "--print-source", "sass", "--csv", *target]
+           "SourceCounters", "--page", "source", "--print-source", "sass", "--csv",
+           *(["--kernel-name", f"regex:{kernels}"] if kernels else []), *target]
     rc, log, secs = sh(cmd, env=env, timeout=400)
     csv_path.write_text(log)
     if rc == 0:
@@ -272,7 +274,8 @@ def main():
                     help="ncu over one training step (fused_moe_train and its backward) per point, e.g. "
                          "'qwen3-30b-a3b:4096'")
     ap.add_argument("--profile-kernels", default=None, metavar="REGEX",
-                    help="with --profile-layer / --profile-train: only the kernels whose names match REGEX (ncu "
+                    help="with --profile-layer / --profile-train / --profile-source-backward: only the kernels "
+                         "whose names match REGEX (ncu "
                          "--kernel-name regex:REGEX), e.g. 'HopperD[hx]Gemm|[Gg]roup': every section over every "
                          "kernel of a DeepSeek-V3 16384 training step takes more than 270 s")
     ap.add_argument("--bench-fp8", default=None, help="arguments for tools/bench_fp8.py ('' for defaults)")
@@ -282,6 +285,9 @@ def main():
                     help="ncu (SpeedOfLight and the byte counters of NCU_BYTES) over the launches that "
                          "tools/check_backward.py ARGS puts in NVTX ranges: one eager launch of our dH and dX per "
                          "tile choice and of torch's grouped GEMMs on the same products")
+    ap.add_argument("--profile-source-backward", default=None, metavar="ARGS",
+                    help="ncu's SASS-level stall sampling over the same launches as --profile-backward "
+                         "(with --profile-kernels: only the matching kernels, e.g. HopperDhGemm)")
     ap.add_argument("--bench-backward", default=None, metavar="ARGS",
                     help="arguments for tools/bench_backward.py (its --out is given)")
     ap.add_argument("--gemm-check", default=None, metavar="DIR",
@@ -455,6 +461,11 @@ def main():
             rc, log, _ = sh([sys.executable, "tools/ncu_summary.py", str(out / "ncu_backward.csv")], env=env)
             (out / "ncu_backward_summary.txt").write_text(log)
             print(log[-6000:], flush=True)
+    if ns.profile_source_backward is not None:
+        target = [sys.executable, "tools/check_backward.py", "--db", f"sqlite:///{Path(ns.db).resolve()}",
+                  "--out", str(out / "prof_source_backward"), "--replays", "2", *ns.profile_source_backward.split()]
+        summary["profile_source_backward"] = source_profile(out, "ncu_source_backward", target, env, 24,
+                                                            kernels=ns.profile_kernels)
     if ns.bench_backward is not None:
         cmd = [sys.executable, "tools/bench_backward.py", "--out", str(out), *ns.bench_backward.split()]
         rc, log, secs = sh(cmd, log=out / "bench_backward.log", env=env, timeout=560)
