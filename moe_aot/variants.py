@@ -383,10 +383,13 @@ BWD_ROUTE_CLUSTER = 16
 # twelfth session): dH fastest on the 128x128 ping-pong core at every preset (its epilogue runs
 # beside the other warpgroup's mainloop; 0.79-0.94x of the 128x128 cooperative time), dX on the
 # 256-wide cooperative tiles (0.81-0.94x of 128-wide, except DeepSeek-V3: 1.08x).
-BWD_DH_TILES = (GemmTiles(128, 64, 5, "hoppp"), GemmTiles(256, 64, 4, "hopws"), GemmTiles(192, 64, 4, "hopws"),
+# Second in both lists (a tuning candidate, not a default): the 256-wide cooperative tile at three
+# stages, the fastest 128-row dH and dX at DeepSeek-V3 and Mixtral 16384 on the H100 (forty-fifth
+# session, tools/check_backward.py: dH 8.5 ms against 12.1 at the default and 13.2 at four stages).
+BWD_DH_TILES = (GemmTiles(128, 64, 5, "hoppp"), GemmTiles(256, 64, 3, "hopws"), GemmTiles(256, 64, 4, "hopws"),
+                GemmTiles(192, 64, 4, "hopws"), GemmTiles(128, 64, 4, "hopws"), GemmTiles(64, 64, 4, "hopws"))
+BWD_DX_TILES = (GemmTiles(256, 64, 4, "hopws"), GemmTiles(256, 64, 3, "hopws"), GemmTiles(192, 64, 4, "hopws"),
                 GemmTiles(128, 64, 4, "hopws"), GemmTiles(64, 64, 4, "hopws"))
-BWD_DX_TILES = (GemmTiles(256, 64, 4, "hopws"), GemmTiles(192, 64, 4, "hopws"), GemmTiles(128, 64, 4, "hopws"),
-                GemmTiles(64, 64, 4, "hopws"))
 
 
 def backward_gemm_tiles(spec: LayerSpec, tile_m: int = BWD_TILE_M) -> tuple[GemmTiles, GemmTiles] | None:
@@ -664,7 +667,7 @@ def parse_variant(name: str):
     return DecodeVariant.parse(name) if name.startswith("moe_decode_") else LayerVariant.parse(name)
 
 
-BWD_ALTERNATIVES = 3  # per data GEMM, the first this many valid tiles of its list are candidates
+BWD_ALTERNATIVES = 4  # per data GEMM, the first this many valid tiles of its list are candidates
 
 
 def backward_candidates(spec: LayerSpec, tokens: int) -> list[BackwardVariant]:
