@@ -274,7 +274,8 @@ def main():
                     help="ncu over one training step (fused_moe_train and its backward) per point, e.g. "
                          "'qwen3-30b-a3b:4096'")
     ap.add_argument("--profile-kernels", default=None, metavar="REGEX",
-                    help="with --profile-layer / --profile-train / --profile-source-backward: only the kernels "
+                    help="with --profile-layer / --profile-train / --profile-backward / --profile-source-backward: "
+                         "only the kernels "
                          "whose names match REGEX (ncu "
                          "--kernel-name regex:REGEX), e.g. 'HopperD[hx]Gemm|[Gg]roup': every section over every "
                          "kernel of a DeepSeek-V3 16384 training step takes more than 270 s")
@@ -451,7 +452,9 @@ def main():
     if ns.profile_backward is not None:
         cmd = ["ncu", "--clock-control", "none", "--nvtx", "--nvtx-include", "regex:prof_.*/", "--csv",
                "--page", "details", "--section", "SpeedOfLight", "--metrics", ",".join(NCU_BYTES),
-               "--log-file", str(out / "ncu_backward.csv"), sys.executable, "tools/check_backward.py", "--db",
+               "--log-file", str(out / "ncu_backward.csv"),
+               *(["--kernel-name", f"regex:{ns.profile_kernels}"] if ns.profile_kernels else []),
+               sys.executable, "tools/check_backward.py", "--db",
                f"sqlite:///{Path(ns.db).resolve()}", "--out", str(out / "prof_backward"), "--replays", "2",
                *ns.profile_backward.split()]
         rc, log, secs = sh(cmd, log=out / "ncu_backward.log", env=env, timeout=560)
