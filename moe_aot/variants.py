@@ -385,7 +385,9 @@ BWD_ROUTE_CLUSTER = 16
 # 256-wide cooperative tiles (0.81-0.94x of 128-wide, except DeepSeek-V3: 1.08x).
 # Second in both lists (a tuning candidate, not a default): the 256-wide cooperative tile at three
 # stages, the fastest 128-row dH and dX at DeepSeek-V3 and Mixtral 16384 on the H100 (forty-fifth
-# session, tools/check_backward.py: dH 8.5 ms against 12.1 at the default and 13.2 at four stages).
+# session, tools/check_backward.py: dH 8.5 ms against 12.1 at the default and 13.2 at four stages;
+# dX 13.0 against 14.3, reading 25 GB from DRAM where deeper rings read 41-62). The H100's tuner took
+# it for dX at DeepSeek-V3, Qwen3-235B and Mixtral 16384.
 BWD_DH_TILES = (GemmTiles(128, 64, 5, "hoppp"), GemmTiles(256, 64, 3, "hopws"), GemmTiles(256, 64, 4, "hopws"),
                 GemmTiles(192, 64, 4, "hopws"), GemmTiles(128, 64, 4, "hopws"), GemmTiles(64, 64, 4, "hopws"))
 BWD_DX_TILES = (GemmTiles(256, 64, 4, "hopws"), GemmTiles(256, 64, 3, "hopws"), GemmTiles(192, 64, 4, "hopws"),

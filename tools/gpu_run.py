@@ -182,9 +182,7 @@ NCU_METRICS = ["regex:smsp__average_warps_issue_stalled_.*_per_issue_active\\.ra
                "smsp__inst_executed_pipe_lsu.sum", "sm__cycles_elapsed.avg.per_second"]
 # where a kernel's bytes go: DRAM read / written, L2 sectors read / written and the read hit rate
 NCU_BYTES = ["dram__bytes_read.sum", "dram__bytes_write.sum", "lts__t_sectors_op_read.sum",
-             "lts__t_sectors_op_write.sum", "lts__t_sector_op_read_hit_rate.pct",
-             "sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active",
-             "sm__cycles_elapsed.avg.per_second"]
+             "lts__t_sectors_op_write.sum", "lts__t_sector_op_read_hit_rate.pct", "sm__cycles_elapsed.avg.per_second"]
 CUBLAS_CEILING = r"""
 import torch
 for n in (4096, 8192):
