@@ -273,10 +273,9 @@ def main():
                          "'qwen3-30b-a3b:4096'")
     ap.add_argument("--profile-kernels", default=None, metavar="REGEX",
                     help="with --profile-layer / --profile-train / --profile-backward / --profile-source-backward: "
-                         "only the kernels "
-                         "whose names match REGEX (ncu "
-                         "--kernel-name regex:REGEX), e.g. 'HopperD[hx]Gemm|[Gg]roup': every section over every "
-                         "kernel of a DeepSeek-V3 16384 training step takes more than 270 s")
+                         "only the kernels whose names match REGEX (ncu --kernel-name regex:REGEX), e.g. "
+                         "'HopperD[hx]Gemm|[Gg]roup': every section over every kernel of a DeepSeek-V3 16384 "
+                         "training step takes more than 270 s")
     ap.add_argument("--bench-fp8", default=None, help="arguments for tools/bench_fp8.py ('' for defaults)")
     ap.add_argument("--check-backward", default=None, metavar="ARGS",
                     help="arguments for tools/check_backward.py (its --db and --out are given)")
