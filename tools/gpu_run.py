@@ -193,6 +193,28 @@ for n in (4096, 8192):
 """
 
 
+def kernel_filter(regex) -> list[str]:
+    """ncu's arguments limiting it to the kernels whose names match ``regex`` (none for None)."""
+    return ["--kernel-name", f"regex:{regex}"] if regex else []
+
+
+def details_profile(out, tag, sections, metrics, target, env, timeout, kernels=None):
+    """ncu's details page (``sections`` and ``metrics``) over the NVTX prof_ ranges of the command
+    ``target``, saved as out/ncu_<tag>.csv with tools/ncu_summary.py's summary in
+    out/ncu_<tag>_summary.txt; returns summary's entry."""
+    cmd = ["ncu", "--clock-control", "none", "--nvtx", "--nvtx-include", "regex:prof_.*/", "--csv",
+           "--page", "details", *[a for sec in sections for a in ("--section", sec)],
+           "--metrics", ",".join(metrics), "--log-file", str(out / f"ncu_{tag}.csv"), *kernel_filter(kernels),
+           *target]
+    rc, log, secs = sh(cmd, log=out / f"ncu_{tag}.log", env=env, timeout=timeout)
+    print(f"ncu {tag}", rc, log[-1500:], flush=True)
+    if rc == 0:
+        _, text, _ = sh([sys.executable, "tools/ncu_summary.py", str(out / f"ncu_{tag}.csv")], env=env)
+        (out / f"ncu_{tag}_summary.txt").write_text(text)
+        print(text[-6000:], flush=True)
+    return {"rc": rc, "seconds": round(secs, 1)}
+
+
 def source_profile(out, tag, target, env, top, regions="", kernels=None):
     """ncu's SASS-level stall sampling (SourceCounters) over the command ``target``, saved as
     out/<tag>.csv.gz, with tools/ncu_source_top.py's summary (``top`` instructions per kernel, and
@@ -201,7 +223,7 @@ def source_profile(out, tag, target, env, top, regions="", kernels=None):
     csv_path = out / f"{tag}.csv"
     cmd = ["ncu", "--clock-control", "none", "--nvtx", "--nvtx-include", "regex:prof_.*/", "--section",
            "SourceCounters", "--page", "source", "--print-source", "sass", "--csv",
-           *(["--kernel-name", f"regex:{kernels}"] if kernels else []), *target]
+           *kernel_filter(kernels), *target]
     rc, log, secs = sh(cmd, env=env, timeout=400)
     csv_path.write_text(log)
     if rc == 0:
@@ -441,31 +463,25 @@ def main():
         summary["bench"] = {"rc": rc, "seconds": round(secs, 1)}
         print(log[-8000:], flush=True)
 
+    def check_backward(out_dir, args, *extra):
+        """tools/check_backward.py over --db, writing into out_dir."""
+        return [sys.executable, "tools/check_backward.py", "--db", f"sqlite:///{Path(ns.db).resolve()}", "--out",
+                str(out_dir), *extra, *args.split()]
+
     if ns.check_backward is not None:
-        cmd = [sys.executable, "tools/check_backward.py", "--db", f"sqlite:///{Path(ns.db).resolve()}", "--out",
-               str(out), *ns.check_backward.split()]
-        rc, log, secs = sh(cmd, log=out / "check_backward.log", env=env, timeout=560)
+        rc, log, secs = sh(check_backward(out, ns.check_backward), log=out / "check_backward.log", env=env,
+                           timeout=560)
         summary["check_backward"] = {"rc": rc, "seconds": round(secs, 1)}
     if ns.profile_backward is not None:
-        cmd = ["ncu", "--clock-control", "none", "--nvtx", "--nvtx-include", "regex:prof_.*/", "--csv",
-               "--page", "details", "--section", "SpeedOfLight", "--metrics", ",".join(NCU_BYTES),
-               "--log-file", str(out / "ncu_backward.csv"),
-               *(["--kernel-name", f"regex:{ns.profile_kernels}"] if ns.profile_kernels else []),
-               sys.executable, "tools/check_backward.py", "--db",
-               f"sqlite:///{Path(ns.db).resolve()}", "--out", str(out / "prof_backward"), "--replays", "2",
-               *ns.profile_backward.split()]
-        rc, log, secs = sh(cmd, log=out / "ncu_backward.log", env=env, timeout=560)
-        summary["profile_backward"] = {"rc": rc, "seconds": round(secs, 1)}
-        print("ncu backward", rc, log[-1500:], flush=True)
-        if rc == 0:
-            rc, log, _ = sh([sys.executable, "tools/ncu_summary.py", str(out / "ncu_backward.csv")], env=env)
-            (out / "ncu_backward_summary.txt").write_text(log)
-            print(log[-6000:], flush=True)
+        summary["profile_backward"] = details_profile(
+            out, "backward", ["SpeedOfLight"], NCU_BYTES,
+            check_backward(out / "prof_backward", ns.profile_backward, "--replays", "2"), env, 560,
+            ns.profile_kernels)
     if ns.profile_source_backward is not None:
-        target = [sys.executable, "tools/check_backward.py", "--db", f"sqlite:///{Path(ns.db).resolve()}",
-                  "--out", str(out / "prof_source_backward"), "--replays", "2", *ns.profile_source_backward.split()]
-        summary["profile_source_backward"] = source_profile(out, "ncu_source_backward", target, env, 24,
-                                                            kernels=ns.profile_kernels)
+        summary["profile_source_backward"] = source_profile(
+            out, "ncu_source_backward",
+            check_backward(out / "prof_source_backward", ns.profile_source_backward, "--replays", "2"), env, 24,
+            kernels=ns.profile_kernels)
     if ns.bench_backward is not None:
         cmd = [sys.executable, "tools/bench_backward.py", "--out", str(out), *ns.bench_backward.split()]
         rc, log, secs = sh(cmd, log=out / "bench_backward.log", env=env, timeout=560)
@@ -483,20 +499,10 @@ def main():
         print(log[-6000:], flush=True)
 
     for tag, points, flags in (("layer", ns.profile_layer, []), ("train", ns.profile_train, ["--train"])):
-        if not points:
-            continue
-        cmd = ["ncu", "--clock-control", "none", "--nvtx", "--nvtx-include", "regex:prof_.*/", "--csv",
-               "--page", "details", *[a for sec in NCU_SECTIONS for a in ("--section", sec)],
-               "--metrics", ",".join(NCU_METRICS), "--log-file", str(out / f"ncu_{tag}.csv"),
-               *(["--kernel-name", f"regex:{ns.profile_kernels}"] if ns.profile_kernels else []),
-               sys.executable, "tools/profile_layer.py", *flags, *points.split(",")]
-        rc, log, secs = sh(cmd, log=out / f"ncu_{tag}.log", env=env, timeout=400)
-        summary[f"profile_{tag}"] = {"rc": rc, "seconds": round(secs, 1)}
-        print(f"ncu {tag}", rc, log[-1500:], flush=True)
-        if rc == 0:
-            rc, log, _ = sh([sys.executable, "tools/ncu_summary.py", str(out / f"ncu_{tag}.csv")], env=env)
-            (out / f"ncu_{tag}_summary.txt").write_text(log)
-            print(log[-6000:], flush=True)
+        if points:
+            summary[f"profile_{tag}"] = details_profile(
+                out, tag, NCU_SECTIONS, NCU_METRICS,
+                [sys.executable, "tools/profile_layer.py", *flags, *points.split(",")], env, 400, ns.profile_kernels)
 
     if ns.profile_source:
         summary["profile_source"] = source_profile(
