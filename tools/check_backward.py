@@ -21,7 +21,6 @@ Writes DIR/check_backward.{json,md}.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import sys
 import time
@@ -103,19 +102,6 @@ def compile_db(ns) -> None:
         raise SystemExit("some kernels failed to compile")
 
 
-@contextlib.contextmanager
-def prof_range(name: str):
-    """An NVTX range around one eager launch: `ncu --nvtx --nvtx-include 'regex:prof_.*/'`
-    (gpu_run.py --profile-backward) profiles these launches and none of the timed replays."""
-    import torch
-
-    torch.cuda.nvtx.range_push(name)
-    try:
-        yield
-    finally:
-        torch.cuda.nvtx.range_pop()
-
-
 def run(ns) -> None:
     import torch
     from bench import graph_time_us
@@ -152,9 +138,11 @@ def run(ns) -> None:
             order, offs, _, _ = route(ids, E)
             ds = dout.index_select(0, order // K)
             a_sorted = torch.randn(P, 2 * I, device=dev, generator=gen).bfloat16() * 0.1
-            with prof_range(f"prof_torch_dh_{model}_{M}"):  # one eager launch each, for ncu
+            # one eager launch of each product in an NVTX range: `ncu --nvtx --nvtx-include 'regex:prof_.*/'`
+            # (gpu_run.py --profile-backward) profiles these and none of the timed replays
+            with torch.cuda.nvtx.range(f"prof_torch_dh_{model}_{M}"):
                 torch._grouped_mm(ds, w2, offs=offs)
-            with prof_range(f"prof_torch_dx_{model}_{M}"):
+            with torch.cuda.nvtx.range(f"prof_torch_dx_{model}_{M}"):
                 torch._grouped_mm(a_sorted, w13, offs=offs)
             t_torch_dh = graph_time_us([lambda a=ds: torch._grouped_mm(a, w2, offs=offs)], ns.replays)
             t_torch_dx = graph_time_us([lambda a=a_sorted: torch._grouped_mm(a, w13, offs=offs)], ns.replays)
@@ -180,9 +168,9 @@ def run(ns) -> None:
                 y = torch.full((P, H), nan, dtype=torch.bfloat16, device=dev)
                 ones = torch.ones_like(tw)
                 tag = f"{model}_{M}_m{tm}_{dh_t.tag}_{dx_t.tag}"
-                with prof_range(f"prof_dh_{tag}"):
+                with torch.cuda.nvtx.range(f"prof_dh_{tag}"):
                     kern.dh(dout, w2, sorted_ids, tile_expert, tw, preact, da, hw, dwp)
-                with prof_range(f"prof_dx_{tag}"):
+                with torch.cuda.nvtx.range(f"prof_dx_{tag}"):
                     kern.dx(da, w13, sorted_ids, tile_expert, ones, y)
                 torch.cuda.synchronize()
                 # the reference, on the rows of the used tiles
