@@ -111,7 +111,8 @@ SESSIONS = ("tuning_2026-12-01", "tuning_2026-12-01b", "tuning_2026-12-01c", "tu
             "tuning_2026-12-06i", "tuning_2026-12-06j", "tuning_2026-12-06k", "tuning_backward_2026-12-06h",
             "tuning_backward_2026-12-06i", "tuning_2026-12-06l", "tuning_2026-12-06m", "tuning_2026-12-06n",
             "tuning_2026-12-07h", "tuning_backward_2026-12-07", "tuning_backward_2026-12-07b",
-            "tuning_backward_2026-12-07c", "tuning_2026-12-07t")
+            "tuning_backward_2026-12-07c", "tuning_2026-12-07t",
+            "tuning_2026-12-07u")
 BACKWARD_BUCKETS = (1024, 4096, 16384)
 FP8_BUCKETS = (1, 16, 64, 256, 1024, 4096, 16384)
 RECORD_FILES = [ROOT / "tools" / "results" / d / "all_records.json" for d in SESSIONS]
