@@ -693,7 +693,8 @@ def seed_variants(tuned_dir: Path | None, gpu: str, specs, buckets,
     is none, and the pick's and the default's twins with raster groups cut at expert boundaries
     (LayerVariant.raster_twin), then fp8 GEMM1 promoted once per 2 k-tiles (LayerVariant.promote_twin)
     in the pick, the default and the pick's cluster twins, and GEMM1's activation on rcp.approx
-    (LayerVariant.fast_act_twin) in the pick, the default and their promoted twins. After a
+    (LayerVariant.fast_act_twin) in the pick, the default and their promoted twins, and GEMM1's
+    ring three stages deep (LayerVariant.shallow_twin) in the pick and the default. After a
     template change these are what a new default must be measured against first (the newest
     family first: a small --trials measures the pick and its ping-pong twins). Without
     `tuned_dir`, only the `extra` variants."""
@@ -720,6 +721,8 @@ def seed_variants(tuned_dir: Path | None, gpu: str, specs, buckets,
                 seeds += promoted
                 # GEMM1's activation on rcp.approx: of the pick, the default and their promoted twins
                 seeds += [v and v.fast_act_twin(spec) for v in (four, base, *promoted[:2])]
+                # GEMM1's ring three stages deep: of the pick and the default
+                seeds += [four and four.shallow_twin(spec), base.shallow_twin(spec)]
             out[(spec.workload_key, tokens)] = [v for v in dict.fromkeys(seeds)
                                                if v is not None and v != base and can_implement(spec, v)[0]]
     return out

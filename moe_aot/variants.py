@@ -205,6 +205,18 @@ class LayerVariant:
         twin = dataclasses.replace(self, glu=dataclasses.replace(self.glu, fast_act=True))
         return twin if can_implement(spec, twin)[0] else None
 
+    def shallow_twin(self, spec: LayerSpec) -> "LayerVariant | None":
+        """The same layer with GEMM1's ring SHALLOW_STAGES deep where GEMM1 is a 128-row
+        cooperative tile (hopws) with a deeper ring that promotes every k-tile; None otherwise.
+        Measured side by side by the tuner's seeds: on an H100 the shallow ring made GEMM1 faster
+        at long k-loops (bf16 / fp8-block128 DeepSeek-V3, 3-6% of the layer) and fp8 GEMM1 promoting
+        once per 2 k-tiles slower (tools/results/NOTES.md, forty-sixth session)."""
+        t = self.glu
+        if t.mma != "hopws" or self.tile_m < 128 or t.stages <= SHALLOW_STAGES or t.promote != 1:
+            return None
+        twin = dataclasses.replace(self, glu=dataclasses.replace(t, stages=SHALLOW_STAGES))
+        return twin if can_implement(spec, twin)[0] else None
+
     def pingpong_twin(self, spec: LayerSpec) -> "LayerVariant | None":
         """This layer on 64-row ping-pong tiles (mma "hoppp") in both GEMMs, routing and PDL as
         here: each GEMM keeps its tile_n where it is a wgmma tile and valid, else takes the widest
@@ -981,6 +993,7 @@ def tile_ks(precision: str) -> tuple[int, ...]:
     return limits.BS_TILE_K if precision in limits.BLOCKSCALED else TILE_K
 
 STAGES = (2, 3, 4, 5, 6, 8)
+SHALLOW_STAGES = 3  # LayerVariant.shallow_twin's GEMM1 ring
 
 
 def candidate_space(spec: LayerSpec) -> list[LayerVariant]:

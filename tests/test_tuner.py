@@ -691,14 +691,18 @@ def test_seed_variants_measure_the_pick_its_twins_and_its_cluster_twins(tmp_path
     assert [(v.glu.cluster, v.down.cluster, v.pdl) for v in clustered] == [(1, 2, True), (2, 2, True)]
     # then the raster twins (hopws / hoppp single CTAs: both GEMMs cut their groups at experts)
     rastered = [v for v in got if v.glu.raster_experts or v.down.raster_experts]
-    assert rastered == got[-4:-2] == [pick.raster_twin(SPEC), base.raster_twin(SPEC)]
-    # last, GEMM1's activation on rcp.approx (bf16: no promoted twins) of the pick and the default
-    assert got[-2:] == [pick.fast_act_twin(SPEC), base.fast_act_twin(SPEC)]
-    assert all(v.glu.fast_act and not v.down.fast_act for v in got[-2:])
+    assert rastered == got[-6:-4] == [pick.raster_twin(SPEC), base.raster_twin(SPEC)]
+    # then GEMM1's activation on rcp.approx (bf16: no promoted twins) of the pick and the default
+    assert got[-4:-2] == [pick.fast_act_twin(SPEC), base.fast_act_twin(SPEC)]
+    assert all(v.glu.fast_act and not v.down.fast_act for v in got[-4:-2])
+    # last, GEMM1's ring three stages deep in the pick and the default (both 128-row hopws at 4 stages)
+    assert got[-2:] == [pick.shallow_twin(SPEC), base.shallow_twin(SPEC)]
+    assert [(v.glu.stages, v.down.stages) for v in got[-2:]] == [(3, 4), (3, 4)]
+    assert [dataclasses.replace(v, glu=dataclasses.replace(v.glu, stages=4)) for v in got[-2:]] == [pick, base]
     assert all(v.glu.raster_experts and v.down.raster_experts and v.glu.cluster == v.down.cluster == 1
                for v in rastered)
     assert dataclasses.replace(rastered[0], glu=pick.glu, down=pick.down) == pick
-    assert base not in got and len(got) == 11
+    assert base not in got and len(got) == 13
     assert all(can_implement(SPEC, v)[0] for v in got)
     # no pick for 16 tokens: the default's ping-pong twin, its PDL twin and its fast_act twin, and no
     # cluster or raster twin for its mma.sync tiles
@@ -720,7 +724,11 @@ def test_fp8_seeds_measure_h_scaled_per_128_columns_beside_64(tmp_path):
                                        "median_us": 1.0, "default_us": 1.1}])
     seeds = tuner.seed_variants(tmp_path, GPU, [spec], [16, 4096])
     got = seeds[(spec.workload_key, 4096)]
-    twins = [v for v in got if v.h_block == 128 and v.glu.promote == 1 and not v.glu.fast_act]
+    twins = [v for v in got if v.h_block == 128 and v.glu.promote == 1 and not v.glu.fast_act
+             and v.glu.stages == pick.glu.stages]
+    # GEMM1's ring three stages deep: the pick's and the default's twins, last
+    shallow = [v for v in (pick.shallow_twin(spec), default_variant(spec, 4096).shallow_twin(spec)) if v]
+    assert shallow and got[-len(shallow):] == shallow and all(v.glu.stages == 3 for v in shallow)
     # the old default's twin is the default now (measured as the default, not seeded again)
     assert base.h_block_twin(spec) == default_variant(spec, 4096)
     assert twins == [pick.h_block_twin(spec)]

@@ -247,3 +247,26 @@ def test_fast_act_only_where_the_activation_takes_a_sigmoid():
     assert set(search_space(swiglu)["glu_fast_act"].choices) == {False, True}
     gpt = make_spec("gpt-oss-120b")
     assert any(v.glu.fast_act for v in candidate_space(gpt))
+
+
+def test_shallow_twin_only_for_128_row_cooperative_gemm1_deeper_than_three_promoting_every_k_tile():
+    """LayerVariant.shallow_twin: GEMM1's ring at three stages, everything else as it was, where
+    GEMM1 is a 128-row hopws tile deeper than three stages that promotes every k-tile; None for
+    64-row, ping-pong or mma.sync GEMM1s, rings already three deep, and fp8's 2-k-tile promotion
+    (measured slower at three stages)."""
+    spec = make_spec("deepseek-v3")
+    base = LayerVariant(128, GemmTiles(256, 64, 4, "hopws", fast_act=True), GemmTiles(256, 64, 4, "hopws", 2),
+                        16, True)
+    twin = base.shallow_twin(spec)
+    assert twin == dataclasses.replace(base, glu=dataclasses.replace(base.glu, stages=3))
+    assert twin.down == base.down and twin.pdl and can_implement(spec, twin)[0]
+    assert twin.shallow_twin(spec) is None  # already three deep
+    for m, t in ((64, GemmTiles(256, 64, 5, "hoppp")), (64, GemmTiles(128, 64, 4, "hopws")),
+                 (16, GemmTiles(32, 64, 8, "warp"))):
+        assert LayerVariant(m, t, t, 16).shallow_twin(spec) is None, (m, t)
+    fp8 = make_spec("deepseek-v3", precision="fp8")
+    p2 = LayerVariant(128, GemmTiles(256, 128, 4, "hopws", promote=2, fast_act=True), GemmTiles(256, 128, 4, "hopws"),
+                      16, h_block=128)
+    assert can_implement(fp8, p2)[0] and p2.shallow_twin(fp8) is None
+    p1 = dataclasses.replace(p2, glu=dataclasses.replace(p2.glu, promote=1))
+    assert p1.shallow_twin(fp8).glu.stages == 3
