@@ -100,6 +100,8 @@ TUNED_H100 = picks.tuned_path(ROOT / "cache" / "tuned", H100)
 # (variants.TORCH_DATA) joined the candidates: the database of backward_2026-12-06h / i, so only that
 # candidate, the combinations and the rounds it made due were measured (the bucket's older records
 # are in this file too, as the database held them).
+# tuning_backward_2026-12-07d: the H100's backward at 1024 and 4096 tokens again (five presets, `build
+# --backward` + `tune --backward --compile-only`), now with the 256x64x3 cooperative tiles.
 SESSIONS = ("tuning_2026-12-01", "tuning_2026-12-01b", "tuning_2026-12-01c", "tuning_2026-12-01e",
             "tuning_2026-12-01f", "tuning_2026-12-01g", "tuning_2026-12-01h", "tuning_2026-12-01i",
             "tuning_2026-12-01j", "tuning_2026-12-01l", "tuning_2026-12-02t", "tuning_2026-12-02u",
@@ -112,7 +114,7 @@ SESSIONS = ("tuning_2026-12-01", "tuning_2026-12-01b", "tuning_2026-12-01c", "tu
             "tuning_backward_2026-12-06i", "tuning_2026-12-06l", "tuning_2026-12-06m", "tuning_2026-12-06n",
             "tuning_2026-12-07h", "tuning_backward_2026-12-07", "tuning_backward_2026-12-07b",
             "tuning_backward_2026-12-07c", "tuning_2026-12-07t",
-            "tuning_2026-12-07u")
+            "tuning_2026-12-07u", "tuning_backward_2026-12-07d")
 BACKWARD_BUCKETS = (1024, 4096, 16384)
 FP8_BUCKETS = (1, 16, 64, 256, 1024, 4096, 16384)
 RECORD_FILES = [ROOT / "tools" / "results" / d / "all_records.json" for d in SESSIONS]
