@@ -84,6 +84,9 @@ CONFIGS = [
     # 1024-16384 tokens: the cooperative tiles alone, with the weights evict-first in L2, in
     # 2-CTA clusters (one expert's tiles paired, or the fixed pairs), and both
     ("x128", "hopws", ALL, "swiglu", 128, (256, 64, 4), (256, 64, 4), [1024, 4096, 16384]),
+    # the same tiles three stages deep (--ab x128,x128s3; --profile x128,x128s3@16384 for their bytes):
+    # does a shallower ring keep GEMM1's gathered rows in L2 (the forty-sixth session's reading)?
+    ("x128s3", "hopws", ALL, "swiglu", 128, (256, 64, 3), (256, 64, 3), [1024, 4096, 16384]),
     ("x128ef", "hopws:ef", ALL, "swiglu", 128, (256, 64, 4), (256, 64, 4), [1024, 4096, 16384]),
     ("xc2f", "hopws:c2:f", ALL, "swiglu", 128, (256, 64, 4), (256, 64, 4), [1024, 4096, 16384]),
     ("xc2", "hopws:c2", ALL, "swiglu", 128, (256, 64, 4), (256, 64, 4), [1024, 4096, 16384]),

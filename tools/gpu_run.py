@@ -242,7 +242,7 @@ def profile(ns, out, env):
     tags, _, tokens = ns.profile.partition("@")
     base = ["ncu", "--clock-control", "none", "--nvtx", "--nvtx-include", "regex:prof_.*/", "--csv",
             "--page", "details", *[a for sec in NCU_SECTIONS for a in ("--section", sec)],
-            "--metrics", ",".join(NCU_METRICS)]
+            "--metrics", ",".join(dict.fromkeys(NCU_METRICS + NCU_BYTES))]
     result = {}
     runs = {"gemms": [sys.executable, "tools/check_gemm_kernels.py", "--run", ns.gemm_check, "--out",
                       str(out / "prof_check"), "--iters", "1", "--only", tags, "--tokens", tokens or "4096",
