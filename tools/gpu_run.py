@@ -183,6 +183,10 @@ NCU_METRICS = ["regex:smsp__average_warps_issue_stalled_.*_per_issue_active\\.ra
 # where a kernel's bytes go: DRAM read / written, L2 sectors read / written and the read hit rate
 NCU_BYTES = ["dram__bytes_read.sum", "dram__bytes_write.sum", "lts__t_sectors_op_read.sum",
              "lts__t_sectors_op_write.sum", "lts__t_sector_op_read_hit_rate.pct", "sm__cycles_elapsed.avg.per_second"]
+# who asks L2 for what (`--profile` only, whose run falls back to the sections where ncu lacks a
+# name): the gathered rows' cp.async sectors at L1TEX, and L2's read requests / sectors from the SMs
+NCU_REQUESTS = ["l1tex__t_sectors_pipe_lsu_mem_global_op_ldgsts.sum", "lts__t_requests_srcunit_tex_op_read.sum",
+                "lts__t_sectors_srcunit_tex_op_read.sum"]
 CUBLAS_CEILING = r"""
 import torch
 for n in (4096, 8192):
@@ -242,7 +246,7 @@ def profile(ns, out, env):
     tags, _, tokens = ns.profile.partition("@")
     base = ["ncu", "--clock-control", "none", "--nvtx", "--nvtx-include", "regex:prof_.*/", "--csv",
             "--page", "details", *[a for sec in NCU_SECTIONS for a in ("--section", sec)],
-            "--metrics", ",".join(dict.fromkeys(NCU_METRICS + NCU_BYTES))]
+            "--metrics", ",".join(dict.fromkeys(NCU_METRICS + NCU_BYTES + NCU_REQUESTS))]
     result = {}
     runs = {"gemms": [sys.executable, "tools/check_gemm_kernels.py", "--run", ns.gemm_check, "--out",
                       str(out / "prof_check"), "--iters", "1", "--only", tags, "--tokens", tokens or "4096",

@@ -17,7 +17,8 @@ WANT = ["Duration", "SM Frequency", "Compute (SM) Throughput", "L2 Cache Through
         "Issue Slots Busy", "Eligible Warps Per Scheduler", "Warp Cycles Per Issued Instruction",
         "L2 Hit Rate", "Achieved Occupancy", "l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum",
         "dram__bytes_read.sum", "dram__bytes_write.sum", "lts__t_sectors_op_read.sum", "lts__t_sectors_op_write.sum",
-        "lts__t_sector_op_read_hit_rate.pct"]
+        "lts__t_sector_op_read_hit_rate.pct", "l1tex__t_sectors_pipe_lsu_mem_global_op_ldgsts.sum",
+        "lts__t_requests_srcunit_tex_op_read.sum", "lts__t_sectors_srcunit_tex_op_read.sum"]
 STALL = "smsp__average_warps_issue_stalled_"
 
 
