@@ -29,6 +29,9 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ncu_summary import BYTES, REQUESTS  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 SITE = "/tmp/site"
 
@@ -180,13 +183,10 @@ NCU_METRICS = ["regex:smsp__average_warps_issue_stalled_.*_per_issue_active\\.ra
                "sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active",
                "l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum",
                "smsp__inst_executed_pipe_lsu.sum", "sm__cycles_elapsed.avg.per_second"]
-# where a kernel's bytes go: DRAM read / written, L2 sectors read / written and the read hit rate
-NCU_BYTES = ["dram__bytes_read.sum", "dram__bytes_write.sum", "lts__t_sectors_op_read.sum",
-             "lts__t_sectors_op_write.sum", "lts__t_sector_op_read_hit_rate.pct", "sm__cycles_elapsed.avg.per_second"]
-# who asks L2 for what (`--profile` only, whose run falls back to the sections where ncu lacks a
-# name): the gathered rows' cp.async sectors at L1TEX, and L2's read requests / sectors from the SMs
-NCU_REQUESTS = ["l1tex__t_sectors_pipe_lsu_mem_global_op_ldgsts.sum", "lts__t_requests_srcunit_tex_op_read.sum",
-                "lts__t_sectors_srcunit_tex_op_read.sum"]
+# the byte counters that tools/ncu_summary.py prints, and the clock they were read at
+NCU_BYTES = [*BYTES, "sm__cycles_elapsed.avg.per_second"]
+# `--profile` only (its run falls back to the sections where ncu lacks a name): who asks L2 for what
+NCU_REQUESTS = REQUESTS
 CUBLAS_CEILING = r"""
 import torch
 for n in (4096, 8192):

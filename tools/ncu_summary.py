@@ -13,12 +13,16 @@ import io
 import re
 import sys
 
+# where a kernel's bytes go: DRAM read / written, L2 sectors read / written and the read hit rate
+BYTES = ["dram__bytes_read.sum", "dram__bytes_write.sum", "lts__t_sectors_op_read.sum", "lts__t_sectors_op_write.sum",
+         "lts__t_sector_op_read_hit_rate.pct"]
+# who asks L2 for what: the gathered rows' cp.async sectors at L1TEX, and L2's read requests / sectors
+# from the SMs
+REQUESTS = ["l1tex__t_sectors_pipe_lsu_mem_global_op_ldgsts.sum", "lts__t_requests_srcunit_tex_op_read.sum",
+            "lts__t_sectors_srcunit_tex_op_read.sum"]
 WANT = ["Duration", "SM Frequency", "Compute (SM) Throughput", "L2 Cache Throughput", "DRAM Throughput",
         "Issue Slots Busy", "Eligible Warps Per Scheduler", "Warp Cycles Per Issued Instruction",
-        "L2 Hit Rate", "Achieved Occupancy", "l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum",
-        "dram__bytes_read.sum", "dram__bytes_write.sum", "lts__t_sectors_op_read.sum", "lts__t_sectors_op_write.sum",
-        "lts__t_sector_op_read_hit_rate.pct", "l1tex__t_sectors_pipe_lsu_mem_global_op_ldgsts.sum",
-        "lts__t_requests_srcunit_tex_op_read.sum", "lts__t_sectors_srcunit_tex_op_read.sum"]
+        "L2 Hit Rate", "Achieved Occupancy", "l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum", *BYTES, *REQUESTS]
 STALL = "smsp__average_warps_issue_stalled_"
 
 
