@@ -10,6 +10,9 @@ references of exactly what they consume, and time them beside the bf16 GEMMs of 
   --repeat N            with --run: N more runs of GEMM1 and GEMM2 back to back on freshly poisoned
                         outputs, compared bit for bit with one more run before them (a race shows
                         as runs that differ; the point then fails)
+  --profile             with --run: after each check, one launch of GEMM1 and GEMM2 in NVTX
+                        ranges prof_<tag>_<model>_<tokens>_{glu,down} instead of the timings, so
+                        that ncu --nvtx-include "regex:prof_.*/" sees one launch of each
 
 Checks (each over the whole output and its worst row):
   quant  dequant(xq, xs) against torch's quantize_x of the same x (and the scales themselves)
@@ -176,7 +179,8 @@ def compile_all(out_dir: Path, arch: str, only=None) -> None:
 
 
 # ----------------------------------------------------------------------------- run (GPU)
-def run_all(kdir: Path, out_dir: Path, iters: int, tokens=None, only=None, models=None, repeat: int = 0) -> int:
+def run_all(kdir: Path, out_dir: Path, iters: int, tokens=None, only=None, models=None, repeat: int = 0,
+            profile: bool = False) -> int:
     import os
 
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # before CUDA starts
@@ -318,13 +322,28 @@ def run_all(kdir: Path, out_dir: Path, iters: int, tokens=None, only=None, model
                                       "padding_zero": pad_ok},
                            down_check={"rel_err": err_y, "row_err_max": row_y},
                            layer_vs_bf16=err_layer)
-                res["quant"]["us"] = timed(lambda: quant(x, xq, xs))
+                if not profile:
+                    res["quant"]["us"] = timed(lambda: quant(x, xq, xs))
             if repeat:
                 # a race shows as runs that differ (METHOD.md)
                 differ = repeat_runs(repeat, glu, down, glu_args, down_args,
                                      (h, y) if prec == "bf16" else (h, hs, y))
                 res["repeat"] = {"runs": repeat, "differ": differ}
                 ok = ok and differ == 0
+            if profile:
+                # one launch of each GEMM in an NVTX range, for ncu --nvtx-include "regex:prof_.*/"
+                name = f"prof_{v['tag']}_{v['model']}_{m}"
+                for part, fn, args in (("glu", glu, glu_args), ("down", down, down_args)):
+                    torch.cuda.nvtx.range_push(f"{name}_{part}")
+                    fn(*args)
+                    torch.cuda.nvtx.range_pop()
+                torch.cuda.synchronize()
+                res["ok"] = ok
+                failures += not ok
+                results.append(res)
+                print(f"{'PASS' if ok else 'FAIL'} {v['tag']:8s} {prec:12s} {v['model']:14s} M={m:5d} profiled "
+                      f"(one launch each)", flush=True)
+                continue
             t_glu = timed(lambda: glu(*glu_args))
             t_down = timed(lambda: down(*down_args))
             mk = m * k
@@ -358,7 +377,7 @@ def versus_table(results) -> None:
     lines = []
     for (tag, model, prec, m), r in got.items():
         base = got.get((VERSUS.get(tag), model, prec, m))
-        if base is None:
+        if base is None or "glu" not in r or "glu" not in base:  # untimed (--profile)
             continue
         cells = [f"{base[g]['TFLOPs']:6.1f} -> {r[g]['TFLOPs']:6.1f} ({r[g]['TFLOPs'] / base[g]['TFLOPs']:.3f}x)"
                  for g in ("glu", "down")]
@@ -381,6 +400,9 @@ def main():
     ap.add_argument("--repeat", type=int, default=0,
                     help="after each check, that many more runs back to back compared bit for bit with one more run "
                          "before them (kernel_timing.repeat_runs)")
+    ap.add_argument("--profile", action="store_true",
+                    help="with --run: after each check, one launch of GEMM1 and GEMM2 in NVTX ranges "
+                         "prof_<tag>_<model>_<tokens>_{glu,down} (for ncu) instead of the timings")
     ns = ap.parse_args()
     only = ns.only.split(",") if ns.only else None
     if ns.compile:
@@ -388,7 +410,7 @@ def main():
     if ns.run:
         sys.exit(run_all(ns.run, ns.out, ns.iters,
                          [int(t) for t in ns.tokens.split(",")] if ns.tokens else None, only,
-                         ns.models.split(",") if ns.models else None, ns.repeat))
+                         ns.models.split(",") if ns.models else None, ns.repeat, ns.profile))
     if not ns.compile and not ns.run:
         ap.error("give --compile DIR and/or --run DIR")
 
