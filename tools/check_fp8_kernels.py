@@ -4,7 +4,8 @@ references of exactly what they consume, and time them beside the bf16 GEMMs of 
 
   --compile DIR         (CPU, needs the DSL) compile the configs below for sm_90a into DIR/<name>/
   --run DIR --out OUT   (GPU, torch + moe_aot, no DSL) per model, precision, config and token
-                        count: fresh random bf16 weights and inputs, quantized on the GPU (weights
+                        count: random bf16 weights (seeded per model) and inputs (per model and token
+                        count, so every config of a point sees the same), quantized on the GPU (weights
                         by moe_aot.runtime.fp8, x by the quantization kernel); outputs poisoned
                         (NaN) before every run; prints errors and times, writes OUT/results.json
   --repeat N            with --run: N more runs of GEMM1 and GEMM2 back to back on freshly poisoned
@@ -39,7 +40,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from kernel_timing import cold_l2_timer, repeat_runs  # noqa: E402
+from kernel_timing import cold_l2_timer, repeat_runs, seeded  # noqa: E402
 
 # (name, E, top_k, H, I): the fp8-capable presets (GPT-OSS's H = 2880 is not a multiple of 128)
 MODELS = [
@@ -202,8 +203,6 @@ def run_all(kdir: Path, out_dir: Path, iters: int, tokens=None, only=None, model
     order = [m[0] for m in MODELS]
     manifest.sort(key=lambda v: (order.index(v["model"]), v["precision"]))
     dev = torch.device("cuda")
-    gen = torch.Generator(device=dev)
-    gen.manual_seed(0)
     results, failures = [], 0
     libs = {}
 
@@ -228,6 +227,7 @@ def run_all(kdir: Path, out_dir: Path, iters: int, tokens=None, only=None, model
             wq.clear()
             torch.cuda.empty_cache()
             s = 1.0 / math.sqrt(hd)
+            gen = seeded(dev, v["model"])
             w_gate = (torch.randn(e, inter, hd, device=dev, generator=gen) * s).bfloat16()
             w_up = (torch.randn(e, inter, hd, device=dev, generator=gen) * s).bfloat16()
             w2 = (torch.randn(e, hd, inter, device=dev, generator=gen) / math.sqrt(inter)).bfloat16()
@@ -251,6 +251,7 @@ def run_all(kdir: Path, out_dir: Path, iters: int, tokens=None, only=None, model
         w13, w13s, w2x, w2s = wq[prec]
         glu, down = lib(v["glu_name"]), lib(v["down_name"])
         for m in tokens or (v["tokens"] if "tokens" in v else TOKENS):
+            gen = seeded(dev, v["model"], m)
             x = torch.randn(m, hd, device=dev, generator=gen).bfloat16()
             logits = torch.randn(m, e, device=dev, generator=gen)
             topk_w, topk_ids = torch.topk(torch.softmax(logits, -1), k, dim=-1)

@@ -32,7 +32,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from kernel_timing import cold_l2_timer, repeat_runs  # noqa: E402
+from kernel_timing import cold_l2_timer, repeat_runs, seeded  # noqa: E402
 
 # (name, E, top_k, H, I)
 MODELS = [
@@ -355,8 +355,6 @@ def run_all(kdir: Path, out_dir: Path, iters: int, tokens=None, only=None, model
     manifest = _manifest(kdir, only, models)
     dev = torch.device("cuda")
     results, failures = [], 0
-    gen = torch.Generator(device=dev)
-    gen.manual_seed(0)
 
     def timed_graph(fn):
         """Back-to-back CUDA-graph replays, warm L2, as tools/bench.py times a kernel alone."""
@@ -373,12 +371,12 @@ def run_all(kdir: Path, out_dir: Path, iters: int, tokens=None, only=None, model
         if key not in weights_cache:
             weights_cache.clear()
             torch.cuda.empty_cache()
-            weights_cache[key] = _weights(v, dev, gen)
+            weights_cache[key] = _weights(v, dev, seeded(dev, key))
         for m in v["tokens"]:
             if tokens and m not in tokens:
                 continue
-            res, (f_glu, f_down) = _check_point(v, glu, down, weights_cache[key], _inputs(v, m, dev, gen), m,
-                                                repeat)
+            res, (f_glu, f_down) = _check_point(v, glu, down, weights_cache[key],
+                                                _inputs(v, m, dev, seeded(dev, key, m)), m, repeat)
             _rates(v, res, "glu", timed(f_glu))
             _rates(v, res, "down", timed(f_down))
             if graph:

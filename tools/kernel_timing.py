@@ -3,6 +3,20 @@ kernel-check tools (not the product)."""
 from __future__ import annotations
 
 
+def seeded(device, *key):
+    """A torch generator on ``device`` seeded by ``key`` alone (e.g. the model, or the model and
+    the token count): every config of a point then gets the same weights, x and routing whatever
+    ran before it, so that two configs' times compare the kernels and not two routings' tile
+    counts."""
+    import zlib
+
+    import torch
+
+    g = torch.Generator(device=device)
+    g.manual_seed(zlib.crc32(repr(key).encode()))
+    return g
+
+
 def cold_l2_timer(device, iters: int):
     """A function fn -> median µs of `iters` launches of fn, each after a 512 MB buffer larger than
     L2 is cleared, timed by CUDA events around the launch alone (one warm-up first)."""
