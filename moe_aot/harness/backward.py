@@ -18,18 +18,20 @@ from ..runtime.store import KernelMissingError
 from ..variants import INTERLEAVE
 from .measure import summarize, timed_graphs, timing_method
 from .reference import rel_err, row_rel_err
-from .verify import ROW_TOLERANCE, TOLERANCE, random_routing
+from .verify import ROW_TOLERANCE, TOLERANCE, random_routing, timing_generator
 
 INPUT_SETS = 2  # each captured backward keeps its own gradients (DeepSeek-V3: 22 GB per set)
 
 
 def backward_inputs(spec, tokens: int, w13, b13, device, n: int = INPUT_SETS, generator=None):
-    """n sets of (x, topk_weights, topk_ids, dO, pre-activations) with different routings."""
+    """n sets of (x, topk_weights, topk_ids, dO, pre-activations) with different routings; without
+    a generator, the same sets for every variant of the bucket (verify.timing_generator)."""
     sets = []
-    for _ in range(n):
-        x = torch.randn(tokens, spec.hidden, device=device, dtype=torch.bfloat16, generator=generator)
-        tw, ids = random_routing(tokens, spec, device, generator=generator)
-        grad = torch.randn(tokens, spec.hidden, device=device, dtype=torch.bfloat16, generator=generator)
+    for i in range(n):
+        gen = generator or timing_generator(spec, tokens, i, device)
+        x = torch.randn(tokens, spec.hidden, device=device, dtype=torch.bfloat16, generator=gen)
+        tw, ids = random_routing(tokens, spec, device, generator=gen)
+        grad = torch.randn(tokens, spec.hidden, device=device, dtype=torch.bfloat16, generator=gen)
         sets.append((x, tw, ids, grad, autograd.preact_torch(x, w13, ids, b13)))
     return sets
 

@@ -14,7 +14,7 @@ from ..gemm_limits import BLOCKSCALED
 from ..runtime.layer import MoeLayer
 from ..variants import LayerVariant
 from .reference import rel_err
-from .verify import TOLERANCE, random_routing, served_reference
+from .verify import TOLERANCE, random_routing, served_reference, timing_generator
 
 INPUT_SETS = 4
 
@@ -126,10 +126,13 @@ def summarize(times: list[float]) -> dict:
 
 
 def input_sets(spec, tokens: int, device, n: int = INPUT_SETS):
+    """n timing input sets (x, topk weights, topk ids, output) with different routings, the same
+    ones for every variant of the bucket (verify.timing_generator)."""
     sets = []
-    for _ in range(n):
-        x = torch.randn(tokens, spec.hidden, device=device, dtype=torch.bfloat16)
-        tw, ids = random_routing(tokens, spec, device)
+    for i in range(n):
+        gen = timing_generator(spec, tokens, i, device)
+        x = torch.randn(tokens, spec.hidden, device=device, dtype=torch.bfloat16, generator=gen)
+        tw, ids = random_routing(tokens, spec, device, generator=gen)
         sets.append((x, tw, ids, torch.empty(tokens, spec.hidden, device=device, dtype=torch.bfloat16)))
     return sets
 

@@ -2,6 +2,8 @@
 random inputs with NaN-poisoned outputs. Used by `moe-aot verify`, the GPU tests and tools/."""
 from __future__ import annotations
 
+import zlib
+
 import torch
 
 from ..gemm_limits import BLOCKSCALED, FP8, H_SCALE_BLOCK, W4
@@ -16,6 +18,18 @@ from .reference import glu_reference, moe_reference, rel_err, routing_reference,
 
 TOLERANCE = 1e-2
 ROW_TOLERANCE = 3e-2  # worst single row (bf16 rows land near 5e-3; one wrong routed pair of 8 is ~0.3)
+
+
+def timing_generator(spec: LayerSpec, tokens: int, index: int, device) -> torch.Generator:
+    """The generator of the ``index``-th timing input set of ``spec`` at ``tokens``, seeded by
+    these alone: every variant timed at one bucket (by the tuner in any order or worker, by the
+    benchmark) runs on the same x and routings, so that two variants' times differ by their
+    kernels and not by how many padded tiles their routings happened to need (at DeepSeek-V3 4096
+    an expert's 128 +- 11 rows need one 128-row tile or two, a few percent of the tiles between
+    two routings)."""
+    gen = torch.Generator(device=device)
+    gen.manual_seed(zlib.crc32(f"{spec.workload_key} {tokens} {index}".encode()))
+    return gen
 
 
 def random_routing(tokens: int, spec: LayerSpec, device, skew: bool = False, only_even: bool = False,
