@@ -57,12 +57,41 @@ def region_line(rows, base: int, lo: int, hi: int, name: str, total: int) -> str
             f"{executed:.0f} warp instructions, {excess:.0f} excess shared wavefronts")
 
 
+def opcode(sass: str) -> str:
+    """The opcode of one SASS line without its predicate and modifiers ("@!P0 LDG.E.128 R4, ..." ->
+    "LDG")."""
+    words = sass.strip().split()
+    if words and words[0].startswith("@"):
+        words = words[1:]
+    return words[0].split(".")[0] if words else "?"
+
+
+def opcode_lines(rows, total: int, top: int) -> list[str]:
+    """The stall samples of a kernel summed per opcode (its ``top`` opcodes): share of samples,
+    instructions executed and the two largest stall reasons of each."""
+    groups: dict[str, list] = {}
+    for r in rows:
+        groups.setdefault(opcode(r["Source"]), []).append(r)
+    lines = []
+    for op, rs in sorted(groups.items(), key=lambda kv: -sum(_num(r[SAMPLES]) for r in kv[1]))[:top]:
+        n = sum(_num(r[SAMPLES]) for r in rs)
+        stalls = {k[len("stall_"):]: sum(_num(r[k]) for r in rs) for k in rs[0]
+                  if k.startswith("stall_") and "Not Issued" not in k}
+        why = ", ".join(f"{k} {100 * v / max(n, 1):.0f}%" for k, v in sorted(stalls.items(), key=lambda kv: -kv[1])[:2])
+        executed = sum(_num(r.get("Instructions Executed", 0)) for r in rs)
+        lines.append(f"  {100 * n / max(total, 1):5.1f}%  {op:10s} {len(rs):4d} instrs, {executed:12.0f} "
+                     f"executed ({why})")
+    return lines
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("csv")
     ap.add_argument("--top", type=int, default=12)
     ap.add_argument("--regions", default="", help="also the share of samples per SASS address range, "
                     "'START-END:name,...' (hex, END exclusive), e.g. a kernel's loops as read in its cuobjdump")
+    ap.add_argument("--by-opcode", type=int, default=0, metavar="N",
+                    help="also the samples summed per opcode (the N largest), to compare two builds of a kernel")
     args = ap.parse_args()
     regions = []
     for part in filter(None, args.regions.split(",")):
@@ -78,6 +107,8 @@ def main() -> None:
         base = min((int(r["Address"], 16) for r in rows), default=0)  # the kernel's first instruction
         for lo, hi, region in regions:
             print("  " + region_line(rows, base, lo, hi, region, total))
+        if args.by_opcode:
+            print("\n".join(opcode_lines(rows, total, args.by_opcode)))
         for r in sorted(rows, key=lambda r: -_num(r[SAMPLES]))[: args.top]:
             share = 100 * _num(r[SAMPLES]) / max(total, 1)
             print(f"  {share:5.1f}%  {r['Address']:>16}  {r['Source'].strip()[:90]}")
