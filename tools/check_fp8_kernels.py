@@ -14,6 +14,9 @@ references of exactly what they consume, and time them beside the bf16 GEMMs of 
   --profile             with --run: after each check, one launch of GEMM1 and GEMM2 in NVTX
                         ranges prof_<tag>_<model>_<tokens>_{glu,down} instead of the timings, so
                         that ncu --nvtx-include "regex:prof_.*/" sees one launch of each
+  --mirror ROUNDS       with --run: each config with a base (VERSUS) timed again beside it, ROUNDS
+                        rounds in mirrored order (base, config, config, base, ...) of CUDA-graph
+                        replays after a warm-up; base / config per GEMM, OUT/mirror.json
 
 Checks (each over the whole output and its worst row):
   quant  dequant(xq, xs) against torch's quantize_x of the same x (and the scales themselves)
@@ -108,7 +111,10 @@ EXPERIMENTAL = ("f8p",)
 # config -> the config it is measured against (same tiles, h scaled per 64 columns)
 VERSUS = {"f8n256hc2": "f8n256h", "f8n256hp2": "f8n256h", "f8n256bbhc2": "f8n256bbh",
           "f8n256h": "f8n256", "f8n256bbh": "f8n256bb", "f8w16n256h": "f8w16n256", "f8c64s8": "f8c64", "f8p": "f8c64s8",
-          "f8c64n256": "f8c64", "f8c64n256s5": "f8c64", "f8c64k256": "f8c64", "f8c64k256s3": "f8c64"}
+          "f8c64n256": "f8c64", "f8c64n256s5": "f8c64", "f8c64k256": "f8c64", "f8c64k256s3": "f8c64",
+          # builds of a source change kept as a diff, not as configs (tools/results/gpu_2026-12-08/s48_h100/
+          # early_release.diff): their manifests carry them, the table and --mirror pair them here
+          "f8n256hp2er": "f8n256hp2", "f8n256bbher": "f8n256bbh"}
 
 
 def kernels(only=None):
@@ -181,7 +187,7 @@ def compile_all(out_dir: Path, arch: str, only=None) -> None:
 
 # ----------------------------------------------------------------------------- run (GPU)
 def run_all(kdir: Path, out_dir: Path, iters: int, tokens=None, only=None, models=None, repeat: int = 0,
-            profile: bool = False) -> int:
+            profile: bool = False, mirror: int = 0) -> int:
     import os
 
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # before CUDA starts
@@ -212,6 +218,14 @@ def run_all(kdir: Path, out_dir: Path, iters: int, tokens=None, only=None, model
         return libs[name]
 
     timed = cold_l2_timer(dev, iters)
+    pending, mirrored = [], []  # (res, glu closure, down closure) of the current model and precision
+
+    def flush_mirror():
+        """Each VERSUS pair of the model and precision just checked, re-timed side by side."""
+        if pending:
+            mirrored.extend(mirror_pairs(pending, mirror))
+            (out_dir / "mirror.json").write_text(json.dumps(mirrored, indent=1))
+        pending.clear()
 
     def chunked(fn, w, chunk=16):
         """fn over experts in chunks (the fp32 temporaries of a whole DeepSeek-V3 matrix are 30 GB)."""
@@ -222,6 +236,8 @@ def run_all(kdir: Path, out_dir: Path, iters: int, tokens=None, only=None, model
     for v in manifest:
         e, k, hd, inter, tm, prec = v["E"], v["k"], v["H"], v["I"], v["tile_m"], v["precision"]
         hb = v.get("h_block", 64)  # manifests written before h_block: 64
+        if v["model"] not in weights or prec not in wq:
+            flush_mirror()  # before the weights its closures use are freed
         if v["model"] not in weights:
             weights.clear()
             wq.clear()
@@ -355,6 +371,8 @@ def run_all(kdir: Path, out_dir: Path, iters: int, tokens=None, only=None, model
             res["ok"] = ok
             failures += not ok
             results.append(res)
+            if mirror and ok:
+                pending.append((res, lambda f=glu, a=glu_args: f(*a), lambda f=down, a=down_args: f(*a)))
             line = (f"{'PASS' if ok else 'FAIL'} {v['tag']:8s} {prec:12s} {v['model']:14s} M={m:5d} "
                     f"glu {t_glu:8.1f}us {res['glu']['TFLOPs']:6.1f}TF {res['glu']['TBps']:4.2f}TB/s | "
                     f"down {t_down:8.1f}us {res['down']['TFLOPs']:6.1f}TF {res['down']['TBps']:4.2f}TB/s")
@@ -366,9 +384,47 @@ def run_all(kdir: Path, out_dir: Path, iters: int, tokens=None, only=None, model
                 line += f" | repeat {res['repeat']['differ']}/{repeat} differ"
             print(line, flush=True)
             (out_dir / "results.json").write_text(json.dumps(results, indent=1))
+    flush_mirror()
     print(f"{len(results) - failures}/{len(results)} passed", flush=True)
     versus_table(results)
     return 1 if failures else 0
+
+
+def mirror_pairs(points, rounds: int, replays: int = 20, warmup_s: float = 0.3) -> list[dict]:
+    """Each VERSUS config among ``points`` ((result row, GEMM1 closure, GEMM2 closure) of one
+    model and precision, on the same inputs per token count) beside its base: ``rounds`` timings
+    of each in mirrored order (base, config, config, base, ...), each a CUDA-graph replay of GEMM1
+    and GEMM2 in turn after ``warmup_s`` of untimed replays (the sustained clock), as
+    check_gemm_kernels --ab; per kernel the median over its rounds' medians, and base / config
+    (above 1: the config is faster). The cold-L2 timings above are taken one config after the
+    other, so a drift of the clock between them weighs on one side only."""
+    import statistics
+
+    from moe_aot.harness.measure import graph_times_us
+
+    got = {(r["variant"], r["tokens"]): (g, d) for r, g, d in points}
+    out = []
+    for r, _, _ in points:
+        base = VERSUS.get(r["variant"])
+        if (base, r["tokens"]) not in got:
+            continue
+        fns = {0: got[(base, r["tokens"])], 1: got[(r["variant"], r["tokens"])]}
+        times = {t: ([], []) for t in (0, 1)}
+        for i in range(rounds):
+            for t in ((0, 1) if i % 2 == 0 else (1, 0)):
+                per = graph_times_us(list(fns[t]), 2 * replays, warmup_s)
+                times[t][0].append(statistics.median(per[0::2]))
+                times[t][1].append(statistics.median(per[1::2]))
+        us = {t: [statistics.median(times[t][0]), statistics.median(times[t][1])] for t in (0, 1)}
+        row = {"base": base, "config": r["variant"], "model": r["model"], "precision": r["precision"],
+               "tokens": r["tokens"], "rounds": rounds, "base_us": us[0], "config_us": us[1],
+               "rounds_us": {"base": times[0], "config": times[1]},
+               "glu_base_over_config": us[0][0] / us[1][0], "down_base_over_config": us[0][1] / us[1][1]}
+        out.append(row)
+        print(f"  mirrored x{rounds}: {base} / {r['variant']} {r['precision']} {r['model']} M={r['tokens']}: "
+              f"glu {us[0][0]:.1f} / {us[1][0]:.1f} = {row['glu_base_over_config']:.3f}, down {us[0][1]:.1f} / "
+              f"{us[1][1]:.1f} = {row['down_base_over_config']:.3f}", flush=True)
+    return out
 
 
 def versus_table(results) -> None:
@@ -404,6 +460,10 @@ def main():
     ap.add_argument("--profile", action="store_true",
                     help="with --run: after each check, one launch of GEMM1 and GEMM2 in NVTX ranges "
                          "prof_<tag>_<model>_<tokens>_{glu,down} (for ncu) instead of the timings")
+    ap.add_argument("--mirror", type=int, default=0, metavar="ROUNDS",
+                    help="with --run: each VERSUS config and its base also timed side by side, ROUNDS rounds in "
+                         "mirrored order (CUDA-graph replays after a warm-up, as check_gemm_kernels --ab); "
+                         "writes OUT/mirror.json")
     ns = ap.parse_args()
     only = ns.only.split(",") if ns.only else None
     if ns.compile:
@@ -411,7 +471,8 @@ def main():
     if ns.run:
         sys.exit(run_all(ns.run, ns.out, ns.iters,
                          [int(t) for t in ns.tokens.split(",")] if ns.tokens else None, only,
-                         ns.models.split(",") if ns.models else None, ns.repeat, ns.profile))
+                         ns.models.split(",") if ns.models else None, ns.repeat, ns.profile,
+                         ns.mirror))
     if not ns.compile and not ns.run:
         ap.error("give --compile DIR and/or --run DIR")
 
