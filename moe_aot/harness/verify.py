@@ -27,8 +27,14 @@ def timing_generator(spec: LayerSpec, tokens: int, index: int, device) -> torch.
     kernels and not by how many padded tiles their routings happened to need (at DeepSeek-V3 4096
     an expert's 128 +- 11 rows need one 128-row tile or two, a few percent of the tiles between
     two routings)."""
+    return seeded_generator(device, spec.workload_key, tokens, index)
+
+
+def seeded_generator(device, *key) -> torch.Generator:
+    """A torch generator on ``device`` seeded by ``key`` alone (the same draws in every process,
+    whatever was drawn before)."""
     gen = torch.Generator(device=device)
-    gen.manual_seed(zlib.crc32(f"{spec.workload_key} {tokens} {index}".encode()))
+    gen.manual_seed(zlib.crc32(repr(key).encode()))
     return gen
 
 
