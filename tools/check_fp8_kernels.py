@@ -43,7 +43,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from kernel_timing import cold_l2_timer, repeat_runs, seeded  # noqa: E402
+from kernel_timing import cold_l2_timer, mirrored_rounds, repeat_runs, seeded  # noqa: E402
 
 # (name, E, top_k, H, I): the fp8-capable presets (GPT-OSS's H = 2880 is not a multiple of 128)
 MODELS = [
@@ -400,8 +400,6 @@ def mirror_pairs(points, rounds: int, replays: int = 20, warmup_s: float = 0.3) 
     other, so a drift of the clock between them weighs on one side only."""
     import statistics
 
-    from moe_aot.harness.measure import graph_times_us
-
     got = {(r["variant"], r["tokens"]): (g, d) for r, g, d in points}
     out = []
     for r, _, _ in points:
@@ -409,12 +407,7 @@ def mirror_pairs(points, rounds: int, replays: int = 20, warmup_s: float = 0.3) 
         if (base, r["tokens"]) not in got:
             continue
         fns = {0: got[(base, r["tokens"])], 1: got[(r["variant"], r["tokens"])]}
-        times = {t: ([], []) for t in (0, 1)}
-        for i in range(rounds):
-            for t in ((0, 1) if i % 2 == 0 else (1, 0)):
-                per = graph_times_us(list(fns[t]), 2 * replays, warmup_s)
-                times[t][0].append(statistics.median(per[0::2]))
-                times[t][1].append(statistics.median(per[1::2]))
+        times = mirrored_rounds(fns, rounds, replays, warmup_s)
         us = {t: [statistics.median(times[t][0]), statistics.median(times[t][1])] for t in (0, 1)}
         row = {"base": base, "config": r["variant"], "model": r["model"], "precision": r["precision"],
                "tokens": r["tokens"], "rounds": rounds, "base_us": us[0], "config_us": us[1],

@@ -32,7 +32,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from kernel_timing import cold_l2_timer, repeat_runs, seeded  # noqa: E402
+from kernel_timing import cold_l2_timer, mirrored_rounds, repeat_runs, seeded  # noqa: E402
 
 # (name, E, top_k, H, I)
 MODELS = [
@@ -402,7 +402,6 @@ def run_ab(kdir: Path, out_dir: Path, pair, rounds: int, replays: int, warmup_s:
 
     import torch
 
-    from moe_aot.harness.measure import graph_times_us
     from moe_aot.runtime.library import KernelLibrary
 
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -436,12 +435,7 @@ def run_ab(kdir: Path, out_dir: Path, pair, rounds: int, replays: int, warmup_s:
                 res[t], fns[t] = _check_point(by[(t, model)], *libs[t], weights, inputs, m, repeat)
                 if base and t == 0:
                     res[t]["variant"] += "@base"
-            times = {t: ([], []) for t in (0, 1)}
-            for r in range(rounds):
-                for t in ((0, 1) if r % 2 == 0 else (1, 0)):
-                    per = graph_times_us(list(fns[t]), 2 * replays, warmup_s)
-                    times[t][0].append(statistics.median(per[0::2]))
-                    times[t][1].append(statistics.median(per[1::2]))
+            times = mirrored_rounds(fns, rounds, replays, warmup_s)
             for t in (0, 1):
                 _rates(by[(t, model)], res[t], "glu", statistics.median(times[t][0]))
                 _rates(by[(t, model)], res[t], "down", statistics.median(times[t][1]))

@@ -13,6 +13,24 @@ def seeded(device, *key):
     return seeded_generator(device, *key)
 
 
+def mirrored_rounds(fns, rounds: int, replays: int, warmup_s: float):
+    """Two configs' (GEMM1, GEMM2) launch closures ``fns[0]``, ``fns[1]`` timed in ``rounds``
+    rounds of mirrored order (0 1, 1 0, 0 1, ...), each a CUDA-graph replay of the two GEMMs in
+    turn after ``warmup_s`` of untimed replays; returns per config ([GEMM1's median per round],
+    [GEMM2's median per round]) in µs."""
+    import statistics
+
+    from moe_aot.harness.measure import graph_times_us
+
+    times = {t: ([], []) for t in (0, 1)}
+    for r in range(rounds):
+        for t in ((0, 1) if r % 2 == 0 else (1, 0)):
+            per = graph_times_us(list(fns[t]), 2 * replays, warmup_s)
+            times[t][0].append(statistics.median(per[0::2]))
+            times[t][1].append(statistics.median(per[1::2]))
+    return times
+
+
 def cold_l2_timer(device, iters: int):
     """A function fn -> median µs of `iters` launches of fn, each after a 512 MB buffer larger than
     L2 is cleared, timed by CUDA events around the launch alone (one warm-up first)."""
