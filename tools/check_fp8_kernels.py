@@ -43,7 +43,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from kernel_timing import cold_l2_timer, mirrored_rounds, repeat_runs, seeded  # noqa: E402
+from kernel_timing import cold_l2_timer, mirrored_rounds, repeat_runs  # noqa: E402
 
 # (name, E, top_k, H, I): the fp8-capable presets (GPT-OSS's H = 2880 is not a multiple of 128)
 MODELS = [
@@ -195,6 +195,7 @@ def run_all(kdir: Path, out_dir: Path, iters: int, tokens=None, only=None, model
 
     from moe_aot.harness import fp8 as F8R
     from moe_aot.harness.reference import moe_reference, rel_err, routing_reference, row_rel_err
+    from moe_aot.harness.verify import seeded_generator as seeded
     from moe_aot.layout import interleave_gate_up
     from moe_aot.runtime import fp8 as F8
     from moe_aot.runtime.library import KernelLibrary

@@ -32,7 +32,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from kernel_timing import cold_l2_timer, mirrored_rounds, repeat_runs, seeded  # noqa: E402
+from kernel_timing import cold_l2_timer, mirrored_rounds, repeat_runs  # noqa: E402
 
 # (name, E, top_k, H, I)
 MODELS = [
@@ -348,6 +348,7 @@ def run_all(kdir: Path, out_dir: Path, iters: int, tokens=None, only=None, model
             graph: bool = False, repeat: int = 0) -> int:
     import torch
 
+    from moe_aot.harness.verify import seeded_generator as seeded
     from moe_aot.runtime.library import KernelLibrary
 
     torch.backends.cuda.matmul.allow_tf32 = False

@@ -1,16 +1,6 @@
-"""Cold-L2 timing of one kernel launch, and repeated runs compared bit for bit, shared by the
-kernel-check tools (not the product)."""
+"""Cold-L2 timing of one kernel launch, two configs timed in mirrored rounds, and repeated runs
+compared bit for bit, shared by the kernel-check tools (not the product)."""
 from __future__ import annotations
-
-
-def seeded(device, *key):
-    """A torch generator on ``device`` seeded by ``key`` alone (e.g. the model, or the model and
-    the token count): every config of a point then gets the same weights, x and routing whatever
-    ran before it, so that two configs' times compare the kernels and not two routings' tile
-    counts (moe_aot.harness.verify.seeded_generator)."""
-    from moe_aot.harness.verify import seeded_generator
-
-    return seeded_generator(device, *key)
 
 
 def mirrored_rounds(fns, rounds: int, replays: int, warmup_s: float):

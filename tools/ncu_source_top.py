@@ -42,15 +42,22 @@ def _num(v) -> float:
         return 0.0
 
 
+def top_stalls(rows, n: float, count: int, columns) -> str:
+    """The ``count`` largest stall reasons summed over ``rows`` (the CSV's ``stall_*`` columns),
+    each as its share of the ``n`` samples of those rows."""
+    stalls = {k[len("stall_"):]: sum(_num(r[k]) for r in rows) for k in columns
+              if k.startswith("stall_") and "Not Issued" not in k}
+    ranked = sorted(stalls.items(), key=lambda kv: -kv[1])[:count]
+    return ", ".join(f"{k} {100 * v / max(n, 1):.0f}%" for k, v in ranked)
+
+
 def region_line(rows, base: int, lo: int, hi: int, name: str, total: int) -> str:
     """One SASS address range [lo, hi) of a kernel, as offsets from its first instruction at
     ``base`` (the addresses cuobjdump prints): its share of the stall samples, its top stall
     reasons, and its instructions executed and excess shared-memory wavefronts (bank conflicts)."""
     inside = [r for r in rows if lo <= int(r["Address"], 16) - base < hi]
     n = sum(_num(r[SAMPLES]) for r in inside)
-    stalls = {k[len("stall_"):]: sum(_num(r[k]) for r in inside) for k in (rows[0] if rows else {})
-              if k.startswith("stall_") and "Not Issued" not in k}
-    top = ", ".join(f"{k} {100 * v / max(n, 1):.0f}%" for k, v in sorted(stalls.items(), key=lambda kv: -kv[1])[:4])
+    top = top_stalls(inside, n, 4, rows[0] if rows else {})
     executed = sum(_num(r.get("Instructions Executed", 0)) for r in inside)
     excess = sum(_num(r.get("L1 Wavefronts Shared Excessive", 0)) for r in inside)
     return (f"region {name} [{lo:#x}, {hi:#x}): {100 * n / max(total, 1):.1f}% of samples ({top}); "
@@ -75,9 +82,7 @@ def opcode_lines(rows, total: int, top: int) -> list[str]:
     lines = []
     for op, rs in sorted(groups.items(), key=lambda kv: -sum(_num(r[SAMPLES]) for r in kv[1]))[:top]:
         n = sum(_num(r[SAMPLES]) for r in rs)
-        stalls = {k[len("stall_"):]: sum(_num(r[k]) for r in rs) for k in rs[0]
-                  if k.startswith("stall_") and "Not Issued" not in k}
-        why = ", ".join(f"{k} {100 * v / max(n, 1):.0f}%" for k, v in sorted(stalls.items(), key=lambda kv: -kv[1])[:2])
+        why = top_stalls(rs, n, 2, rs[0])
         executed = sum(_num(r.get("Instructions Executed", 0)) for r in rs)
         lines.append(f"  {100 * n / max(total, 1):5.1f}%  {op:10s} {len(rs):4d} instrs, {executed:12.0f} "
                      f"executed ({why})")
